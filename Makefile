@@ -1,0 +1,28 @@
+# The two commands a user needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench compare clean
+
+# Re-install only when the package metadata changes.
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests
+
+demo: install
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
+
+bench: install
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_pass.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,94 @@
+"""The only mutation: set painted dtypes and insert Cast nodes at colour boundaries.
+
+Works on the working copy of the node graph (spec §2.6, normal path): every float32
+vertex in ALLOW gets the target dtype, and each output port whose consumers disagree
+with it in colour gets one Cast, shared by all those consumers, named
+``<src>-<port>-CastTo{Fp16,Bf16,Fp32}-<id>-AutoMixedPrecision`` and placed on the
+source's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorflow.core.framework import node_def_pb2, types_pb2
+
+from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
+from amp_rewrite.errors import GraphError
+from amp_rewrite.graph_io import tensor_name
+from amp_rewrite.typegraph import Vertex
+
+SUFFIX = "AutoMixedPrecision"
+KIND_TO_TARGET = {types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
+KIND_TO_FP32 = "CastToFp32"
+
+
+@dataclass(frozen=True)
+class CastStats:
+    vertices_converted: int
+    casts_added: int
+    casts_to_target: int  # grappler's count: casts to the target not fed by Const or variables
+
+
+def _cast_name(nodes, src: str, port: int, kind: str) -> str:
+    index = 0
+    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes:
+        index += 1
+    return f"{src}-{port}-{kind}-{index}-{SUFFIX}"
+
+
+def _cast_node(name: str, src_def: node_def_pb2.NodeDef, src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
+    cast = node_def_pb2.NodeDef(name=name, op="Cast", device=src_def.device)
+    cast.attr["SrcT"].type = src_dtype
+    cast.attr["DstT"].type = dst_dtype
+    cast.attr["Truncate"].b = False
+    return cast
+
+
+def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> CastStats:
+    """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy)."""
+    types, target = ctx.types, ctx.target_dtype
+    nodes = types.nodes
+    converted = added = to_target = 0
+    for name in list(nodes):
+        node_def = types.node_def(name)
+        for attr in types.types[name].attrs:
+            vertex = Vertex(name, attr)
+            if not ctx.is_float32(vertex):
+                continue
+            src_allow = vertex in painting.allow
+            if src_allow:
+                if not attr.name:
+                    raise GraphError(
+                        f"node '{name}' ({node_def.op}): its {attr} port is fixed float32 and cannot be"
+                        f" converted; add '{name}' to keep_nodes or drop UNSAFE_FORCE_ALL"
+                    )
+                value = node_def.attr[attr.name]
+                if attr.index < 0:
+                    value.type = target
+                else:
+                    value.list.type[attr.index] = target
+                converted += 1
+            for port in types.types[name].output_ports(attr):
+                cast_name = None
+                edges = [
+                    (dst, key, data) for _, dst, key, data in nodes.out_edges(name, keys=True, data=True)
+                    if data["src_port"] == port
+                ]
+                for dst, key, data in edges:
+                    dst_allow = types.input_vertex(dst, data["dst_port"]) in painting.allow
+                    if dst_allow == src_allow:
+                        continue
+                    if cast_name is None:
+                        to_f16 = dst_allow
+                        kind = KIND_TO_TARGET[target] if to_f16 else KIND_TO_FP32
+                        cast_name = _cast_name(nodes, name, port, kind)
+                        src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_f16 else (target, types_pb2.DT_FLOAT)
+                        nodes.add_node(cast_name, node_def=_cast_node(cast_name, node_def, src_dtype, dst_dtype))
+                        nodes.add_edge(name, cast_name, src_port=port, dst_port=0, tensor=tensor_name(name, port))
+                        added += 1
+                        if to_f16 and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
+                                and not ctx.reads_ref_variable(name):
+                            to_target += 1
+                    nodes.remove_edge(name, dst, key)
+                    nodes.add_edge(cast_name, dst, src_port=0, dst_port=data["dst_port"], tensor=cast_name)
+    return CastStats(converted, added, to_target)

@@ -1,0 +1,476 @@
+"""Deciding which vertices become low precision: grappler's passes, in grappler's order.
+
+Every pass is a function over the vertex graph that returns new sets; nothing here
+touches a GraphDef. ``paint`` runs them as spec §2.3 numbers them (TensorFlow 2.21
+semantics: the infer-after-allow pass runs for every target). Each vertex that ends up
+ALLOW or DENY gets a one-line reason naming the list, pass and neighbour that decided it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping
+
+import networkx as nx
+from tensorflow.core.framework import types_pb2
+
+from amp_rewrite import support
+from amp_rewrite.errors import GraphError
+from amp_rewrite.lists import OpLists
+from amp_rewrite.typegraph import TypeAttr, TypeGraph, Vertex
+
+log = logging.getLogger(__name__)
+
+Reason = tuple[str, str]  # (rule, one-line explanation), e.g. ("deny-list", "op Exp is on the deny list")
+
+DT_FLOAT = types_pb2.DT_FLOAT
+QUANTIZED = frozenset(
+    {types_pb2.DT_QINT8, types_pb2.DT_QUINT8, types_pb2.DT_QINT16, types_pb2.DT_QUINT16, types_pb2.DT_QINT32}
+)
+TENSOR_LIST_READERS = frozenset(
+    {"TensorListConcat", "TensorListConcatV2", "TensorListGather", "TensorListGetItem",
+     "TensorListPopBack", "TensorListStack"}
+)
+TENSOR_LIST_WRITERS = frozenset(
+    {"TensorListFromTensor", "TensorListPushBack", "TensorListPushBackBatch", "TensorListScatter",
+     "TensorListScatterV2", "TensorListScatterIntoExistingList", "TensorListSetItem", "TensorListSplit"}
+)
+# Nodes a TensorList handle cannot be followed through (spec §2.5).
+TENSOR_LIST_BOUNDARIES = frozenset(
+    {"_Arg", "_Retval", "OptionalFromValue", "OptionalGetValue", "PartitionedCall", "Placeholder",
+     "StatefulPartitionedCall"}
+)
+VARIABLE_OPS = frozenset(
+    {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
+     "_ReadVariablesOp"}
+)
+
+
+@dataclass
+class PaintContext:
+    """What the passes read: the vertex graph, the lists, and per-vertex support checks."""
+
+    types: TypeGraph
+    lists: OpLists
+    target_dtype: int
+    processed: frozenset[str]
+    kernel_device: Mapping[str, str]  # processed node -> device type for the kernel check
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def op(self, vertex: Vertex) -> str:
+        return self.types.node_def(vertex.node).op
+
+    def is_processed(self, vertex: Vertex) -> bool:
+        return vertex.node in self.processed
+
+    def is_float32(self, vertex: Vertex) -> bool:
+        return self.types.dtype(vertex) == DT_FLOAT
+
+    def op_allows_target(self, vertex: Vertex) -> bool:
+        """SupportsF16DataType: the op definition admits the target dtype."""
+        attr = vertex.attr
+        return support.op_allows_dtype(self.op(vertex), attr.name, attr.fixed, self.target_dtype)
+
+    def has_target_kernel(self, vertex: Vertex) -> bool:
+        """SupportsF16: op definition and a registered kernel for the changed node."""
+        key = ("kernel", vertex)
+        if key not in self._cache:
+            self._cache[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
+        return self._cache[key]
+
+    def _kernel_check(self, vertex: Vertex) -> bool:
+        node_def = self.types.node_def(vertex.node)
+        attrs = dict(node_def.attr)
+        changed = type(attrs[vertex.attr.name])()
+        changed.CopyFrom(attrs[vertex.attr.name])
+        if vertex.attr.index < 0:
+            changed.type = self.target_dtype
+        else:
+            changed.list.type[vertex.attr.index] = self.target_dtype
+        attrs[vertex.attr.name] = changed
+        return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
+
+    def reads_ref_variable(self, node: str) -> bool:
+        """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
+        op = self.types.node_def(node).op
+        if op not in ("Identity", "Enter"):
+            return False
+        producer = self.types.data_producer(node, 0)
+        if producer is None:
+            return False
+        source = producer[0]
+        if op == "Identity":
+            return self.types.node_def(source).op in ("Variable", "VariableV2")
+        return self.reads_ref_variable(source)
+
+
+@dataclass(frozen=True)
+class Painting:
+    """The outcome of colouring: ALLOW and DENY vertices, and why each is there."""
+
+    allow: frozenset[Vertex]
+    deny: frozenset[Vertex]
+    reasons: Mapping[Vertex, Reason]
+    clusters: tuple[frozenset[str], ...] = ()
+
+
+def _reach(
+    graph: nx.DiGraph, root: Vertex, enter: Callable[[Vertex], bool], *, inputs: bool, outputs: bool
+) -> list[Vertex]:
+    """Pre-order DFS from ``root`` (always entered) through vertices ``enter`` accepts."""
+    seen, stack, order = {root}, [root], []
+    pred, succ = graph._pred, graph._succ
+    while stack:
+        vertex = stack.pop()
+        order.append(vertex)
+        neighbours: Iterable[Vertex] = ()
+        if inputs:
+            neighbours = pred[vertex]
+        if outputs:
+            neighbours = list(neighbours) + list(succ[vertex]) if inputs else succ[vertex]
+        for other in neighbours:
+            if other not in seen and enter(other):
+                seen.add(other)
+                stack.append(other)
+    return order
+
+
+def _vertices(ctx: PaintContext) -> Iterator[Vertex]:
+    return iter(ctx.types.graph.nodes)
+
+
+# --- TensorList clusters (spec §2.5) -----------------------------------------------------
+
+
+def tensor_list_float_vertex(ctx: PaintContext, node: str) -> Vertex | None:
+    """The element-dtype vertex of a TensorList op, if it is float32."""
+    node_def = ctx.types.node_def(node)
+    if "TensorList" not in node_def.op:
+        return None
+    for attr in ctx.types.types[node].attrs:
+        vertex = Vertex(node, attr)
+        if attr.name and attr.index < 0 and ctx.is_float32(vertex):
+            return vertex
+    return None
+
+
+def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[frozenset[str]], dict[Vertex, Reason]]:
+    """Float32 TensorList ops joined by their handles; unsafe clusters' roots are denied."""
+    clusters: list[frozenset[str]] = []
+    deny: dict[Vertex, Reason] = {}
+    handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
+    functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
+    for node in ctx.types.nodes:
+        root = Vertex(node, handle)
+        if node not in ctx.processed or root not in ctx.types.graph:
+            continue
+        root_float = tensor_list_float_vertex(ctx, node)
+        if root_float is None:
+            continue
+        members = {node}
+        for vertex in _reach(ctx.types.graph, root, lambda v: True, inputs=True, outputs=True):
+            op = ctx.op(vertex)
+            if tensor_list_float_vertex(ctx, vertex.node) is not None:
+                members.add(vertex.node)
+                if vertex.node not in ctx.processed:
+                    deny.setdefault(root_float, ("tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'"))
+            elif op in TENSOR_LIST_BOUNDARIES or op in functions:
+                deny.setdefault(root_float, ("tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})"))
+        clusters.append(frozenset(members))
+    return clusters, deny
+
+
+def tensor_list_implicit_edges(ctx: PaintContext, cluster: frozenset[str]) -> list[tuple[Vertex, Vertex]]:
+    """Writer → reader element edges: what is written into a list flows to what is read."""
+    edges = []
+    handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
+    for node in cluster:
+        if ctx.types.node_def(node).op not in TENSOR_LIST_READERS or node not in ctx.processed:
+            continue
+        reader = tensor_list_float_vertex(ctx, node)
+        for vertex in _reach(ctx.types.graph, Vertex(node, handle), ctx.is_processed, inputs=True, outputs=False):
+            writer = tensor_list_float_vertex(ctx, vertex.node)
+            if ctx.op(vertex) in TENSOR_LIST_WRITERS and writer is not None:
+                edges.append((writer, reader))
+    return edges
+
+
+def match_tensor_list_colours(
+    ctx: PaintContext, clusters: Iterable[frozenset[str]], allow: set[Vertex], deny: set[Vertex],
+    reasons: dict[Vertex, Reason],
+) -> None:
+    """All members of a cluster share one colour: DENY wins, else ALLOW spreads."""
+    for cluster in clusters:
+        members = [tensor_list_float_vertex(ctx, node) for node in cluster]
+        if any(v in deny for v in members):
+            for v in members:
+                allow.discard(v)
+                deny.add(v)
+                reasons.setdefault(v, ("tensor-list", "TensorList cluster shares one dtype and a member must stay float32"))
+        elif any(v in allow for v in members):
+            for v in members:
+                if v not in allow:
+                    allow.add(v)
+                    reasons[v] = ("tensor-list", "TensorList cluster shares one dtype and a member is converted")
+
+
+# --- the numbered passes (spec §2.3) ----------------------------------------------------
+
+
+def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
+    """Pass 1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
+    allow: dict[Vertex, Reason] = {}
+    forceable: dict[str, bool] = {}
+    for vertex in _vertices(ctx):
+        if not ctx.is_processed(vertex):
+            continue
+        op = ctx.op(vertex)
+        if op in ctx.lists.allow:
+            allow[vertex] = ("allow-list", f"op {op} is on the allow list")
+        elif ctx.lists.force_all:
+            if vertex.node not in forceable:
+                forceable[vertex.node] = _can_force(ctx.types.node_def(vertex.node).op)
+            if forceable[vertex.node]:
+                allow[vertex] = ("force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+    return allow
+
+
+def _can_force(op: str) -> bool:
+    """CanForceFP16: not Const, not SoftmaxCrossEntropyWithLogits, stateless, no ref args."""
+    if op in ("Const", "SoftmaxCrossEntropyWithLogits"):
+        return False
+    op_def = support.registered_op_def(op)
+    if op_def is None or op_def.is_stateful:
+        return False
+    return not any(arg.is_ref for arg in list(op_def.input_arg) + list(op_def.output_arg))
+
+
+def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex, Reason]:
+    """Pass 2: deny spreads from deny ops through clear/infer ops that lead to deny/infer ops.
+
+    Not restricted to processed nodes. Returns the newly denied vertices with reasons.
+    """
+    if ctx.lists.force_all:
+        return {}
+    graph = ctx.types.graph
+    lists = ctx.lists
+    upstream: set[Vertex] = set()
+    for root in _vertices(ctx):
+        op = ctx.op(root)
+        if op not in lists.deny and op not in lists.infer:
+            continue
+        upstream.update(
+            _reach(graph, root, lambda v: v not in upstream and ctx.op(v) in lists.clear, inputs=True, outputs=False)
+        )
+    added: dict[Vertex, Reason] = {}
+    denied = set(deny)
+    for root in _vertices(ctx):
+        op = ctx.op(root)
+        if root in denied or op not in lists.deny:
+            continue
+        for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
+            if vertex not in denied:
+                denied.add(vertex)
+                added[vertex] = (
+                    ("deny-list", f"op {op} is on the deny list") if vertex == root
+                    else ("deny-propagation", f"downstream of deny op {op} ('{root.node}') through clear/infer ops")
+                )
+    return added
+
+
+def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
+    """Pass 3: clear/infer vertices both downstream and upstream of allowlist ops."""
+    graph, lists = ctx.types.graph, ctx.lists
+
+    def roots() -> Iterator[Vertex]:
+        return (v for v in _vertices(ctx) if ctx.is_processed(v) and ctx.op(v) in lists.allow)
+
+    downstream: set[Vertex] = set()
+
+    def enter_downstream(v: Vertex) -> bool:
+        op = ctx.op(v)
+        return (
+            v not in downstream and op not in lists.allow and v not in deny and ctx.is_processed(v)
+            and (op in lists.clear or op in lists.infer) and ctx.is_float32(v) and ctx.has_target_kernel(v)
+        )
+
+    for root in roots():
+        downstream.update(_reach(graph, root, enter_downstream, inputs=False, outputs=True))
+    upstream: set[Vertex] = set()
+    added: dict[Vertex, Reason] = {}
+    for root in roots():
+        if root in upstream:
+            continue
+        for vertex in _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True, outputs=False):
+            upstream.add(vertex)
+            if vertex not in allow and vertex not in added:
+                added[vertex] = ("between-allow", f"between allow ops (upstream of '{root.node}')")
+    return added
+
+
+def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
+    """Pass 4: an infer vertex fed by an allow vertex and by no deny vertex (TF 2.20+: all targets).
+
+    One sweep in vertex order, so a vertex added here can qualify a later one.
+    """
+    graph, lists = ctx.types.graph, ctx.lists
+    added: dict[Vertex, Reason] = {}
+    for vertex in _vertices(ctx):
+        if (
+            not ctx.is_processed(vertex) or vertex in deny or vertex in allow or vertex in added
+            or ctx.op(vertex) not in lists.infer or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
+        ):
+            continue
+        fanins = graph._pred[vertex]
+        if any(f in deny for f in fanins):
+            continue
+        feeder = next((f for f in fanins if f in allow or f in added), None)
+        if feeder is not None:
+            added[vertex] = ("infer-after-allow", f"infer op directly after allow vertex '{feeder}'")
+    return added
+
+
+def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
+    """Pass 5: allow spreads both ways through clear vertices (never through infer ones)."""
+    graph, lists = ctx.types.graph, ctx.lists
+    painted = set(allow)
+    used: set[Vertex] = set()
+    added: dict[Vertex, Reason] = {}
+
+    def enter(v: Vertex) -> bool:
+        return (
+            v not in painted and v not in deny and ctx.is_processed(v) and ctx.op(v) in lists.clear
+            and ctx.is_float32(v) and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
+        )
+
+    for root in _vertices(ctx):
+        if not ctx.is_processed(root) or root in used or root not in painted:
+            continue
+        for vertex in _reach(graph, root, enter, inputs=True, outputs=True):
+            used.add(vertex)
+            if vertex not in painted:
+                painted.add(vertex)
+                added[vertex] = ("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops")
+    return added
+
+
+def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Vertex, Reason]:
+    """Pass 6: allowlisted vertices whose op definition rejects the target, or quantized nodes."""
+    removed: dict[Vertex, Reason] = {}
+    quantized: dict[str, bool] = {}
+    for vertex in allow:
+        if ctx.op(vertex) not in ctx.lists.allow:
+            continue
+        if vertex.node not in quantized:
+            quantized[vertex.node] = any(
+                ctx.types.dtype(Vertex(vertex.node, a)) in QUANTIZED for a in ctx.types.types[vertex.node].attrs
+            )
+        if not ctx.op_allows_target(vertex):
+            removed[vertex] = ("unconvertible", f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
+        elif quantized[vertex.node]:
+            removed[vertex] = ("unconvertible", "the node is quantized")
+    return removed
+
+
+def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Vertex], dict[Vertex, Reason]]:
+    """NextIteration and the Merge nodes it feeds share one colour (v1 while loops)."""
+    allow = set(allow)
+    reasons: dict[Vertex, Reason] = {}
+    t = TypeAttr("T")
+    for node in ctx.types.nodes:
+        if ctx.types.node_def(node).op != "NextIteration":
+            continue
+        merges = []
+        for consumer, _ in ctx.types.data_consumers(node, 0):
+            consumer_op = ctx.types.node_def(consumer).op
+            if consumer_op != "Merge":
+                raise GraphError(
+                    f"node '{node}': expected Merge node after NextIteration, got {consumer_op}"
+                    f" ('{consumer}'); the while loop is malformed"
+                )
+            merges.append(Vertex(consumer, t))
+        next_iteration = Vertex(node, t)
+        if all(m in allow for m in merges):
+            if next_iteration not in allow:
+                allow.add(next_iteration)
+                reasons[next_iteration] = ("recurrent-edge", "matches the colour of the Merge node(s) it feeds")
+        else:
+            for vertex in merges + [next_iteration]:
+                if vertex in allow:
+                    allow.discard(vertex)
+                    reasons[vertex] = ("recurrent-edge", f"recurrent edge of '{node}': a Merge it feeds stays float32")
+    return allow, reasons
+
+
+def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Vertex, Reason]:
+    """A float32-producing Cast whose consumers are all ALLOW produces the target directly."""
+    added: dict[Vertex, Reason] = {}
+    dst = TypeAttr("DstT")
+    for node in ctx.types.nodes:
+        vertex = Vertex(node, dst)
+        if ctx.types.node_def(node).op != "Cast" or not ctx.is_float32(vertex):
+            continue
+        consumers = [ctx.types.input_vertex(c, port) for c, port in ctx.types.data_consumers(node, 0)]
+        if consumers and all(c in allow for c in consumers):
+            added[vertex] = ("existing-cast", "existing Cast whose consumers are all converted")
+    return added
+
+
+def paint(ctx: PaintContext) -> Painting:
+    """Runs grappler's colouring passes in order (spec §2.3) and returns the result."""
+    reasons: dict[Vertex, Reason] = {}
+
+    def note(step: str, found: Mapping[Vertex, Reason]) -> None:
+        log.debug("%s: %d vertices", step, len(found))
+        for vertex, why in found.items():
+            reasons.setdefault(vertex, why)
+
+    # 0. TensorList clusters; unsafe ones are denied; element edges writer -> reader.
+    clusters, deny_found = find_tensor_list_clusters(ctx)
+    note("0 tensor-list clusters", deny_found)
+    deny = set(deny_found)
+    graph = ctx.types.graph
+    for cluster in clusters:
+        for writer, reader in tensor_list_implicit_edges(ctx, cluster):
+            if not graph.has_edge(writer, reader):
+                graph.add_edge(writer, reader, ports=[], implicit=True)
+    # 1. Allowlist ops.
+    allow_found = add_allowlist_ops(ctx)
+    note("1 allow list", allow_found)
+    allow = set(allow_found)
+    if not allow:
+        log.info("No allowlist ops found, nothing to do")
+        return Painting(frozenset(), frozenset(deny), reasons, tuple(clusters))
+    # 2. Deny propagation through clear/infer.
+    deny_found = propagate_deny_forward(ctx, deny)
+    note("2 deny propagation", deny_found)
+    deny |= deny_found.keys()
+    # 3. TensorList colour match.
+    match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
+    # 4. Clear/infer between allow ops.
+    found = add_clear_and_infer_between_allow(ctx, allow, deny)
+    note("3 between allow", found)
+    allow |= found.keys()
+    # 5. Infer directly after allow.
+    found = add_infer_after_allow(ctx, allow, deny)
+    note("4 infer after allow", found)
+    allow |= found.keys()
+    # 6. Allow through clear.
+    found = propagate_allow_through_clear(ctx, allow, deny)
+    note("5 allow through clear", found)
+    allow |= found.keys()
+    # 7. Remove unconvertible allowlist vertices.
+    removed = remove_unconvertible_allow(ctx, allow)
+    allow -= removed.keys()
+    for vertex, why in removed.items():
+        reasons[vertex] = why
+    # 8. TensorList colour match again.
+    match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
+    # 9. Recurrent edges.
+    allow, found = match_recurrent_edges(ctx, allow)
+    reasons.update(found)
+    # 10. Existing casts.
+    found = retarget_existing_casts(ctx, allow)
+    note("10 existing casts", found)
+    allow |= found.keys()
+    return Painting(frozenset(allow), frozenset(deny), reasons, tuple(clusters))

@@ -1,0 +1,105 @@
+"""GraphDef ⇄ networkx, and the tensor-name grammar, in one place.
+
+The networkx form is a ``MultiDiGraph`` keyed by node name, in GraphDef order. Each node
+carries its ``NodeDef`` (inputs cleared: the edges hold them). Each edge carries
+
+* ``src_port``: the producer's output port, or ``CONTROL`` for a ``^name`` input;
+* ``dst_port``: the position in the consumer's input list (data inputs come first, so
+  for a data edge it is also the consumer's input port);
+* ``tensor``: the input string exactly as written (``"x"``, ``"x:0"``, ``"^x"``),
+
+so that ``to_graph_def(to_networkx(g)) == g`` byte for byte.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import networkx as nx
+from tensorflow.core.framework import graph_pb2, node_def_pb2
+
+from amp_rewrite.errors import GraphError
+
+CONTROL = -1
+
+
+class TensorRef(NamedTuple):
+    """A parsed input string: ``node:port``, or ``^node`` (port ``CONTROL``)."""
+
+    node: str
+    port: int
+
+    @property
+    def is_control(self) -> bool:
+        return self.port == CONTROL
+
+
+def parse_tensor_name(tensor: str, *, consumer: str = "") -> TensorRef:
+    """Parses ``"x"``, ``"x:1"`` or ``"^x"``; a malformed name raises ``GraphError``."""
+    where = f"node '{consumer}': " if consumer else ""
+    if tensor.startswith("^"):
+        name, port = tensor[1:], CONTROL
+    else:
+        name, sep, port_text = tensor.rpartition(":")
+        if not sep:
+            name, port = tensor, 0
+        elif port_text.isdigit():
+            port = int(port_text)
+        else:
+            raise GraphError(
+                f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'"
+            )
+    if not name or name.startswith("^"):
+        raise GraphError(
+            f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'"
+        )
+    return TensorRef(name, port)
+
+
+def tensor_name(node: str, port: int) -> str:
+    """The input string that names output ``port`` of ``node`` (``^node`` for control)."""
+    return f"^{node}" if port == CONTROL else f"{node}:{port}"
+
+
+def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
+    """Builds the node graph; raises ``GraphError`` on duplicate names or dangling inputs."""
+    versions, library = type(graph_def.versions)(), type(graph_def.library)()
+    versions.CopyFrom(graph_def.versions)
+    library.CopyFrom(graph_def.library)
+    graph = nx.MultiDiGraph(versions=versions, library=library)
+    for node_def in graph_def.node:
+        if node_def.name in graph:
+            raise GraphError(f"duplicate node name '{node_def.name}'; node names must be unique")
+        stripped = node_def_pb2.NodeDef()
+        stripped.CopyFrom(node_def)
+        del stripped.input[:]
+        graph.add_node(node_def.name, node_def=stripped)
+    for node_def in graph_def.node:
+        seen_control = False
+        for position, tensor in enumerate(node_def.input):
+            ref = parse_tensor_name(tensor, consumer=node_def.name)
+            if ref.node not in graph:
+                raise GraphError(
+                    f"node '{node_def.name}': input '{tensor}' names a node that is not in the graph"
+                )
+            if ref.is_control:
+                seen_control = True
+            elif seen_control:
+                raise GraphError(
+                    f"node '{node_def.name}': data input '{tensor}' follows a control input;"
+                    " put control inputs ('^name') last"
+                )
+            graph.add_edge(ref.node, node_def.name, src_port=ref.port, dst_port=position, tensor=tensor)
+    return graph
+
+
+def to_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
+    """Inverse of ``to_networkx``: nodes in graph order, inputs in ``dst_port`` order."""
+    graph_def = graph_pb2.GraphDef()
+    graph_def.versions.CopyFrom(graph.graph["versions"])
+    graph_def.library.CopyFrom(graph.graph["library"])
+    for name, data in graph.nodes(data=True):
+        node_def = graph_def.node.add()
+        node_def.CopyFrom(data["node_def"])
+        inputs = sorted(graph.in_edges(name, data=True), key=lambda edge: edge[2]["dst_port"])
+        node_def.input.extend(edge[2]["tensor"] for edge in inputs)
+    return graph_def

@@ -1,0 +1,146 @@
+"""``rewrite_graph_def``: the orchestrator, in the order of grappler's pass (spec §2.1–2.6)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import networkx as nx
+from tensorflow.core.framework import graph_pb2, types_pb2
+
+from amp_rewrite import casts, colouring, graph_io, typegraph
+from amp_rewrite.colouring import PaintContext, Painting
+from amp_rewrite.errors import GraphError
+from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
+from amp_rewrite.report import TARGET_DTYPES, Decision, Report, dtype_name
+from amp_rewrite.typegraph import Vertex
+
+log = logging.getLogger(__name__)
+
+# The device type each target converts on (spec §1.5): float16 → NVIDIA GPUs, bfloat16 → CPUs.
+TARGET_DEVICE = {"float16": "GPU", "bfloat16": "CPU"}
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    graph_def: graph_pb2.GraphDef
+    report: Report
+
+
+def device_type(device: str) -> str | None:
+    """``/job:w/replica:0/task:0/device:GPU:0`` → ``GPU``; legacy ``/cpu:0`` → ``CPU``; else None."""
+    for part in reversed(device.split("/")):
+        if part.startswith("device:"):
+            kind = part[len("device:"):].split(":")[0]
+            return kind or None
+        kind, sep, index = part.partition(":")
+        if sep and kind and kind not in ("job", "replica", "task") and (index.isdigit() or index == "*"):
+            return kind.upper()
+    return None
+
+
+def find_processed_nodes(
+    nodes: nx.MultiDiGraph, target: str, fetches: Iterable[str], lists: OpLists
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Nodes the pass may paint (→ kernel device type) and, for the others, why not.
+
+    Not painted: fetched nodes and ``_grappler_do_not_remove`` nodes (grappler's preserved
+    set), nodes matching the lists' ``keep_nodes``, and nodes placed on another device
+    type. An empty device means the target's device.
+    """
+    wanted = TARGET_DEVICE[target]
+    preserved = set(fetches)
+    processed: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    for name, data in nodes.nodes(data=True):
+        node_def = data["node_def"]
+        if name in preserved:
+            skipped[name] = "fetched: its outputs keep their dtype"
+        elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
+            skipped[name] = "marked _grappler_do_not_remove"
+        elif lists.keeps(name):
+            skipped[name] = "matches keep_nodes in the lists"
+        else:
+            kind = device_type(node_def.device) if node_def.device else wanted
+            if kind is not None and wanted.lower() in kind.lower():
+                processed[name] = kind
+            else:
+                skipped[name] = f"placed on '{node_def.device}', not a {wanted} device"
+    return processed, skipped
+
+
+def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Iterable[str]) -> None:
+    """FusedBatchNorm(Grad) → V2 with ``U=float32`` so ``T`` can change alone (spec §2.1 step 5)."""
+    for name in processed:
+        node_def = nodes.nodes[name]["node_def"]
+        if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad"):
+            node_def.op += "V2"
+            node_def.attr["U"].type = types_pb2.DT_FLOAT
+
+
+def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> tuple[str, str]:
+    """(rule, reason) for one vertex's final colour."""
+    if vertex in painting.allow or vertex in painting.deny:
+        return painting.reasons[vertex]
+    if vertex.node in skipped:
+        return "not-processed", skipped[vertex.node]
+    if vertex in painting.reasons:
+        return painting.reasons[vertex]
+    op = ctx.op(vertex)
+    if not painting.allow:
+        return "no-allow-ops", "no allow-list op in the graph, so nothing is converted"
+    colour = ctx.lists.colour(op)
+    if colour is None:
+        return "unlisted", f"op {op} is in no list"
+    if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
+        return "no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}"
+    if colour is Colour.INFER:
+        return "infer-isolated", "infer op neither between allow ops nor directly after one"
+    return "clear-isolated", "clear op not connected to an allow op through clear ops"
+
+
+def rewrite_graph_def(
+    graph_def: graph_pb2.GraphDef,
+    *,
+    target: str = "float16",
+    fetches: Iterable[str] = (),
+    lists: str | os.PathLike | OpLists | None = None,
+) -> RewriteResult:
+    """Rewrites ``graph_def`` to mixed precision; the input is never modified.
+
+    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists).
+    ``fetches``: node names whose outputs must keep their dtype.
+    ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
+    fetches = tuple(fetches)
+    # 1. Lists for the target (YAML + overlay + TF_AUTO_MIXED_PRECISION_* variables).
+    op_lists = load_lists(target, lists)
+    # 2. Working copy as a node graph; every fetch must exist.
+    nodes = graph_io.to_networkx(graph_def)
+    missing = [f for f in fetches if f not in nodes]
+    if missing:
+        raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
+    # 3. Which nodes may be painted.
+    processed, skipped = find_processed_nodes(nodes, target, fetches, op_lists)
+    # 4. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
+    upgrade_batch_norm_ops(nodes, processed)
+    # 5. The (node, type attribute) vertex graph.
+    types = typegraph.build_type_graph(nodes)
+    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed)
+    float32 = [v for v in types.graph.nodes if v.attr.name and ctx.is_float32(v)]
+    # 6. Colouring passes, pure.
+    painting = colouring.paint(ctx)
+    decisions_before = {v: (ctx.op(v), explain(ctx, painting, skipped, v)) for v in float32}
+    # 7. Types and casts, the one mutation (of the working copy).
+    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
+    decisions = tuple(
+        Decision(v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), rule, reason)
+        for v, (op, (rule, reason)) in decisions_before.items()
+    )
+    report = Report(target, len(graph_def.node), stats.vertices_converted, stats.casts_added,
+                    stats.casts_to_target, decisions)
+    log.info("%s", report.summary())
+    return RewriteResult(graph_io.to_graph_def(nodes), report)

@@ -1,0 +1,110 @@
+"""What TensorFlow itself says an op supports: op definitions and registered kernels.
+
+Grappler asks two questions before it paints a type attribute with the target dtype
+(spec §2.2, §2.4): does the op definition allow that dtype (``SupportsF16DataType``), and
+is a kernel registered for the node with that one attribute changed, on the node's
+device (``SupportsF16``: ``IsKernelRegisteredForNode``). Both are answered here from
+TensorFlow's registries, with caches, so the colouring passes stay pure Python.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2
+from tensorflow.python.framework import kernels, op_def_registry
+
+from amp_rewrite.errors import GraphError
+
+
+def registered_op_def(op: str) -> op_def_pb2.OpDef | None:
+    """The OpDef in TensorFlow's global registry, or None (e.g. a library function)."""
+    return op_def_registry.get(op)
+
+
+def library_op_defs(library: function_pb2.FunctionDefLibrary) -> dict[str, op_def_pb2.OpDef]:
+    """Function signatures by name: a node whose op is a function uses its signature."""
+    return {function.signature.name: function.signature for function in library.function}
+
+
+def resolve_op_def(
+    node_def: node_def_pb2.NodeDef, functions: Mapping[str, op_def_pb2.OpDef]
+) -> op_def_pb2.OpDef:
+    """Op definition from the graph's library first, then the registry (as grappler does)."""
+    op_def = functions.get(node_def.op) or registered_op_def(node_def.op)
+    if op_def is None:
+        raise GraphError(
+            f"node '{node_def.name}': op '{node_def.op}' is neither registered in TensorFlow nor a"
+            " function in the graph's library; load the library that defines it"
+            " (tf.load_op_library) or remove the node"
+        )
+    return op_def
+
+
+@functools.lru_cache(maxsize=None)
+def _attr_def(op: str, attr: str) -> op_def_pb2.OpDef.AttrDef | None:
+    op_def = registered_op_def(op)
+    if op_def is None:
+        return None
+    return next((a for a in op_def.attr if a.name == attr), None)
+
+
+@functools.lru_cache(maxsize=None)
+def op_allows_dtype(op: str, attr: str, fixed: int, dtype: int) -> bool:
+    """``SupportsF16DataType``: the registered op's attr (or fixed arg type) admits dtype.
+
+    Ops missing from the global registry (function calls) never qualify; an attr without
+    ``allowed_values`` admits every type.
+    """
+    if registered_op_def(op) is None:
+        return False
+    if not attr:
+        return fixed == dtype
+    attr_def = _attr_def(op, attr)
+    if attr_def is None:
+        return False
+    allowed = attr_def.allowed_values.list.type
+    return not allowed or dtype in allowed
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(op: str, device_type: str, label: str) -> tuple:
+    registered = kernels.get_registered_kernels_for_op(op).kernel
+    return tuple(k for k in registered if k.device_type == device_type and k.label == label)
+
+
+class _MissingAttr(Exception):
+    """A kernel constrains an attr the node lacks: TensorFlow reports an error, not a miss."""
+
+
+def _constraint_met(constraint, attrs: Mapping[str, object]) -> bool:
+    value = attrs.get(constraint.name)
+    if value is None:
+        raise _MissingAttr(constraint.name)
+    allowed = constraint.allowed_values.list
+    for field in ("type", "s", "i", "b"):
+        allowed_values = getattr(allowed, field)
+        if not allowed_values:
+            continue
+        if value.WhichOneof("value") == "list":
+            return all(v in allowed_values for v in getattr(value.list, field))
+        return getattr(value, field) in allowed_values
+    return False
+
+
+def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], device_type: str) -> bool:
+    """``IsKernelRegisteredForNode`` for ``node_def`` with ``attrs`` (AttrValue by name).
+
+    Matches device type, the ``_kernel`` label and every constraint; like TensorFlow's
+    registry, falls back to ``DEFAULT`` kernels when none for the device type match.
+    """
+    label_value = attrs.get("_kernel")
+    label = label_value.s.decode() if label_value is not None else ""
+    try:
+        for candidate_device in (device_type, "DEFAULT"):
+            for kernel in _kernels(node_def.op, candidate_device, label):
+                if all(_constraint_met(c, attrs) for c in kernel.constraint):
+                    return True
+    except _MissingAttr:
+        return False
+    return False

@@ -1,0 +1,172 @@
+"""The graph that colouring works on: (node, type attribute) vertices (spec §2.2).
+
+A node such as ``FusedBatchNormV3`` has several independent dtypes (``T`` and ``U``), and
+``IdentityN`` one per list element, so the unit of painting is not a node but a
+*vertex*: a node together with one type attribute, one element of a ``list(type)``
+attribute, or one fixed dtype of its op definition (e.g. an ``int32`` shape input).
+An edge joins the producer's output vertex to the consumer's input vertex; each edge
+records the (output port, input port) pairs it stands for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import networkx as nx
+from tensorflow.core.framework import node_def_pb2, op_def_pb2, types_pb2
+
+from amp_rewrite import support
+from amp_rewrite.errors import GraphError
+
+
+class TypeAttr(NamedTuple):
+    """One dtype slot of a node: attr name (+ list index), or a fixed dtype."""
+
+    name: str = ""
+    index: int = -1
+    fixed: int = types_pb2.DT_INVALID
+
+    def __str__(self) -> str:
+        if not self.name:
+            return types_pb2.DataType.Name(self.fixed)
+        return self.name if self.index < 0 else f"{self.name}[{self.index}]"
+
+
+class Vertex(NamedTuple):
+    node: str
+    attr: TypeAttr
+
+    def __str__(self) -> str:
+        return f"{self.node}:{self.attr}"
+
+
+@dataclass(frozen=True)
+class NodeTypes:
+    """How one node's ports map onto its type attributes."""
+
+    op_def: op_def_pb2.OpDef
+    inputs: tuple[TypeAttr, ...]   # one per data input port
+    outputs: tuple[TypeAttr, ...]  # one per output port
+    attrs: tuple[TypeAttr, ...]    # every vertex of the node, in a stable order
+
+    def output_ports(self, attr: TypeAttr) -> Iterator[int]:
+        return (port for port, a in enumerate(self.outputs) if a == attr)
+
+
+def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef) -> list[TypeAttr]:
+    """The type attribute of each port an op-def argument expands to."""
+    attrs = node_def.attr
+    if arg.type_list_attr:
+        if arg.type_list_attr not in attrs:
+            raise GraphError(
+                f"node '{node_def.name}' ({node_def.op}): attribute '{arg.type_list_attr}' is missing"
+            )
+        count = len(attrs[arg.type_list_attr].list.type)
+        return [TypeAttr(arg.type_list_attr, i) for i in range(count)]
+    count = attrs[arg.number_attr].i if arg.number_attr in attrs else 1
+    if arg.type_attr:
+        if arg.type_attr not in attrs:
+            raise GraphError(
+                f"node '{node_def.name}' ({node_def.op}): type attribute '{arg.type_attr}' is missing"
+            )
+        return [TypeAttr(arg.type_attr)] * count
+    return [TypeAttr(fixed=arg.type)] * count
+
+
+def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_data_inputs: int) -> NodeTypes:
+    """Port → type-attribute maps for a node, validated against its op definition."""
+    inputs = [a for arg in op_def.input_arg for a in _arg_type_attrs(node_def, arg)]
+    if len(inputs) != num_data_inputs:
+        raise GraphError(
+            f"node '{node_def.name}' ({node_def.op}): expected {len(inputs)} data input(s),"
+            f" got {num_data_inputs}; fix the node's inputs"
+        )
+    outputs = [a for arg in op_def.output_arg for a in _arg_type_attrs(node_def, arg)]
+    attrs = dict.fromkeys(inputs + outputs)
+    attr_defs = {a.name: a for a in op_def.attr}
+    for name, value in node_def.attr.items():
+        if name.startswith("_"):
+            continue
+        attr_def = attr_defs.get(name)
+        if attr_def is None:
+            raise GraphError(
+                f"node '{node_def.name}' ({node_def.op}): attribute '{name}' is not in the op's"
+                " definition; the graph may come from a newer TensorFlow"
+            )
+        if attr_def.type == "type":
+            attrs.setdefault(TypeAttr(name))
+        elif attr_def.type == "list(type)":
+            for i in range(len(value.list.type)):
+                attrs.setdefault(TypeAttr(name, i))
+    return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
+
+
+def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
+    """The vertex's current dtype (its fixed dtype for fixed vertices)."""
+    if not attr.name:
+        return attr.fixed
+    value = node_def.attr.get(attr.name) if attr.name in node_def.attr else None
+    if value is None:
+        return types_pb2.DT_INVALID
+    if attr.index < 0:
+        return value.type
+    types = value.list.type
+    return types[attr.index] if attr.index < len(types) else types_pb2.DT_INVALID
+
+
+@dataclass(frozen=True)
+class TypeGraph:
+    """Vertices and edges for colouring, over a node graph from ``graph_io``."""
+
+    graph: nx.DiGraph                  # Vertex -> Vertex; edge attr "ports": [(out, in)]
+    nodes: nx.MultiDiGraph             # the node graph it was built from
+    types: dict[str, NodeTypes]        # node name -> port maps
+
+    def node_def(self, name: str) -> node_def_pb2.NodeDef:
+        return self.nodes.nodes[name]["node_def"]
+
+    def dtype(self, vertex: Vertex) -> int:
+        return dtype_of(self.node_def(vertex.node), vertex.attr)
+
+    def input_vertex(self, node: str, port: int) -> Vertex:
+        return Vertex(node, self.types[node].inputs[port])
+
+    def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
+        """(consumer, input port) for every data edge out of ``node:port``."""
+        for _, dst, data in self.nodes.out_edges(node, data=True):
+            if data["src_port"] == port:
+                yield dst, data["dst_port"]
+
+    def data_producer(self, node: str, port: int) -> tuple[str, int] | None:
+        for src, _, data in self.nodes.in_edges(node, data=True):
+            if data["dst_port"] == port and data["src_port"] >= 0:
+                return src, data["src_port"]
+        return None
+
+
+def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
+    """Builds the vertex graph; bad op references or port counts raise ``GraphError``."""
+    functions = support.library_op_defs(nodes.graph["library"])
+    types: dict[str, NodeTypes] = {}
+    graph = nx.DiGraph()
+    for name, data in nodes.nodes(data=True):
+        node_def = data["node_def"]
+        num_data_inputs = sum(1 for *_, d in nodes.in_edges(name, data=True) if d["src_port"] >= 0)
+        types[name] = node_types(node_def, support.resolve_op_def(node_def, functions), num_data_inputs)
+        graph.add_nodes_from(Vertex(name, attr) for attr in types[name].attrs)
+    for src, dst, data in nodes.edges(data=True):
+        out_port, in_port = data["src_port"], data["dst_port"]
+        if out_port < 0:
+            continue
+        outputs = types[src].outputs
+        if out_port >= len(outputs):
+            raise GraphError(
+                f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
+                f" which has {len(outputs)} output(s)"
+            )
+        u, v = Vertex(src, outputs[out_port]), Vertex(dst, types[dst].inputs[in_port])
+        if graph.has_edge(u, v):
+            graph.edges[u, v]["ports"].append((out_port, in_port))
+        else:
+            graph.add_edge(u, v, ports=[(out_port, in_port)])
+    return TypeGraph(graph, nodes, types)
