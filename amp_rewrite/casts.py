@@ -71,7 +71,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             for port in types.types[name].output_ports(attr):
                 cast_name = None
                 edges = [
-                    (dst, key, data) for _, dst, key, data in nodes.out_edges(name, keys=True, data=True)
+                    (dst, key, data) for dst, keyed in nodes._succ[name].items() for key, data in keyed.items()
                     if data["src_port"] == port
                 ]
                 for dst, key, data in edges:

@@ -58,7 +58,7 @@ class PaintContext:
     _cache: dict = field(default_factory=dict, repr=False)
 
     def op(self, vertex: Vertex) -> str:
-        return self.types.node_def(vertex.node).op
+        return self.types.node_defs[vertex.node].op
 
     def is_processed(self, vertex: Vertex) -> bool:
         return vertex.node in self.processed

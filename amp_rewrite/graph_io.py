@@ -60,12 +60,20 @@ def tensor_name(node: str, port: int) -> str:
     return f"^{node}" if port == CONTROL else f"{node}:{port}"
 
 
+def _copy_field(graph_def: graph_pb2.GraphDef, field: str):
+    """A copy of a message field, or None when unset (so the round trip keeps it unset)."""
+    if not graph_def.HasField(field):
+        return None
+    value = type(getattr(graph_def, field))()
+    value.CopyFrom(getattr(graph_def, field))
+    return value
+
+
 def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
     """Builds the node graph; raises ``GraphError`` on duplicate names or dangling inputs."""
-    versions, library = type(graph_def.versions)(), type(graph_def.library)()
-    versions.CopyFrom(graph_def.versions)
-    library.CopyFrom(graph_def.library)
-    graph = nx.MultiDiGraph(versions=versions, library=library)
+    graph = nx.MultiDiGraph(
+        versions=_copy_field(graph_def, "versions"), library=_copy_field(graph_def, "library")
+    )
     for node_def in graph_def.node:
         if node_def.name in graph:
             raise GraphError(f"duplicate node name '{node_def.name}'; node names must be unique")
@@ -95,11 +103,12 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
 def to_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     """Inverse of ``to_networkx``: nodes in graph order, inputs in ``dst_port`` order."""
     graph_def = graph_pb2.GraphDef()
-    graph_def.versions.CopyFrom(graph.graph["versions"])
-    graph_def.library.CopyFrom(graph.graph["library"])
+    for field in ("versions", "library"):
+        if graph.graph[field] is not None:
+            getattr(graph_def, field).CopyFrom(graph.graph[field])
     for name, data in graph.nodes(data=True):
         node_def = graph_def.node.add()
         node_def.CopyFrom(data["node_def"])
-        inputs = sorted(graph.in_edges(name, data=True), key=lambda edge: edge[2]["dst_port"])
-        node_def.input.extend(edge[2]["tensor"] for edge in inputs)
+        inputs = sorted((d["dst_port"], d["tensor"]) for keyed in graph._pred[name].values() for d in keyed.values())
+        node_def.input.extend(tensor for _, tensor in inputs)
     return graph_def

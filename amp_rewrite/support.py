@@ -22,8 +22,10 @@ def registered_op_def(op: str) -> op_def_pb2.OpDef | None:
     return op_def_registry.get(op)
 
 
-def library_op_defs(library: function_pb2.FunctionDefLibrary) -> dict[str, op_def_pb2.OpDef]:
+def library_op_defs(library: function_pb2.FunctionDefLibrary | None) -> dict[str, op_def_pb2.OpDef]:
     """Function signatures by name: a node whose op is a function uses its signature."""
+    if library is None:
+        return {}
     return {function.signature.name: function.signature for function in library.function}
 
 
@@ -92,6 +94,12 @@ def _constraint_met(constraint, attrs: Mapping[str, object]) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def _constrained_attrs(op: str) -> tuple[str, ...]:
+    registered = kernels.get_registered_kernels_for_op(op).kernel
+    return tuple(sorted({c.name for k in registered for c in k.constraint}))
+
+
 def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], device_type: str) -> bool:
     """``IsKernelRegisteredForNode`` for ``node_def`` with ``attrs`` (AttrValue by name).
 
@@ -100,9 +108,27 @@ def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], devi
     """
     label_value = attrs.get("_kernel")
     label = label_value.s.decode() if label_value is not None else ""
+    relevant = tuple(
+        attrs[name].SerializeToString(deterministic=True) if name in attrs else None
+        for name in _constrained_attrs(node_def.op)
+    )
+    return _has_kernel(node_def.op, device_type, label, relevant, attrs)
+
+
+def _has_kernel(op: str, device_type: str, label: str, key: tuple, attrs: Mapping[str, object]) -> bool:
+    cache_key = (op, device_type, label, key)
+    if cache_key not in _KERNEL_CACHE:
+        _KERNEL_CACHE[cache_key] = _find_kernel(op, device_type, label, attrs)
+    return _KERNEL_CACHE[cache_key]
+
+
+_KERNEL_CACHE: dict[tuple, bool] = {}
+
+
+def _find_kernel(op: str, device_type: str, label: str, attrs: Mapping[str, object]) -> bool:
     try:
         for candidate_device in (device_type, "DEFAULT"):
-            for kernel in _kernels(node_def.op, candidate_device, label):
+            for kernel in _kernels(op, candidate_device, label):
                 if all(_constraint_met(c, attrs) for c in kernel.constraint):
                     return True
     except _MissingAttr:

@@ -101,6 +101,15 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
 
 
+def _shape_key(node_def: node_def_pb2.NodeDef) -> tuple:
+    """What ``node_types`` depends on: the op, its attr names, list lengths and counts."""
+    shape = []
+    for name, value in sorted(node_def.attr.items()):
+        kind = value.WhichOneof("value")
+        shape.append((name, len(value.list.type) if kind == "list" else value.i if kind == "i" else None))
+    return node_def.op, tuple(shape)
+
+
 def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
     """The vertex's current dtype (its fixed dtype for fixed vertices)."""
     if not attr.name:
@@ -121,9 +130,10 @@ class TypeGraph:
     graph: nx.DiGraph                  # Vertex -> Vertex; edge attr "ports": [(out, in)]
     nodes: nx.MultiDiGraph             # the node graph it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
+    node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
-        return self.nodes.nodes[name]["node_def"]
+        return self.node_defs[name]
 
     def dtype(self, vertex: Vertex) -> int:
         return dtype_of(self.node_def(vertex.node), vertex.attr)
@@ -133,14 +143,16 @@ class TypeGraph:
 
     def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
         """(consumer, input port) for every data edge out of ``node:port``."""
-        for _, dst, data in self.nodes.out_edges(node, data=True):
-            if data["src_port"] == port:
-                yield dst, data["dst_port"]
+        for dst, keyed in self.nodes._succ[node].items():
+            for data in keyed.values():
+                if data["src_port"] == port:
+                    yield dst, data["dst_port"]
 
     def data_producer(self, node: str, port: int) -> tuple[str, int] | None:
-        for src, _, data in self.nodes.in_edges(node, data=True):
-            if data["dst_port"] == port and data["src_port"] >= 0:
-                return src, data["src_port"]
+        for src, keyed in self.nodes._pred[node].items():
+            for data in keyed.values():
+                if data["dst_port"] == port and data["src_port"] >= 0:
+                    return src, data["src_port"]
         return None
 
 
@@ -148,25 +160,32 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``."""
     functions = support.library_op_defs(nodes.graph["library"])
     types: dict[str, NodeTypes] = {}
+    node_defs = {name: data["node_def"] for name, data in nodes.nodes(data=True)}
     graph = nx.DiGraph()
-    for name, data in nodes.nodes(data=True):
-        node_def = data["node_def"]
-        num_data_inputs = sum(1 for *_, d in nodes.in_edges(name, data=True) if d["src_port"] >= 0)
-        types[name] = node_types(node_def, support.resolve_op_def(node_def, functions), num_data_inputs)
+    edges: dict[tuple[Vertex, Vertex], list[tuple[int, int]]] = {}
+    shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
+    for name, node_def in node_defs.items():
+        num_inputs = sum(1 for keyed in nodes._pred[name].values() for d in keyed.values() if d["src_port"] >= 0)
+        key = _shape_key(node_def)
+        if key not in shared:
+            shared[key] = node_types(node_def, support.resolve_op_def(node_def, functions), num_inputs)
+        elif len(shared[key].inputs) != num_inputs:
+            node_types(node_def, shared[key].op_def, num_inputs)  # raises the port-count error
+        types[name] = shared[key]
         graph.add_nodes_from(Vertex(name, attr) for attr in types[name].attrs)
-    for src, dst, data in nodes.edges(data=True):
-        out_port, in_port = data["src_port"], data["dst_port"]
-        if out_port < 0:
-            continue
-        outputs = types[src].outputs
-        if out_port >= len(outputs):
-            raise GraphError(
-                f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
-                f" which has {len(outputs)} output(s)"
-            )
-        u, v = Vertex(src, outputs[out_port]), Vertex(dst, types[dst].inputs[in_port])
-        if graph.has_edge(u, v):
-            graph.edges[u, v]["ports"].append((out_port, in_port))
-        else:
-            graph.add_edge(u, v, ports=[(out_port, in_port)])
-    return TypeGraph(graph, nodes, types)
+    for dst, node_def in node_defs.items():
+        for src, keyed in nodes._pred[dst].items():
+            outputs = types[src].outputs
+            for data in keyed.values():
+                out_port, in_port = data["src_port"], data["dst_port"]
+                if out_port < 0:
+                    continue
+                if out_port >= len(outputs):
+                    raise GraphError(
+                        f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
+                        f" which has {len(outputs)} output(s)"
+                    )
+                key = (Vertex(src, outputs[out_port]), Vertex(dst, types[dst].inputs[in_port]))
+                edges.setdefault(key, []).append((out_port, in_port))
+    graph.add_edges_from((u, v, {"ports": ports}) for (u, v), ports in edges.items())
+    return TypeGraph(graph, nodes, types, node_defs)

@@ -1,0 +1,451 @@
+"""Build the four op lists (allow, deny, infer, clear) that colour a graph for one target.
+
+Sources, applied in this order (spec §2.1, §4), then checked: no op may be in two lists.
+
+1. The built-in file ``lists/<target>.yaml``: the lists TensorFlow 2.21 builds
+   (float16: ``AutoMixedPrecisionListsFp16``, CUDA variant, all gates open;
+   bfloat16: ``AutoMixedPrecisionListsMkl``), with a reason where an entry is not obvious.
+2. An optional user overlay file; every key is optional, ``add`` is applied before ``remove``::
+
+       allow: {add: [Foo], remove: [Bar]}
+       deny:  {add: [...], remove: [...]}
+       infer: {...}
+       clear: {...}
+       keep_nodes: ["model/head/.*", "logits"]  # node names or regexes (re.fullmatch) kept
+                                                # float32; beyond grappler, tensorflow#40562
+
+   To move an op, remove it from its list and add it to the other.
+3. TensorFlow's variables, with TensorFlow's semantics, read here and nowhere else:
+   ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD`` then ``..._REMOVE`` for LIST in
+   ALLOWLIST, INFERLIST, DENYLIST, CLEARLIST, then the legacy WHITELIST, GRAYLIST,
+   BLACKLIST. Values are split on "," and not trimmed; like TensorFlow, an empty piece
+   ("A,,B", "A,") is the op name "" — it matches no node, but two lists holding it conflict.
+4. ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL`` (case-insensitive):
+   ``TENSOR_CORES_ONLY`` empties float16's infer, deny and clear lists before step 3, so
+   only allow edits count; ``TREAT_INFER_AS_DENY`` moves infer into deny after step 3;
+   ``UNSAFE_FORCE_ALL`` sets ``force_all`` for float16 and is refused for bfloat16.
+"""
+from __future__ import annotations
+
+import difflib
+import enum
+import functools
+import os
+import re
+import string
+import sys
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import yaml
+
+from amp_rewrite.errors import AmpRewriteError, ListsError
+
+TARGETS: tuple[str, ...] = ("float16", "bfloat16")
+
+
+class Colour(enum.Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    INFER = "infer"
+    CLEAR = "clear"
+
+
+_LIST_NAMES = tuple(colour.value for colour in Colour)
+_ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
+_LEVEL_VAR = _ENV_PREFIX + "LEVEL"
+_LEVELS = ("TENSOR_CORES_ONLY", "TREAT_INFER_AS_DENY", "UNSAFE_FORCE_ALL")
+# TensorFlow's variable names per list, in the order it applies them (legacy name second).
+_LIST_TO_ENV_NAMES = {
+    "allow": ("ALLOWLIST", "WHITELIST"),
+    "deny": ("DENYLIST", "BLACKLIST"),
+    "infer": ("INFERLIST", "GRAYLIST"),
+    "clear": ("CLEARLIST",),
+}
+_OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes")
+_EDIT_KEYS = ("add", "remove")
+_BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES)
+_BUILTIN_LIST_KEYS = ("meaning", "ops")
+_BUILTIN_DIRS = (
+    Path(__file__).resolve().parent.parent / "lists",
+    Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
+)
+# TensorFlow upper-cases with ASCII rules only (str_util::Uppercase).
+_ASCII_UPPER = str.maketrans(string.ascii_lowercase, string.ascii_uppercase)
+
+
+@dataclass(frozen=True)
+class OpLists:
+    """The lists for one target; ``colour(op)`` is how the passes read them."""
+
+    target: str
+    allow: frozenset[str]
+    deny: frozenset[str]
+    infer: frozenset[str]
+    clear: frozenset[str]
+    keep_nodes: tuple[str, ...] = ()
+    force_all: bool = False
+    reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
+    sources: tuple[str, ...] = ()
+    _op_to_colour: Mapping[str, Colour] = field(init=False, repr=False, compare=False)
+    _keep_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_target(self.target)
+        for name in _LIST_NAMES:
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        object.__setattr__(self, "keep_nodes", tuple(self.keep_nodes))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+        op_to_colour: dict[str, Colour] = {}
+        for colour in Colour:
+            for op in sorted(getattr(self, colour.value)):
+                if op in op_to_colour:
+                    where = " + ".join(self.sources) or "OpLists"
+                    raise ListsError(
+                        f"{where}: op {op!r} is in both {op_to_colour[op].value!r} and {colour.value!r}; "
+                        "remove it from one"
+                    )
+                op_to_colour[op] = colour
+        object.__setattr__(self, "_op_to_colour", MappingProxyType(op_to_colour))
+        object.__setattr__(self, "_keep_patterns", _compile_keep_nodes(self.keep_nodes, "OpLists"))
+
+    def colour(self, op: str) -> Colour | None:
+        """The list ``op`` is in, or None if it is in none."""
+        return self._op_to_colour.get(op)
+
+    def keeps(self, node_name: str) -> bool:
+        """True if ``node_name`` is a keep_nodes entry or fully matches one as a regex."""
+        return any(pattern.fullmatch(node_name) for pattern in self._keep_patterns)
+
+    def __reduce__(self) -> tuple[type[OpLists], tuple[object, ...]]:
+        # Rebuild through __init__ (mappingproxy cannot be pickled), so copy and pickle work.
+        lists = tuple(getattr(self, name) for name in _LIST_NAMES)
+        return OpLists, (self.target, *lists, self.keep_nodes, self.force_all, dict(self.reasons), self.sources)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{name}={len(getattr(self, name))} ops" for name in _LIST_NAMES)
+        return (
+            f"OpLists(target={self.target!r}, {sizes}, keep_nodes={self.keep_nodes!r}, "
+            f"force_all={self.force_all!r}, sources={self.sources!r})"
+        )
+
+
+def load_lists(
+    target: str,
+    overlay: str | os.PathLike[str] | OpLists | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> OpLists:
+    """Built-in lists for ``target`` + ``overlay`` file + TensorFlow's variables (module doc).
+
+    An ``OpLists`` overlay is taken as already loaded and returned unchanged.
+    ``environ`` defaults to ``os.environ``. Raises ListsError for any invalid input.
+    """
+    _check_target(target)
+    if isinstance(overlay, OpLists):
+        if overlay.target != target:
+            raise ListsError(
+                f"the OpLists passed are for {overlay.target!r}, not {target!r}; "
+                f"load lists for {target!r} or rewrite to {overlay.target!r}"
+            )
+        return overlay
+    environ = os.environ if environ is None else environ
+    # 1. Built-in file.
+    builtin_path = _find_builtin(target)
+    draft = _Draft(_read_builtin(builtin_path, target))
+    sources = [str(builtin_path)]
+    keep_nodes: tuple[str, ...] = ()
+    # 2. User overlay.
+    if overlay is not None:
+        edits, keep_nodes = _read_overlay(Path(overlay), os.fspath(overlay))
+        draft.apply(edits, os.fspath(overlay))
+        sources.append(os.fspath(overlay))
+    # 3. TensorFlow's variables; TENSOR_CORES_ONLY acts first, TREAT_INFER_AS_DENY last (spec §4).
+    level = _read_level(environ, target)
+    tensor_cores_only = level == "TENSOR_CORES_ONLY" and target == "float16"
+    if tensor_cores_only:
+        draft.empty(("deny", "infer", "clear"))
+    if level:
+        sources.append(_LEVEL_VAR)
+    for name, env_names in _LIST_TO_ENV_NAMES.items():
+        if tensor_cores_only and name != "allow":
+            continue
+        for env_name in env_names:
+            for action in ("add", "remove"):
+                var = f"{_ENV_PREFIX}{env_name}_{action.upper()}"
+                value = environ.get(var, "")
+                if value:
+                    sources.append(var)
+                    # str_util::Split keeps empty pieces; an empty value adds nothing.
+                    draft.apply({name: {action: tuple(value.split(","))}}, var)
+    if level == "TREAT_INFER_AS_DENY":
+        draft.merge("infer", into="deny")
+    # 4. No op in two lists.
+    draft.check_disjoint()
+
+    lists = OpLists(
+        target=target,
+        **draft.final_lists(),
+        keep_nodes=keep_nodes,
+        force_all=level == "UNSAFE_FORCE_ALL",
+        reasons=draft.reasons(),
+        sources=tuple(sources),
+    )
+    _warn_unregistered(draft.user_added(lists))
+    return lists
+
+
+# --- building -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _BuiltinFile:
+    shown: str
+    name_to_op_to_reason: Mapping[str, Mapping[str, str | None]]
+
+
+class _Draft:
+    """Lists while they are edited: list -> op -> (edit number, source that added it)."""
+
+    def __init__(self, builtin: _BuiltinFile) -> None:
+        self._builtin = builtin
+        self._count = 0
+        self._name_to_op_to_origin: dict[str, dict[str, tuple[int, str]]] = {
+            name: {op: (0, builtin.shown) for op in ops} for name, ops in builtin.name_to_op_to_reason.items()
+        }
+
+    def apply(self, edits: Mapping[str, Mapping[str, Iterable[str]]], source: str) -> None:
+        for name, action_to_ops in edits.items():
+            self._count += 1
+            op_to_origin = self._name_to_op_to_origin[name]
+            for op in action_to_ops.get("add", ()):
+                op_to_origin[op] = (self._count, source)
+            for op in action_to_ops.get("remove", ()):
+                op_to_origin.pop(op, None)
+
+    def empty(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._name_to_op_to_origin[name].clear()
+
+    def merge(self, name: str, *, into: str) -> None:
+        for op, origin in self._name_to_op_to_origin[name].items():
+            self._name_to_op_to_origin[into].setdefault(op, origin)
+        self._name_to_op_to_origin[name].clear()
+
+    def check_disjoint(self) -> None:
+        for i, first in enumerate(_LIST_NAMES):
+            for second in _LIST_NAMES[i + 1 :]:
+                a, b = self._name_to_op_to_origin[first], self._name_to_op_to_origin[second]
+                for op in sorted(a.keys() & b.keys()):
+                    raise ListsError(_conflict_message(op, (first, *a[op]), (second, *b[op])))
+
+    def final_lists(self) -> dict[str, frozenset[str]]:
+        # The empty name from "A,,B" matches no node; it only mattered for check_disjoint.
+        return {name: frozenset(op for op in ops if op) for name, ops in self._name_to_op_to_origin.items()}
+
+    def reasons(self) -> dict[str, str]:
+        """Built-in reasons of ops still in the list the reason was written for."""
+        return {
+            op: reason
+            for name, op_to_reason in self._builtin.name_to_op_to_reason.items()
+            for op, reason in sorted(op_to_reason.items())
+            if reason and op in self._name_to_op_to_origin[name]
+        }
+
+    def user_added(self, lists: OpLists) -> dict[str, str]:
+        """Op -> source for ops that an overlay or variable put in the final lists."""
+        return {
+            op: source
+            for op_to_origin in self._name_to_op_to_origin.values()
+            for op, (count, source) in op_to_origin.items()
+            if count > 0 and op and lists.colour(op) is not None
+        }
+
+
+def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, int, str]) -> str:
+    """One line: who added the op last, both lists, where the other entry came from, what to do."""
+    (old_list, _, old_source), (new_list, _, new_source) = sorted((first, second), key=lambda entry: entry[1])
+    shown_op = f"{op!r}" if op else "'' (an empty name from a doubled or trailing comma)"
+    message = f"{new_source}: op {shown_op} is in both {first[0]!r} and {second[0]!r}"
+    if old_source != new_source:
+        message += f" ({old_list!r} from {old_source})"
+    if not op:
+        return message + "; remove the extra comma"
+    if new_source.startswith(_ENV_PREFIX) and old_list in _LIST_TO_ENV_NAMES and old_source != new_source:
+        hint = f"{_ENV_PREFIX}{_LIST_TO_ENV_NAMES[old_list][0]}_REMOVE={op}"
+        return message + f"; remove it from one (to move it, also set {hint})"
+    if old_source != new_source:
+        return message + f"; remove it from one (to move it, also write {old_list}: {{remove: [{op}]}})"
+    return message + "; remove it from one"
+
+
+def _read_level(environ: Mapping[str, str], target: str) -> str:
+    raw = environ.get(_LEVEL_VAR, "")
+    level = raw.translate(_ASCII_UPPER)
+    if not raw:
+        return ""
+    if level not in _LEVELS:
+        warnings.warn(
+            f"{_LEVEL_VAR}={raw!r} is not one of {', '.join(_LEVELS)}; TensorFlow ignores it and so does amp_rewrite",
+            stacklevel=3,
+        )
+        return ""
+    if level == "UNSAFE_FORCE_ALL" and target == "bfloat16":
+        raise ListsError(
+            f"{_LEVEL_VAR}=UNSAFE_FORCE_ALL is not supported for target 'bfloat16' "
+            "(TensorFlow refuses it when oneDNN is used); unset it or use TREAT_INFER_AS_DENY"
+        )
+    return level
+
+
+def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
+    if not op_to_source:
+        return
+    from tensorflow.python.framework import op_def_registry  # loads TensorFlow; only needed here
+
+    unknown = sorted(op for op in op_to_source if op_def_registry.get(op) is None)
+    if unknown:
+        shown = ", ".join(f"{op!r} ({op_to_source[op]})" for op in unknown)
+        warnings.warn(
+            f"ops not in TensorFlow's op registry (typo, or a custom op library not loaded?): {shown}; "
+            "they only match nodes whose op has exactly that name",
+            stacklevel=3,
+        )
+
+
+# --- reading and validating files -----------------------------------------------------------
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise AmpRewriteError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
+
+
+def _find_builtin(target: str) -> Path:
+    for directory in _BUILTIN_DIRS:
+        path = directory / f"{target}.yaml"
+        if path.is_file():
+            return path
+    searched = ", ".join(str(directory) for directory in _BUILTIN_DIRS)
+    raise ListsError(f"built-in lists {target}.yaml not found in {searched}; reinstall amp_rewrite")
+
+
+@functools.lru_cache(maxsize=None)
+def _read_builtin(path: Path, target: str) -> _BuiltinFile:
+    shown = f"{path.parent.name}/{path.name}"
+    data = _read_yaml(path, shown)
+    _check_mapping(data, shown, "the file", _BUILTIN_KEYS)
+    missing = [key for key in _BUILTIN_KEYS if key not in data]
+    if missing:
+        raise ListsError(f"{shown}: missing keys {', '.join(missing)}; restore the file from the repository")
+    if data["target"] != target:
+        raise ListsError(f"{shown}: target is {data['target']!r}, expected {target!r}; restore the file")
+    name_to_op_to_reason: dict[str, Mapping[str, str | None]] = {}
+    for name in _LIST_NAMES:
+        section = data[name]
+        _check_mapping(section, shown, repr(name), _BUILTIN_LIST_KEYS)
+        ops = section.get("ops") or {}
+        _check_mapping(ops, shown, f"{name}.ops", None)
+        for op, reason in ops.items():
+            if not isinstance(op, str) or not (reason is None or isinstance(reason, str)):
+                message = f"{name}.ops entry {op!r}: {reason!r} must map an op name to a reason or nothing"
+                raise ListsError(f"{shown}: {message}")
+        name_to_op_to_reason[name] = MappingProxyType(dict(ops))
+    return _BuiltinFile(shown, MappingProxyType(name_to_op_to_reason))
+
+
+def _read_overlay(path: Path, shown: str) -> tuple[dict[str, dict[str, tuple[str, ...]]], tuple[str, ...]]:
+    """Validated overlay: (list -> {add, remove} -> ops, keep_nodes)."""
+    data = _read_yaml(path, shown)
+    if data is None:  # an empty file edits nothing
+        return {}, ()
+    _check_mapping(data, shown, "the file", _OVERLAY_KEYS)
+    edits: dict[str, dict[str, tuple[str, ...]]] = {}
+    for name in _LIST_NAMES:
+        if name not in data:
+            continue
+        section = data[name]
+        if section is None:
+            continue
+        _check_mapping(section, shown, repr(name), _EDIT_KEYS, example="{add: [Foo], remove: [Bar]}")
+        edits[name] = {action: _strings(section.get(action), shown, f"{name}.{action}") for action in _EDIT_KEYS}
+    keep_nodes = _strings(data.get("keep_nodes"), shown, "keep_nodes")
+    _compile_keep_nodes(keep_nodes, shown)
+    return edits, keep_nodes
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key written twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    message = f"duplicate key {key_node.value!r}"
+                    raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, shown: str) -> object:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ListsError(f"{shown}: cannot read the lists file ({error}); check the path") from error
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{shown}:{mark.line + 1}" if mark else shown
+        problem = " ".join(str(part) for part in (error.context, error.problem) if part)
+        raise ListsError(f"{where}: invalid YAML ({problem}); fix the syntax there") from error
+    except yaml.YAMLError as error:
+        raise ListsError(f"{shown}: invalid YAML ({error}); fix the syntax") from error
+
+
+def _check_mapping(
+    value: object, shown: str, what: str, allowed: tuple[str, ...] | None, example: str | None = None
+) -> None:
+    """``value`` must be a mapping whose keys are all in ``allowed`` (None: any keys)."""
+    if not isinstance(value, dict):
+        like = f" like {example}" if example else ""
+        raise ListsError(f"{shown}: {what} must be a mapping{like}, not {type(value).__name__} {value!r}")
+    if allowed is None:
+        return
+    for key in value:
+        if key not in allowed:
+            inside = "" if what == "the file" else f" under {what}"
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ListsError(f"{shown}: unknown key {key!r}{inside}{hint}; allowed keys: {', '.join(allowed)}")
+
+
+def _strings(value: object, shown: str, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ListsError(f"{shown}: {where} must be a list like [Foo, Bar], not {type(value).__name__} {value!r}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise ListsError(
+                f"{shown}: {where}[{i}] is {type(item).__name__} {item!r}, not a non-empty name; quote it or remove it"
+            )
+    return tuple(value)
+
+
+def _compile_keep_nodes(patterns: Iterable[str], shown: str) -> tuple[re.Pattern[str], ...]:
+    compiled = []
+    for i, pattern in enumerate(patterns):
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as error:
+            raise ListsError(
+                f"{shown}: keep_nodes[{i}] {pattern!r} is not a valid regular expression ({error}); "
+                "fix it or escape special characters with a backslash"
+            ) from error
+    return tuple(compiled)

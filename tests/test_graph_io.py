@@ -1,0 +1,68 @@
+"""GraphDef ⇄ networkx round trip and the tensor-name grammar (graph_io is the only parser)."""
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from amp_rewrite import GraphError
+from amp_rewrite.graph_io import CONTROL, TensorRef, parse_tensor_name, to_graph_def, to_networkx
+
+
+def _graph_with_control_edges() -> graph_pb2.GraphDef:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        a, b = tf.split(x, [1, 2], axis=1, name="split")
+        gate = tf.constant(0.0, name="gate")
+        with tf.control_dependencies([gate.op]):
+            y = tf.identity(b, name="y")
+        tf.concat([a, y, a], axis=1, name="cat")
+    graph_def = graph.as_graph_def()
+    graph_def.node[-1].input[0] = "split:0"  # an explicit ':0' must survive
+    return graph_def
+
+
+def test_round_trip_is_byte_identical():
+    """to_graph_def(to_networkx(g)) == g: node order, input spelling, control inputs, versions."""
+    graph_def = _graph_with_control_edges()
+    round_tripped = to_graph_def(to_networkx(graph_def))
+    assert round_tripped == graph_def
+    assert round_tripped.SerializeToString(deterministic=True) == graph_def.SerializeToString(deterministic=True)
+
+
+def test_edges_carry_ports_and_control_flag():
+    graph = to_networkx(_graph_with_control_edges())
+    cat_inputs = sorted((d["dst_port"], u, d["src_port"]) for u, _, d in graph.in_edges("cat", data=True))
+    assert cat_inputs == [(0, "split", 0), (1, "y", 0), (2, "split", 0), (3, "cat/axis", 0)]
+    y_inputs = {(u, d["src_port"]) for u, _, d in graph.in_edges("y", data=True)}
+    assert y_inputs == {("split", 1), ("gate", CONTROL)}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("a", TensorRef("a", 0)), ("a:3", TensorRef("a", 3)), ("^a", TensorRef("a", CONTROL)),
+     ("scope/a:b:1", TensorRef("scope/a:b", 1))],
+)
+def test_parse_tensor_name(text, expected):
+    assert parse_tensor_name(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a:", "a:x", ":0", "^", "^^a", "a:-1"])
+def test_malformed_tensor_names_are_rejected(text):
+    with pytest.raises(GraphError, match="malformed input"):
+        parse_tensor_name(text, consumer="n")
+
+
+def test_dangling_input_names_the_node():
+    graph_def = _graph_with_control_edges()
+    graph_def.node[-1].input[1] = "ghost:0"
+    with pytest.raises(GraphError, match="node 'cat': input 'ghost:0' names a node that is not in the graph"):
+        to_networkx(graph_def)
+
+
+def test_duplicate_node_name_is_rejected():
+    graph_def = _graph_with_control_edges()
+    graph_def.node.add().CopyFrom(graph_def.node[0])
+    with pytest.raises(GraphError, match="duplicate node name 'x'"):
+        to_networkx(graph_def)
