@@ -1,0 +1,131 @@
+"""rewrite_graph_def as a user meets it: arguments, bad input, the block list, the report."""
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+
+import amp_rewrite
+from amp_rewrite import GraphError, rewrite_graph_def
+
+
+def _chain():
+    """input -> MatMul allow1 -> Relu clr1 -> Exp deny1 -> Identity fetch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        allow1 = tf.raw_ops.MatMul(a=x, b=x, name="allow1")
+        clr1 = tf.raw_ops.Relu(features=allow1, name="clr1")
+        deny1 = tf.raw_ops.Exp(x=clr1, name="deny1")
+        tf.identity(deny1, name="fetch")
+    return graph.as_graph_def()
+
+
+def _node(graph_def, name):
+    return next(n for n in graph_def.node if n.name == name)
+
+
+def test_unknown_target_lists_the_allowed_values():
+    with pytest.raises(ValueError, match="'float16', 'bfloat16'.*got 'int8'"):
+        rewrite_graph_def(_chain(), target="int8")
+
+
+@pytest.mark.parametrize("target, kind", [("float16", "CastToFp16"), ("bfloat16", "CastToBf16")])
+def test_casts_are_named_shared_and_placed_like_grappler(target, kind):
+    """One cast per source port and direction, named <src>-<port>-<Kind>-<id>-AutoMixedPrecision."""
+    graph_def = _chain()
+    _node(graph_def, "allow1").device = "/job:localhost/replica:0/task:0/device:CPU:0" if target == "bfloat16" else ""
+    out = rewrite_graph_def(graph_def, target=target, fetches=["fetch"]).graph_def
+    casts = {n.name: n for n in out.node if n.op == "Cast"}
+    assert set(casts) == {f"input-0-{kind}-0-AutoMixedPrecision", "clr1-0-CastToFp32-0-AutoMixedPrecision"}
+    to_target = casts[f"input-0-{kind}-0-AutoMixedPrecision"]
+    assert list(_node(out, "allow1").input) == [to_target.name, to_target.name]  # shared by both inputs
+    assert to_target.device == _node(graph_def, "input").device
+    assert list(_node(out, "deny1").input) == ["clr1-0-CastToFp32-0-AutoMixedPrecision"]
+
+
+def test_cast_ids_skip_names_already_taken():
+    graph_def = _chain()
+    taken = graph_def.node.add()
+    taken.CopyFrom(_node(graph_def, "input"))
+    taken.name = "input-0-CastToFp16-0-AutoMixedPrecision"
+    out = rewrite_graph_def(graph_def, fetches=["fetch"]).graph_def
+    assert any(n.name == "input-0-CastToFp16-1-AutoMixedPrecision" for n in out.node)
+
+
+def test_output_is_deterministic_and_input_untouched():
+    graph_def = _chain()
+    before = graph_def.SerializeToString(deterministic=True)
+    first = rewrite_graph_def(graph_def, fetches=["fetch"]).graph_def.SerializeToString(deterministic=True)
+    second = rewrite_graph_def(graph_def, fetches=["fetch"]).graph_def.SerializeToString(deterministic=True)
+    assert first == second
+    assert graph_def.SerializeToString(deterministic=True) == before
+
+
+def test_rewriting_twice_changes_nothing_more():
+    once = rewrite_graph_def(_chain(), fetches=["fetch"]).graph_def
+    twice = rewrite_graph_def(once, fetches=["fetch"])
+    assert twice.graph_def == once
+    assert twice.report.vertices_converted == 0
+
+
+def test_report_summary_and_reasons():
+    report = rewrite_graph_def(_chain(), fetches=["fetch"]).report
+    assert report.summary() == (
+        "Converted 2/5 nodes to float16 precision using 1 cast(s) to float16 (excluding Const and Variable casts)"
+    )
+    assert report.decision("allow1").rule == "allow-list"
+    assert report.decision("clr1").after == "float16"
+    assert report.decision("deny1").rule == "deny-list"
+    assert report.decision("fetch").rule == "not-processed"
+    assert report.kept_float32()["deny-list"] == 1
+
+
+def test_keep_nodes_blocks_a_node_by_name_or_regex(tmp_path):
+    """Beyond grappler (tensorflow#40562): a node block list keeps matching nodes float32."""
+    overlay = tmp_path / "keep.yaml"
+    overlay.write_text("keep_nodes: ['all.w1']\n")
+    result = rewrite_graph_def(_chain(), fetches=["fetch"], lists=str(overlay))
+    assert _node(result.graph_def, "allow1").attr["T"].type == types_pb2.DT_FLOAT
+    assert result.report.decision("allow1").rule == "not-processed"
+    assert result.report.vertices_converted == 0
+    assert not [n for n in result.graph_def.node if n.op == "Cast"]
+
+
+def test_node_on_another_device_type_is_not_painted():
+    graph_def = _chain()
+    _node(graph_def, "allow1").device = "/device:CPU:0"
+    result = rewrite_graph_def(graph_def, target="float16", fetches=["fetch"])
+    assert _node(result.graph_def, "allow1").attr["T"].type == types_pb2.DT_FLOAT
+    assert "not a GPU device" in result.report.decision("allow1").reason
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda g: _node(g, "clr1").input.__setitem__(0, "nowhere"), "node 'clr1': input 'nowhere' names a node"),
+        (lambda g: _node(g, "clr1").input.__setitem__(0, "allow1:x"), "node 'clr1': malformed input 'allow1:x'"),
+        (lambda g: _node(g, "clr1").input.__setitem__(0, "allow1:3"), "names output 3 of 'allow1'"),
+        (lambda g: setattr(_node(g, "clr1"), "op", "NoSuchOp"), "op 'NoSuchOp' is neither registered"),
+        (lambda g: _node(g, "clr1").input.append("allow1"), "expected 1 data input"),
+        (lambda g: g.node.add().CopyFrom(_node(g, "clr1")), "duplicate node name 'clr1'"),
+        (lambda g: _node(g, "clr1").attr["bogus"].CopyFrom(_node(g, "clr1").attr["T"]), "attribute 'bogus'"),
+    ],
+)
+def test_bad_graphs_raise_one_clear_error_naming_the_node(mutate, message):
+    graph_def = _chain()
+    mutate(graph_def)
+    before = graph_def.SerializeToString(deterministic=True)
+    with pytest.raises(GraphError, match=message):
+        rewrite_graph_def(graph_def, fetches=["fetch"])
+    assert graph_def.SerializeToString(deterministic=True) == before
+
+
+def test_unknown_fetch_is_an_error():
+    with pytest.raises(GraphError, match="fetch node\\(s\\) 'missing' not in the graph"):
+        rewrite_graph_def(_chain(), fetches=["missing"])
+
+
+def test_errors_are_value_errors_and_public():
+    assert issubclass(amp_rewrite.GraphError, amp_rewrite.AmpRewriteError)
+    assert issubclass(amp_rewrite.AmpRewriteError, ValueError)
