@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tensorflow.core.framework import types_pb2
 
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph
 
 
 def dtype_name(dtype: int) -> str:
@@ -20,6 +21,7 @@ def dtype_name(dtype: int) -> str:
 class Decision:
     """The fate of one float32 (node, type attribute) vertex."""
 
+    function: str  # MAIN_GRAPH or the library function the node lives in
     node: str
     op: str
     attr: str
@@ -34,21 +36,50 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class Report:
-    """Counts (grappler's definitions) plus the per-vertex decisions."""
+class ItemStats:
+    """Grappler's counters for one item: the main graph or one function body."""
 
-    target: str
+    function: str
     nodes_before: int
     vertices_converted: int
     casts_added: int
     casts_to_target: int  # excluding casts of Const and variable outputs, as grappler counts
+
+
+@dataclass(frozen=True)
+class Report:
+    """Counts per item (grappler's definitions) plus the per-vertex decisions."""
+
+    target: str
+    items: tuple[ItemStats, ...]
     decisions: tuple[Decision, ...]
 
-    def summary(self) -> str:
-        """Grappler's log line, word for word."""
+    def _total(self, field: str, function: str | None) -> int:
+        return sum(getattr(i, field) for i in self.items if function is None or i.function == function)
+
+    @property
+    def nodes_before(self) -> int:
+        return self._total("nodes_before", None)
+
+    @property
+    def vertices_converted(self) -> int:
+        return self._total("vertices_converted", None)
+
+    @property
+    def casts_added(self) -> int:
+        return self._total("casts_added", None)
+
+    @property
+    def casts_to_target(self) -> int:
+        return self._total("casts_to_target", None)
+
+    def summary(self, function: str | None = None) -> str:
+        """Grappler's log line, word for word, for one item or (None) all of them."""
+        converted, nodes = self._total("vertices_converted", function), self._total("nodes_before", function)
+        casts = self._total("casts_to_target", function)
         return (
-            f"Converted {self.vertices_converted}/{self.nodes_before} nodes to {self.target} precision"
-            f" using {self.casts_to_target} cast(s) to {self.target} (excluding Const and Variable casts)"
+            f"Converted {converted}/{nodes} nodes to {self.target} precision"
+            f" using {casts} cast(s) to {self.target} (excluding Const and Variable casts)"
         )
 
     def kept_float32(self) -> dict[str, int]:
@@ -56,8 +87,8 @@ class Report:
         counts = collections.Counter(d.rule for d in self.decisions if not d.converted)
         return dict(counts.most_common())
 
-    def decision(self, node: str, attr: str = "T") -> Decision:
+    def decision(self, node: str, attr: str = "T", function: str = MAIN_GRAPH) -> Decision:
         for d in self.decisions:
-            if d.node == node and d.attr == attr:
+            if d.node == node and d.attr == attr and d.function == function:
                 return d
-        raise KeyError(f"no float32 vertex '{node}:{attr}' in the report")
+        raise KeyError(f"no float32 vertex '{node}:{attr}' in {function or 'the main graph'}")

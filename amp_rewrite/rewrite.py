@@ -11,11 +11,11 @@ from typing import Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite import casts, colouring, graph_io, typegraph
+from amp_rewrite import casts, colouring, functions, graph_io, support, typegraph
 from amp_rewrite.colouring import PaintContext, Painting
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
-from amp_rewrite.report import TARGET_DTYPES, Decision, Report, dtype_name
+from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, Decision, ItemStats, Report, dtype_name
 from amp_rewrite.typegraph import Vertex
 
 log = logging.getLogger(__name__)
@@ -122,20 +122,52 @@ def rewrite_graph_def(
     fetches: Iterable[str] = (),
     lists: str | os.PathLike | OpLists | None = None,
 ) -> RewriteResult:
-    """Rewrites ``graph_def`` to mixed precision; the input is never modified.
+    """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
     ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists).
     ``fetches``: node names whose outputs must keep their dtype.
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
+    Like grappler, each function body is painted on its own (spec §1.2) and keeps its
+    signature, so callers and SavedModel signatures stay valid.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
+    op_lists = load_lists(target, lists)
     with _gc_paused():
-        return _rewrite(graph_def, target, tuple(fetches), load_lists(target, lists))
+        main = _rewrite_item(graph_def, target, tuple(fetches), op_lists, MAIN_GRAPH)
+        output = main.graph_def
+        items, decisions = [main.stats], list(main.decisions)
+        library = support.library_op_defs(graph_def.library)
+        position = {f.signature.name: i for i, f in enumerate(graph_def.library.function)}
+        for name in functions.reachable_functions(graph_def):
+            function = graph_def.library.function[position[name]]
+            try:
+                body = functions.body_graph_def(function, library)
+                body.library.CopyFrom(graph_def.library)
+                item = _rewrite_item(body, target, functions.preserved_nodes(function, body), op_lists, name)
+                rewritten = functions.to_function_def(item.graph_def, function, library)
+            except GraphError as error:
+                message = str(error)
+                raise GraphError(message if message.startswith("function") else f"function '{name}': {message}") from None
+            output.library.function[position[name]].CopyFrom(rewritten)
+            items.append(item.stats)
+            decisions.extend(item.decisions)
+    report = Report(target, tuple(items), tuple(decisions))
+    log.info("%s", report.summary())
+    return RewriteResult(output, report)
 
 
-def _rewrite(graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...], op_lists: OpLists) -> RewriteResult:
-    """Steps 2–8 of grappler's pass; step 1, the lists, is the caller's."""
+@dataclass(frozen=True)
+class _Item:
+    graph_def: graph_pb2.GraphDef
+    stats: ItemStats
+    decisions: tuple[Decision, ...]
+
+
+def _rewrite_item(
+    graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...], op_lists: OpLists, function: str
+) -> _Item:
+    """Grappler's pass on one item (spec §2.1–2.6); step 1, the lists, is the caller's."""
     # 2. Working copy as a node graph; every fetch must exist.
     nodes = graph_io.to_networkx(graph_def)
     missing = [f for f in fetches if f not in nodes]
@@ -151,15 +183,14 @@ def _rewrite(graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...
     float32 = [v for v in types.graph.nodes if v.attr.name and ctx.is_float32(v)]
     # 6. Colouring passes, pure; then each float32 vertex's reason.
     painting = colouring.paint(ctx)
-    decisions_before = {v: (ctx.op(v), explain(ctx, painting, skipped, v)) for v in float32}
+    reasons = {v: (ctx.op(v), explain(ctx, painting, skipped, v)) for v in float32}
     # 7. Types and casts, the one mutation (of the working copy).
-    # 8. Back to a GraphDef, with the report.
     stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
+    # 8. Back to a GraphDef, with the item's counts and decisions.
     decisions = tuple(
-        Decision(v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), rule, reason)
-        for v, (op, (rule, reason)) in decisions_before.items()
+        Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), rule, reason)
+        for v, (op, (rule, reason)) in reasons.items()
     )
-    report = Report(target, len(graph_def.node), stats.vertices_converted, stats.casts_added,
-                    stats.casts_to_target, decisions)
-    log.info("%s", report.summary())
-    return RewriteResult(graph_io.to_graph_def(nodes), report)
+    item_stats = ItemStats(function, len(graph_def.node), stats.vertices_converted, stats.casts_added,
+                           stats.casts_to_target)
+    return _Item(graph_io.to_graph_def(nodes), item_stats, decisions)

@@ -1,0 +1,171 @@
+"""Function bodies as GraphDefs and back, and which library functions grappler rewrites.
+
+Grappler's meta-optimizer rewrites each reachable function body as its own item
+(spec §1.2): the body becomes a graph whose inputs are ``_Arg`` nodes and whose outputs
+are ``_Retval`` nodes, with FunctionDef's ``node:output_arg:index`` input names turned
+into ``node:port``. After painting, the body goes back into a FunctionDef with the same
+signature, so every caller stays valid.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
+
+from amp_rewrite import support
+from amp_rewrite.errors import GraphError
+from amp_rewrite.graph_io import CONTROL, parse_tensor_name
+
+RETVAL_SUFFIX = "_RetVal"
+
+
+def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> list[tuple[str, int]]:
+    """(output arg name, index within the arg) for each output port of the node."""
+    ports = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            count = len(node_def.attr[arg.type_list_attr].list.type)
+        elif arg.number_attr:
+            count = node_def.attr[arg.number_attr].i
+        else:
+            count = 1
+        ports.extend((arg.name, i) for i in range(count))
+    return ports
+
+
+def is_parametrized(function: function_pb2.FunctionDef) -> bool:
+    """Types or attrs fixed only by the caller: grappler leaves such bodies alone."""
+    signature = function.signature
+    for arg in list(signature.input_arg) + list(signature.output_arg):
+        if arg.type_attr or arg.type_list_attr or arg.number_attr:
+            return True
+    return any(value.placeholder for node in function.node_def for value in node.attr.values())
+
+
+def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) -> Iterable[str]:
+    for node in nodes:
+        if node.op in names:
+            yield node.op
+        for value in node.attr.values():
+            if value.HasField("func"):
+                yield value.func.name
+            yield from (f.name for f in value.list.func)
+
+
+def reachable_functions(graph_def: graph_pb2.GraphDef) -> list[str]:
+    """Library functions grappler optimizes, in library order (spec §1.2).
+
+    Reachable from the main graph through calls, function attrs and registered
+    gradients; minus what ``XlaLaunch`` compiles, parametrized and tf.data functions.
+    """
+    library = {f.signature.name: f for f in graph_def.library.function}
+    gradients = {g.function_name: g.gradient_func for g in graph_def.library.gradient}
+
+    def closure(start: Iterable[str]) -> set[str]:
+        seen: set[str] = set()
+        stack = [name for name in start if name in library]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            stack.extend(n for n in _called_functions(library[name].node_def, set(library)) if n in library)
+            if gradients.get(name) in library:
+                stack.append(gradients[name])
+        return seen
+
+    reachable = closure(_called_functions(graph_def.node, set(library)))
+    xla_roots = [
+        node.attr["function"].func.name
+        for node in list(graph_def.node) + [n for name in reachable for n in library[name].node_def]
+        if node.op == "XlaLaunch" and "function" in node.attr
+    ]
+    compiled = closure(xla_roots)
+    return [
+        name for name in library
+        if name in reachable and name not in compiled and not is_parametrized(library[name])
+        and not (library[name].attr.get("_tf_data_function") and library[name].attr["_tf_data_function"].b)
+    ]
+
+
+def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_def_pb2.OpDef]) -> graph_pb2.GraphDef:
+    """The body as a GraphDef: ``_Arg`` nodes named after the inputs, ``_Retval`` per output."""
+    name = function.signature.name
+    graph_def = graph_pb2.GraphDef()
+    for index, arg in enumerate(function.signature.input_arg):
+        node = graph_def.node.add(name=arg.name, op="_Arg")
+        node.attr["T"].type = arg.type
+        node.attr["index"].i = index
+    ports: dict[str, str] = {arg.name: arg.name for arg in function.signature.input_arg}
+    for node_def in function.node_def:
+        op_def = support.resolve_op_def(node_def, library)
+        for port, (arg, index) in enumerate(_output_args(node_def, op_def)):
+            ports[f"{node_def.name}:{arg}:{index}"] = f"{node_def.name}:{port}"
+
+    args = {arg.name for arg in function.signature.input_arg}
+
+    def local(tensor: str, consumer: str) -> str:
+        if tensor.startswith("^"):
+            return tensor
+        if tensor in ports:
+            return ports[tensor]
+        if tensor.endswith(":0") and tensor[:-2] in args:
+            return tensor[:-2]
+        raise GraphError(f"function '{name}', node '{consumer}': input '{tensor}' names no argument or node output")
+
+    for node_def in function.node_def:
+        node = graph_def.node.add()
+        node.CopyFrom(node_def)
+        node.input[:] = [local(t, node_def.name) for t in node_def.input]
+    for index, arg in enumerate(function.signature.output_arg):
+        if arg.name not in function.ret:
+            raise GraphError(f"function '{name}': output '{arg.name}' has no value in 'ret'")
+        node = graph_def.node.add(name=arg.name + RETVAL_SUFFIX, op="_Retval")
+        node.input.append(local(function.ret[arg.name], node.name))
+        node.attr["T"].type = arg.type
+        node.attr["index"].i = index
+    return graph_def
+
+
+def preserved_nodes(function: function_pb2.FunctionDef, body: graph_pb2.GraphDef) -> list[str]:
+    """A function item's preserved set: outputs, control outputs and every stateful op."""
+    preserved = [arg.name + RETVAL_SUFFIX for arg in function.signature.output_arg]
+    preserved += list(function.control_ret.values())
+    for node in body.node:
+        op_def = support.registered_op_def(node.op)
+        if op_def is not None and op_def.is_stateful:
+            preserved.append(node.name)
+    return preserved
+
+
+def to_function_def(
+    body: graph_pb2.GraphDef, function: function_pb2.FunctionDef, library: Mapping[str, op_def_pb2.OpDef]
+) -> function_pb2.FunctionDef:
+    """A rewritten body back into ``function``'s FunctionDef: same signature, new nodes and ``ret``."""
+    args = {node.name for node in body.node if node.op == "_Arg"}
+    node_defs = {node.name: node for node in body.node}
+    output_names: dict[str, list[tuple[str, int]]] = {}
+
+    def function_tensor(tensor: str) -> str:
+        ref = parse_tensor_name(tensor)
+        if ref.port == CONTROL or ref.node in args:
+            return tensor if ref.port == CONTROL else ref.node
+        if ref.node not in output_names:
+            node_def = node_defs[ref.node]
+            output_names[ref.node] = _output_args(node_def, support.resolve_op_def(node_def, library))
+        arg, index = output_names[ref.node][ref.port]
+        return f"{ref.node}:{arg}:{index}"
+
+    rewritten = function_pb2.FunctionDef()
+    rewritten.CopyFrom(function)
+    del rewritten.node_def[:]
+    for node in body.node:
+        if node.op == "_Arg":
+            continue
+        if node.op == "_Retval":
+            rewritten.ret[node.name[: -len(RETVAL_SUFFIX)]] = function_tensor(node.input[0])
+            continue
+        copy = rewritten.node_def.add()
+        copy.CopyFrom(node)
+        copy.input[:] = [function_tensor(t) for t in node.input]
+    return rewritten
