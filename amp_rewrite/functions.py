@@ -88,6 +88,81 @@ def reachable_functions(graph_def: graph_pb2.GraphDef) -> list[str]:
     ]
 
 
+# Functional ops: the attrs naming their functions, and the type attrs their signatures must match.
+_CALL_SIGNATURES = {
+    "PartitionedCall": (("f", "Tin", "Tout"),),
+    "StatefulPartitionedCall": (("f", "Tin", "Tout"),),
+    "While": (("body", "T", "T"), ("cond", "T", None)),
+    "StatelessWhile": (("body", "T", "T"), ("cond", "T", None)),
+    "If": (("then_branch", "Tin", "Tout"), ("else_branch", "Tin", "Tout")),
+    "StatelessIf": (("then_branch", "Tin", "Tout"), ("else_branch", "Tin", "Tout")),
+}
+
+
+def _arg_types(args) -> list[int] | None:
+    types = [arg.type for arg in args]
+    return None if any(arg.type_attr or arg.type_list_attr or arg.number_attr for arg in args) else types
+
+
+def check_calls(graph_def: graph_pb2.GraphDef) -> None:
+    """Every called function exists, matches its caller's types, and no call is recursive.
+
+    Raises ``GraphError`` naming the function; grappler would fail later, less clearly.
+    """
+    library = {f.signature.name: f for f in graph_def.library.function}
+
+    def check(nodes: Iterable[node_def_pb2.NodeDef], where: str) -> None:
+        for node in nodes:
+            for attr_name, value in node.attr.items():
+                called = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
+                for name in called:
+                    if name not in library and support.registered_op_def(name) is None:
+                        raise GraphError(
+                            f"function '{name}' called by node '{node.name}'{where} ({attr_name}) is not in the"
+                            " graph's library; export the graph with its functions"
+                        )
+            for attr_name, in_attr, out_attr in _CALL_SIGNATURES.get(node.op, ()):
+                function = library.get(node.attr[attr_name].func.name) if attr_name in node.attr else None
+                if function is None:
+                    continue
+                expected_in = list(node.attr[in_attr].list.type)
+                actual_in = _arg_types(function.signature.input_arg)
+                actual_out = _arg_types(function.signature.output_arg)
+                expected_out = list(node.attr[out_attr].list.type) if out_attr else None
+                if actual_in is not None and actual_in != expected_in or (
+                    out_attr and actual_out is not None and actual_out != expected_out
+                ):
+                    raise GraphError(
+                        f"function '{function.signature.name}' ({attr_name} of {node.op} node '{node.name}'{where})"
+                        f" has a signature that does not match the node's '{in_attr}'"
+                        f"{'/' + out_attr if out_attr else ''} types; re-export the graph"
+                    )
+
+    check(graph_def.node, "")
+    for function in graph_def.library.function:
+        check(function.node_def, f" in function '{function.signature.name}'")
+    calls = {
+        name: set(_called_functions(f.node_def, set(library))) & set(library) for name, f in library.items()
+    }
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for callee in sorted(calls[name]):
+            if state.get(callee) == 1:
+                cycle = path[path.index(callee):] + [callee]
+                raise GraphError(
+                    f"function '{callee}' is recursive ({' -> '.join(cycle)}); recursive functions cannot be rewritten"
+                )
+            if callee not in state:
+                visit(callee, path + [callee])
+        state[name] = 2
+
+    for name in library:
+        if name not in state:
+            visit(name, [name])
+
+
 def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_def_pb2.OpDef]) -> graph_pb2.GraphDef:
     """The body as a GraphDef: ``_Arg`` nodes named after the inputs, ``_Retval`` per output."""
     name = function.signature.name

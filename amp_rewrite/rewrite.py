@@ -133,8 +133,10 @@ def rewrite_graph_def(
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     op_lists = load_lists(target, lists)
+    fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
+    functions.check_calls(graph_def)
     with _gc_paused():
-        main = _rewrite_item(graph_def, target, tuple(fetches), op_lists, MAIN_GRAPH)
+        main = _rewrite_item(graph_def, target, fetch_nodes, op_lists, MAIN_GRAPH)
         output = main.graph_def
         items, decisions = [main.stats], list(main.decisions)
         library = support.library_op_defs(graph_def.library)

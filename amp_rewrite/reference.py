@@ -1,0 +1,347 @@
+"""TensorFlow's own grappler AMP pass as a live oracle, and a comparison against it.
+
+``run_grappler`` runs the real pass in isolation (spec §8) so tests can ask
+TensorFlow what it would do with a graph; ``compare_rewrites`` judges our result
+against grappler's vertex by vertex and cast by cast (spec §2.2, §2.6).
+
+What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
+
+* Device choice is pinned by a *virtual* cluster, never the local machine, so the
+  answer does not depend on the host: float16 (CUDA mode) sees one GPU
+  ``/job:localhost/replica:0/task:0/device:GPU:0`` (architecture 8.0, cuda 12050,
+  cudnn 90300: every cuda/cudnn list gate open) plus a CPU; bfloat16 (oneDNN mode)
+  sees a CPU only. The virtual placer then puts nodes with an empty device on the
+  GPU (float16) or the CPU (bfloat16), which is the contract of
+  ``amp_rewrite.rewrite_graph_def`` (spec §1.5). A real SingleMachine would add a
+  GPU on a GPU host and silently turn the bfloat16 run into a no-op.
+* grappler needs at least one fetch (the item builder refuses a MetaGraphDef with
+  an empty ``train_op`` collection). With no ``fetches`` we fetch a disconnected
+  ``NoOp`` added for the run and removed from the result; preserving it cannot
+  change any colour.
+* The item builder turns every ``Placeholder``/``PlaceholderWithDefault`` into a
+  feed, i.e. a preserved node, and rejects placeholders whose ``shape`` has
+  unknown dimensions. AMP never reads shapes, so unknown dimensions are set to 1
+  for the run and the original ``shape`` attr is put back in the result.
+  Placeholders are in no op list, so preserving them changes no colour.
+* The meta-optimizer re-sorts nodes topologically and canonicalises ``"x:0"`` to
+  ``"x"`` in the inputs it rewrites; ``compare_rewrites`` is insensitive to both.
+* The meta-optimizer normally logs a failing AMP pass and returns the graph
+  unchanged (spec §1.2), which an oracle would mistake for "nothing to convert";
+  ``fail_on_optimizer_errors`` is set so the failure raises instead (e.g.
+  "Expected Merge node after NextIteration").
+* Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
+  keeps ``library``); the meta-optimizer then also runs AMP on each reachable
+  function body as a separate item (spec §1.2) and returns the rewritten library.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.graph_pb2 import GraphDef
+from tensorflow.core.protobuf.config_pb2 import ConfigProto
+from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, NamedDevice
+from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
+from tensorflow.python.grappler import tf_optimizer
+from tensorflow.python.grappler.cluster import Cluster
+
+TARGET_TO_OPTIMIZER = {
+    "float16": "auto_mixed_precision",
+    "bfloat16": "auto_mixed_precision_onednn_bfloat16",
+}
+GPU_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
+CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
+# A fast-fp16 GPU with recent CUDA/cuDNN, so that every version-gated Fp16 list
+# entry (BatchMatMul*, Conv3D*, Depthwise*) is on (spec §1.4, §3.1).
+GPU_ENVIRONMENT = {"architecture": "8.0", "cuda": "12050", "cudnn": "90300"}
+_NO_FETCH_NODE = "amp_rewrite_reference_no_fetch"
+_PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+# "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6); the id is not compared.
+_CAST_NAME = re.compile(
+    r"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastToFp16|CastToBf16|CastToFp32)-\d+-AutoMixedPrecision$"
+)
+
+
+def _virtual_cluster(target: str) -> Cluster:
+    """The devices grappler sees: GPU+CPU for float16, CPU only for bfloat16."""
+    cpu = NamedDevice(name=CPU_NAME, properties=DeviceProperties(type="CPU"))
+    if target == "bfloat16":
+        return Cluster(devices=[cpu])
+    gpu = NamedDevice(name=GPU_NAME, properties=DeviceProperties(type="GPU", environment=GPU_ENVIRONMENT))
+    return Cluster(devices=[gpu, cpu])
+
+
+def _config(target: str) -> ConfigProto:
+    """Only the AMP optimizer of ``target``, on graphs of any size, failing loudly."""
+    config = ConfigProto()
+    rewrite_options = config.graph_options.rewrite_options
+    rewrite_options.optimizers.append(TARGET_TO_OPTIMIZER[target])
+    rewrite_options.min_graph_nodes = -1
+    rewrite_options.fail_on_optimizer_errors = True
+    return config
+
+
+def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[GraphDef, list[str], dict[str, bytes]]:
+    """Copy ``graph_def`` into the form grappler's item builder accepts.
+
+    Returns the copy, the fetch node names and, per placeholder whose shape was
+    made concrete, the serialized original ``shape`` attr (b"" if it had none).
+    """
+    item_graph = GraphDef()
+    item_graph.CopyFrom(graph_def)
+    name_to_shape: dict[str, bytes] = {}
+    for node in item_graph.node:
+        if node.op not in _PLACEHOLDER_OPS:
+            continue
+        if "shape" not in node.attr:
+            name_to_shape[node.name] = b""
+            node.attr["shape"].shape.unknown_rank = True
+            continue
+        shape = node.attr["shape"].shape
+        if any(dim.size < 0 for dim in shape.dim):
+            name_to_shape[node.name] = node.attr["shape"].SerializeToString()
+            for dim in shape.dim:
+                if dim.size < 0:
+                    dim.size = 1
+    fetch_names = [_node_name(fetch) for fetch in fetches]
+    if not fetch_names:
+        item_graph.node.add(name=_NO_FETCH_NODE, op="NoOp")
+        fetch_names = [_NO_FETCH_NODE]
+    return item_graph, fetch_names, name_to_shape
+
+
+def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes]) -> None:
+    """Undo ``_prepare_item_graph`` on grappler's output, in place."""
+    kept = [node for node in output.node if node.name != _NO_FETCH_NODE]
+    if len(kept) != len(output.node):
+        del output.node[:]
+        output.node.extend(kept)
+    for node in output.node:
+        if node.name in name_to_shape:
+            original = name_to_shape[node.name]
+            if original:
+                node.attr["shape"].ParseFromString(original)
+            else:
+                del node.attr["shape"]
+
+
+def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = ()) -> GraphDef:
+    """Return the GraphDef TensorFlow's grappler AMP pass makes of ``graph_def``.
+
+    ``target`` is "float16" (CUDA mode on a virtual 8.0 GPU) or "bfloat16" (oneDNN
+    mode on a CPU); ``fetches`` are node or tensor names grappler must preserve.
+    Raises ValueError for an unknown target and RuntimeError, with grappler's
+    message, when grappler rejects the graph or the pass fails. The input is not
+    modified. With TF_ENABLE_ONEDNN_OPTS=0 the bfloat16 optimizer does not exist
+    and the graph comes back unchanged (spec §4).
+    """
+    if target not in TARGET_TO_OPTIMIZER:
+        raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
+    meta_graph = MetaGraphDef()
+    meta_graph.graph_def.CopyFrom(item_graph)
+    meta_graph.collection_def["train_op"].node_list.value.extend(fetch_names)
+    cluster = _virtual_cluster(target)
+    try:
+        output = tf_optimizer.OptimizeGraph(
+            _config(target), meta_graph, verbose=False, cluster=cluster, strip_default_attributes=False
+        )
+    except Exception as error:  # TF errors and pybind11 errors share no narrower base
+        raise RuntimeError(f"grappler failed on the graph for {target}: {error}") from error
+    finally:
+        cluster.Shutdown()
+    _restore(output, name_to_shape)
+    return output
+
+
+# --------------------------------------------------------------------------------------
+# Comparison
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far our rewrite agrees with grappler's on one graph."""
+
+    judged: int  # float32 (node, type-attr) vertices of the original graph
+    agreed: int
+    mismatches: tuple[str, ...]  # e.g. "allow1 attr T: ours=DT_HALF grappler=DT_FLOAT"
+    ours_casts: int
+    grappler_casts: int
+    # Casts (named modulo the id) present in one result only, or wired differently.
+    cast_mismatches: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
+
+    def explain(self) -> str:
+        """A multi-line report for an assertion message."""
+        lines = [
+            f"{self.agreed}/{self.judged} float32 vertices agree; casts: ours={self.ours_casts} "
+            f"grappler={self.grappler_casts}"
+        ]
+        lines += [f"  vertex: {line}" for line in self.mismatches]
+        lines += [f"  cast: {line}" for line in self.cast_mismatches]
+        return "\n".join(lines)
+
+
+def _node_name(tensor: str) -> str:
+    """``"^x"``, ``"x:1"``, ``"x"`` -> ``"x"``."""
+    return tensor.lstrip("^").split(":")[0]
+
+
+def _parse_input(tensor: str) -> tuple[str, int]:
+    """A data input ``"x:1"`` / ``"x"`` -> ``("x", 1)`` / ``("x", 0)``."""
+    name, _, port = tensor.partition(":")
+    return name, int(port) if port else 0
+
+
+def _type_name(dtype: int | None) -> str:
+    return "missing" if dtype is None else types_pb2.DataType.Name(dtype)
+
+
+def vertex_dtypes(graph_def: GraphDef) -> dict[tuple[str, str], int]:
+    """Every (node, type-attr) of ``graph_def`` with its dtype enum.
+
+    A ``list(type)`` attr contributes one entry per element, keyed ``"T[i]"``;
+    attrs starting with ``_`` are skipped, as grappler skips them (spec §2.2).
+    """
+    vertex_to_dtype: dict[tuple[str, str], int] = {}
+    for node in graph_def.node:
+        for attr_name, value in node.attr.items():
+            if attr_name.startswith("_"):
+                continue
+            kind = value.WhichOneof("value")
+            if kind == "type":
+                vertex_to_dtype[(node.name, attr_name)] = value.type
+            elif kind == "list":
+                for index, dtype in enumerate(value.list.type):
+                    vertex_to_dtype[(node.name, f"{attr_name}[{index}]")] = dtype
+    return vertex_to_dtype
+
+
+def _cast_key(name: str) -> str | None:
+    """``"x-0-CastToFp16-3-AutoMixedPrecision"`` -> ``"x-0-CastToFp16"``; None if not an AMP cast."""
+    match = _CAST_NAME.match(name)
+    return f"{match['src']}-{match['port']}-{match['kind']}" if match else None
+
+
+def _stable_name(name: str) -> str:
+    """A node name with any AMP cast id removed, so both outputs name nodes alike."""
+    return _cast_key(name) or name
+
+
+def _cast_wiring(graph_def: GraphDef) -> dict[str, tuple[str, frozenset[tuple[str, int]]]]:
+    """Per AMP cast (keyed modulo id): (its input tensor, its consumers (node, input index))."""
+    key_to_source: dict[str, str] = {}
+    key_to_consumers: dict[str, set[tuple[str, int]]] = {}
+    for node in graph_def.node:
+        key = _cast_key(node.name)
+        if key is not None:
+            source, port = _parse_input(node.input[0]) if node.input else ("", 0)
+            key_to_source[key] = f"{_stable_name(source)}:{port}"
+            key_to_consumers.setdefault(key, set())
+    for node in graph_def.node:
+        for index, tensor in enumerate(node.input):
+            if tensor.startswith("^"):
+                continue
+            producer, _ = _parse_input(tensor)
+            key = _cast_key(producer)
+            if key is not None:
+                key_to_consumers.setdefault(key, set()).add((_stable_name(node.name), index))
+    return {key: (key_to_source.get(key, "missing"), frozenset(key_to_consumers[key])) for key in key_to_consumers}
+
+
+def _compare_vertices(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> tuple[int, int, list[str]]:
+    """Judge every original float32 vertex, every op name and attrs the pass adds (``U``)."""
+    original_vertices = vertex_dtypes(original)
+    ours_vertices = vertex_dtypes(ours)
+    grappler_vertices = vertex_dtypes(grappler)
+    mismatches: list[str] = []
+    judged = agreed = 0
+    for (node, attr), dtype in original_vertices.items():
+        if dtype != types_pb2.DT_FLOAT:
+            continue
+        judged += 1
+        ours_dtype = ours_vertices.get((node, attr))
+        grappler_dtype = grappler_vertices.get((node, attr))
+        if ours_dtype == grappler_dtype:
+            agreed += 1
+        else:
+            mismatches.append(
+                f"{node} attr {attr}: ours={_type_name(ours_dtype)} grappler={_type_name(grappler_dtype)}"
+            )
+    original_names = {node.name for node in original.node}
+    for node, attr in sorted((set(ours_vertices) | set(grappler_vertices)) - set(original_vertices)):
+        if node in original_names and ours_vertices.get((node, attr)) != grappler_vertices.get((node, attr)):
+            mismatches.append(
+                f"{node} new attr {attr}: ours={_type_name(ours_vertices.get((node, attr)))} "
+                f"grappler={_type_name(grappler_vertices.get((node, attr)))}"
+            )
+    ours_ops = {node.name: node.op for node in ours.node}
+    grappler_ops = {node.name: node.op for node in grappler.node}
+    for node in original.node:
+        ours_op, grappler_op = ours_ops.get(node.name), grappler_ops.get(node.name)
+        if ours_op != grappler_op:
+            mismatches.append(f"{node.name} op: ours={ours_op or 'missing'} grappler={grappler_op or 'missing'}")
+    return judged, agreed, mismatches
+
+
+def _compare_casts(ours: GraphDef, grappler: GraphDef) -> list[str]:
+    ours_wiring, grappler_wiring = _cast_wiring(ours), _cast_wiring(grappler)
+    mismatches: list[str] = []
+    for key in sorted(set(ours_wiring) | set(grappler_wiring)):
+        if key not in grappler_wiring:
+            mismatches.append(f"{key}: only in ours (consumers {sorted(ours_wiring[key][1])})")
+        elif key not in ours_wiring:
+            mismatches.append(f"{key}: only in grappler (consumers {sorted(grappler_wiring[key][1])})")
+        elif ours_wiring[key] != grappler_wiring[key]:
+            ours_source, ours_consumers = ours_wiring[key]
+            grappler_source, grappler_consumers = grappler_wiring[key]
+            if ours_source != grappler_source:
+                mismatches.append(f"{key}: input ours={ours_source} grappler={grappler_source}")
+            if ours_consumers != grappler_consumers:
+                mismatches.append(
+                    f"{key}: consumers ours={sorted(ours_consumers)} grappler={sorted(grappler_consumers)}"
+                )
+    return mismatches
+
+
+def _compare_other_nodes(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> list[str]:
+    """Nodes that are neither original nor AMP casts must not appear in only one result."""
+    original_names = {node.name for node in original.node}
+    ours_extra = {n.name for n in ours.node if n.name not in original_names and _cast_key(n.name) is None}
+    grappler_extra = {n.name for n in grappler.node if n.name not in original_names and _cast_key(n.name) is None}
+    return [f"{name}: unexpected node in ours only" for name in sorted(ours_extra - grappler_extra)] + [
+        f"{name}: unexpected node in grappler only" for name in sorted(grappler_extra - ours_extra)
+    ]
+
+
+def count_amp_casts(graph_def: GraphDef) -> int:
+    """Number of nodes named like an AMP cast (spec §2.6)."""
+    return sum(_cast_key(node.name) is not None for node in graph_def.node)
+
+
+def compare_rewrites(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> Agreement:
+    """Compare our rewrite of ``original`` with grappler's.
+
+    Vertices: each DT_FLOAT ``type`` attr and ``list(type)`` element of each
+    original node must have the same dtype in both results, each original node the
+    same op (FusedBatchNorm -> V2), and attrs the pass adds (``U``) the same value.
+    Casts are matched by name modulo the ``-<id>-`` part, then by input and by the
+    set of (consumer, input index) they feed. Node order and ``"x:0"`` vs ``"x"``
+    do not matter. Function bodies in the library are not compared.
+    """
+    judged, agreed, mismatches = _compare_vertices(original, ours, grappler)
+    mismatches += _compare_other_nodes(original, ours, grappler)
+    return Agreement(
+        judged=judged,
+        agreed=agreed,
+        mismatches=tuple(mismatches),
+        ours_casts=count_amp_casts(ours),
+        grappler_casts=count_amp_casts(grappler),
+        cast_mismatches=tuple(_compare_casts(ours, grappler)),
+    )
+

@@ -1,0 +1,201 @@
+"""Shared helpers for tests that hold amp_rewrite against TensorFlow's grappler pass.
+
+A conformance test builds a small float32 graph, then
+``check_against_grappler`` rewrites it with ``amp_rewrite.rewrite_graph_def`` and
+with grappler itself (``amp_rewrite.reference.run_grappler``, spec §8) and
+asserts both agree; ``assert_colours`` checks the spec's expectations on both
+results, and ``assert_numerics_match`` runs the original and our rewrite on CPU.
+
+Vertex notation used by ``assert_colours`` and ``dtype_of``: ``"allow1"`` is attr
+``T`` of node allow1, ``"deny2:Ta"`` another attr, ``"clr1:T[2]"`` element 2 of a
+``list(type)`` attr.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.graph_pb2 import GraphDef
+
+import amp_rewrite
+from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, run_grappler
+
+TARGETS = ("float16", "bfloat16")
+TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+# Relative tolerance of a mixed-precision result against float32 (11 vs 8 mantissa bits).
+TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+_ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
+
+
+@pytest.fixture(autouse=True)
+def _no_amp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both implementations read TF_AUTO_MIXED_PRECISION_* (spec §4); start every test clean."""
+    for key in [key for key in os.environ if key.startswith(_ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+
+
+def graph_def_of(build: Callable[[], object]) -> GraphDef:
+    """Run ``build`` in a fresh ``tf.Graph`` and return its GraphDef."""
+    graph = tf.Graph()
+    with graph.as_default():
+        build()
+    return graph.as_graph_def()
+
+
+@dataclass(frozen=True)
+class Rewrites:
+    """One graph rewritten by us and by grappler for the same target and fetches."""
+
+    target: str
+    original: GraphDef
+    ours: GraphDef
+    grappler: GraphDef
+    agreement: Agreement
+    summary: str  # our report's summary line
+
+
+def check_against_grappler(graph_def: GraphDef, target: str, fetches: Sequence[str] = ()) -> Rewrites:
+    """Rewrite ``graph_def`` both ways; assert our input is untouched and the results agree."""
+    before = graph_def.SerializeToString(deterministic=True)
+    result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=tuple(fetches))
+    assert graph_def.SerializeToString(deterministic=True) == before, "rewrite_graph_def modified its input GraphDef"
+    grappler = run_grappler(graph_def, target=target, fetches=fetches)
+    agreement = compare_rewrites(graph_def, result.graph_def, grappler)
+    assert agreement.ok, f"amp_rewrite and grappler disagree for target={target}:\n{agreement.explain()}"
+    return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary())
+
+
+def _parse_vertex(vertex: str) -> tuple[str, str, int | None]:
+    """``"n"`` -> (n, T, None); ``"n:Ta"`` -> (n, Ta, None); ``"n:T[2]"`` -> (n, T, 2)."""
+    node, _, attr = vertex.partition(":")
+    attr = attr or "T"
+    if attr.endswith("]"):
+        name, _, index = attr[:-1].partition("[")
+        return node, name, int(index)
+    return node, attr, None
+
+
+def dtype_of(graph_def: GraphDef, node: str, attr: str = "T", index: int | None = None) -> int:
+    """The dtype enum of ``node``'s type attr (or of element ``index`` of a list attr)."""
+    matches = [candidate for candidate in graph_def.node if candidate.name == node]
+    assert matches, f"node {node!r} is not in the graph"
+    assert attr in matches[0].attr, f"node {node!r} ({matches[0].op}) has no attr {attr!r}"
+    value = matches[0].attr[attr]
+    return value.type if index is None else value.list.type[index]
+
+
+def op_of(graph_def: GraphDef, node: str) -> str:
+    """The op of ``node``."""
+    return next(candidate.op for candidate in graph_def.node if candidate.name == node)
+
+
+def count_casts(graph_def: GraphDef) -> int:
+    """Number of AMP cast nodes (named ``<src>-<port>-CastTo*-<id>-AutoMixedPrecision``)."""
+    return count_amp_casts(graph_def)
+
+
+def count_casts_by_kind(graph_def: GraphDef) -> dict[str, int]:
+    """AMP casts per kind: ``{"CastToFp16": 3, "CastToFp32": 1}``."""
+    kind_to_count: dict[str, int] = {}
+    for node in graph_def.node:
+        for kind in ("CastToFp16", "CastToBf16", "CastToFp32"):
+            if f"-{kind}-" in node.name and node.name.endswith("-AutoMixedPrecision"):
+                kind_to_count[kind] = kind_to_count.get(kind, 0) + 1
+    return kind_to_count
+
+
+def assert_colours(
+    rewrites: Rewrites,
+    *,
+    lowered: Iterable[str] = (),
+    kept: Iterable[str] = (),
+    casts: int | None = None,
+) -> None:
+    """Assert the spec's expectation on our result and on grappler's.
+
+    ``lowered`` vertices must hold the target dtype, ``kept`` vertices DT_FLOAT, and
+    the result must have exactly ``casts`` more nodes than the input, all AMP casts.
+    """
+    low = TARGET_TO_DTYPE[rewrites.target]
+    lowered, kept = list(lowered), list(kept)
+    for label, graph_def in (("amp_rewrite", rewrites.ours), ("grappler", rewrites.grappler)):
+        problems = []
+        for vertices, expected in ((lowered, low), (kept, types_pb2.DT_FLOAT)):
+            for vertex in vertices:
+                actual = dtype_of(graph_def, *_parse_vertex(vertex))
+                if actual != expected:
+                    problems.append(
+                        f"{vertex}: {types_pb2.DataType.Name(actual)}, expected {types_pb2.DataType.Name(expected)}"
+                    )
+        if casts is not None:
+            added = len(graph_def.node) - len(rewrites.original.node)
+            if (added, count_casts(graph_def)) != (casts, casts):
+                problems.append(f"{added} nodes added ({count_casts(graph_def)} AMP casts), expected {casts} casts")
+        assert not problems, f"{label} ({rewrites.target}): " + "; ".join(problems)
+
+
+def assert_unchanged(rewrites: Rewrites) -> None:
+    """Both results hold exactly the input's nodes (order aside): no cast, no retyping."""
+    expected = {node.name: node for node in rewrites.original.node}
+    for label, graph_def in (("amp_rewrite", rewrites.ours), ("grappler", rewrites.grappler)):
+        actual = {node.name: node for node in graph_def.node}
+        added_or_removed = sorted(set(actual) ^ set(expected))
+        assert not added_or_removed, f"{label} added or removed nodes: {added_or_removed}"
+        changed = sorted(name for name in expected if actual[name] != expected[name])
+        assert not changed, f"{label} changed nodes {changed}"
+
+
+# --------------------------------------------------------------------------------------
+# Numerics on CPU
+
+
+def run_on_cpu(
+    graph_def: GraphDef, fetches: Sequence[str], feeds: Mapping[str, np.ndarray] | None = None
+) -> list[np.ndarray]:
+    """Import ``graph_def`` with devices cleared, initialise variables, return fetched values as float32.
+
+    ``fetches`` and feed keys are tensor names; a bare node name means output 0.
+    """
+    cpu_graph_def = GraphDef()
+    cpu_graph_def.CopyFrom(graph_def)
+    for node in cpu_graph_def.node:
+        node.device = ""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(cpu_graph_def, name="")
+    config = tf.compat.v1.ConfigProto(device_count={"GPU": 0}, allow_soft_placement=True)
+    initializers = [node.name for node in cpu_graph_def.node if node.op in ("AssignVariableOp", "Assign")]
+    feed_dict = {_tensor_name(name): value for name, value in (feeds or {}).items()}
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        if initializers:
+            session.run(initializers)
+        values = session.run([_tensor_name(name) for name in fetches], feed_dict=feed_dict)
+    return [np.asarray(value, dtype=np.float32) for value in values]
+
+
+def _tensor_name(name: str) -> str:
+    return name if ":" in name else f"{name}:0"
+
+
+def assert_numerics_match(
+    rewrites: Rewrites, fetches: Sequence[str], feeds: Mapping[str, np.ndarray] | None = None
+) -> None:
+    """Our rewrite computes the float32 original's outputs within the target's tolerance.
+
+    The tolerance is relative, with an absolute floor scaled to each output's magnitude
+    so near-zero elements of a large output do not dominate.
+    """
+    tolerance = TARGET_TO_TOLERANCE[rewrites.target]
+    expected = run_on_cpu(rewrites.original, fetches, feeds)
+    actual = run_on_cpu(rewrites.ours, fetches, feeds)
+    for name, want, got in zip(fetches, expected, actual):
+        assert np.all(np.isfinite(want)), f"float32 reference of {name} is not finite; pick other inputs"
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        np.testing.assert_allclose(
+            got, want, rtol=tolerance, atol=tolerance * scale, err_msg=f"{name} ({rewrites.target})"
+        )
