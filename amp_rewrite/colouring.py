@@ -55,7 +55,14 @@ class PaintContext:
     target_dtype: int
     processed: frozenset[str]
     kernel_device: Mapping[str, str]  # processed node -> device type for the kernel check
+    # cross_function=True only: call/boundary vertices that act as clear ops, and the
+    # ones already known to be converted on the other side of their boundary.
+    boundary: frozenset[Vertex] = frozenset()
+    seeds: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def is_clear(self, vertex: Vertex) -> bool:
+        return self.op(vertex) in self.lists.clear or vertex in self.boundary
 
     def op(self, vertex: Vertex) -> str:
         return self.types.node_defs[vertex.node].op
@@ -75,7 +82,8 @@ class PaintContext:
         """SupportsF16: op definition and a registered kernel for the changed node."""
         key = ("kernel", vertex)
         if key not in self._cache:
-            self._cache[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
+            # A boundary vertex is a call's or function's own dtype, not a kernel's.
+            self._cache[key] = self.op_allows_target(vertex) and (vertex in self.boundary or self._kernel_check(vertex))
         return self._cache[key]
 
     def _kernel_check(self, vertex: Vertex) -> bool:
@@ -260,7 +268,7 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         if op not in lists.deny and op not in lists.infer:
             continue
         upstream.update(
-            _reach(graph, root, lambda v: v not in upstream and ctx.op(v) in lists.clear, inputs=True, outputs=False)
+            _reach(graph, root, lambda v: v not in upstream and ctx.is_clear(v), inputs=True, outputs=False)
         )
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
@@ -283,7 +291,8 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
     graph, lists = ctx.types.graph, ctx.lists
 
     def roots() -> Iterator[Vertex]:
-        return (v for v in _vertices(ctx) if ctx.is_processed(v) and ctx.op(v) in lists.allow)
+        # Seeds (cross_function) count as allow ops: across the boundary they meet one.
+        return (v for v in _vertices(ctx) if ctx.is_processed(v) and (ctx.op(v) in lists.allow or v in ctx.seeds))
 
     downstream: set[Vertex] = set()
 
@@ -291,7 +300,7 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
         op = ctx.op(v)
         return (
             v not in downstream and op not in lists.allow and v not in deny and ctx.is_processed(v)
-            and (op in lists.clear or op in lists.infer) and ctx.is_float32(v) and ctx.has_target_kernel(v)
+            and (ctx.is_clear(v) or op in lists.infer) and ctx.is_float32(v) and ctx.has_target_kernel(v)
         )
 
     for root in roots():
@@ -339,7 +348,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
 
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and ctx.is_processed(v) and ctx.op(v) in lists.clear
+            v not in painted and v not in deny and ctx.is_processed(v) and ctx.is_clear(v)
             and ctx.is_float32(v) and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
         )
 
@@ -436,6 +445,10 @@ def paint(ctx: PaintContext) -> Painting:
                 graph.add_edge(writer, reader, ports=[], implicit=True)
     # 1. Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
+    allow_found.update(
+        (v, ("cross-function", "shares its dtype with converted values across a function boundary"))
+        for v in ctx.seeds if v not in allow_found
+    )
     note("1 allow list", allow_found)
     allow = set(allow_found)
     if not allow:

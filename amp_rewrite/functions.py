@@ -216,7 +216,8 @@ def preserved_nodes(function: function_pb2.FunctionDef, body: graph_pb2.GraphDef
 def to_function_def(
     body: graph_pb2.GraphDef, function: function_pb2.FunctionDef, library: Mapping[str, op_def_pb2.OpDef]
 ) -> function_pb2.FunctionDef:
-    """A rewritten body back into ``function``'s FunctionDef: same signature, new nodes and ``ret``."""
+    """A rewritten body back into ``function``'s FunctionDef: new nodes and ``ret``; argument
+    types from the ``_Arg``/``_Retval`` nodes (they only change with ``cross_function``)."""
     args = {node.name for node in body.node if node.op == "_Arg"}
     node_defs = {node.name: node for node in body.node}
     output_names: dict[str, list[tuple[str, int]]] = {}
@@ -234,10 +235,13 @@ def to_function_def(
     rewritten = function_pb2.FunctionDef()
     rewritten.CopyFrom(function)
     del rewritten.node_def[:]
+    signature = rewritten.signature
     for node in body.node:
         if node.op == "_Arg":
+            signature.input_arg[node.attr["index"].i].type = node.attr["T"].type
             continue
         if node.op == "_Retval":
+            signature.output_arg[node.attr["index"].i].type = node.attr["T"].type
             rewritten.ret[node.name[: -len(RETVAL_SUFFIX)]] = function_tensor(node.input[0])
             continue
         copy = rewritten.node_def.add()

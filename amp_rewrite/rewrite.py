@@ -11,7 +11,7 @@ from typing import Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite import casts, colouring, functions, graph_io, support, typegraph
+from amp_rewrite import boundaries, casts, colouring, functions, graph_io, support, typegraph
 from amp_rewrite.colouring import PaintContext, Painting
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
@@ -121,55 +121,82 @@ def rewrite_graph_def(
     target: str = "float16",
     fetches: Iterable[str] = (),
     lists: str | os.PathLike | OpLists | None = None,
+    cross_function: bool = False,
+    entry_functions: Iterable[str] = (),
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
     ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists).
-    ``fetches``: node names whose outputs must keep their dtype.
+    ``fetches``: node (or tensor) names whose outputs must keep their dtype.
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
-    Like grappler, each function body is painted on its own (spec §1.2) and keeps its
-    signature, so callers and SavedModel signatures stay valid.
+
+    By default each function body is painted on its own, exactly like grappler, and keeps
+    its signature. ``cross_function=True`` paints across call and loop boundaries so
+    low-precision values stay low precision there; private functions' signatures may then
+    change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     op_lists = load_lists(target, lists)
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     functions.check_calls(graph_def)
+    library = {f.signature.name: f for f in graph_def.library.function}
+    names = functions.reachable_functions(graph_def)
+    links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
     with _gc_paused():
-        main = _rewrite_item(graph_def, target, fetch_nodes, op_lists, MAIN_GRAPH)
-        output = main.graph_def
-        items, decisions = [main.stats], list(main.decisions)
-        library = support.library_op_defs(graph_def.library)
-        position = {f.signature.name: i for i, f in enumerate(graph_def.library.function)}
-        for name in functions.reachable_functions(graph_def):
-            function = graph_def.library.function[position[name]]
-            try:
-                body = functions.body_graph_def(function, library)
+        # Steps 2-5 for every item: the main graph, then each function body.
+        items = {MAIN_GRAPH: _prepare(graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH)}
+        op_defs = support.library_op_defs(graph_def.library)
+        for name in names:
+            with _naming(name):
+                body = functions.body_graph_def(library[name], op_defs)
                 body.library.CopyFrom(graph_def.library)
-                item = _rewrite_item(body, target, functions.preserved_nodes(function, body), op_lists, name)
-                rewritten = functions.to_function_def(item.graph_def, function, library)
-            except GraphError as error:
-                message = str(error)
-                raise GraphError(message if message.startswith("function") else f"function '{name}': {message}") from None
-            output.library.function[position[name]].CopyFrom(rewritten)
-            items.append(item.stats)
-            decisions.extend(item.decisions)
-    report = Report(target, tuple(items), tuple(decisions))
+                preserved = set(functions.preserved_nodes(library[name], body)) - links.nodes(name)
+                items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name)
+        # Step 6: colouring, each item alone (grappler) or linked across boundaries.
+        paintings = _paint_linked(items, links) if links.groups else {n: colouring.paint(i.ctx) for n, i in items.items()}
+        # Steps 7-8: types, casts and decisions per item; functions go back into the library.
+        output, stats, decisions = None, [], []
+        for name, item in items.items():
+            with _naming(name):
+                graph, item_stats, item_decisions = _finish(item, paintings[name], name)
+            if name == MAIN_GRAPH:
+                output = graph
+            else:
+                rewritten = functions.to_function_def(graph, library[name], op_defs)
+                position = next(i for i, f in enumerate(output.library.function) if f.signature.name == name)
+                output.library.function[position].CopyFrom(rewritten)
+            stats.append(item_stats)
+            decisions.extend(item_decisions)
+    report = Report(target, tuple(stats), tuple(decisions))
     log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
+@contextlib.contextmanager
+def _naming(function: str):
+    """Errors inside a function body name the function."""
+    try:
+        yield
+    except GraphError as error:
+        message = str(error)
+        raise GraphError(message if message.startswith("function") else f"function '{function}': {message}") from None
+
+
 @dataclass(frozen=True)
 class _Item:
+    """One item ready to paint: its working node graph, context and why nodes were skipped."""
+
     graph_def: graph_pb2.GraphDef
-    stats: ItemStats
-    decisions: tuple[Decision, ...]
+    ctx: PaintContext
+    skipped: dict[str, str]
 
 
-def _rewrite_item(
-    graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...], op_lists: OpLists, function: str
+def _prepare(
+    graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...], op_lists: OpLists,
+    links: boundaries.Links, function: str,
 ) -> _Item:
-    """Grappler's pass on one item (spec §2.1–2.6); step 1, the lists, is the caller's."""
+    """Steps 2-5 of grappler's pass on one item (spec §2.1); step 1, the lists, is the caller's."""
     # 2. Working copy as a node graph; every fetch must exist.
     nodes = graph_io.to_networkx(graph_def)
     missing = [f for f in fetches if f not in nodes]
@@ -181,18 +208,63 @@ def _rewrite_item(
     upgrade_batch_norm_ops(nodes, processed)
     # 5. The (node, type attribute) vertex graph.
     types = typegraph.build_type_graph(nodes)
-    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed)
+    boundary = frozenset(v for v in links.vertices(function) if v in types.graph)
+    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, boundary)
+    return _Item(graph_def, ctx, skipped)
+
+
+def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str, Painting]:
+    """Step 6 with ``cross_function``: paint, spread ALLOW over linked groups, repeat.
+
+    A group whose members are all float32 and none DENY becomes a seed in every item once
+    any member is ALLOW; seeds only grow, so this ends. Finally a group is converted only
+    if all its members are, so both sides of every boundary agree.
+    """
+    def dtype(item: str, vertex: Vertex) -> int:
+        return items[item].ctx.types.dtype(vertex) if vertex in items[item].ctx.types.graph else types_pb2.DT_INVALID
+
+    groups = [g for g in links.groups if boundaries.is_float32_group(g, dtype)]
+    seeds: dict[str, set[Vertex]] = {name: set() for name in items}
+    while True:
+        paintings = {}
+        for name, item in items.items():
+            item.ctx.seeds = frozenset(seeds[name])
+            paintings[name] = colouring.paint(item.ctx)
+        grew = False
+        for group in groups:
+            if any(v in paintings[i].deny or v.node not in items[i].ctx.processed for i, v in group):
+                continue
+            if any(v in paintings[i].allow for i, v in group):
+                for i, v in group:
+                    if v not in seeds[i]:
+                        seeds[i].add(v)
+                        grew = True
+        if not grew:
+            break
+    for group in groups:
+        if not all(v in paintings[i].allow for i, v in group):
+            for i, v in group:
+                if v in paintings[i].allow:
+                    painting = paintings[i]
+                    reasons = dict(painting.reasons)
+                    reasons[v] = ("cross-function", "the other side of its function boundary stays float32")
+                    paintings[i] = Painting(painting.allow - {v}, painting.deny, reasons, painting.clusters)
+    return paintings
+
+
+def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, list[Decision]]:
+    """Steps 7-8: each float32 vertex's reason, then types and casts, then a GraphDef."""
+    ctx = item.ctx
+    types = ctx.types
     float32 = [v for v in types.graph.nodes if v.attr.name and ctx.is_float32(v)]
-    # 6. Colouring passes, pure; then each float32 vertex's reason.
-    painting = colouring.paint(ctx)
-    reasons = {v: (ctx.op(v), explain(ctx, painting, skipped, v)) for v in float32}
+    reasons = {v: (ctx.op(v), explain(ctx, painting, item.skipped, v)) for v in float32}
     # 7. Types and casts, the one mutation (of the working copy).
     stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
     # 8. Back to a GraphDef, with the item's counts and decisions.
-    decisions = tuple(
+    decisions = [
         Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), rule, reason)
         for v, (op, (rule, reason)) in reasons.items()
-    )
-    item_stats = ItemStats(function, len(graph_def.node), stats.vertices_converted, stats.casts_added,
+    ]
+    item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)
-    return _Item(graph_io.to_graph_def(nodes), item_stats, decisions)
+    return graph_io.to_graph_def(types.nodes), item_stats, decisions

@@ -1,0 +1,132 @@
+"""Beyond grappler: which dtypes a call and its callee must share (``cross_function=True``).
+
+Grappler paints each function body alone, so every call boundary and every loop-carried
+value stays float32 and gets casts on both sides, inside loop bodies on every iteration
+(spec §6). To let float16 cross a boundary, the dtype on the caller's side and on the
+callee's ``_Arg``/``_Retval`` must change together. This module finds those groups
+("links"): for a call, input *i* with the callee's argument *i* and output *j* with its
+result *j*; for a ``While``, the loop value *i* with argument *i* of body and cond and
+result *i* of the body; for an ``If``, input *i* with both branches' argument *i*,
+output *j* with both branches' result *j*.
+
+A link is only made when every function in it is rewritten here and is private: not an
+entry point the caller names, not a gradient of record, and called only by the
+functional ops above. Everything else keeps grappler's fixed-float32 boundary.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
+
+from amp_rewrite.functions import RETVAL_SUFFIX
+from amp_rewrite.report import MAIN_GRAPH
+from amp_rewrite.typegraph import TypeAttr, Vertex
+
+Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name
+
+_T = TypeAttr("T")
+
+
+@dataclass(frozen=True)
+class Links:
+    """Groups of slots that must share one dtype, and what each item must treat as clear."""
+
+    groups: tuple[frozenset[Slot], ...]
+
+    def vertices(self, item: str) -> frozenset[Vertex]:
+        return frozenset(v for group in self.groups for i, v in group if i == item)
+
+    def nodes(self, item: str) -> frozenset[str]:
+        return frozenset(v.node for v in self.vertices(item))
+
+
+def _arg(function: function_pb2.FunctionDef, index: int) -> Vertex:
+    return Vertex(function.signature.input_arg[index].name, _T)
+
+
+def _ret(function: function_pb2.FunctionDef, index: int) -> Vertex:
+    return Vertex(function.signature.output_arg[index].name + RETVAL_SUFFIX, _T)
+
+
+def _call_groups(
+    item: str, node: node_def_pb2.NodeDef, library: dict[str, function_pb2.FunctionDef]
+) -> tuple[list[list[Slot]], set[str]]:
+    """Slot groups for one functional node, and the functions it links."""
+    def fn(attr: str) -> function_pb2.FunctionDef:
+        return library[node.attr[attr].func.name]
+
+    groups: list[list[Slot]] = []
+    if node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+        f = fn("f")
+        for i in range(len(node.attr["Tin"].list.type)):
+            groups.append([(item, Vertex(node.name, TypeAttr("Tin", i))), (f.signature.name, _arg(f, i))])
+        for j in range(len(node.attr["Tout"].list.type)):
+            groups.append([(item, Vertex(node.name, TypeAttr("Tout", j))), (f.signature.name, _ret(f, j))])
+        return groups, {f.signature.name}
+    if node.op in ("While", "StatelessWhile"):
+        body, cond = fn("body"), fn("cond")
+        for i in range(len(node.attr["T"].list.type)):
+            groups.append([
+                (item, Vertex(node.name, TypeAttr("T", i))), (body.signature.name, _arg(body, i)),
+                (body.signature.name, _ret(body, i)), (cond.signature.name, _arg(cond, i)),
+            ])
+        return groups, {body.signature.name, cond.signature.name}
+    if node.op in ("If", "StatelessIf"):
+        branches = [fn("then_branch"), fn("else_branch")]
+        for i in range(len(node.attr["Tin"].list.type)):
+            groups.append([(item, Vertex(node.name, TypeAttr("Tin", i)))] + [(b.signature.name, _arg(b, i)) for b in branches])
+        for j in range(len(node.attr["Tout"].list.type)):
+            groups.append([(item, Vertex(node.name, TypeAttr("Tout", j)))] + [(b.signature.name, _ret(b, j)) for b in branches])
+        return groups, {b.signature.name for b in branches}
+    return [], set()
+
+
+def find_links(graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str]) -> Links:
+    """The float32 slot groups that may change dtype together across function boundaries."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    rewritten = set(rewritten)
+    fixed = set(entry_functions) | {g.function_name for g in graph_def.library.gradient}
+    fixed |= {g.gradient_func for g in graph_def.library.gradient}
+    bodies = [(MAIN_GRAPH, graph_def.node)] + [(name, f.node_def) for name, f in library.items()]
+    parent = {}
+
+    def find(slot: Slot) -> Slot:
+        while parent.setdefault(slot, slot) != slot:
+            parent[slot] = parent[parent[slot]]
+            slot = parent[slot]
+        return slot
+
+    callee_slots: set[Slot] = set()
+    for item, nodes in bodies:
+        for node in nodes:
+            groups, callees = _call_groups(item, node, library)
+            referenced = {v.func.name for v in node.attr.values() if v.HasField("func")}
+            referenced |= {f.name for v in node.attr.values() for f in v.list.func}
+            referenced |= {node.op} & set(library)
+            if (item != MAIN_GRAPH and item not in rewritten) or not groups:
+                fixed |= referenced  # called from a body we don't rewrite, or by an unknown op
+                continue
+            fixed |= referenced - callees
+            for caller, *callee in groups:
+                callee_slots.update(callee)
+                for slot in callee:
+                    parent[find(slot)] = find(caller)
+    members: dict[Slot, set[Slot]] = defaultdict(set)
+    for slot in parent:
+        members[find(slot)].add(slot)
+
+    def usable(slot: Slot) -> bool:
+        item = slot[0]
+        if slot in callee_slots:
+            return item in rewritten and item not in fixed
+        return item == MAIN_GRAPH or item in rewritten
+
+    return Links(tuple(frozenset(g) for g in members.values() if all(usable(slot) for slot in g)))
+
+
+def is_float32_group(group: frozenset[Slot], dtype_of) -> bool:
+    """A group is worth linking only if every slot is float32 (``dtype_of(item, vertex)``)."""
+    return all(dtype_of(item, vertex) == types_pb2.DT_FLOAT for item, vertex in group)
