@@ -21,5 +21,4 @@ setup(
         "protobuf>=4.21",
     ],
     extras_require={"test": ["pytest>=7"]},
-    entry_points={"console_scripts": ["amp-rewrite=amp_rewrite.cli:main"]},
 )

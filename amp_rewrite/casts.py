@@ -51,6 +51,10 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     converted = added = to_target = 0
     for name in list(nodes):
         node_def = types.node_def(name)
+        by_port: dict[int, list] = {}
+        for dst, keyed in nodes._succ[name].items():
+            for key, data in keyed.items():
+                by_port.setdefault(data["src_port"], []).append((dst, key, data))
         for attr in types.types[name].attrs:
             vertex = Vertex(name, attr)
             if not ctx.is_float32(vertex):
@@ -70,11 +74,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 converted += 1
             for port in types.types[name].output_ports(attr):
                 cast_name = None
-                edges = [
-                    (dst, key, data) for dst, keyed in nodes._succ[name].items() for key, data in keyed.items()
-                    if data["src_port"] == port
-                ]
-                for dst, key, data in edges:
+                for dst, key, data in by_port.get(port, ()):
                     dst_allow = types.input_vertex(dst, data["dst_port"]) in painting.allow
                     if dst_allow == src_allow:
                         continue

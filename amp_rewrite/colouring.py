@@ -71,7 +71,11 @@ class PaintContext:
         return vertex.node in self.processed
 
     def is_float32(self, vertex: Vertex) -> bool:
-        return self.types.dtype(vertex) == DT_FLOAT
+        """Float32 before the rewrite (memoised: casts change dtypes only after colouring)."""
+        float32 = self._cache.get(vertex)
+        if float32 is None:
+            float32 = self._cache[vertex] = self.types.dtype(vertex) == DT_FLOAT
+        return float32
 
     def op_allows_target(self, vertex: Vertex) -> bool:
         """SupportsF16DataType: the op definition admits the target dtype."""

@@ -8,6 +8,7 @@ signature, so every caller stays valid.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Mapping
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
@@ -42,10 +43,19 @@ def is_parametrized(function: function_pb2.FunctionDef) -> bool:
     return any(value.placeholder for node in function.node_def for value in node.attr.values())
 
 
+@functools.lru_cache(maxsize=None)
+def _may_call(op: str) -> bool:
+    """Whether a registered op has a func attr; unregistered ops (library functions) may."""
+    op_def = support.registered_op_def(op)
+    return op_def is None or any(a.type in ("func", "list(func)") for a in op_def.attr)
+
+
 def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) -> Iterable[str]:
     for node in nodes:
         if node.op in names:
             yield node.op
+        if not _may_call(node.op):
+            continue
         for value in node.attr.values():
             if value.HasField("func"):
                 yield value.func.name
@@ -113,6 +123,8 @@ def check_calls(graph_def: graph_pb2.GraphDef) -> None:
 
     def check(nodes: Iterable[node_def_pb2.NodeDef], where: str) -> None:
         for node in nodes:
+            if not _may_call(node.op):
+                continue
             for attr_name, value in node.attr.items():
                 called = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
                 for name in called:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import networkx as nx
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tensorflow.core.framework import graph_pb2
 
 from amp_rewrite.errors import GraphError
 
@@ -74,13 +74,14 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
     graph = nx.MultiDiGraph(
         versions=_copy_field(graph_def, "versions"), library=_copy_field(graph_def, "library")
     )
-    for node_def in graph_def.node:
+    working = graph_pb2.GraphDef()
+    working.node.extend(graph_def.node)  # one copy of all nodes; the caller's stay untouched
+    for node_def in working.node:
         if node_def.name in graph:
             raise GraphError(f"duplicate node name '{node_def.name}'; node names must be unique")
-        stripped = node_def_pb2.NodeDef()
-        stripped.CopyFrom(node_def)
-        del stripped.input[:]
-        graph.add_node(node_def.name, node_def=stripped)
+        node_def.ClearField("input")
+        graph.add_node(node_def.name, node_def=node_def)
+    edges = []
     for node_def in graph_def.node:
         seen_control = False
         for position, tensor in enumerate(node_def.input):
@@ -96,7 +97,8 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
                     f"node '{node_def.name}': data input '{tensor}' follows a control input;"
                     " put control inputs ('^name') last"
                 )
-            graph.add_edge(ref.node, node_def.name, src_port=ref.port, dst_port=position, tensor=tensor)
+            edges.append((ref.node, node_def.name, {"src_port": ref.port, "dst_port": position, "tensor": tensor}))
+    graph.add_edges_from(edges)
     return graph
 
 

@@ -29,9 +29,17 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   unchanged (spec §1.2), which an oracle would mistake for "nothing to convert";
   ``fail_on_optimizer_errors`` is set so the failure raises instead (e.g.
   "Expected Merge node after NextIteration").
+* The TFG (MLIR) hook the meta-optimizer adds after the passes is turned off
+  (``disable_tfg_optimizer``). Its default pipeline is empty, but importing the graph
+  verifies it, and AMP's output is not always valid: in bfloat16 mode ``While`` and
+  ``StatelessWhile`` are clear, so their ``T`` elements can be painted while the body
+  and cond signatures stay float32 ("cond function argument #3 type ... is not
+  compatible"). The oracle must show what AMP did, not that the verifier refused it.
 * Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
   keeps ``library``); the meta-optimizer then also runs AMP on each reachable
   function body as a separate item (spec §1.2) and returns the rewritten library.
+  ``compare_rewrites`` judges each such body as a graph of its own (``_Arg`` and
+  ``<output>_RetVal`` nodes, as ``amp_rewrite.functions.body_graph_def`` builds it).
 """
 from __future__ import annotations
 
@@ -40,12 +48,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.function_pb2 import FunctionDef
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.protobuf.config_pb2 import ConfigProto
 from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, NamedDevice
 from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
+
+from amp_rewrite import functions, support
+from amp_rewrite.errors import AmpRewriteError
 
 TARGET_TO_OPTIMIZER = {
     "float16": "auto_mixed_precision",
@@ -74,12 +86,13 @@ def _virtual_cluster(target: str) -> Cluster:
 
 
 def _config(target: str) -> ConfigProto:
-    """Only the AMP optimizer of ``target``, on graphs of any size, failing loudly."""
+    """Only the AMP optimizer of ``target``, on graphs of any size, failing loudly, unverified."""
     config = ConfigProto()
     rewrite_options = config.graph_options.rewrite_options
     rewrite_options.optimizers.append(TARGET_TO_OPTIMIZER[target])
     rewrite_options.min_graph_nodes = -1
     rewrite_options.fail_on_optimizer_errors = True
+    rewrite_options.disable_tfg_optimizer = True
     return config
 
 
@@ -161,8 +174,40 @@ def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (
 
 
 @dataclass(frozen=True)
+class FunctionAgreement:
+    """How far our rewrite of one library function's body agrees with grappler's."""
+
+    name: str
+    judged: int  # float32 (node, type-attr) vertices of the original body
+    agreed: int
+    ours_casts: int
+    grappler_casts: int
+    mismatches: tuple[str, ...]  # vertices, ops and unexpected nodes, as in Agreement
+    cast_mismatches: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
+
+    def explain(self) -> str:
+        lines = [
+            f"function '{self.name}': {self.agreed}/{self.judged} float32 vertices agree; "
+            f"casts: ours={self.ours_casts} grappler={self.grappler_casts}"
+        ]
+        lines += [f"  vertex: {line}" for line in self.mismatches]
+        lines += [f"  cast: {line}" for line in self.cast_mismatches]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class Agreement:
-    """How far our rewrite agrees with grappler's on one graph."""
+    """How far our rewrite agrees with grappler's on one graph and its library.
+
+    ``judged``/``agreed``/``mismatches``/casts describe the main graph; ``functions``
+    each library function grappler rewrites (or that either result changed);
+    ``library_mismatches`` what would break callers: a function missing or added, or
+    a signature (or ``ret``/``control_ret`` key set) that differs from the original's.
+    """
 
     judged: int  # float32 (node, type-attr) vertices of the original graph
     agreed: int
@@ -171,19 +216,31 @@ class Agreement:
     grappler_casts: int
     # Casts (named modulo the id) present in one result only, or wired differently.
     cast_mismatches: tuple[str, ...]
+    functions: tuple[FunctionAgreement, ...] = ()
+    library_mismatches: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
+        main_ok = not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
+        return main_ok and not self.library_mismatches and all(f.ok for f in self.functions)
+
+    def function(self, name: str) -> FunctionAgreement:
+        """The breakdown for library function ``name``."""
+        for candidate in self.functions:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(f"function {name!r} was not compared; compared: {[f.name for f in self.functions]}")
 
     def explain(self) -> str:
-        """A multi-line report for an assertion message."""
+        """A multi-line report for an assertion message: main graph, library, then each function."""
         lines = [
             f"{self.agreed}/{self.judged} float32 vertices agree; casts: ours={self.ours_casts} "
             f"grappler={self.grappler_casts}"
         ]
         lines += [f"  vertex: {line}" for line in self.mismatches]
         lines += [f"  cast: {line}" for line in self.cast_mismatches]
+        lines += [f"  library: {line}" for line in self.library_mismatches]
+        lines += [function.explain() for function in self.functions]
         return "\n".join(lines)
 
 
@@ -325,14 +382,17 @@ def count_amp_casts(graph_def: GraphDef) -> int:
 
 
 def compare_rewrites(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> Agreement:
-    """Compare our rewrite of ``original`` with grappler's.
+    """Compare our rewrite of ``original`` (main graph and library) with grappler's.
 
     Vertices: each DT_FLOAT ``type`` attr and ``list(type)`` element of each
     original node must have the same dtype in both results, each original node the
     same op (FusedBatchNorm -> V2), and attrs the pass adds (``U``) the same value.
     Casts are matched by name modulo the ``-<id>-`` part, then by input and by the
     set of (consumer, input index) they feed. Node order and ``"x:0"`` vs ``"x"``
-    do not matter. Function bodies in the library are not compared.
+    do not matter. The same is done for the body of every function grappler
+    rewrites (``amp_rewrite.functions.reachable_functions``) and of every other
+    function that either result changed; our library must keep every function's
+    signature.
     """
     judged, agreed, mismatches = _compare_vertices(original, ours, grappler)
     mismatches += _compare_other_nodes(original, ours, grappler)
@@ -343,5 +403,87 @@ def compare_rewrites(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> 
         ours_casts=count_amp_casts(ours),
         grappler_casts=count_amp_casts(grappler),
         cast_mismatches=tuple(_compare_casts(ours, grappler)),
+        functions=tuple(_compare_functions(original, ours, grappler)),
+        library_mismatches=tuple(_compare_signatures(original, ours, grappler)),
     )
 
+
+def _functions_by_name(graph_def: GraphDef) -> dict[str, FunctionDef]:
+    return {function.signature.name: function for function in graph_def.library.function}
+
+
+def _compare_signatures(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> list[str]:
+    """Our library must hold the original's functions, each callable exactly as before.
+
+    (grappler's need not: its meta-optimizer prunes functions no node reaches.)
+    """
+    original_functions, ours_functions = _functions_by_name(original), _functions_by_name(ours)
+    grappler_names = set(_functions_by_name(grappler))
+    problems = [f"function '{name}': missing from ours" for name in sorted(set(original_functions) - set(ours_functions))]
+    problems += [f"function '{name}': only in ours" for name in sorted(set(ours_functions) - set(original_functions))]
+    # grappler drops unreachable functions from its library; a reachable one must stay.
+    problems += [
+        f"function '{name}': reachable but missing from grappler's library"
+        for name in functions.reachable_functions(original)
+        if name not in grappler_names
+    ]
+    for name in sorted(set(original_functions) & set(ours_functions)):
+        before, after = original_functions[name], ours_functions[name]
+        if before.signature != after.signature:
+            problems.append(f"function '{name}': our signature differs from the original's")
+        if set(before.ret) != set(after.ret) or set(before.control_ret) != set(after.control_ret):
+            problems.append(f"function '{name}': our ret/control_ret keys differ from the original's")
+    if list(original.library.gradient) != list(ours.library.gradient):
+        problems.append("library: our gradient registrations differ from the original's")
+    return problems
+
+
+def _compare_functions(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> list[FunctionAgreement]:
+    """One FunctionAgreement per function grappler rewrites or either result changed, in library order."""
+    original_functions = _functions_by_name(original)
+    ours_functions, grappler_functions = _functions_by_name(ours), _functions_by_name(grappler)
+    reachable = set(functions.reachable_functions(original))
+
+    def changed(result: Mapping[str, FunctionDef], name: str) -> bool:
+        return name in result and result[name].SerializeToString(
+            deterministic=True
+        ) != original_functions[name].SerializeToString(deterministic=True)
+
+    return [
+        _compare_function(name, original, ours, grappler)
+        for name in original_functions
+        if name in ours_functions and name in grappler_functions
+        and (name in reachable or changed(ours_functions, name) or changed(grappler_functions, name))
+    ]
+
+
+def _compare_function(name: str, original: GraphDef, ours: GraphDef, grappler: GraphDef) -> FunctionAgreement:
+    """The main-graph comparison applied to one function's three bodies."""
+    try:
+        bodies = [_body(graph_def, name) for graph_def in (original, ours, grappler)]
+    except AmpRewriteError as error:  # a body we cannot read is a disagreement, not a crash
+        return FunctionAgreement(name, 0, 0, 0, 0, (f"cannot compare: {error}",), ())
+    body_original, body_ours, body_grappler = bodies
+    judged, agreed, mismatches = _compare_vertices(body_original, body_ours, body_grappler)
+    mismatches += _compare_other_nodes(body_original, body_ours, body_grappler)
+    return FunctionAgreement(
+        name=name,
+        judged=judged,
+        agreed=agreed,
+        ours_casts=count_amp_casts(body_ours),
+        grappler_casts=count_amp_casts(body_grappler),
+        mismatches=tuple(mismatches),
+        cast_mismatches=tuple(_compare_casts(body_ours, body_grappler)),
+    )
+
+
+def _body(graph_def: GraphDef, name: str) -> GraphDef:
+    """Function ``name`` of ``graph_def``'s library as a graph (its item, spec §1.2)."""
+    return functions.body_graph_def(_functions_by_name(graph_def)[name], support.library_op_defs(graph_def.library))
+
+
+def function_body(graph_def: GraphDef, name: str) -> GraphDef:
+    """Library function ``name`` as a GraphDef, as grappler's item sees it (for tests and tools)."""
+    if name not in _functions_by_name(graph_def):
+        raise KeyError(f"function {name!r} is not in the library; it has {sorted(_functions_by_name(graph_def))}")
+    return _body(graph_def, name)

@@ -20,6 +20,8 @@ from amp_rewrite.typegraph import Vertex
 
 log = logging.getLogger(__name__)
 
+# Grappler feeds every placeholder, and feeds are preserved: inputs keep their dtype.
+GRAPH_INPUTS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # The device type each target converts on (spec §1.5): float16 → NVIDIA GPUs, bfloat16 → CPUs.
 TARGET_DEVICE = {"float16": "GPU", "bfloat16": "CPU"}
 
@@ -47,8 +49,8 @@ def find_processed_nodes(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Nodes the pass may paint (→ kernel device type) and, for the others, why not.
 
-    Not painted: fetched nodes and ``_grappler_do_not_remove`` nodes (grappler's preserved
-    set), nodes matching the lists' ``keep_nodes``, and nodes placed on another device
+    Not painted: fetched nodes, placeholders and ``_grappler_do_not_remove`` nodes
+    (grappler's preserved set), nodes matching the lists' ``keep_nodes``, and nodes placed on another device
     type. An empty device means the target's device.
     """
     wanted = TARGET_DEVICE[target]
@@ -59,6 +61,8 @@ def find_processed_nodes(
         node_def = data["node_def"]
         if name in preserved:
             skipped[name] = "fetched: its outputs keep their dtype"
+        elif node_def.op in GRAPH_INPUTS:
+            skipped[name] = "a graph input (feed): keeps its dtype"
         elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
             skipped[name] = "marked _grappler_do_not_remove"
         elif lists.keeps(name):

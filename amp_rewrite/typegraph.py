@@ -172,7 +172,7 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
         elif len(shared[key].inputs) != num_inputs:
             node_types(node_def, shared[key].op_def, num_inputs)  # raises the port-count error
         types[name] = shared[key]
-        graph.add_nodes_from(Vertex(name, attr) for attr in types[name].attrs)
+    graph.add_nodes_from(Vertex(name, attr) for name in node_defs for attr in types[name].attrs)
     for dst, node_def in node_defs.items():
         for src, keyed in nodes._pred[dst].items():
             outputs = types[src].outputs

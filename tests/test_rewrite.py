@@ -1,6 +1,7 @@
 """rewrite_graph_def as a user meets it: arguments, bad input, the block list, the report."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
@@ -129,3 +130,58 @@ def test_unknown_fetch_is_an_error():
 def test_errors_are_value_errors_and_public():
     assert issubclass(amp_rewrite.GraphError, amp_rewrite.AmpRewriteError)
     assert issubclass(amp_rewrite.AmpRewriteError, ValueError)
+
+
+def test_unsafe_force_all_converts_unlisted_ops_like_grappler(monkeypatch):
+    """LEVEL=UNSAFE_FORCE_ALL allows every processed stateless non-Const op and skips deny
+    propagation: Exp -> MatMul -> Sum all become half (spec §4), as grappler does."""
+    from conftest import check_against_grappler, dtype_of
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        deny1 = tf.raw_ops.Exp(x=x, name="deny1")
+        allow1 = tf.raw_ops.MatMul(a=deny1, b=deny1, name="allow1")
+        deny2 = tf.raw_ops.Sum(input=allow1, axis=tf.constant([0]), name="deny2")
+        tf.identity(deny2, name="fetch")
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL", "UNSAFE_FORCE_ALL")
+    rewrites = check_against_grappler(graph.as_graph_def(), "float16", ["fetch"])
+    for node in ("deny1", "allow1", "deny2"):
+        assert dtype_of(rewrites.ours, node) == types_pb2.DT_HALF
+
+
+def test_unsafe_force_all_on_a_fixed_float_port_is_a_clear_error(monkeypatch):
+    """Grappler fails the whole pass ("Failed to set type attribute") when a forced node has a
+    fixed float32 port (ResizeBilinear's output); we name the node and say what to do."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [1, 4, 4, 1], name="input")
+        allow1 = tf.raw_ops.Conv2D(input=x, filter=tf.ones([1, 1, 1, 1]), strides=[1, 1, 1, 1], padding="SAME",
+                                   name="allow1")
+        resize = tf.raw_ops.ResizeBilinear(images=allow1, size=[8, 8], name="resize")
+        tf.identity(resize, name="fetch")
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL", "UNSAFE_FORCE_ALL")
+    with pytest.raises(GraphError, match="node 'resize' \\(ResizeBilinear\\).*keep_nodes"):
+        rewrite_graph_def(graph.as_graph_def(), fetches=["fetch"])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_quantized_allowlisted_op_is_removed_like_grappler(monkeypatch, target):
+    """Pass 6 drops allowlisted vertices of quantized nodes: QuantizedMatMul added to the
+    allow list still keeps every attribute, exactly as grappler decides."""
+    from conftest import check_against_grappler
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        allow1 = tf.raw_ops.MatMul(a=x, b=x, name="allow1")
+        q = tf.constant(np.ones([4, 4], np.uint8), tf.quint8)
+        low, high = tf.constant(0.0), tf.constant(1.0)
+        qmm = tf.raw_ops.QuantizedMatMul(a=q, b=q, min_a=low, max_a=high, min_b=low, max_b=high, name="qmm")
+        tf.identity(allow1, name="fetch1")
+        tf.identity(qmm.out, name="fetch2")
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_ALLOWLIST_ADD", "QuantizedMatMul")
+    rewrites = check_against_grappler(graph.as_graph_def(), target, ["fetch1", "fetch2"])
+    qmm_node = _node(rewrites.ours, "qmm")
+    assert qmm_node.attr["Toutput"].type == types_pb2.DT_QINT32
+    assert _node(rewrites.ours, "allow1").attr["T"].type != types_pb2.DT_FLOAT

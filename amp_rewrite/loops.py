@@ -1,0 +1,181 @@
+"""Built-in graphs whose work runs inside library functions, and where their loop casts are.
+
+:mod:`amp_rewrite.models` traces its models inline; these keep the functions
+``tf.function`` makes, so function boundaries matter (spec §2.7, §6):
+
+* ``lstm``, ``gru``: a Keras 3 ``LSTM``/``GRU`` layer (sequence 8, features 16, units 32)
+  and a ``Dense`` softmax head, as one training step — forward, loss, ``tf.GradientTape``
+  gradients, SGD update. The recurrence is a ``While`` whose body and cond are library
+  functions; its gradient is a second loop (``StatelessWhile``) over gradient functions.
+* ``while_loop``: ``tf.while_loop`` whose body applies MatMul → Relu to the loop-carried
+  value, then a ``tf.cond`` (an ``If`` with two branch functions), followed by a call of
+  a nested ``tf.function`` (a ``StatefulPartitionedCall``).
+
+Each builds a :class:`~amp_rewrite.models.ModelGraph` (its GraphDef *has* a library) that
+:func:`~amp_rewrite.models.run_model_graph` runs on CPU. Function names carry
+process-wide counters, so find functions by role (:func:`loop_functions`), not by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework.graph_pb2 import GraphDef
+
+from amp_rewrite.functions import body_graph_def
+from amp_rewrite.models import (
+    NUM_CLASSES,
+    ModelGraph,
+    _captured_variables,
+    _number_custom_gradients,
+    _trace_training_step,
+)
+from amp_rewrite.reference import count_amp_casts
+from amp_rewrite.support import library_op_defs
+
+LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
+LOOP_OPS = frozenset({"While", "StatelessWhile"})
+
+_RECURRENT = {"seq_len": 8, "features": 16, "units": 32}
+_WHILE_LOOP = {"width": 16, "iterations": 6}
+
+
+def build_loop_graph(name: str, *, batch: int = 2, seed: int = 0) -> ModelGraph:
+    """Build graph ``name`` (one of :data:`LOOP_GRAPH_NAMES`) with random weights and trace it."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown loop graph {name!r}; choose one of {', '.join(LOOP_GRAPH_NAMES)}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(seed)
+    concrete, variables, trainable, feeds = _BUILDERS[name](batch, np.random.default_rng(seed))
+    graph_def = concrete.graph.as_graph_def()
+    if not any(node.op in LOOP_OPS for node in graph_def.node):
+        raise RuntimeError(f"loop graph {name!r} traced without a functional While; its loop was unrolled or inlined")
+    _number_custom_gradients(graph_def)
+    placeholder_to_variable = _captured_variables(concrete, variables)
+    trainable_ids = {id(variable) for variable in trainable}
+    return ModelGraph(
+        name=name,
+        graph_def=graph_def,
+        fetches=tuple(tensor.op.name for tensor in concrete.graph.outputs),
+        feeds=MappingProxyType(feeds),
+        variables=MappingProxyType({tensor: v.numpy() for tensor, v in placeholder_to_variable.items()}),
+        trainable=frozenset(tensor for tensor, v in placeholder_to_variable.items() if id(v) in trainable_ids),
+        training=bool(trainable),
+    )
+
+
+def loop_functions(graph_def: GraphDef) -> dict[str, frozenset[str]]:
+    """Per functional loop's body function: every function that runs on each iteration.
+
+    That is the body, the cond, and whatever they call (``If`` branches, nested calls,
+    inner loops), transitively. A loop nested in another appears under both bodies.
+    """
+    library = {f.signature.name: f for f in graph_def.library.function}
+
+    def callees(nodes: Iterable[Any]) -> set[str]:
+        names = set()
+        for node in nodes:
+            names |= {node.op} & set(library)
+            for value in node.attr.values():
+                if value.HasField("func"):
+                    names.add(value.func.name)
+                names |= {f.name for f in value.list.func}
+        return names & set(library)
+
+    def closure(start: set[str]) -> frozenset[str]:
+        seen: set[str] = set()
+        stack = list(start)
+        while stack:
+            name = stack.pop()
+            if name not in seen:
+                seen.add(name)
+                stack.extend(callees(library[name].node_def))
+        return frozenset(seen)
+
+    body_to_functions: dict[str, frozenset[str]] = {}
+    for node in [*graph_def.node, *(n for f in library.values() for n in f.node_def)]:
+        if node.op in LOOP_OPS:
+            body = node.attr["body"].func.name
+            body_to_functions[body] = closure({body, node.attr["cond"].func.name})
+    return dict(sorted(body_to_functions.items()))
+
+
+def function_cast_counts(graph_def: GraphDef) -> dict[str, int]:
+    """AMP casts (spec §2.6) in each library function's body."""
+    op_defs = library_op_defs(graph_def.library)
+    return {f.signature.name: count_amp_casts(body_graph_def(f, op_defs)) for f in graph_def.library.function}
+
+
+def loop_cast_counts(graph_def: GraphDef) -> dict[str, int]:
+    """Per loop body function: AMP casts in the functions each iteration runs (an upper
+    bound on casts executed per iteration: both branches of an ``If`` are counted)."""
+    function_to_casts = function_cast_counts(graph_def)
+    return {body: sum(function_to_casts[f] for f in names) for body, names in loop_functions(graph_def).items()}
+
+
+# --- the graphs ----------------------------------------------------------------------
+# Each builder takes (batch, rng) and returns the ConcreteFunction, every variable it may
+# capture, the trainable ones, and feeds for its inputs ("x:0", "y:0").
+_Built = tuple[Any, list[Any], list[Any], Mapping[str, np.ndarray]]
+
+
+def _recurrent_training_step(layer: Callable[[int], keras.layers.Layer], name: str) -> Callable[..., _Built]:
+    def build(batch: int, rng: np.random.Generator) -> _Built:
+        spec = _RECURRENT
+        model = keras.Sequential(
+            [
+                keras.Input((spec["seq_len"], spec["features"])),
+                layer(spec["units"]),
+                keras.layers.Dense(NUM_CLASSES, activation="softmax"),
+            ],
+            name=name,
+        )
+        x = rng.standard_normal((batch, spec["seq_len"], spec["features"]), dtype=np.float32)
+        y = rng.integers(0, NUM_CLASSES, size=batch, dtype=np.int32)
+        x_spec = tf.TensorSpec(x.shape, tf.float32, name="x")
+        concrete, variables = _trace_training_step(model, x_spec, tf.TensorSpec([batch], tf.int32, name="y"))
+        return concrete, variables, list(model.trainable_variables), {"x:0": x, "y:0": y}
+
+    return build
+
+
+def _build_while_loop(batch: int, rng: np.random.Generator) -> _Built:
+    """x → while i < N: h = Relu(h @ w); h = cond(i even, h * 0.5, h + 0.1) → project(h) = h @ v.
+
+    The ``tf.cond`` predicate depends only on the counter, so rounding cannot change
+    which branch runs; the weights are scaled so the values stay of order one.
+    """
+    width, iterations = _WHILE_LOOP["width"], _WHILE_LOOP["iterations"]
+    scale = np.float32(1.5 / np.sqrt(width))
+    w = keras.Variable(rng.standard_normal((width, width), dtype=np.float32) * scale, name="w")
+    v = keras.Variable(rng.standard_normal((width, width), dtype=np.float32) * scale, name="v")
+
+    @tf.function
+    def project(h: Any) -> Any:
+        return tf.matmul(h, v)
+
+    def step(x: Any) -> Any:
+        def body(i: Any, h: Any) -> tuple[Any, Any]:
+            h = tf.nn.relu(tf.matmul(h, w))
+            h = tf.cond(tf.equal(i % 2, 0), lambda: h * 0.5, lambda: h + 0.1)
+            return i + 1, h
+
+        _, h = tf.while_loop(lambda i, h: i < iterations, body, (tf.constant(0), x))
+        return project(h)
+
+    x = rng.standard_normal((batch, width), dtype=np.float32)
+    concrete = tf.function(step).get_concrete_function(tf.TensorSpec(x.shape, tf.float32, name="x"))
+    return concrete, [w, v], [], {"x:0": x}
+
+
+_BUILDERS: dict[str, Callable[[int, np.random.Generator], _Built]] = {
+    "lstm": _recurrent_training_step(keras.layers.LSTM, "lstm"),
+    "gru": _recurrent_training_step(keras.layers.GRU, "gru"),
+    "while_loop": _build_while_loop,
+}
