@@ -59,10 +59,14 @@ class PaintContext:
     # ones already known to be converted on the other side of their boundary.
     boundary: frozenset[Vertex] = frozenset()
     seeds: frozenset[Vertex] = frozenset()
+    # Loop values of functional While ops whose bodies keep their signatures: never painted.
+    pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
 
     def is_clear(self, vertex: Vertex) -> bool:
-        return self.op(vertex) in self.lists.clear or vertex in self.boundary
+        if vertex in self.boundary:
+            return True
+        return self.op(vertex) in self.lists.clear and vertex not in self.pinned
 
     def op(self, vertex: Vertex) -> str:
         return self.types.node_defs[vertex.node].op

@@ -13,11 +13,14 @@
 
 Each builds a :class:`~amp_rewrite.models.ModelGraph` (its GraphDef *has* a library) that
 :func:`~amp_rewrite.models.run_model_graph` runs on CPU. Function names carry
-process-wide counters, so find functions by role (:func:`loop_functions`), not by name.
+process-wide counters, so find functions by role (:func:`loop_bodies`), not by name.
+:func:`item_cast_counts` and :func:`casts_per_iteration` measure what a rewrite costs.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -25,8 +28,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
+from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from amp_rewrite.functions import body_graph_def
+from amp_rewrite.graph_io import parse_tensor_name
 from amp_rewrite.models import (
     NUM_CLASSES,
     ModelGraph,
@@ -34,11 +39,13 @@ from amp_rewrite.models import (
     _number_custom_gradients,
     _trace_training_step,
 )
-from amp_rewrite.reference import count_amp_casts
+from amp_rewrite.report import MAIN_GRAPH
 from amp_rewrite.support import library_op_defs
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6)
+_AMP_CAST = re.compile(r"-\d+-CastTo(Fp16|Bf16|Fp32)-\d+-AutoMixedPrecision$")
 
 _RECURRENT = {"seq_len": 8, "features": 16, "units": 32}
 _WHILE_LOOP = {"width": 16, "iterations": 6}
@@ -70,53 +77,78 @@ def build_loop_graph(name: str, *, batch: int = 2, seed: int = 0) -> ModelGraph:
     )
 
 
-def loop_functions(graph_def: GraphDef) -> dict[str, frozenset[str]]:
-    """Per functional loop's body function: every function that runs on each iteration.
+@dataclass(frozen=True)
+class CastCount:
+    """AMP casts (spec §2.6) in one item: all of them, and those that run.
 
-    That is the body, the cond, and whatever they call (``If`` branches, nested calls,
-    inner loops), transitively. A loop nested in another appears under both bodies.
+    A cast whose input is a ``Const`` does not run: grappler's constant folding, which
+    follows AMP in the pipeline, turns ``Const → Cast`` into a low-precision ``Const``
+    (spec §2.7); grappler's own "cast(s)" count leaves them out for the same reason.
+    """
+
+    total: int
+    run_time: int
+
+    def __add__(self, other: CastCount) -> CastCount:
+        return CastCount(self.total + other.total, self.run_time + other.run_time)
+
+
+def item_cast_counts(graph_def: GraphDef) -> dict[str, CastCount]:
+    """Casts per item: the main graph (``MAIN_GRAPH``), then each library function."""
+    op_defs = library_op_defs(graph_def.library)
+    bodies = {MAIN_GRAPH: graph_def}
+    bodies.update((f.signature.name, body_graph_def(f, op_defs)) for f in graph_def.library.function)
+    return {item: _cast_count(body) for item, body in bodies.items()}
+
+
+def _cast_count(graph_def: GraphDef) -> CastCount:
+    node_to_op = {node.name: node.op for node in graph_def.node}
+    casts = [node for node in graph_def.node if node.op == "Cast" and _AMP_CAST.search(node.name)]
+    folded = sum(node_to_op.get(parse_tensor_name(node.input[0]).node) == "Const" for node in casts)
+    return CastCount(len(casts), len(casts) - folded)
+
+
+def casts_per_iteration(graph_def: GraphDef) -> dict[str, int]:
+    """Per functional loop (keyed by its body function): run-time casts one iteration executes.
+
+    That is the casts in the body and the cond and in what they call, transitively: a
+    call counts its callee, an ``If``/``Case`` its costliest branch (only one runs), a
+    nested loop one iteration of its own.
     """
     library = {f.signature.name: f for f in graph_def.library.function}
+    function_to_casts = {name: count.run_time for name, count in item_cast_counts(graph_def).items()}
+    executed: dict[str, int] = {}
 
-    def callees(nodes: Iterable[Any]) -> set[str]:
-        names = set()
-        for node in nodes:
-            names |= {node.op} & set(library)
-            for value in node.attr.values():
-                if value.HasField("func"):
-                    names.add(value.func.name)
-                names |= {f.name for f in value.list.func}
-        return names & set(library)
+    def cost(name: str) -> int:
+        if name not in executed:
+            executed[name] = function_to_casts[name] + sum(_call_cost(node, library, cost) for node in library[name].node_def)
+        return executed[name]
 
-    def closure(start: set[str]) -> frozenset[str]:
-        seen: set[str] = set()
-        stack = list(start)
-        while stack:
-            name = stack.pop()
-            if name not in seen:
-                seen.add(name)
-                stack.extend(callees(library[name].node_def))
-        return frozenset(seen)
-
-    body_to_functions: dict[str, frozenset[str]] = {}
-    for node in [*graph_def.node, *(n for f in library.values() for n in f.node_def)]:
-        if node.op in LOOP_OPS:
-            body = node.attr["body"].func.name
-            body_to_functions[body] = closure({body, node.attr["cond"].func.name})
-    return dict(sorted(body_to_functions.items()))
+    loops = [node for node in [*graph_def.node, *(n for f in library.values() for n in f.node_def)] if node.op in LOOP_OPS]
+    return {
+        node.attr["body"].func.name: cost(node.attr["body"].func.name) + cost(node.attr["cond"].func.name)
+        for node in sorted(loops, key=lambda node: node.attr["body"].func.name)
+    }
 
 
-def function_cast_counts(graph_def: GraphDef) -> dict[str, int]:
-    """AMP casts (spec §2.6) in each library function's body."""
-    op_defs = library_op_defs(graph_def.library)
-    return {f.signature.name: count_amp_casts(body_graph_def(f, op_defs)) for f in graph_def.library.function}
+def _call_cost(node: NodeDef, library: Mapping[str, Any], cost: Callable[[str], int]) -> int:
+    """Casts one execution of ``node`` runs inside the functions it calls."""
+    if node.op in library:
+        return cost(node.op)
+    if node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+        return cost(node.attr["f"].func.name)
+    if node.op in LOOP_OPS:
+        return cost(node.attr["body"].func.name) + cost(node.attr["cond"].func.name)
+    if node.op in ("If", "StatelessIf"):
+        return max(cost(node.attr["then_branch"].func.name), cost(node.attr["else_branch"].func.name))
+    if node.op in ("Case", "StatelessCase"):
+        return max((cost(f.name) for f in node.attr["branches"].list.func), default=0)
+    return 0
 
 
-def loop_cast_counts(graph_def: GraphDef) -> dict[str, int]:
-    """Per loop body function: AMP casts in the functions each iteration runs (an upper
-    bound on casts executed per iteration: both branches of an ``If`` are counted)."""
-    function_to_casts = function_cast_counts(graph_def)
-    return {body: sum(function_to_casts[f] for f in names) for body, names in loop_functions(graph_def).items()}
+def loop_bodies(graph_def: GraphDef) -> tuple[str, ...]:
+    """The body function of every functional loop, in name order."""
+    return tuple(casts_per_iteration(graph_def))
 
 
 # --- the graphs ----------------------------------------------------------------------

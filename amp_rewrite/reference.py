@@ -419,7 +419,8 @@ def _compare_signatures(original: GraphDef, ours: GraphDef, grappler: GraphDef) 
     """
     original_functions, ours_functions = _functions_by_name(original), _functions_by_name(ours)
     grappler_names = set(_functions_by_name(grappler))
-    problems = [f"function '{name}': missing from ours" for name in sorted(set(original_functions) - set(ours_functions))]
+    missing = sorted(set(original_functions) - set(ours_functions))
+    problems = [f"function '{name}': missing from ours" for name in missing]
     problems += [f"function '{name}': only in ours" for name in sorted(set(ours_functions) - set(original_functions))]
     # grappler drops unreachable functions from its library; a reachable one must stay.
     problems += [

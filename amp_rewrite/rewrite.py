@@ -85,6 +85,19 @@ def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Iterable[str]) -> 
             node_def.attr["U"].type = types_pb2.DT_FLOAT
 
 
+def loop_values(types: typegraph.TypeGraph) -> Iterable[Vertex]:
+    """The ``T[i]`` vertices of functional While ops.
+
+    The bfloat16 lists make While/StatelessWhile clear ops, and grappler then paints a loop
+    value while the body and cond keep float32 signatures: an invalid graph (TF 2.21).
+    We keep those values float32 unless ``cross_function`` changes the bodies with them.
+    """
+    for name, node_def in types.node_defs.items():
+        if node_def.op in ("While", "StatelessWhile"):
+            for index in range(len(node_def.attr["T"].list.type)):
+                yield Vertex(name, typegraph.TypeAttr("T", index))
+
+
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> tuple[str, str]:
     """(rule, reason) for one vertex's final colour."""
     if vertex in painting.allow or vertex in painting.deny:
@@ -94,6 +107,8 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     if vertex in painting.reasons:
         return painting.reasons[vertex]
     op = ctx.op(vertex)
+    if vertex in ctx.pinned:
+        return "loop-value", "loop value of a functional While whose body and cond keep float32 signatures"
     if not painting.allow:
         return "no-allow-ops", "no allow-list op in the graph, so nothing is converted"
     colour = ctx.lists.colour(op)
@@ -213,7 +228,8 @@ def _prepare(
     # 5. The (node, type attribute) vertex graph.
     types = typegraph.build_type_graph(nodes)
     boundary = frozenset(v for v in links.vertices(function) if v in types.graph)
-    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, boundary)
+    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, boundary,
+                       pinned=frozenset(loop_values(types)) - boundary)
     return _Item(graph_def, ctx, skipped)
 
 

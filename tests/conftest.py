@@ -8,7 +8,8 @@ results, and ``assert_numerics_match`` runs the original and our rewrite on CPU.
 
 Vertex notation used by ``assert_colours`` and ``dtype_of``: ``"allow1"`` is attr
 ``T`` of node allow1, ``"deny2:Ta"`` another attr, ``"clr1:T[2]"`` element 2 of a
-``list(type)`` attr.
+``list(type)`` attr. ``assert_colours(..., function="f")`` looks inside library
+function ``f`` instead, as grappler's item for it sees the body (spec §1.2).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
-from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, run_grappler
+from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, function_body, run_grappler
 
 TARGETS = ("float16", "bfloat16")
 TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
@@ -55,8 +56,9 @@ class Rewrites:
     original: GraphDef
     ours: GraphDef
     grappler: GraphDef
-    agreement: Agreement
+    agreement: Agreement  # covers the main graph and every library function grappler rewrites
     summary: str  # our report's summary line
+    report: amp_rewrite.Report  # ours, with per-function counts (``report.summary(function=...)``)
 
 
 def check_against_grappler(graph_def: GraphDef, target: str, fetches: Sequence[str] = ()) -> Rewrites:
@@ -67,7 +69,7 @@ def check_against_grappler(graph_def: GraphDef, target: str, fetches: Sequence[s
     grappler = run_grappler(graph_def, target=target, fetches=fetches)
     agreement = compare_rewrites(graph_def, result.graph_def, grappler)
     assert agreement.ok, f"amp_rewrite and grappler disagree for target={target}:\n{agreement.explain()}"
-    return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary())
+    return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary(), result.report)
 
 
 def _parse_vertex(vertex: str) -> tuple[str, str, int | None]:
@@ -115,15 +117,23 @@ def assert_colours(
     lowered: Iterable[str] = (),
     kept: Iterable[str] = (),
     casts: int | None = None,
+    function: str = "",
+    grappler: bool = True,
 ) -> None:
-    """Assert the spec's expectation on our result and on grappler's.
+    """Assert the spec's expectation on our result and (unless ``grappler=False``) on grappler's.
 
     ``lowered`` vertices must hold the target dtype, ``kept`` vertices DT_FLOAT, and
     the result must have exactly ``casts`` more nodes than the input, all AMP casts.
+    With ``function``, all of this is about that library function's body instead of
+    the main graph.
     """
     low = TARGET_TO_DTYPE[rewrites.target]
     lowered, kept = list(lowered), list(kept)
-    for label, graph_def in (("amp_rewrite", rewrites.ours), ("grappler", rewrites.grappler)):
+    where = f" in function '{function}'" if function else ""
+    original = function_body(rewrites.original, function) if function else rewrites.original
+    results = [("amp_rewrite", rewrites.ours)] + ([("grappler", rewrites.grappler)] if grappler else [])
+    for label, result in results:
+        graph_def = function_body(result, function) if function else result
         problems = []
         for vertices, expected in ((lowered, low), (kept, types_pb2.DT_FLOAT)):
             for vertex in vertices:
@@ -133,10 +143,10 @@ def assert_colours(
                         f"{vertex}: {types_pb2.DataType.Name(actual)}, expected {types_pb2.DataType.Name(expected)}"
                     )
         if casts is not None:
-            added = len(graph_def.node) - len(rewrites.original.node)
+            added = len(graph_def.node) - len(original.node)
             if (added, count_casts(graph_def)) != (casts, casts):
                 problems.append(f"{added} nodes added ({count_casts(graph_def)} AMP casts), expected {casts} casts")
-        assert not problems, f"{label} ({rewrites.target}): " + "; ".join(problems)
+        assert not problems, f"{label} ({rewrites.target}){where}: " + "; ".join(problems)
 
 
 def assert_unchanged(rewrites: Rewrites) -> None:
@@ -169,13 +179,28 @@ def run_on_cpu(
     with graph.as_default():
         tf.graph_util.import_graph_def(cpu_graph_def, name="")
     config = tf.compat.v1.ConfigProto(device_count={"GPU": 0}, allow_soft_placement=True)
-    initializers = [node.name for node in cpu_graph_def.node if node.op in ("AssignVariableOp", "Assign")]
+    initializers = _initializers(cpu_graph_def)
     feed_dict = {_tensor_name(name): value for name, value in (feeds or {}).items()}
     with tf.compat.v1.Session(graph=graph, config=config) as session:
         if initializers:
             session.run(initializers)
         values = session.run([_tensor_name(name) for name in fetches], feed_dict=feed_dict)
     return [np.asarray(value, dtype=np.float32) for value in values]
+
+
+_VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp"})
+
+
+def _initializers(graph_def: GraphDef) -> list[str]:
+    """Assignments straight to a variable node: its initializer. An assignment inside a
+    v1 loop reaches the variable through ``Enter``/``RefEnter`` and is an update, which
+    cannot run on its own."""
+    name_to_op = {node.name: node.op for node in graph_def.node}
+    return [
+        node.name
+        for node in graph_def.node
+        if node.op in ("AssignVariableOp", "Assign") and name_to_op.get(node.input[0].split(":")[0]) in _VARIABLE_OPS
+    ]
 
 
 def _tensor_name(name: str) -> str:

@@ -1,0 +1,293 @@
+"""``cross_function=True``: low precision crosses call and loop boundaries, and the result stays a valid graph.
+
+grappler paints every function body alone, so each call and loop boundary stays float32
+with casts on both sides, inside loop bodies on every iteration (spec §2.7, §6). The
+cross-function mode links a call's (or loop's) dtypes with its callee's ``_Arg``/``_Retval``
+so a low-precision value can stay low precision across. Checked on the built-in loop
+graphs of :mod:`amp_rewrite.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
+with a ``tf.cond`` and a nested ``tf.function``), for both targets:
+
+1. default mode still equals grappler in every function body and keeps every signature;
+2. cross mode runs fewer casts than grappler, in all and per loop iteration
+   (``amp_rewrite.loops.casts_per_iteration``);
+3. cross mode's graph is well typed (every call/loop agrees with its callee's signature,
+   it imports) and computes the float32 graph's numbers within the target's tolerance;
+4. a function named in ``entry_functions`` keeps its signature while private ones may
+   change, and a function whose call sites disagree keeps float32 on both sides of every call.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.graph_pb2 import GraphDef
+
+import amp_rewrite
+from amp_rewrite import functions
+from amp_rewrite.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
+from amp_rewrite.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
+from amp_rewrite.reference import compare_rewrites, run_grappler
+
+TARGETS = amp_rewrite.TARGETS
+TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+# Largest error of outputs (and the loss) vs float32, relative to the float32 magnitude.
+TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+# Relative L2 error of all weight updates of a training step together (as in test_models).
+TARGET_TO_UPDATE_TOLERANCE = {"float16": 5e-2, "bfloat16": 1.5e-1}
+# Graphs whose every loop must run strictly fewer casts per iteration than grappler's.
+STRICTLY_FEWER_PER_ITERATION = frozenset({"while_loop"})
+
+
+class Case:
+    """One loop graph with its float32 run and, per target, the three rewrites (cached)."""
+
+    def __init__(self, name: str) -> None:
+        self.model: ModelGraph = build_loop_graph(name)
+        self.float32: GraphRun = run_model_graph(self.model)
+        self._cache: dict[tuple[str, str], object] = {}
+
+    def _cached(self, kind: str, target: str, make):
+        if (kind, target) not in self._cache:
+            self._cache[(kind, target)] = make()
+        return self._cache[(kind, target)]
+
+    def default(self, target: str) -> amp_rewrite.RewriteResult:
+        model = self.model
+        return self._cached("default", target, lambda: amp_rewrite.rewrite_graph_def(
+            model.graph_def, target=target, fetches=model.fetches))
+
+    def cross(self, target: str) -> amp_rewrite.RewriteResult:
+        model = self.model
+        return self._cached("cross", target, lambda: amp_rewrite.rewrite_graph_def(
+            model.graph_def, target=target, fetches=model.fetches, cross_function=True))
+
+    def grappler(self, target: str) -> GraphDef:
+        model = self.model
+        return self._cached("grappler", target, lambda: run_grappler(
+            model.graph_def, target=target, fetches=model.fetches))
+
+
+@pytest.fixture(scope="module", params=LOOP_GRAPH_NAMES)
+def case(request: pytest.FixtureRequest) -> Case:
+    return Case(request.param)
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _signatures(graph_def: GraphDef) -> dict[str, bytes]:
+    return {f.signature.name: f.signature.SerializeToString(deterministic=True) for f in graph_def.library.function}
+
+
+def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """Largest absolute difference over the largest expected magnitude."""
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    return float(np.max(np.abs(actual.astype(np.float64) - expected))) / max(scale, 1e-12)
+
+
+def _assert_close_to_float32(model: ModelGraph, float32: GraphRun, graph_def: GraphDef, target: str) -> None:
+    """Run ``graph_def`` on CPU: outputs (a training step: the loss) and weight updates match float32."""
+    run = run_model_graph(model, graph_def)
+    tolerance = TARGET_TO_TOLERANCE[target]
+    for fetch in model.fetches:
+        error = _relative_error(run.outputs[fetch], float32.outputs[fetch])
+        assert error <= tolerance, f"{fetch}: relative error {error:.3g} > {tolerance} ({target})"
+    if not model.trainable:
+        return
+    expected, actual = (
+        np.concatenate([(r.variables[t] - model.variables[t]).ravel() for t in sorted(model.trainable)])
+        for r in (float32, run)
+    )
+    error = float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+    limit = TARGET_TO_UPDATE_TOLERANCE[target]
+    assert error <= limit, f"weight updates: relative L2 error {error:.3g} > {limit} (learning rate {LEARNING_RATE})"
+
+
+def _assert_well_typed(graph_def: GraphDef) -> None:
+    """Every call and loop matches its callee's signature, and TensorFlow imports the graph."""
+    functions.check_calls(graph_def)  # GraphError names the call whose types disagree
+    with tf.Graph().as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+
+
+# --- default mode is grappler ------------------------------------------------------------
+
+
+def test_default_mode_agrees_with_grappler_in_every_function(case: Case, target: str) -> None:
+    """Without cross_function every function body is painted alone, as grappler does: each
+    body (and the main graph) agrees with grappler vertex for vertex and cast for cast."""
+    agreement = compare_rewrites(case.model.graph_def, case.default(target).graph_def, case.grappler(target))
+    assert agreement.functions, "no function body was compared"
+    assert agreement.ok, agreement.explain()
+
+
+def test_default_mode_keeps_every_signature(case: Case, target: str) -> None:
+    """Default mode never changes a function's signature: every caller stays valid as it is."""
+    assert _signatures(case.default(target).graph_def) == _signatures(case.model.graph_def)
+
+
+# --- cross mode casts less ---------------------------------------------------------------
+
+
+def test_cross_mode_runs_fewer_casts_than_grappler(case: Case, target: str) -> None:
+    """Values that stay low precision across boundaries need no cast pair there: fewer casts
+    run in all (casts of a Const do not count: constant folding removes them, spec §2.7)."""
+    ours = sum(c.run_time for c in item_cast_counts(case.cross(target).graph_def).values())
+    grappler = sum(c.run_time for c in item_cast_counts(case.grappler(target)).values())
+    assert ours < grappler, f"{case.model.name} ({target}): {ours} run-time casts, grappler {grappler}"
+
+
+def test_cross_mode_runs_no_more_casts_per_loop_iteration(case: Case, target: str) -> None:
+    """A loop-carried value that stays low precision is not cast in and out of the body on
+    every iteration: no loop runs more casts per iteration than under grappler, and on the
+    while_loop graph every loop runs fewer."""
+    ours, grappler = casts_per_iteration(case.cross(target).graph_def), casts_per_iteration(case.grappler(target))
+    assert ours and set(ours) == set(grappler), (sorted(ours), sorted(grappler))
+    strictly = case.model.name in STRICTLY_FEWER_PER_ITERATION
+    worse = {body: (ours[body], grappler[body]) for body in ours
+             if ours[body] > grappler[body] or (strictly and ours[body] == grappler[body])}
+    assert not worse, f"{case.model.name} ({target}) loop body: (ours, grappler) casts per iteration {worse}"
+
+
+# --- cross mode stays a valid graph with the same numbers -------------------------------
+
+
+def test_cross_mode_graph_is_well_typed(case: Case, target: str) -> None:
+    """Both sides of every boundary changed together: each While/If/call's type attrs equal
+    its callee's signature, and TensorFlow imports the graph."""
+    _assert_well_typed(case.cross(target).graph_def)
+
+
+def test_cross_mode_converts_a_boundary(case: Case, target: str) -> None:
+    """Cross mode does cross: some private function's signature takes the target dtype."""
+    low = TARGET_TO_DTYPE[target]
+    changed = [
+        f.signature.name for f in case.cross(target).graph_def.library.function
+        if any(arg.type == low for arg in [*f.signature.input_arg, *f.signature.output_arg])
+    ]
+    assert changed, f"no signature holds {types_pb2.DataType.Name(low)}"
+
+
+def test_cross_mode_matches_float32(case: Case, target: str) -> None:
+    """The rewritten graph runs on CPU and computes the float32 graph's outputs within the
+    target's tolerance; a training step's loss and weight updates too."""
+    _assert_close_to_float32(case.model, case.float32, case.cross(target).graph_def, target)
+
+
+# --- which signatures may change ---------------------------------------------------------
+
+
+def _while_loop_functions(graph_def: GraphDef) -> tuple[str, str]:
+    """(loop body, nested tf.function) of the while_loop graph, found by the nodes calling them."""
+    (loop,) = [node for node in graph_def.node if node.op in ("While", "StatelessWhile")]
+    (call,) = [node for node in graph_def.node if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
+    return loop.attr["body"].func.name, call.attr["f"].func.name
+
+
+@pytest.fixture(scope="module")
+def while_loop() -> Case:
+    return Case("while_loop")
+
+
+def test_entry_function_keeps_its_signature(while_loop: Case, target: str) -> None:
+    """A function named in ``entry_functions`` (e.g. a SavedModel signature) keeps its
+    signature, so its boundary stays float32; private functions (the loop body) still
+    change. The graph runs and matches float32."""
+    model = while_loop.model
+    body, project = _while_loop_functions(model.graph_def)
+    result = amp_rewrite.rewrite_graph_def(
+        model.graph_def, target=target, fetches=model.fetches, cross_function=True, entry_functions=[project]
+    )
+    before, after = _signatures(model.graph_def), _signatures(result.graph_def)
+    assert after[project] == before[project]
+    assert after[body] != before[body], "the private loop body kept its float32 signature"
+    _assert_well_typed(result.graph_def)
+    _assert_close_to_float32(model, while_loop.float32, result.graph_def, target)
+
+
+def test_all_entry_functions_keep_every_signature(while_loop: Case, target: str) -> None:
+    """With every function an entry point, cross mode may change no signature at all."""
+    model = while_loop.model
+    result = amp_rewrite.rewrite_graph_def(
+        model.graph_def, target=target, fetches=model.fetches, cross_function=True,
+        entry_functions=[f.signature.name for f in model.graph_def.library.function],
+    )
+    assert _signatures(result.graph_def) == _signatures(model.graph_def)
+    _assert_close_to_float32(model, while_loop.float32, result.graph_def, target)
+
+
+# --- one function, two call sites ---------------------------------------------------------
+
+_WIDTH = 8
+
+
+def _shared_callee_graph(deny_site: bool) -> tuple[GraphDef, tuple[str, ...]]:
+    """x → MatMul allow1 → shared(·); with ``deny_site`` also x → Exp deny1 → shared(·).
+
+    ``shared`` (one library function, called from both sites) is MatMul → Relu.
+    """
+    rng = np.random.default_rng(0)
+    w_value = rng.uniform(-0.5, 0.5, (_WIDTH, _WIDTH)).astype(np.float32)
+
+    @tf.function
+    def shared(h: tf.Tensor) -> tf.Tensor:
+        return tf.nn.relu(tf.matmul(h, tf.constant(w_value), name="allow_shared"), name="clr_shared")
+
+    def main(x: tf.Tensor) -> tf.Tensor:
+        result = shared(tf.matmul(x, tf.constant(w_value), name="allow1"))
+        if deny_site:
+            result = result + shared(tf.exp(x, name="deny1"))
+        return tf.identity(result, name="out")
+
+    concrete = tf.function(main).get_concrete_function(tf.TensorSpec([_WIDTH, _WIDTH], name="x"))
+    return concrete.graph.as_graph_def(), ("out",)
+
+
+def _calls(graph_def: GraphDef) -> dict[str, tuple[int, int, str]]:
+    """Per call node: (Tin[0], Tout[0], callee), keyed by the node feeding it (allow1/deny1)."""
+    return {
+        node.input[0].split(":")[0]: (node.attr["Tin"].list.type[0], node.attr["Tout"].list.type[0], node.attr["f"].func.name)
+        for node in graph_def.node if node.op in ("PartitionedCall", "StatefulPartitionedCall")
+    }
+
+
+def _run_shared(graph_def: GraphDef) -> np.ndarray:
+    x = np.random.default_rng(1).uniform(-1, 1, (_WIDTH, _WIDTH)).astype(np.float32)
+    return run_graph(graph_def, fetches=("out",), feeds={"x:0": x}).outputs["out"]
+
+
+def test_function_called_from_incompatible_sites_keeps_float32_boundaries(target: str) -> None:
+    """``shared`` is called after MatMul allow1 and after Exp deny1: one signature cannot be
+    both, so both calls and the callee's argument stay float32 (the result too), exactly
+    as grappler leaves them; the graph is well typed and matches float32."""
+    graph_def, fetches = _shared_callee_graph(deny_site=True)
+    calls = _calls(graph_def)
+    assert set(calls) == {"allow1", "deny1"} and calls["allow1"][2] == calls["deny1"][2], calls
+    callee = calls["allow1"][2]
+    result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=fetches, cross_function=True)
+    float32 = types_pb2.DT_FLOAT
+    assert {site: types[:2] for site, types in _calls(result.graph_def).items()} == {
+        "allow1": (float32, float32), "deny1": (float32, float32)
+    }
+    assert _signatures(result.graph_def)[callee] == _signatures(graph_def)[callee]
+    _assert_well_typed(result.graph_def)
+    np.testing.assert_allclose(
+        _run_shared(result.graph_def), _run_shared(graph_def), rtol=TARGET_TO_TOLERANCE[target],
+        atol=TARGET_TO_TOLERANCE[target] * float(np.max(np.abs(_run_shared(graph_def)))),
+    )
+
+
+def test_function_called_from_one_allow_site_takes_low_precision(target: str) -> None:
+    """The same callee called only after MatMul allow1: its argument and result, and the
+    call's, take the target dtype together (the contrast to the two-site case)."""
+    graph_def, fetches = _shared_callee_graph(deny_site=False)
+    result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=fetches, cross_function=True)
+    low = TARGET_TO_DTYPE[target]
+    ((site, (tin, tout, callee)),) = _calls(result.graph_def).items()
+    assert (site, tin, tout) == ("allow1", low, low)
+    signature = next(f.signature for f in result.graph_def.library.function if f.signature.name == callee)
+    assert [arg.type for arg in [*signature.input_arg, *signature.output_arg]] == [low, low]
+    _assert_well_typed(result.graph_def)
