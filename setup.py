@@ -20,5 +20,5 @@ setup(
         "pyyaml>=6.0",
         "protobuf>=4.21",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "scikit-learn>=1.3", "tf-keras>=2.16,<2.22"]},
 )
