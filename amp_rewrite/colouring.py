@@ -7,9 +7,10 @@ ALLOW or DENY gets a one-line reason naming the list, pass and neighbour that de
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
 from tensorflow.core.framework import types_pb2
@@ -21,7 +22,13 @@ from amp_rewrite.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)
 
-Reason = tuple[str, str]  # (rule, one-line explanation), e.g. ("deny-list", "op Exp is on the deny list")
+class Reason(NamedTuple):
+    """Why a vertex got its colour: the rule (list or pass), one line for people, and the
+    node that decided it where there is one (the deny op, the allow op, the feeder)."""
+
+    rule: str
+    text: str
+    source: str = ""
 
 DT_FLOAT = types_pb2.DT_FLOAT
 QUANTIZED = frozenset(
@@ -35,11 +42,21 @@ TENSOR_LIST_WRITERS = frozenset(
     {"TensorListFromTensor", "TensorListPushBack", "TensorListPushBackBatch", "TensorListScatter",
      "TensorListScatterV2", "TensorListScatterIntoExistingList", "TensorListSetItem", "TensorListSplit"}
 )
-# Nodes a TensorList handle cannot be followed through (spec §2.5).
+# Nodes a TensorList handle cannot be followed through (spec §2.5). Grappler stops only at
+# these and direct function calls; we also stop at every op that calls a function (While,
+# If, Case, ...): grappler paints a list half outside a loop while the loop body reads it
+# as float32, and the graph fails at run time ("op elements float but list elements half").
 TENSOR_LIST_BOUNDARIES = frozenset(
     {"_Arg", "_Retval", "OptionalFromValue", "OptionalGetValue", "PartitionedCall", "Placeholder",
      "StatefulPartitionedCall"}
 )
+
+
+@functools.lru_cache(maxsize=None)
+def calls_functions(op: str) -> bool:
+    """A registered op with a function attribute (While, If, Case, MapDataset, ...)."""
+    op_def = support.registered_op_def(op)
+    return op_def is not None and any(a.type in ("func", "list(func)") for a in op_def.attr)
 VARIABLE_OPS = frozenset(
     {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
      "_ReadVariablesOp"}
@@ -59,6 +76,7 @@ class PaintContext:
     # ones already known to be converted on the other side of their boundary.
     boundary: frozenset[Vertex] = frozenset()
     seeds: frozenset[Vertex] = frozenset()
+    deny_seeds: frozenset[Vertex] = frozenset()
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
@@ -189,9 +207,9 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[frozenset[str]], 
             if tensor_list_float_vertex(ctx, vertex.node) is not None:
                 members.add(vertex.node)
                 if vertex.node not in ctx.processed:
-                    deny.setdefault(root_float, ("tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'"))
-            elif op in TENSOR_LIST_BOUNDARIES or op in functions:
-                deny.setdefault(root_float, ("tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})"))
+                    deny.setdefault(root_float, Reason("tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'", vertex.node))
+            elif op in TENSOR_LIST_BOUNDARIES or op in functions or calls_functions(op):
+                deny.setdefault(root_float, Reason("tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})", vertex.node))
         clusters.append(frozenset(members))
     return clusters, deny
 
@@ -222,12 +240,12 @@ def match_tensor_list_colours(
             for v in members:
                 allow.discard(v)
                 deny.add(v)
-                reasons.setdefault(v, ("tensor-list", "TensorList cluster shares one dtype and a member must stay float32"))
+                reasons.setdefault(v, Reason("tensor-list", "TensorList cluster shares one dtype and a member must stay float32"))
         elif any(v in allow for v in members):
             for v in members:
                 if v not in allow:
                     allow.add(v)
-                    reasons[v] = ("tensor-list", "TensorList cluster shares one dtype and a member is converted")
+                    reasons[v] = Reason("tensor-list", "TensorList cluster shares one dtype and a member is converted")
 
 
 # --- the numbered passes (spec §2.3) ----------------------------------------------------
@@ -242,12 +260,12 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
             continue
         op = ctx.op(vertex)
         if op in ctx.lists.allow:
-            allow[vertex] = ("allow-list", f"op {op} is on the allow list")
+            allow[vertex] = Reason("allow-list", f"op {op} is on the allow list")
         elif ctx.lists.force_all:
             if vertex.node not in forceable:
                 forceable[vertex.node] = _can_force(ctx.types.node_def(vertex.node).op)
             if forceable[vertex.node]:
-                allow[vertex] = ("force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+                allow[vertex] = Reason("force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
     return allow
 
 
@@ -280,16 +298,18 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         )
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    for root in _vertices(ctx):
+    roots = [v for v in _vertices(ctx) if ctx.op(v) in lists.deny and v not in denied]
+    roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]  # cross_function: deny from across a boundary
+    for root in roots:
         op = ctx.op(root)
-        if root in denied or op not in lists.deny:
+        if root in denied and root not in ctx.deny_seeds:
             continue
         for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
                 added[vertex] = (
-                    ("deny-list", f"op {op} is on the deny list") if vertex == root
-                    else ("deny-propagation", f"downstream of deny op {op} ('{root.node}') through clear/infer ops")
+                    Reason("deny-list", f"op {op} is on the deny list") if vertex == root
+                    else Reason("deny-propagation", f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
                 )
     return added
 
@@ -321,7 +341,7 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
         for vertex in _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True, outputs=False):
             upstream.add(vertex)
             if vertex not in allow and vertex not in added:
-                added[vertex] = ("between-allow", f"between allow ops (upstream of '{root.node}')")
+                added[vertex] = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
     return added
 
 
@@ -343,13 +363,13 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
             continue
         feeder = next((f for f in fanins if f in allow or f in added), None)
         if feeder is not None:
-            added[vertex] = ("infer-after-allow", f"infer op directly after allow vertex '{feeder}'")
+            added[vertex] = Reason("infer-after-allow", f"infer op directly after allow vertex '{feeder}'", feeder.node)
     return added
 
 
 def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
     """Pass 5: allow spreads both ways through clear vertices (never through infer ones)."""
-    graph, lists = ctx.types.graph, ctx.lists
+    graph = ctx.types.graph
     painted = set(allow)
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
@@ -367,7 +387,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
             used.add(vertex)
             if vertex not in painted:
                 painted.add(vertex)
-                added[vertex] = ("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops")
+                added[vertex] = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops", root.node)
     return added
 
 
@@ -383,9 +403,9 @@ def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Ve
                 ctx.types.dtype(Vertex(vertex.node, a)) in QUANTIZED for a in ctx.types.types[vertex.node].attrs
             )
         if not ctx.op_allows_target(vertex):
-            removed[vertex] = ("unconvertible", f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
+            removed[vertex] = Reason("unconvertible", f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
         elif quantized[vertex.node]:
-            removed[vertex] = ("unconvertible", "the node is quantized")
+            removed[vertex] = Reason("unconvertible", "the node is quantized")
     return removed
 
 
@@ -410,12 +430,12 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
         if all(m in allow for m in merges):
             if next_iteration not in allow:
                 allow.add(next_iteration)
-                reasons[next_iteration] = ("recurrent-edge", "matches the colour of the Merge node(s) it feeds")
+                reasons[next_iteration] = Reason("recurrent-edge", "matches the colour of the Merge node(s) it feeds")
         else:
             for vertex in merges + [next_iteration]:
                 if vertex in allow:
                     allow.discard(vertex)
-                    reasons[vertex] = ("recurrent-edge", f"recurrent edge of '{node}': a Merge it feeds stays float32")
+                    reasons[vertex] = Reason("recurrent-edge", f"recurrent edge of '{node}': a Merge it feeds stays float32", node)
     return allow, reasons
 
 
@@ -429,7 +449,7 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
             continue
         consumers = [ctx.types.input_vertex(c, port) for c, port in ctx.types.data_consumers(node, 0)]
         if consumers and all(c in allow for c in consumers):
-            added[vertex] = ("existing-cast", "existing Cast whose consumers are all converted")
+            added[vertex] = Reason("existing-cast", "existing Cast whose consumers are all converted")
     return added
 
 
@@ -444,6 +464,8 @@ def paint(ctx: PaintContext) -> Painting:
 
     # 0. TensorList clusters; unsafe ones are denied; element edges writer -> reader.
     clusters, deny_found = find_tensor_list_clusters(ctx)
+    deny_found.update((v, Reason("cross-function", "a value from a deny path crosses this function boundary"))
+                      for v in ctx.deny_seeds if v not in deny_found)
     note("0 tensor-list clusters", deny_found)
     deny = set(deny_found)
     graph = ctx.types.graph
@@ -454,7 +476,7 @@ def paint(ctx: PaintContext) -> Painting:
     # 1. Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(
-        (v, ("cross-function", "shares its dtype with converted values across a function boundary"))
+        (v, Reason("cross-function", "shares its dtype with converted values across a function boundary"))
         for v in ctx.seeds if v not in allow_found
     )
     note("1 allow list", allow_found)

@@ -13,7 +13,7 @@
 
 Each builds a :class:`~amp_rewrite.models.ModelGraph` (its GraphDef *has* a library) that
 :func:`~amp_rewrite.models.run_model_graph` runs on CPU. Function names carry
-process-wide counters, so find functions by role (:func:`loop_bodies`), not by name.
+process-wide counters, so find functions by the nodes that call them, not by name.
 :func:`item_cast_counts` and :func:`casts_per_iteration` measure what a rewrite costs.
 """
 from __future__ import annotations
@@ -89,9 +89,6 @@ class CastCount:
     total: int
     run_time: int
 
-    def __add__(self, other: CastCount) -> CastCount:
-        return CastCount(self.total + other.total, self.run_time + other.run_time)
-
 
 def item_cast_counts(graph_def: GraphDef) -> dict[str, CastCount]:
     """Casts per item: the main graph (``MAIN_GRAPH``), then each library function."""
@@ -121,10 +118,12 @@ def casts_per_iteration(graph_def: GraphDef) -> dict[str, int]:
 
     def cost(name: str) -> int:
         if name not in executed:
-            executed[name] = function_to_casts[name] + sum(_call_cost(node, library, cost) for node in library[name].node_def)
+            calls = sum(_call_cost(node, library, cost) for node in library[name].node_def)
+            executed[name] = function_to_casts[name] + calls
         return executed[name]
 
-    loops = [node for node in [*graph_def.node, *(n for f in library.values() for n in f.node_def)] if node.op in LOOP_OPS]
+    nodes = [*graph_def.node, *(node for f in library.values() for node in f.node_def)]
+    loops = [node for node in nodes if node.op in LOOP_OPS]
     return {
         node.attr["body"].func.name: cost(node.attr["body"].func.name) + cost(node.attr["cond"].func.name)
         for node in sorted(loops, key=lambda node: node.attr["body"].func.name)
@@ -144,11 +143,6 @@ def _call_cost(node: NodeDef, library: Mapping[str, Any], cost: Callable[[str], 
     if node.op in ("Case", "StatelessCase"):
         return max((cost(f.name) for f in node.attr["branches"].list.func), default=0)
     return 0
-
-
-def loop_bodies(graph_def: GraphDef) -> tuple[str, ...]:
-    """The body function of every functional loop, in name order."""
-    return tuple(casts_per_iteration(graph_def))
 
 
 # --- the graphs ----------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Decision:
     after: str
     rule: str    # short key of the list or pass that decided, e.g. "deny-propagation"
     reason: str  # one line for people, naming the neighbour that decided where there is one
+    source: str = ""  # that neighbour's node name (the deny op, the allow op, ...), if any
 
     @property
     def converted(self) -> bool:

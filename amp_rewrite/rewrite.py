@@ -12,7 +12,7 @@ import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import boundaries, casts, colouring, functions, graph_io, support, typegraph
-from amp_rewrite.colouring import PaintContext, Painting
+from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, Decision, ItemStats, Report, dtype_name
@@ -98,27 +98,27 @@ def loop_values(types: typegraph.TypeGraph) -> Iterable[Vertex]:
                 yield Vertex(name, typegraph.TypeAttr("T", index))
 
 
-def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> tuple[str, str]:
-    """(rule, reason) for one vertex's final colour."""
+def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
+    """Why one vertex has its final colour."""
     if vertex in painting.allow or vertex in painting.deny:
         return painting.reasons[vertex]
     if vertex.node in skipped:
-        return "not-processed", skipped[vertex.node]
+        return Reason("not-processed", skipped[vertex.node])
     if vertex in painting.reasons:
         return painting.reasons[vertex]
     op = ctx.op(vertex)
     if vertex in ctx.pinned:
-        return "loop-value", "loop value of a functional While whose body and cond keep float32 signatures"
+        return Reason("loop-value", "loop value of a functional While whose body and cond keep float32 signatures")
     if not painting.allow:
-        return "no-allow-ops", "no allow-list op in the graph, so nothing is converted"
+        return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
     colour = ctx.lists.colour(op)
     if colour is None:
-        return "unlisted", f"op {op} is in no list"
+        return Reason("unlisted", f"op {op} is in no list")
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
-        return "no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}"
+        return Reason("no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}")
     if colour is Colour.INFER:
-        return "infer-isolated", "infer op neither between allow ops nor directly after one"
-    return "clear-isolated", "clear op not connected to an allow op through clear ops"
+        return Reason("infer-isolated", "infer op neither between allow ops nor directly after one")
+    return Reason("clear-isolated", "clear op not connected to an allow op through clear ops")
 
 
 @contextlib.contextmanager
@@ -234,31 +234,42 @@ def _prepare(
 
 
 def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str, Painting]:
-    """Step 6 with ``cross_function``: paint, spread ALLOW over linked groups, repeat.
+    """Step 6 with ``cross_function``: paint, spread colours over linked groups, repeat.
 
-    A group whose members are all float32 and none DENY becomes a seed in every item once
-    any member is ALLOW; seeds only grow, so this ends. Finally a group is converted only
-    if all its members are, so both sides of every boundary agree.
+    A group whose value comes from a DENY vertex on any side is denied on every side (so
+    deny propagates on into the callee as if inlined); otherwise, once any member is
+    ALLOW, it seeds ALLOW on every side. A group moves from nothing to ALLOW to DENY at
+    most, so this ends. Finally a group is converted only if all its members are.
     """
     def dtype(item: str, vertex: Vertex) -> int:
         return items[item].ctx.types.dtype(vertex) if vertex in items[item].ctx.types.graph else types_pb2.DT_INVALID
 
     groups = [g for g in links.groups if boundaries.is_float32_group(g, dtype)]
     seeds: dict[str, set[Vertex]] = {name: set() for name in items}
+    deny_seeds: dict[str, set[Vertex]] = {name: set() for name in items}
     while True:
         paintings = {}
         for name, item in items.items():
-            item.ctx.seeds = frozenset(seeds[name])
+            item.ctx.seeds, item.ctx.deny_seeds = frozenset(seeds[name]), frozenset(deny_seeds[name])
             paintings[name] = colouring.paint(item.ctx)
+
+        def denied(item: str, vertex: Vertex) -> bool:
+            deny = paintings[item].deny
+            return vertex in deny or any(f in deny for f in items[item].ctx.types.graph.pred[vertex])
+
         grew = False
         for group in groups:
-            if any(v in paintings[i].deny or v.node not in items[i].ctx.processed for i, v in group):
-                continue
-            if any(v in paintings[i].allow for i, v in group):
+            if any(denied(i, v) for i, v in group):
                 for i, v in group:
-                    if v not in seeds[i]:
-                        seeds[i].add(v)
-                        grew = True
+                    seeds[i].discard(v)
+                    grew |= v not in deny_seeds[i]
+                    deny_seeds[i].add(v)
+            elif all(v.node in items[i].ctx.processed for i, v in group) and any(
+                v in paintings[i].allow for i, v in group
+            ):
+                for i, v in group:
+                    grew |= v not in seeds[i]
+                    seeds[i].add(v)
         if not grew:
             break
     for group in groups:
@@ -267,7 +278,7 @@ def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str,
                 if v in paintings[i].allow:
                     painting = paintings[i]
                     reasons = dict(painting.reasons)
-                    reasons[v] = ("cross-function", "the other side of its function boundary stays float32")
+                    reasons[v] = Reason("cross-function", "the other side of its function boundary stays float32")
                     paintings[i] = Painting(painting.allow - {v}, painting.deny, reasons, painting.clusters)
     return paintings
 
@@ -282,8 +293,8 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
     stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
     # 8. Back to a GraphDef, with the item's counts and decisions.
     decisions = [
-        Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), rule, reason)
-        for v, (op, (rule, reason)) in reasons.items()
+        Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), *reason)
+        for v, (op, reason) in reasons.items()
     ]
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)

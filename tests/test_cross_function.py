@@ -45,27 +45,26 @@ class Case:
     def __init__(self, name: str) -> None:
         self.model: ModelGraph = build_loop_graph(name)
         self.float32: GraphRun = run_model_graph(self.model)
-        self._cache: dict[tuple[str, str], object] = {}
-
-    def _cached(self, kind: str, target: str, make):
-        if (kind, target) not in self._cache:
-            self._cache[(kind, target)] = make()
-        return self._cache[(kind, target)]
+        self._rewrites: dict[tuple[str, bool], amp_rewrite.RewriteResult] = {}
+        self._grappler: dict[str, GraphDef] = {}
 
     def default(self, target: str) -> amp_rewrite.RewriteResult:
-        model = self.model
-        return self._cached("default", target, lambda: amp_rewrite.rewrite_graph_def(
-            model.graph_def, target=target, fetches=model.fetches))
+        return self._rewrite(target, cross_function=False)
 
     def cross(self, target: str) -> amp_rewrite.RewriteResult:
-        model = self.model
-        return self._cached("cross", target, lambda: amp_rewrite.rewrite_graph_def(
-            model.graph_def, target=target, fetches=model.fetches, cross_function=True))
+        return self._rewrite(target, cross_function=True)
+
+    def _rewrite(self, target: str, *, cross_function: bool) -> amp_rewrite.RewriteResult:
+        if (target, cross_function) not in self._rewrites:
+            self._rewrites[(target, cross_function)] = amp_rewrite.rewrite_graph_def(
+                self.model.graph_def, target=target, fetches=self.model.fetches, cross_function=cross_function
+            )
+        return self._rewrites[(target, cross_function)]
 
     def grappler(self, target: str) -> GraphDef:
-        model = self.model
-        return self._cached("grappler", target, lambda: run_grappler(
-            model.graph_def, target=target, fetches=model.fetches))
+        if target not in self._grappler:
+            self._grappler[target] = run_grappler(self.model.graph_def, target=target, fetches=self.model.fetches)
+        return self._grappler[target]
 
 
 @pytest.fixture(scope="module", params=LOOP_GRAPH_NAMES)
@@ -118,10 +117,16 @@ def _assert_well_typed(graph_def: GraphDef) -> None:
 
 def test_default_mode_agrees_with_grappler_in_every_function(case: Case, target: str) -> None:
     """Without cross_function every function body is painted alone, as grappler does: each
-    body (and the main graph) agrees with grappler vertex for vertex and cast for cast."""
+    body agrees with grappler vertex for vertex and cast for cast, and so does the main
+    graph except where grappler breaks the graph: TensorLists handed to a loop stay
+    float32 in ours (see tests/test_functions.py::test_keras_recurrent_training_step)."""
     agreement = compare_rewrites(case.model.graph_def, case.default(target).graph_def, case.grappler(target))
     assert agreement.functions, "no function body was compared"
-    assert agreement.ok, agreement.explain()
+    assert all(f.ok for f in agreement.functions), agreement.explain()
+    if case.model.name == "while_loop":
+        assert agreement.ok, agreement.explain()
+    else:
+        assert all("ours=DT_FLOAT" in m for m in agreement.mismatches if " attr " in m), agreement.explain()
 
 
 def test_default_mode_keeps_every_signature(case: Case, target: str) -> None:
@@ -224,70 +229,99 @@ def test_all_entry_functions_keep_every_signature(while_loop: Case, target: str)
 _WIDTH = 8
 
 
-def _shared_callee_graph(deny_site: bool) -> tuple[GraphDef, tuple[str, ...]]:
-    """x → MatMul allow1 → shared(·); with ``deny_site`` also x → Exp deny1 → shared(·).
+def _shared_callee_graph(second_site: str | None) -> tuple[GraphDef, tuple[str, ...]]:
+    """x → MatMul allow1 → shared(·) → out, and a second call of the same ``shared``:
 
-    ``shared`` (one library function, called from both sites) is MatMul → Relu.
+    * ``"deny"``: x → Exp deny1 → shared(·), added to out. Inlined, the copy of the infer
+      op after deny1 would stay float32 (deny spreads into infer ops, spec §2.3 pass 2)
+      and the copy after allow1 would not: one body cannot be both.
+    * ``"fetched"``: x → MatMul allow2 → shared(·), a call node that is fetched itself, so
+      it is preserved and keeps float32 (spec §2.7).
+
+    ``shared`` (one library function for both calls) is Add infer_shared → MatMul allow_shared → Relu.
     """
-    rng = np.random.default_rng(0)
-    w_value = rng.uniform(-0.5, 0.5, (_WIDTH, _WIDTH)).astype(np.float32)
+    w_value = np.random.default_rng(0).uniform(-0.5, 0.5, (_WIDTH, _WIDTH)).astype(np.float32)
 
     @tf.function
     def shared(h: tf.Tensor) -> tf.Tensor:
-        return tf.nn.relu(tf.matmul(h, tf.constant(w_value), name="allow_shared"), name="clr_shared")
+        return tf.nn.relu(tf.matmul(tf.add(h, 0.5, name="infer_shared"), tf.constant(w_value), name="allow_shared"))
 
-    def main(x: tf.Tensor) -> tf.Tensor:
-        result = shared(tf.matmul(x, tf.constant(w_value), name="allow1"))
-        if deny_site:
-            result = result + shared(tf.exp(x, name="deny1"))
-        return tf.identity(result, name="out")
+    def main(x: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        first = shared(tf.matmul(x, tf.constant(w_value), name="allow1"))
+        if second_site == "deny":
+            return (tf.identity(first + shared(tf.exp(x, name="deny1")), name="out"),)
+        if second_site == "fetched":
+            return tf.identity(first, name="out"), shared(tf.matmul(x, tf.constant(w_value), name="allow2"))
+        return (tf.identity(first, name="out"),)
 
     concrete = tf.function(main).get_concrete_function(tf.TensorSpec([_WIDTH, _WIDTH], name="x"))
-    return concrete.graph.as_graph_def(), ("out",)
+    graph_def = concrete.graph.as_graph_def()
+    # tf.function returns each output through an Identity; fetch the second call itself.
+    calls = [node.name for node in graph_def.node if node.op.endswith("PartitionedCall") and "allow2" in node.input[0]]
+    return graph_def, ("out", *calls)
 
 
-def _calls(graph_def: GraphDef) -> dict[str, tuple[int, int, str]]:
-    """Per call node: (Tin[0], Tout[0], callee), keyed by the node feeding it (allow1/deny1)."""
+def _calls(graph_def: GraphDef) -> dict[str, tuple[str, str, str]]:
+    """Per call node: (Tin[0], Tout[0] as dtype names, callee), keyed by the op feeding it (allow1, deny1, ...)."""
+    producers = {node.name: node for node in graph_def.node}
+    name = types_pb2.DataType.Name
+
+    def source(tensor: str) -> str:
+        node = producers[tensor.split(":")[0]]
+        return source(node.input[0]) if node.op == "Cast" else node.name  # look through our casts
+
     return {
-        node.input[0].split(":")[0]: (node.attr["Tin"].list.type[0], node.attr["Tout"].list.type[0], node.attr["f"].func.name)
+        source(node.input[0]): (name(node.attr["Tin"].list.type[0]), name(node.attr["Tout"].list.type[0]),
+                                node.attr["f"].func.name)
         for node in graph_def.node if node.op in ("PartitionedCall", "StatefulPartitionedCall")
     }
 
 
-def _run_shared(graph_def: GraphDef) -> np.ndarray:
+def _run_shared(graph_def: GraphDef, fetches: tuple[str, ...]) -> list[np.ndarray]:
     x = np.random.default_rng(1).uniform(-1, 1, (_WIDTH, _WIDTH)).astype(np.float32)
-    return run_graph(graph_def, fetches=("out",), feeds={"x:0": x}).outputs["out"]
+    outputs = run_graph(graph_def, fetches=fetches, feeds={"x:0": x}).outputs
+    return [outputs[fetch] for fetch in fetches]
 
 
-def test_function_called_from_incompatible_sites_keeps_float32_boundaries(target: str) -> None:
-    """``shared`` is called after MatMul allow1 and after Exp deny1: one signature cannot be
-    both, so both calls and the callee's argument stay float32 (the result too), exactly
-    as grappler leaves them; the graph is well typed and matches float32."""
-    graph_def, fetches = _shared_callee_graph(deny_site=True)
+@pytest.mark.parametrize("second_site", ["deny", "fetched"])
+def test_function_called_from_incompatible_sites_keeps_float32_boundaries(second_site: str, target: str) -> None:
+    """``shared`` is called after MatMul allow1 and from a second site that needs float32
+    (see ``_shared_callee_graph``): one signature cannot serve both, so the argument stays
+    float32 at both calls and in the callee, as under grappler. With the deny site, deny
+    reaches into the callee as if it were inlined (its ``infer_shared`` stays float32),
+    while the result, after the callee's own MatMul→Relu, is the same for both callers
+    and may be low precision. A fetched call keeps both sides float32. The graph is well
+    typed and matches float32."""
+    graph_def, fetches = _shared_callee_graph(second_site)
     calls = _calls(graph_def)
-    assert set(calls) == {"allow1", "deny1"} and calls["allow1"][2] == calls["deny1"][2], calls
+    assert len(calls) == 2 and len({callee for _, _, callee in calls.values()}) == 1, calls
     callee = calls["allow1"][2]
     result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=fetches, cross_function=True)
-    float32 = types_pb2.DT_FLOAT
-    assert {site: types[:2] for site, types in _calls(result.graph_def).items()} == {
-        "allow1": (float32, float32), "deny1": (float32, float32)
-    }
-    assert _signatures(result.graph_def)[callee] == _signatures(graph_def)[callee]
+    rewritten = _calls(result.graph_def)
+    assert {site: tin for site, (tin, _, _) in rewritten.items()} == {site: "DT_FLOAT" for site in calls}
+    outputs = {tout for _, tout, _ in rewritten.values()}
+    assert len(outputs) == 1, rewritten  # both callers agree with the one callee signature
+    body = next(f for f in result.graph_def.library.function if f.signature.name == callee)
+    assert [arg.type for arg in body.signature.input_arg] == [types_pb2.DT_FLOAT]  # the argument keeps float32
+    if second_site == "fetched":
+        assert _signatures(result.graph_def)[callee] == _signatures(graph_def)[callee]
+    else:
+        infer = next(node for node in body.node_def if node.name == "infer_shared")
+        assert infer.attr["T"].type == types_pb2.DT_FLOAT, "deny must reach into the callee"
     _assert_well_typed(result.graph_def)
-    np.testing.assert_allclose(
-        _run_shared(result.graph_def), _run_shared(graph_def), rtol=TARGET_TO_TOLERANCE[target],
-        atol=TARGET_TO_TOLERANCE[target] * float(np.max(np.abs(_run_shared(graph_def)))),
-    )
+    tolerance = TARGET_TO_TOLERANCE[target]
+    for got, want in zip(_run_shared(result.graph_def, fetches), _run_shared(graph_def, fetches)):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * float(np.max(np.abs(want))))
 
 
 def test_function_called_from_one_allow_site_takes_low_precision(target: str) -> None:
     """The same callee called only after MatMul allow1: its argument and result, and the
-    call's, take the target dtype together (the contrast to the two-site case)."""
-    graph_def, fetches = _shared_callee_graph(deny_site=False)
+    call's, take the target dtype together (the contrast to the two-site cases)."""
+    graph_def, fetches = _shared_callee_graph(None)
     result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=fetches, cross_function=True)
     low = TARGET_TO_DTYPE[target]
     ((site, (tin, tout, callee)),) = _calls(result.graph_def).items()
-    assert (site, tin, tout) == ("allow1", low, low)
+    assert (site, tin, tout) == ("allow1", types_pb2.DataType.Name(low), types_pb2.DataType.Name(low))
     signature = next(f.signature for f in result.graph_def.library.function if f.signature.name == callee)
     assert [arg.type for arg in [*signature.input_arg, *signature.output_arg]] == [low, low]
     _assert_well_typed(result.graph_def)

@@ -24,7 +24,6 @@ from conftest import (
     assert_numerics_match,
     assert_unchanged,
     check_against_grappler,
-    count_casts,
     count_casts_by_kind,
     graph_def_of,
     op_of,

@@ -1,0 +1,578 @@
+"""Write what a rewrite did to a directory, for people: GraphDefs before and after, the
+effective lists, Graphviz drawings, one self-contained HTML report and a TensorBoard log.
+
+Same inputs give byte-identical files (STYLE §10), so two dumps can be diffed.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import html
+import logging
+import os
+import re
+import shutil
+import subprocess
+import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from google.protobuf import text_format
+from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
+from tensorflow.core.util import event_pb2
+from tensorflow.python.lib.io import tf_record
+
+from amp_rewrite import casts, functions, graph_io, support, typegraph
+from amp_rewrite.lists import Colour, OpLists
+from amp_rewrite.report import MAIN_GRAPH, Decision, Report, dtype_name
+from amp_rewrite.rewrite import RewriteResult
+
+log = logging.getLogger(__name__)
+
+MAIN_STEM = "main"  # file name of the main graph's item
+SVG_MAX_NODES = 3000  # above this, Graphviz takes minutes: keep the .dot, skip the .svg
+DOT_TIMEOUT_S = 60
+# One fixed name, no timestamp or host: a second dump overwrites the first (TensorBoard
+# only needs "tfevents" in the name).
+EVENTS_FILE = "events.out.tfevents.0.amp_rewrite"
+
+# Node classes, shared by the drawing and the report: (fill colour, legend text).
+CLASS_TO_STYLE = {
+    "converted": ("#9be29b", "converted to the target type"),
+    "deny": ("#f4a3a3", "kept float32: deny list or downstream of a deny op"),
+    "infer": ("#f7e08a", "kept float32: infer op"),
+    "clear": ("#d6d6d6", "kept float32: clear op"),
+    "other": ("#ffffff", "not painted, or no float32 type attribute"),
+    "cast": ("#a9cdf2", "Cast inserted by the pass"),
+}
+_DENY_RULES = frozenset({"deny-list", "deny-propagation"})
+_COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
+
+# One line per rule of amp_rewrite.rewrite / amp_rewrite.colouring, for the report.
+RULE_TO_MEANING = {
+    "allow-list": "op is on the allow list",
+    "between-allow": "infer or clear op on a path between allow ops",
+    "infer-after-allow": "infer op fed directly by an allow op",
+    "clear-propagation": "clear op connected to an allow op through clear ops",
+    "existing-cast": "a Cast already in the graph whose consumers are all converted",
+    "force-all": "every op forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL",
+    "cross-function": "shares its type with the other side of a function or loop boundary",
+    "tensor-list": "a TensorList and its users share one element type",
+    "recurrent-edge": "a loop's NextIteration follows the Merge it feeds",
+    "deny-list": "op is on the deny list (numerically unsafe in low precision)",
+    "deny-propagation": "clear or infer op downstream of a deny op",
+    "infer-isolated": "infer op neither between allow ops nor directly after one",
+    "clear-isolated": "clear op not connected to an allow op through clear ops",
+    "unlisted": "op is in no list, so it is never converted",
+    "not-processed": "the pass may not touch the node: fetched, a graph input, keep_nodes, or another device",
+    "no-kernel": "TensorFlow has no low-precision kernel for the op on that device",
+    "loop-value": "loop value of a functional While whose body and cond keep float32",
+    "no-allow-ops": "the item has no allow op, so nothing in it is converted",
+    "unconvertible": "the type attribute cannot take the target type",
+}
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One rewritten item: the main graph or one library function body."""
+
+    function: str  # MAIN_GRAPH or the function's name
+    stem: str      # file name without extension, unique in the dump
+    before: graph_pb2.GraphDef
+    after: graph_pb2.GraphDef
+
+    @property
+    def label(self) -> str:
+        return "main graph" if self.function == MAIN_GRAPH else self.function
+
+
+def write_dump(
+    directory: str | os.PathLike[str],
+    original: graph_pb2.GraphDef,
+    result: RewriteResult,
+    lists: OpLists,
+    *,
+    title: str,
+) -> list[Path]:
+    """Write the dump of ``original`` → ``result`` into ``directory`` (created if missing).
+
+    Files: ``before/<item>.pbtxt`` and ``after/<item>.pbtxt`` (the main graph without its
+    library, each function body as a GraphDef with ``_Arg``/``_Retval`` nodes),
+    ``lists.yaml``, ``graphs/<item>.dot`` (+ ``.svg`` when Graphviz's ``dot`` is on PATH and
+    the item has at most ``SVG_MAX_NODES`` nodes), ``report.html`` and ``tb/`` (TensorBoard,
+    the rewritten graph). Returns the written paths, in writing order.
+    """
+    root = Path(directory)
+    items = _items(original, result)
+    written: list[Path] = []
+    for item in items:
+        written.append(_write(root / "before" / f"{item.stem}.pbtxt", _pbtxt(item.before)))
+        written.append(_write(root / "after" / f"{item.stem}.pbtxt", _pbtxt(item.after)))
+    written.append(_write(root / "lists.yaml", _lists_yaml(lists)))
+
+    function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+    for decision in result.report.decisions:
+        function_to_decisions[decision.function].append(decision)
+    after_op_defs = support.library_op_defs(result.graph_def.library)
+    function_to_classes = {
+        item.function: _node_classes(item.after, function_to_decisions[item.function], lists) for item in items
+    }
+    stem_to_note: dict[str, str] = {}
+    dot_binary = shutil.which("dot")
+    for item in items:
+        dot = _dot(
+            item, function_to_classes[item.function], function_to_decisions[item.function], after_op_defs,
+            title, result.report.target,
+        )
+        dot_path = _write(root / "graphs" / f"{item.stem}.dot", dot)
+        written.append(dot_path)
+        svg_path, note = _render_svg(dot_path, len(item.after.node), dot_binary)
+        if svg_path is not None:
+            written.append(svg_path)
+        if note:
+            stem_to_note[item.stem] = note
+
+    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note)
+    written.append(_write(root / "report.html", page))
+    written.append(_write_events(root / "tb" / EVENTS_FILE, result.graph_def))
+    return written
+
+
+# --------------------------------------------------------------------------------------
+# Items and files
+
+
+def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
+    """The main graph and every function the report covers, in the report's order."""
+    before_library = {f.signature.name: f for f in original.library.function}
+    after_library = {f.signature.name: f for f in result.graph_def.library.function}
+    before_op_defs = support.library_op_defs(original.library)
+    after_op_defs = support.library_op_defs(result.graph_def.library)
+    taken: set[str] = set()
+    items = []
+    for stats in result.report.items:
+        name = stats.function
+        if name == MAIN_GRAPH:
+            before, after = _without_library(original), _without_library(result.graph_def)
+        else:
+            before = functions.body_graph_def(before_library[name], before_op_defs)
+            after = functions.body_graph_def(after_library[name], after_op_defs)
+        stem = _file_stem(name, taken)
+        taken.add(stem.lower())
+        items.append(_Item(name, stem, before, after))
+    return items
+
+
+def _without_library(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    copy.ClearField("library")
+    return copy
+
+
+def _file_stem(function: str, taken: set[str]) -> str:
+    """A portable file name for an item; a hash of the real name keeps clashes apart
+    (case-insensitive file systems included)."""
+    if function == MAIN_GRAPH:
+        return MAIN_STEM
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", function).lstrip(".")[:120] or "function"
+    if stem != function or stem.lower() in taken or stem.lower() == MAIN_STEM:
+        stem = f"{stem}-{hashlib.sha1(function.encode('utf-8')).hexdigest()[:8]}"
+    return stem
+
+
+def _write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return path
+
+
+def _pbtxt(graph_def: graph_pb2.GraphDef) -> str:
+    # text_format prints map entries (attrs) sorted by key: stable and diff-friendly.
+    return text_format.MessageToString(graph_def)
+
+
+def _lists_yaml(lists: OpLists) -> str:
+    document = {
+        "target": lists.target,
+        "sources": list(lists.sources),
+        "force_all": lists.force_all,
+        "keep_nodes": list(lists.keep_nodes),
+        **{colour.value: sorted(getattr(lists, colour.value)) for colour in Colour},
+    }
+    header = "# The effective op lists of this rewrite: built-in lists, overlay and environment.\n"
+    return header + yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def _write_events(path: Path, graph_def: graph_pb2.GraphDef) -> Path:
+    """The events ``tf.summary.graph`` writes, with wall time 0 so the file is reproducible."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf_record.TFRecordWriter(str(path)) as writer:
+        writer.write(event_pb2.Event(wall_time=0.0, file_version="brain.Event:2").SerializeToString())
+        graph = graph_def.SerializeToString(deterministic=True)
+        writer.write(event_pb2.Event(wall_time=0.0, step=0, graph_def=graph).SerializeToString())
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# Graphviz
+
+
+def _node_classes(graph_def: graph_pb2.GraphDef, decisions: Sequence[Decision], lists: OpLists) -> dict[str, str]:
+    """Each node's class in CLASS_TO_STYLE: converted if any of its vertices is, else why kept."""
+    node_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+    for decision in decisions:
+        node_to_decisions[decision.node].append(decision)
+    node_to_class = {}
+    for node in graph_def.node:
+        own = node_to_decisions.get(node.name, ())
+        if _is_amp_cast(node):
+            node_to_class[node.name] = "cast"
+        elif any(d.converted for d in own):
+            node_to_class[node.name] = "converted"
+        elif any(d.rule in _DENY_RULES for d in own):
+            node_to_class[node.name] = "deny"
+        elif own:
+            colour = lists.colour(own[0].op)
+            node_to_class[node.name] = _COLOUR_TO_CLASS[colour] if colour else "other"
+        else:
+            node_to_class[node.name] = "other"
+    return node_to_class
+
+
+def _is_amp_cast(node: node_def_pb2.NodeDef) -> bool:
+    return node.op == "Cast" and node.name.endswith("-" + casts.SUFFIX)
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _output_dtypes(node: node_def_pb2.NodeDef, op_defs: Mapping[str, op_def_pb2.OpDef]) -> list[str]:
+    """Dtype name per output port, from the op definition."""
+    op_def = support.resolve_op_def(node, op_defs)
+    data_inputs = sum(1 for tensor in node.input if not tensor.startswith("^"))
+    outputs = typegraph.node_types(node, op_def, data_inputs).outputs
+    return [dtype_name(typegraph.dtype_of(node, attr)) for attr in outputs]
+
+
+def _dot(
+    item: _Item,
+    node_to_class: Mapping[str, str],
+    decisions: Sequence[Decision],
+    op_defs: Mapping[str, op_def_pb2.OpDef],
+    title: str,
+    target: str,
+) -> str:
+    """The rewritten item as a DOT digraph: fill = node class, casts drawn as arrows,
+    data edges labelled with their dtype, control edges dashed."""
+    node_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+    for decision in decisions:
+        node_to_decisions[decision.node].append(decision)
+    lines = [
+        f"digraph {_dot_quote(item.stem)} {{",
+        f"  graph [label={_dot_quote(f'{title} — {item.label}')}, labelloc=t, fontname=Helvetica,"
+        " rankdir=TB, nodesep=0.25, ranksep=0.35];",
+        '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=10, fillcolor="#ffffff"];',
+        '  edge [fontname=Helvetica, fontsize=8, color="#666666", fontcolor="#444444"];',
+    ]
+    node_to_dtypes = {}
+    for node in item.after.node:
+        node_to_dtypes[node.name] = _output_dtypes(node, op_defs)
+        node_class = node_to_class[node.name]
+        tooltip = [f"{node.name} ({node.op})"] + [
+            f"{d.attr}: {d.before} → {d.after} [{d.rule}] {d.reason}" for d in node_to_decisions.get(node.name, ())
+        ]
+        shape, label = "", node.name if node.name == node.op else f"{node.name}\n{node.op}"
+        if node_class == "cast":
+            source, destination = (dtype_name(node.attr[a].type) for a in ("SrcT", "DstT"))
+            shape, label = ", shape=cds", f"Cast\n{source} → {destination}"
+        lines.append(
+            f"  {_dot_quote(node.name)} [label={_dot_quote(label)},"
+            f' fillcolor="{CLASS_TO_STYLE[node_class][0]}"{shape}, tooltip={_dot_quote(chr(10).join(tooltip))}];'
+        )
+    for node in item.after.node:
+        for tensor in node.input:
+            ref = graph_io.parse_tensor_name(tensor, consumer=node.name)
+            source = _dot_quote(ref.node)
+            if ref.is_control:
+                lines.append(f"  {source} -> {_dot_quote(node.name)} [style=dashed, color=\"#aaaaaa\"];")
+                continue
+            dtypes = node_to_dtypes.get(ref.node, ())
+            dtype = dtypes[ref.port] if ref.port < len(dtypes) else "?"
+            port = f":{ref.port}" if ref.port else ""
+            low = ', color="#2e8b2e", fontcolor="#2e8b2e", penwidth=1.6' if dtype == target else ""
+            lines.append(f"  {source} -> {_dot_quote(node.name)} [label={_dot_quote(dtype + port)}{low}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _render_svg(dot_path: Path, num_nodes: int, dot_binary: str | None) -> tuple[Path | None, str]:
+    """Render ``dot_path`` next to itself; (svg path or None, a note for the report)."""
+    svg_path = dot_path.with_suffix(".svg")
+    svg_path.unlink(missing_ok=True)  # never leave a stale drawing from an earlier dump
+    if dot_binary is None:
+        return None, "no SVG: Graphviz's dot is not installed"
+    if num_nodes > SVG_MAX_NODES:
+        return None, (
+            f"no SVG: {num_nodes} nodes (limit {SVG_MAX_NODES}); render it with"
+            f" 'sfdp -Tsvg -o {svg_path.name} {dot_path.name}' or view tb/ in TensorBoard"
+        )
+    try:
+        completed = subprocess.run(
+            [dot_binary, "-Tsvg", "-o", str(svg_path), str(dot_path)],
+            capture_output=True, text=True, timeout=DOT_TIMEOUT_S, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        svg_path.unlink(missing_ok=True)
+        log.warning("dot took over %d s on %s; skipped its SVG", DOT_TIMEOUT_S, dot_path)
+        return None, f"no SVG: Graphviz took over {DOT_TIMEOUT_S} s"
+    if completed.returncode != 0:
+        svg_path.unlink(missing_ok=True)
+        error = (completed.stderr.strip().splitlines() or ["no message"])[-1]
+        log.warning("dot failed on %s: %s", dot_path, error)
+        return None, f"no SVG: Graphviz failed: {error}"
+    return svg_path, ""
+
+
+# --------------------------------------------------------------------------------------
+# HTML report
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _link(href: str, text: str) -> str:
+    return f'<a href="{_e(urllib.parse.quote(href))}">{_e(text)}</a>'
+
+
+def _rule_counts(decisions: Iterable[Decision]) -> str:
+    counts = collections.Counter(d.rule for d in decisions if not d.converted)
+    return ", ".join(f"{rule} {count}" for rule, count in sorted(counts.items(), key=lambda rc: (-rc[1], rc[0])))
+
+
+def _report_html(
+    title: str,
+    report: Report,
+    items: Sequence[_Item],
+    lists: OpLists,
+    function_to_classes: Mapping[str, Mapping[str, str]],
+    stem_to_note: Mapping[str, str],
+) -> str:
+    function_to_stats = {stats.function: stats for stats in report.items}
+    function_to_label = {item.function: item.label for item in items}
+    function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+    for decision in report.decisions:
+        function_to_decisions[decision.function].append(decision)
+    kept = [d for d in report.decisions if not d.converted]
+
+    summary_lines = "\n".join(
+        f"<li><b>{_e(item.label)}</b>: {_e(report.summary(item.function))}</li>" for item in items
+    )
+    item_rows = []
+    for item in items:
+        stats = function_to_stats[item.function]
+        decisions = function_to_decisions[item.function]
+        graph_links = [_link(f"graphs/{item.stem}.dot", "dot")]
+        if item.stem not in stem_to_note:
+            graph_links.insert(0, _link(f"graphs/{item.stem}.svg", "svg"))
+        note = f'<div class="note">{_e(stem_to_note[item.stem])}</div>' if item.stem in stem_to_note else ""
+        item_rows.append(
+            f"<tr><td class=\"name\">{_e(item.label)}</td><td class=\"num\">{stats.nodes_before}</td>"
+            f"<td class=\"num\">{stats.vertices_converted}</td>"
+            f"<td class=\"num\">{stats.casts_added} ({stats.casts_to_target})</td>"
+            f"<td class=\"num\">{sum(1 for d in decisions if not d.converted)}</td>"
+            f"<td>{_e(_rule_counts(decisions)) or '—'}</td>"
+            f"<td class=\"files\">{_link(f'before/{item.stem}.pbtxt', 'before')} · "
+            f"{_link(f'after/{item.stem}.pbtxt', 'after')} · {' · '.join(graph_links)}{note}</td></tr>"
+        )
+    rule_rows = "\n".join(
+        f'<tr><td><button type="button" class="rule" data-rule="{_e(rule)}">{_e(rule)}</button></td>'
+        f'<td class="num">{count}</td><td>{_e(RULE_TO_MEANING.get(rule, ""))}</td></tr>'
+        for rule, count in report.kept_float32().items()
+    )
+    decision_rows = []
+    for d in report.decisions:
+        node_class = function_to_classes.get(d.function, {}).get(d.node, "other")
+        function = d.function or MAIN_STEM
+        decision_rows.append(
+            f'<tr data-function="{_e(function)}" data-rule="{_e(d.rule)}" data-kept="{0 if d.converted else 1}">'
+            f'<td>{_e(function_to_label.get(d.function, d.function))}</td>'
+            f'<td class="name"><span class="sw {node_class}"></span>{_e(d.node)}</td>'
+            f"<td>{_e(d.op)}</td><td>{_e(d.attr)}</td>"
+            f'<td class="{"low" if d.converted else "kept"}">{_e(d.before)} → {_e(d.after)}</td>'
+            f'<td title="{_e(RULE_TO_MEANING.get(d.rule, ""))}">{_e(d.rule)}</td><td>{_e(d.reason)}</td></tr>'
+        )
+    rule_options = "".join(
+        f'<option value="{_e(rule)}">{_e(rule)} ({count})</option>'
+        for rule, count in sorted(collections.Counter(d.rule for d in report.decisions).items())
+    )
+    function_options = "".join(
+        f'<option value="{_e(item.function or MAIN_STEM)}">{_e(item.label)}</option>' for item in items
+    )
+    legend = "".join(
+        f'<span class="legend"><span class="sw {name}"></span>{_e(text)}</span>'
+        for name, (_, text) in CLASS_TO_STYLE.items()
+    )
+    swatch_css = "".join(f".sw.{name}{{background:{colour}}}" for name, (colour, _) in CLASS_TO_STYLE.items())
+    return _HTML_TEMPLATE.format(
+        title=_e(title),
+        target=_e(report.target),
+        lists=_e(" + ".join(Path(source).name for source in lists.sources) or "built-in"),
+        nodes=report.nodes_before,
+        converted=report.vertices_converted,
+        casts=report.casts_added,
+        casts_to_target=report.casts_to_target,
+        kept=len(kept),
+        summary=_e(report.summary()),
+        summary_lines=summary_lines,
+        item_rows="\n".join(item_rows),
+        rule_rows=rule_rows or '<tr><td colspan="3">every float32 vertex was converted</td></tr>',
+        rule_options=rule_options,
+        function_options=function_options,
+        legend=legend,
+        swatch_css=swatch_css,
+        rows="\n".join(decision_rows),
+        total=len(report.decisions),
+        script=_SCRIPT,
+        style=_STYLE,
+    )
+
+
+_STYLE = """
+:root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--bg:#f6f8fa;--accent:#0969da}
+*{box-sizing:border-box}
+body{margin:0;font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif;color:var(--fg)}
+main{max-width:1400px;margin:0 auto;padding:24px 28px 48px}
+h1{font-size:24px;margin:0 0 4px}
+h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid var(--line)}
+.sub{color:var(--muted);margin:0 0 18px}
+.cards{display:flex;gap:12px;flex-wrap:wrap;margin:0 0 12px}
+.card{border:1px solid var(--line);border-radius:8px;padding:10px 16px;min-width:150px;background:var(--bg)}
+.card b{display:block;font-size:22px}
+.card span{color:var(--muted);font-size:12px}
+ul.summary{margin:0;padding-left:18px;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
+th{background:var(--bg);font-weight:600;position:sticky;top:0;z-index:1}
+td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+td.name{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;word-break:break-all}
+td.low{color:#1a7f37;font-weight:600;white-space:nowrap}
+td.kept{color:var(--muted);white-space:nowrap}
+td.files{white-space:nowrap}
+.note{color:#9a6700;font-size:12px;white-space:normal}
+a{color:var(--accent);text-decoration:none}a:hover{text-decoration:underline}
+.sw{display:inline-block;width:11px;height:11px;border:1px solid #8c959f;border-radius:3px;margin-right:6px;vertical-align:-1px}
+.legend{margin-right:16px;white-space:nowrap;color:var(--muted);font-size:12.5px}
+button.rule{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;border:1px solid var(--line);background:#fff;border-radius:12px;padding:1px 9px;cursor:pointer}
+button.rule:hover{border-color:var(--accent);color:var(--accent)}
+.filters{display:flex;gap:10px;align-items:center;flex-wrap:wrap;margin:0 0 10px;position:sticky;top:0;background:#fff;padding:8px 0;z-index:2}
+.filters input[type=search]{flex:1;min-width:260px;padding:6px 10px;border:1px solid var(--line);border-radius:6px;font-size:14px}
+.filters select{padding:5px 6px;border:1px solid var(--line);border-radius:6px;font-size:13px;background:#fff}
+#count{color:var(--muted);margin-left:auto;font-variant-numeric:tabular-nums}
+#nodes th{top:52px}
+#nodes tbody tr:nth-child(even){background:#fbfcfd}
+#empty{color:var(--muted);padding:12px 8px}
+"""
+
+_SCRIPT = """
+(function () {
+  "use strict";
+  var rows = Array.prototype.slice.call(document.querySelectorAll("#nodes tbody tr"));
+  var text = rows.map(function (row) { return row.textContent.toLowerCase(); });
+  var search = document.getElementById("search"), rule = document.getElementById("rule"),
+      fn = document.getElementById("function"), kept = document.getElementById("kept"),
+      count = document.getElementById("count"), empty = document.getElementById("empty");
+  var timer = null;
+  function apply() {
+    timer = null;
+    var terms = search.value.toLowerCase().split(/\\s+/).filter(Boolean), shown = 0;
+    for (var i = 0; i < rows.length; i++) {
+      var row = rows[i], ok = (!rule.value || row.dataset.rule === rule.value) &&
+        (!fn.value || row.dataset.function === fn.value) && (!kept.checked || row.dataset.kept === "1");
+      for (var t = 0; ok && t < terms.length; t++) ok = text[i].indexOf(terms[t]) !== -1;
+      row.hidden = !ok;
+      if (ok) shown++;
+    }
+    count.textContent = shown + " of " + rows.length + " rows";
+    empty.hidden = shown !== 0;
+  }
+  function later() {
+    if (rows.length < 5000) { apply(); return; }
+    if (timer !== null) clearTimeout(timer);
+    timer = setTimeout(apply, 120);
+  }
+  search.addEventListener("input", later);
+  [rule, fn, kept].forEach(function (el) { el.addEventListener("change", apply); });
+  Array.prototype.forEach.call(document.querySelectorAll("button.rule"), function (button) {
+    button.addEventListener("click", function () {
+      rule.value = button.dataset.rule; kept.checked = true; apply();
+      document.getElementById("decisions").scrollIntoView();
+    });
+  });
+  apply();
+})();
+"""
+
+_HTML_TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
+<title>{title}</title>
+<style>{style}{swatch_css}</style>
+</head>
+<body>
+<main>
+<h1>{title}</h1>
+<p class="sub">amp_rewrite mixed-precision rewrite to <b>{target}</b> · lists: {lists}</p>
+<div class="cards">
+<div class="card"><b>{nodes}</b><span>nodes before</span></div>
+<div class="card"><b>{converted}</b><span>vertices converted</span></div>
+<div class="card"><b>{casts}</b><span>casts added ({casts_to_target} to {target})</span></div>
+<div class="card"><b>{kept}</b><span>vertices kept float32</span></div>
+</div>
+<ul class="summary"><li><b>all</b>: {summary}</li>
+{summary_lines}</ul>
+
+<h2>Items</h2>
+<table id="items">
+<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts (to {target})</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
+<tbody>
+{item_rows}
+</tbody>
+</table>
+
+<h2>Why vertices stayed float32</h2>
+<table id="rules">
+<thead><tr><th>rule</th><th class="num">vertices</th><th>meaning</th></tr></thead>
+<tbody>
+{rule_rows}
+</tbody>
+</table>
+
+<h2 id="decisions">Decisions: one per float32 (node, type attribute)</h2>
+<div>{legend}</div>
+<div class="filters">
+<input id="search" type="search" placeholder="Filter: node, op, rule, reason… (all words must match)" autocomplete="off" aria-label="filter rows">
+<select id="rule" aria-label="rule"><option value="">all rules</option>{rule_options}</select>
+<select id="function" aria-label="item"><option value="">all items</option>{function_options}</select>
+<label><input id="kept" type="checkbox"> kept float32 only</label>
+<span id="count">{total} of {total} rows</span>
+</div>
+<table id="nodes">
+<thead><tr><th>item</th><th>node</th><th>op</th><th>attr</th><th>dtype</th><th>rule</th><th>reason</th></tr></thead>
+<tbody>
+{rows}
+</tbody>
+</table>
+<div id="empty" hidden>No row matches the filters.</div>
+</main>
+<script>{script}</script>
+</body>
+</html>
+"""
