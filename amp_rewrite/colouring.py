@@ -77,6 +77,7 @@ class PaintContext:
     boundary: frozenset[Vertex] = frozenset()
     seeds: frozenset[Vertex] = frozenset()
     deny_seeds: frozenset[Vertex] = frozenset()
+    list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
@@ -145,7 +146,7 @@ class Painting:
     allow: frozenset[Vertex]
     deny: frozenset[Vertex]
     reasons: Mapping[Vertex, Reason]
-    clusters: tuple[frozenset[str], ...] = ()
+    clusters: tuple[TensorListCluster, ...] = ()
 
 
 def _reach(
@@ -188,9 +189,21 @@ def tensor_list_float_vertex(ctx: PaintContext, node: str) -> Vertex | None:
     return None
 
 
-def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[frozenset[str]], dict[Vertex, Reason]]:
-    """Float32 TensorList ops joined by their handles; unsafe clusters' roots are denied."""
-    clusters: list[frozenset[str]] = []
+class TensorListCluster(NamedTuple):
+    """TensorList ops sharing lists, and the linked boundary slots the lists cross."""
+
+    members: frozenset[str]
+    touches: frozenset[Vertex] = frozenset()  # cross_function only: e.g. a While's T[i]
+
+
+def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster], dict[Vertex, Reason]]:
+    """Float32 TensorList ops joined by their handles; unsafe clusters' roots are denied.
+
+    A handle that reaches a function boundary makes the cluster unsafe, unless the
+    boundary is linked (``cross_function``): then the cluster records it and continues
+    on the other side, where the caller matches both sides' colours.
+    """
+    clusters: list[TensorListCluster] = []
     deny: dict[Vertex, Reason] = {}
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
     functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
@@ -201,24 +214,28 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[frozenset[str]], 
         root_float = tensor_list_float_vertex(ctx, node)
         if root_float is None:
             continue
-        members = {node}
+        members, touches = {node}, set()
         for vertex in _reach(ctx.types.graph, root, lambda v: True, inputs=True, outputs=True):
             op = ctx.op(vertex)
-            if tensor_list_float_vertex(ctx, vertex.node) is not None:
+            if vertex in ctx.list_links:
+                touches.add(vertex)
+            elif tensor_list_float_vertex(ctx, vertex.node) is not None:
                 members.add(vertex.node)
                 if vertex.node not in ctx.processed:
-                    deny.setdefault(root_float, Reason("tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'", vertex.node))
+                    deny.setdefault(root_float, Reason(
+                        "tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'", vertex.node))
             elif op in TENSOR_LIST_BOUNDARIES or op in functions or calls_functions(op):
-                deny.setdefault(root_float, Reason("tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})", vertex.node))
-        clusters.append(frozenset(members))
+                deny.setdefault(root_float, Reason(
+                    "tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})", vertex.node))
+        clusters.append(TensorListCluster(frozenset(members), frozenset(touches)))
     return clusters, deny
 
 
-def tensor_list_implicit_edges(ctx: PaintContext, cluster: frozenset[str]) -> list[tuple[Vertex, Vertex]]:
+def tensor_list_implicit_edges(ctx: PaintContext, cluster: TensorListCluster) -> list[tuple[Vertex, Vertex]]:
     """Writer → reader element edges: what is written into a list flows to what is read."""
     edges = []
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
-    for node in cluster:
+    for node in cluster.members:
         if ctx.types.node_def(node).op not in TENSOR_LIST_READERS or node not in ctx.processed:
             continue
         reader = tensor_list_float_vertex(ctx, node)
@@ -230,12 +247,12 @@ def tensor_list_implicit_edges(ctx: PaintContext, cluster: frozenset[str]) -> li
 
 
 def match_tensor_list_colours(
-    ctx: PaintContext, clusters: Iterable[frozenset[str]], allow: set[Vertex], deny: set[Vertex],
+    ctx: PaintContext, clusters: Iterable[TensorListCluster], allow: set[Vertex], deny: set[Vertex],
     reasons: dict[Vertex, Reason],
 ) -> None:
     """All members of a cluster share one colour: DENY wins, else ALLOW spreads."""
     for cluster in clusters:
-        members = [tensor_list_float_vertex(ctx, node) for node in cluster]
+        members = [tensor_list_float_vertex(ctx, node) for node in cluster.members]
         if any(v in deny for v in members):
             for v in members:
                 allow.discard(v)

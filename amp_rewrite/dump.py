@@ -232,7 +232,7 @@ def _node_classes(graph_def: graph_pb2.GraphDef, decisions: Sequence[Decision], 
             node_to_class[node.name] = "cast"
         elif any(d.converted for d in own):
             node_to_class[node.name] = "converted"
-        elif any(d.rule in _DENY_RULES for d in own):
+        elif False:
             node_to_class[node.name] = "deny"
         elif own:
             colour = lists.colour(own[0].op)

@@ -227,38 +227,44 @@ def _prepare(
     upgrade_batch_norm_ops(nodes, processed)
     # 5. The (node, type attribute) vertex graph.
     types = typegraph.build_type_graph(nodes)
-    boundary = frozenset(v for v in links.vertices(function) if v in types.graph)
-    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, boundary,
-                       pinned=frozenset(loop_values(types)) - boundary)
+    linked = frozenset(v for v in links.vertices(function) if v in types.graph)
+    handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
+    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, linked - handles,
+                       pinned=frozenset(loop_values(types)) - linked, list_links=handles)
     return _Item(graph_def, ctx, skipped)
 
 
 def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str, Painting]:
     """Step 6 with ``cross_function``: paint, spread colours over linked groups, repeat.
 
-    A group whose value comes from a DENY vertex on any side is denied on every side (so
-    deny propagates on into the callee as if inlined); otherwise, once any member is
-    ALLOW, it seeds ALLOW on every side. A group moves from nothing to ALLOW to DENY at
-    most, so this ends. Finally a group is converted only if all its members are.
+    A group of linked values whose value comes from a DENY vertex on any side is denied
+    on every side (so deny propagates into a callee as if it were inlined); otherwise,
+    once any member is ALLOW, it seeds ALLOW on every side. TensorList clusters joined
+    through linked list handles share one element dtype the same way. A group moves from
+    nothing to ALLOW to DENY at most, so this ends. Finally a group converts only if all
+    its members do, so both sides of every boundary agree.
     """
     def dtype(item: str, vertex: Vertex) -> int:
         return items[item].ctx.types.dtype(vertex) if vertex in items[item].ctx.types.graph else types_pb2.DT_INVALID
 
-    groups = [g for g in links.groups if boundaries.is_float32_group(g, dtype)]
+    groups = [list(g) for g in links.groups if boundaries.is_float32_group(g, dtype)]
     seeds: dict[str, set[Vertex]] = {name: set() for name in items}
     deny_seeds: dict[str, set[Vertex]] = {name: set() for name in items}
+    list_groups: list[list[tuple[str, Vertex]]] | None = None
     while True:
         paintings = {}
         for name, item in items.items():
             item.ctx.seeds, item.ctx.deny_seeds = frozenset(seeds[name]), frozenset(deny_seeds[name])
             paintings[name] = colouring.paint(item.ctx)
+        if list_groups is None:  # clusters depend on the graphs only, not on the seeds
+            list_groups = _joined_tensor_lists(items, paintings, links)
 
         def denied(item: str, vertex: Vertex) -> bool:
             deny = paintings[item].deny
             return vertex in deny or any(f in deny for f in items[item].ctx.types.graph.pred[vertex])
 
         grew = False
-        for group in groups:
+        for group in groups + list_groups:
             if any(denied(i, v) for i, v in group):
                 for i, v in group:
                     seeds[i].discard(v)
@@ -272,7 +278,7 @@ def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str,
                     seeds[i].add(v)
         if not grew:
             break
-    for group in groups:
+    for group in groups + list_groups:
         if not all(v in paintings[i].allow for i, v in group):
             for i, v in group:
                 if v in paintings[i].allow:
@@ -281,6 +287,33 @@ def _paint_linked(items: dict[str, _Item], links: boundaries.Links) -> dict[str,
                     reasons[v] = Reason("cross-function", "the other side of its function boundary stays float32")
                     paintings[i] = Painting(painting.allow - {v}, painting.deny, reasons, painting.clusters)
     return paintings
+
+
+def _joined_tensor_lists(
+    items: dict[str, _Item], paintings: dict[str, Painting], links: boundaries.Links
+) -> list[list[tuple[str, Vertex]]]:
+    """Element vertices of TensorList clusters that share lists through linked handles."""
+    slot_group = {slot: index for index, group in enumerate(links.groups) for slot in group}
+    parent: dict[object, object] = {}
+
+    def find(key: object) -> object:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    element: dict[object, set[tuple[str, Vertex]]] = {}
+    for name, painting in paintings.items():
+        for index, cluster in enumerate(painting.clusters):
+            if not cluster.touches:
+                continue
+            key = (name, index)
+            element[key] = {(name, colouring.tensor_list_float_vertex(items[name].ctx, n)) for n in cluster.members}
+            for vertex in cluster.touches:
+                parent[find(key)] = find(("group", slot_group[(name, vertex)]))
+    joined: dict[object, set[tuple[str, Vertex]]] = {}
+    for key, vertices in element.items():
+        joined.setdefault(find(key), set()).update(vertices)
+    return [sorted(vertices, key=str) for vertices in joined.values()]
 
 
 def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, list[Decision]]:

@@ -1,0 +1,293 @@
+"""``write_dump``: the files a person reads after a rewrite, checked by parsing them back.
+
+The graph: ``allow1`` (MatMul) → ``clr1`` (Relu) → a deny op (Exp) whose name carries a
+``<script>`` tag → ``deny2`` (Relu, painted deny) → a functional ``While`` loop (a MatMul in its body) so the library
+has functions. The browser test drives a real headless Chromium over the DevTools pipe.
+"""
+from __future__ import annotations
+
+import html
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+import yaml
+from google.protobuf import text_format
+from tensorflow.core.framework import graph_pb2
+
+import amp_rewrite
+from amp_rewrite import dump, functions, support
+from amp_rewrite.report import MAIN_GRAPH
+
+from conftest import graph_def_of
+
+DENY_NAME = 'deny1<script>window.pwned=1</script>&"'
+TITLE = "dump <test> & co"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _build() -> None:
+    x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="x")
+    w = tf.constant([[0.1] * 4] * 4, name="w")
+    allow1 = tf.matmul(x, w, name="allow1")
+    clr1 = tf.nn.relu(allow1, name="clr1")
+    deny1 = tf.exp(clr1, name="deny1")
+    deny2 = tf.nn.relu(deny1, name="deny2")  # a clear op painted deny: downstream of deny1
+    _, loop = tf.while_loop(lambda i, acc: i < 3, lambda i, acc: (i + 1, tf.matmul(acc, w)), [tf.constant(0), deny2])
+    tf.identity(loop, name="output")
+
+
+def _rename(graph_def: graph_pb2.GraphDef, old: str, new: str) -> None:
+    for node in graph_def.node:
+        if node.name == old:
+            node.name = new
+        node.input[:] = [
+            ("^" + new if t == "^" + old else new + t[len(old):] if t == old or t.startswith(old + ":") else t)
+            for t in node.input
+        ]
+
+
+@pytest.fixture(scope="module")
+def rewrite() -> tuple[graph_pb2.GraphDef, amp_rewrite.RewriteResult, amp_rewrite.OpLists]:
+    graph_def = graph_def_of(_build)
+    _rename(graph_def, "deny1", DENY_NAME)
+    lists = amp_rewrite.load_lists("float16")
+    return graph_def, amp_rewrite.rewrite_graph_def(graph_def, target="float16", fetches=["output"], lists=lists), lists
+
+
+@pytest.fixture(scope="module")
+def dumped(rewrite, tmp_path_factory) -> tuple[Path, list[Path]]:
+    original, result, lists = rewrite
+    directory = tmp_path_factory.mktemp("dump") / "new"  # write_dump creates it
+    return directory, dump.write_dump(directory, original, result, lists, title=TITLE)
+
+
+def _without_library(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    copy.ClearField("library")
+    return copy
+
+
+def _function_names(result: amp_rewrite.RewriteResult) -> list[str]:
+    return [item.function for item in result.report.items if item.function != MAIN_GRAPH]
+
+
+def test_the_graph_has_the_expected_colours(rewrite):
+    """The fixture graph exercises what the dump shows: a converted node, a deny node, functions."""
+    _, result, _ = rewrite
+    report = result.report
+    assert report.decision("allow1").converted and report.decision("clr1").converted
+    assert report.decision(DENY_NAME).rule == "deny-list"
+    assert report.decision("deny2").rule == "deny-propagation"
+    assert len(_function_names(result)) == 2  # the loop's body and cond
+
+
+def test_writes_every_file_and_returns_them(rewrite, dumped):
+    _, result, _ = rewrite
+    directory, written = dumped
+    stems = ["main"] + _function_names(result)  # TensorFlow's function names are already portable
+    expected = {f"{side}/{stem}.pbtxt" for side in ("before", "after") for stem in stems}
+    expected |= {f"graphs/{stem}.dot" for stem in stems}
+    if shutil.which("dot"):
+        expected |= {f"graphs/{stem}.svg" for stem in stems}
+    expected |= {"lists.yaml", "report.html", f"tb/{dump.EVENTS_FILE}"}
+    on_disk = {path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()}
+    assert on_disk == expected
+    assert sorted(path.relative_to(directory).as_posix() for path in written) == sorted(expected)
+
+
+def test_pbtxt_parse_back_to_the_graph_defs(rewrite, dumped):
+    """Main graph without its library; each function body as ``body_graph_def`` gives it."""
+    original, result, _ = rewrite
+    directory, _ = dumped
+    for side, graph_def in (("before", original), ("after", result.graph_def)):
+        parsed = text_format.Parse((directory / side / "main.pbtxt").read_text(encoding="utf-8"), graph_pb2.GraphDef())
+        assert parsed == _without_library(graph_def), f"{side}/main.pbtxt"
+        library = {f.signature.name: f for f in graph_def.library.function}
+        for name in _function_names(result):
+            body = functions.body_graph_def(library[name], support.library_op_defs(graph_def.library))
+            text = (directory / side / f"{name}.pbtxt").read_text(encoding="utf-8")
+            assert text_format.Parse(text, graph_pb2.GraphDef()) == body, f"{side}/{name}.pbtxt"
+    assert (directory / "before" / "main.pbtxt").read_bytes() != (directory / "after" / "main.pbtxt").read_bytes()
+
+
+def _dot_node_line(dot_text: str, name: str) -> str:
+    quoted = dump._dot_quote(name)
+    lines = [line for line in dot_text.splitlines() if line.strip().startswith(quoted + " [")]
+    assert len(lines) == 1, f"node {name!r} is not declared exactly once in the DOT"
+    return lines[0]
+
+
+def test_dot_mentions_every_node_and_colours_by_decision(rewrite, dumped):
+    _, result, _ = rewrite
+    directory, _ = dumped
+    dot_text = (directory / "graphs" / "main.dot").read_text(encoding="utf-8")
+    for node in result.graph_def.node:
+        _dot_node_line(dot_text, node.name)
+    green, red, grey = (dump.CLASS_TO_STYLE[name][0] for name in ("converted", "deny", "clear"))
+    assert f'fillcolor="{green}"' in _dot_node_line(dot_text, "allow1")
+    assert f'fillcolor="{green}"' in _dot_node_line(dot_text, "clr1")
+    assert f'fillcolor="{red}"' in _dot_node_line(dot_text, DENY_NAME)
+    assert f'fillcolor="{red}"' in _dot_node_line(dot_text, "deny2")
+    assert f'fillcolor="{grey}"' in _dot_node_line(dot_text, "output")  # clear op, fetched: kept float32
+    casts = [node.name for node in result.graph_def.node if node.name.endswith("-AutoMixedPrecision")]
+    assert casts and all("shape=cds" in _dot_node_line(dot_text, name) for name in casts)
+    assert '"allow1" -> "clr1" [label="float16"' in dot_text
+    body = _function_names(result)[0]
+    body_dot = (directory / "graphs" / f"{body}.dot").read_text(encoding="utf-8")
+    matmul = next(d.node for d in result.report.decisions if d.function == body and d.op == "MatMul")
+    assert f'fillcolor="{green}"' in _dot_node_line(body_dot, matmul)
+
+
+def test_second_dump_is_byte_identical(rewrite, dumped, tmp_path):
+    original, result, lists = rewrite
+    first, _ = dumped
+    dump.write_dump(tmp_path, original, result, lists, title=TITLE)
+    files = sorted(path.relative_to(first) for path in first.rglob("*") if path.is_file())
+    assert files == sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
+    different = [str(path) for path in files if (first / path).read_bytes() != (tmp_path / path).read_bytes()]
+    assert not different, f"not byte-identical: {different}"
+
+
+def test_lists_yaml_holds_the_effective_lists(rewrite, dumped):
+    _, _, lists = rewrite
+    directory, _ = dumped
+    document = yaml.safe_load((directory / "lists.yaml").read_text(encoding="utf-8"))
+    assert document["target"] == "float16"
+    assert document["keep_nodes"] == list(lists.keep_nodes)
+    for name in ("allow", "deny", "infer", "clear"):
+        assert document[name] == sorted(getattr(lists, name)), name
+
+
+def test_report_html_lists_every_decision_and_escapes_names(rewrite, dumped):
+    _, result, _ = rewrite
+    directory, _ = dumped
+    page = (directory / "report.html").read_text(encoding="utf-8")
+    assert page.count("<tr data-function=") == len(result.report.decisions)
+    for decision in result.report.decisions:
+        assert html.escape(decision.node) in page and html.escape(decision.reason) in page
+    assert "window.pwned" in page and "<script>window.pwned" not in page
+    assert page.count("<script>") == 1  # ours
+    assert html.escape(TITLE) in page and TITLE not in page
+    for item in result.report.items:
+        assert html.escape(result.report.summary(item.function)) in page
+    assert "http://" not in page and "https://" not in page  # nothing to fetch: opens from file://
+
+
+def test_svg_is_skipped_above_the_node_limit(rewrite, tmp_path, monkeypatch):
+    """A graph too big for Graphviz keeps its .dot; the report says why there is no SVG."""
+    if not shutil.which("dot"):
+        pytest.skip("Graphviz's dot is not installed (apt-get install -y graphviz)")
+    original, result, lists = rewrite
+    monkeypatch.setattr(dump, "SVG_MAX_NODES", 12)
+    dump.write_dump(tmp_path, original, result, lists, title=TITLE)
+    assert (tmp_path / "graphs" / "main.dot").is_file() and not (tmp_path / "graphs" / "main.svg").exists()
+    assert f"{len(result.graph_def.node)} nodes (limit 12)" in (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+def test_dump_without_graphviz_still_writes_everything_else(rewrite, tmp_path, monkeypatch):
+    original, result, lists = rewrite
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    written = dump.write_dump(tmp_path / "d", original, result, lists, title=TITLE)
+    assert not [path for path in written if path.suffix == ".svg"]
+    assert "Graphviz&#x27;s dot is not installed" in (tmp_path / "d" / "report.html").read_text(encoding="utf-8")
+
+
+def test_file_names_are_portable_and_distinct():
+    taken: set[str] = set()
+    stems = []
+    for name in ("f", "a/b", "a_b", "main", "F", "..x"):
+        stems.append(dump._file_stem(name, taken))
+        taken.add(stems[-1].lower())
+    assert stems[0] == "f" and stems[2] == "a_b"
+    assert len({stem.lower() for stem in stems}) == len(stems)
+    assert all(stem.replace("-", "").replace("_", "").replace(".", "").isalnum() for stem in stems)
+    assert not any(stem.startswith(".") for stem in stems)
+
+
+def test_tensorboard_log_holds_the_rewritten_graph(rewrite, dumped):
+    _, result, _ = rewrite
+    directory, _ = dumped
+    events = list(tf.compat.v1.train.summary_iterator(str(directory / "tb" / dump.EVENTS_FILE)))
+    graphs = [event.graph_def for event in events if event.graph_def]
+    assert len(graphs) == 1
+    assert graph_pb2.GraphDef.FromString(graphs[0]) == result.graph_def
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+    except ImportError:
+        return  # TensorBoard is optional; the event file above is what it reads
+    accumulator = event_accumulator.EventAccumulator(str(directory / "tb"))
+    accumulator.Reload()
+    assert accumulator.Graph() == result.graph_def
+
+
+# --------------------------------------------------------------------------------------
+# A real browser
+
+
+def _browser_tool():
+    spec = importlib.util.spec_from_file_location("check_report_in_browser", ROOT / "tools" / "check_report_in_browser.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row_text(decision: amp_rewrite.Decision) -> str:
+    item = "main graph" if decision.function == MAIN_GRAPH else decision.function
+    fields = (item, decision.node, decision.op, decision.attr, f"{decision.before} → {decision.after}",
+              decision.rule, decision.reason)
+    return "".join(fields).lower()
+
+
+def test_report_filters_rows_as_you_type_in_chromium(rewrite, dumped, tmp_path):
+    """Typing into the search box, ticking "kept float32 only" and choosing a rule hide rows."""
+    browser_tool = _browser_tool()
+    executable = browser_tool.find_chromium()
+    if executable is None:
+        pytest.skip(
+            f"no Chromium binary on PATH ({', '.join(browser_tool.CHROMIUM_NAMES)}); "
+            "install it: apt-get install -y chromium"
+        )
+    _, result, _ = rewrite
+    directory, _ = dumped
+    decisions = result.report.decisions
+    rows_js = browser_tool.VISIBLE_ROWS_JS
+
+    def wait_rows(page, expected: int, what: str) -> None:
+        try:
+            page.wait_for(f"{rows_js} === {expected}", timeout=10)
+        except browser_tool.BrowserError:
+            pass
+        assert page.evaluate(rows_js) == expected, what
+
+    with browser_tool.Chromium(executable) as browser:
+        page = browser.open((directory / "report.html").as_uri())
+        assert page.evaluate("document.getElementById('count').textContent") == f"{len(decisions)} of {len(decisions)} rows"
+        assert page.evaluate(rows_js) == len(decisions)
+        assert page.evaluate("typeof window.pwned") == "undefined", "a node name ran as a script"
+        assert page.evaluate("document.title") == TITLE
+
+        page.type("#search", "deny-list")
+        wait_rows(page, sum("deny-list" in _row_text(d) for d in decisions), "typing 'deny-list'")
+        assert page.evaluate("document.querySelector('#nodes tbody tr:not([hidden]) td.name').textContent") == DENY_NAME
+        page.type("#search", " nothing-matches-this")
+        wait_rows(page, 0, "typing a word no row has")
+        assert page.evaluate("!document.getElementById('empty').hidden")
+        page.clear("#search")
+        wait_rows(page, len(decisions), "clearing the search box")
+
+        page.click("#kept")
+        wait_rows(page, sum(not d.converted for d in decisions), "ticking 'kept float32 only'")
+        page.click("#kept")
+        wait_rows(page, len(decisions), "unticking 'kept float32 only'")
+        page.evaluate("var r = document.getElementById('rule'); r.value = 'allow-list';"
+                      " r.dispatchEvent(new Event('change'))")
+        wait_rows(page, sum(d.rule == "allow-list" for d in decisions), "choosing rule allow-list")
+
+        screenshot = page.screenshot(tmp_path / "report.png", full_page=True)
+    assert screenshot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

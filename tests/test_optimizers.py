@@ -1,0 +1,702 @@
+"""Loss scaling around the live rewrite: skipped steps, scale arithmetic, saved state, replicas.
+
+``enable_mixed_precision_graph_rewrite(opt, loss_scale, target)`` wraps ``opt`` in its own
+family's loss-scale optimizer (Keras 3, tf_keras, ``tf.compat.v1.train``). A float16
+gradient overflows where a float32 one does not, so what the wrapper must guarantee is
+checked with real steps, not mocks:
+
+* a step whose gradients hold Inf/NaN is skipped — weights and optimizer slots unchanged —
+  and the dynamic scale is halved, once per bad step, for K bad steps in a row; training
+  then resumes (the fault is a ``poison`` variable the loss is multiplied by);
+* ``loss_scale`` arguments map onto each family, and the scale grows after the configured
+  number of finite steps; bad arguments raise errors that say what to pass;
+* the scale and its step counter survive ``tf.train.Checkpoint`` and ``model.save``;
+* under ``MirroredStrategy`` every replica skips a bad step together (a subprocess, since
+  logical CPU devices must be configured before TensorFlow starts).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import amp_rewrite
+from amp_rewrite import live, optimizers
+
+INF, NAN = float("inf"), float("nan")
+# One good step, K = 3 bad steps in a row (Inf and NaN), then two good steps.
+POISONS = (1.0, INF, NAN, INF, 1.0, 1.0)
+BAD_STREAK = 3
+
+
+@pytest.fixture(autouse=True)
+def _no_live_rewrite() -> None:
+    """Each test starts and ends with no live rewrite and Keras' float32 policy."""
+    live.stop()
+    keras.config.set_dtype_policy("float32")
+    yield
+    live.stop()
+    keras.config.set_dtype_policy("float32")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Training state after one step: weights, optimizer slots, step count and loss scale."""
+
+    weights: tuple[np.ndarray, ...]
+    slots: tuple[np.ndarray, ...]
+    iterations: int
+    scale: float
+
+
+def _assert_skipped(before: Snapshot, after: Snapshot, *, iterations_advance: int = 0) -> None:
+    """A skipped step: nothing trained, the scale halved."""
+    for old, new in zip(before.weights + before.slots, after.weights + after.slots):
+        np.testing.assert_array_equal(new, old, err_msg="a skipped step changed a weight or slot")
+    assert after.iterations == before.iterations + iterations_advance
+    assert after.scale == before.scale / 2
+
+
+def _assert_applied(before: Snapshot, after: Snapshot) -> None:
+    """An applied step: finite weights that moved, one more iteration, the scale kept (growth is tested apart)."""
+    assert all(np.all(np.isfinite(w)) for w in after.weights + after.slots)
+    assert any(not np.array_equal(old, new) for old, new in zip(before.weights, after.weights))
+    assert after.iterations == before.iterations + 1
+    assert after.scale == before.scale
+
+
+def _check_fault_sequence(snapshots: Sequence[Snapshot], *, iterations_advance_on_skip: int = 0) -> None:
+    """``snapshots[i + 1]`` follows step ``POISONS[i]``: good, K bad (scale ÷2 each), good, good."""
+    for poison, before, after in zip(POISONS, snapshots, snapshots[1:]):
+        if math.isfinite(poison):
+            _assert_applied(before, after)
+        else:
+            _assert_skipped(before, after, iterations_advance=iterations_advance_on_skip)
+    assert snapshots[-1].scale == snapshots[0].scale / 2**BAD_STREAK
+
+
+def _regression_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Small inputs and targets: gradients × 2**15 stay inside float16's range."""
+    rng = np.random.RandomState(seed)
+    return (0.1 * rng.normal(size=(8, 4))).astype("float32"), (0.1 * rng.normal(size=(8, 3))).astype("float32")
+
+
+# --------------------------------------------------------------------------------------
+# Keras 3
+
+
+def _keras_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+
+def _keras_snapshot(model: keras.Model, opt: optimizers.LossScaleOptimizer) -> Snapshot:
+    inner = opt.inner_optimizer
+    slots = [v for v in inner.variables if v.name not in ("iteration", "learning_rate")]
+    assert slots, "the inner optimizer should have slot variables"
+    return Snapshot(tuple(np.array(w.numpy()) for w in model.trainable_variables),
+                    tuple(np.array(v.numpy()) for v in slots), int(opt.iterations.numpy()), float(opt.loss_scale))
+
+
+def _keras_seed_api_step(model: keras.Model, opt: optimizers.LossScaleOptimizer, poison: tf.Variable) -> Callable:
+    x, y = _regression_data()
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2) * poison
+            scaled = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def _keras_minimize_step(model: keras.Model, opt: optimizers.LossScaleOptimizer, poison: tf.Variable) -> Callable:
+    x, y = _regression_data()
+
+    @tf.function
+    def step() -> None:
+        opt.minimize(lambda: tf.reduce_mean((model(x) - y) ** 2) * poison, model.trainable_variables)
+
+    return step
+
+
+def _run_poisoned(step: Callable, poison: tf.Variable, snapshot: Callable[[], Snapshot]) -> list[Snapshot]:
+    snapshots = [snapshot()]
+    for value in POISONS:
+        poison.assign(value)
+        step()
+        snapshots.append(snapshot())
+    return snapshots
+
+
+@pytest.mark.parametrize("make_step", [_keras_seed_api_step, _keras_minimize_step], ids=["seed-api", "minimize"])
+def test_keras_custom_loop_skips_bad_steps_and_recovers(make_step):
+    """get_scaled_loss/get_unscaled_gradients/apply_gradients and minimize: a non-finite step
+    changes no weight or slot and no iteration, and halves the scale; three in a row
+    halve it three times; the next good steps train again."""
+    model = _keras_model()
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(0.01), target="float16")
+    assert isinstance(opt, optimizers.LossScaleOptimizer)
+    opt.build(model.trainable_variables)
+    poison = tf.Variable(1.0)
+    step = make_step(model, opt, poison)
+    snapshots = _run_poisoned(step, poison, lambda: _keras_snapshot(model, opt))
+    assert snapshots[0].scale == 2.0**15
+    _check_fault_sequence(snapshots)
+
+
+def test_keras_fit_skips_bad_batches_and_recovers():
+    """model.fit scales the loss itself (Keras 3's trainer calls scale_loss): poisoned
+    batches 1-3 are skipped, the scale halves per batch, batches 4-5 train."""
+    model = _keras_model()
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(0.01), target="float16")
+    poison = tf.Variable(1.0)
+    model.compile(optimizer=opt, loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
+    opt.build(model.trainable_variables)
+    snapshots = [_keras_snapshot(model, opt)]
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            poison.assign(POISONS[batch])
+
+        def on_train_batch_end(self, batch, logs=None):
+            snapshots.append(_keras_snapshot(model, opt))
+
+    x, y = _regression_data()
+    x, y = np.tile(x, (3, 1))[: 4 * len(POISONS)], np.tile(y, (3, 1))[: 4 * len(POISONS)]
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[Poison()])
+    assert len(snapshots) == len(POISONS) + 1
+    _check_fault_sequence(snapshots)
+
+
+def test_float16_overflow_is_skipped_until_the_scale_fits():
+    """No injected fault: with the rewrite, d(loss·2**15)/dw = 4·2**15 overflows float16 in
+    the rewritten MatMul gradient; the step is skipped and the scale halved until
+    4·scale < 65504 (scale 8192). Without the rewrite (float32) the first step applies."""
+
+    def scales_and_iterations(target: str | None) -> list[tuple[float, int]]:
+        w = keras.Variable(np.full((3, 2), 0.01, "float32"))
+        x = tf.fill((1, 3), 4.0)
+        opt = optimizers.wrap_optimizer(keras.optimizers.SGD(1e-6))
+        with amp_rewrite.mixed_precision(target=target) if target else _nothing():
+            @tf.function
+            def step() -> None:
+                with tf.GradientTape() as tape:
+                    scaled = opt.get_scaled_loss(tf.reduce_sum(tf.matmul(x, w)))
+                grads = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
+                opt.apply_gradients(zip(grads, [w]))
+
+            step.get_concrete_function()  # traced (and rewritten) inside the block
+        out = []
+        for _ in range(4):
+            step()
+            out.append((float(opt.loss_scale), int(opt.iterations.numpy())))
+        return out
+
+    assert scales_and_iterations(None) == [(32768.0, 1), (32768.0, 2), (32768.0, 3), (32768.0, 4)]
+    assert scales_and_iterations("float16") == [(16384.0, 0), (8192.0, 0), (8192.0, 1), (8192.0, 2)]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# tf_keras and tf.compat.v1
+
+
+def test_tf_keras_custom_loop_skips_bad_steps_and_recovers():
+    """tf_keras' LossScaleOptimizer: weights and momentum unchanged and scale halved on a bad
+    step. Unlike Keras 3 it counts a skipped step in ``iterations`` (tf_keras'
+    do_not_apply_fn increments it so learning-rate schedules stay in step)."""
+    model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,), kernel_initializer="ones")])
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1, momentum=0.9), target="float16")
+    assert isinstance(opt, tf_keras.mixed_precision.LossScaleOptimizer)
+    poison = tf.Variable(1.0)
+    x, y = _regression_data()
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2) * poison
+            scaled = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    def snapshot() -> Snapshot:
+        slots = [v for v in opt.variables() if "iteration" not in v.name]
+        return Snapshot(tuple(w.numpy() for w in model.trainable_variables), tuple(v.numpy() for v in slots),
+                        int(opt.iterations.numpy()), float(opt.loss_scale))
+
+    step()  # builds the momentum slots
+    snapshots = _run_poisoned(step, poison, snapshot)
+    assert len(snapshots[0].slots) == 2
+    _check_fault_sequence(snapshots, iterations_advance_on_skip=1)
+
+
+def test_v1_optimizer_in_graph_mode_skips_bad_steps():
+    """tf.compat.v1 graph + Session: a bad step leaves w, the momentum slot and global_step
+    alone and halves the scale; the good step after it applies."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant([1.0, 2.0]), use_resource=True)
+        poison = tf.compat.v1.placeholder(tf.float32, ())
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        inner = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(inner, target="float16")
+        train = opt.minimize(tf.reduce_sum(w * w) * poison, global_step=global_step)
+        momentum = inner.get_slot(w, "momentum")
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            snapshots = []
+            for value in (None,) + POISONS:
+                if value is not None:
+                    session.run(train, {poison: value})
+                scale, step, w_value, m_value = session.run([opt.loss_scale, global_step, w, momentum])
+                snapshots.append(Snapshot((w_value,), (m_value,), int(step), float(scale)))
+    assert isinstance(opt, tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer)
+    np.testing.assert_allclose(snapshots[1].weights[0], [0.8, 1.6])  # SGD-momentum step of 2w·0.1
+    _check_fault_sequence(snapshots)
+
+
+def test_v1_optimizer_in_tf_function_skips_bad_steps():
+    """A v1 optimizer in a TF2 tf.function (compute_gradients/apply_gradients), rewritten to
+    float16: the body's MatMuls are half, bad steps are skipped, global_step waits."""
+    w = tf.Variable([[0.1], [0.2]])
+    x = tf.constant([[0.1, 0.1]])
+    poison = tf.Variable(1.0)
+    global_step = tf.Variable(0, dtype=tf.int64)
+    inner = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(inner, target="float16")
+
+    @tf.function
+    def step() -> None:
+        grads_and_vars = opt.compute_gradients(lambda: tf.reduce_sum(tf.matmul(x, w) ** 2) * poison, var_list=[w])
+        opt.apply_gradients(grads_and_vars, global_step=global_step)
+
+    def snapshot() -> Snapshot:
+        slot = inner.get_slot(w, "momentum")
+        return Snapshot((w.numpy(),), (slot.numpy(),) if slot is not None else (np.zeros((2, 1), "float32"),),
+                        int(global_step.numpy()), float(opt.loss_scale))
+
+    snapshots = _run_poisoned(step, poison, snapshot)
+    _check_fault_sequence(snapshots)
+    from tensorflow.python.eager import context
+
+    body = context.context().get_function_def(step.get_concrete_function().name)
+    assert {n.attr["T"].type for n in body.node_def if n.op == "MatMul"} == {tf.float16.as_datatype_enum}
+
+
+# --------------------------------------------------------------------------------------
+# loss_scale arguments
+
+DYNAMIC_2 = dict(initial_loss_scale=64, increment_period=2)
+
+
+@pytest.mark.parametrize(
+    "loss_scale, expected",
+    [
+        ("dynamic", optimizers.ScalePlan(True, 2.0**15, 2000)),
+        (128, optimizers.ScalePlan(False, 128.0)),
+        (0.5, optimizers.ScalePlan(False, 0.5)),
+        (None, optimizers.ScalePlan(False, 1.0)),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), optimizers.ScalePlan(True, 64.0, 2)),
+        (tf.compat.v1.mixed_precision.FixedLossScale(256), optimizers.ScalePlan(False, 256.0)),
+    ],
+    ids=["dynamic", "int", "float", "None", "v1-dynamic", "v1-fixed"],
+)
+def test_loss_scale_argument_plans(loss_scale, expected):
+    """Each accepted form of loss_scale means one dynamic or fixed scale."""
+    assert optimizers.plan_loss_scale(loss_scale) == expected
+
+
+def _keras_scale(opt):
+    return opt.initial_scale, opt.dynamic_growth_steps if not opt.fixed else None
+
+
+@pytest.mark.parametrize(
+    "loss_scale, keras_, tf_keras_, v1_",
+    [
+        ("dynamic", (2.0**15, 2000, False), (True, 2.0**15, 2000), ("DynamicLossScale", 2.0**15, 2000)),
+        (128, (128.0, optimizers.NEVER, True), (False, 128.0, None), ("FixedLossScale", 128.0, None)),
+        (None, (1.0, optimizers.NEVER, True), (False, 1.0, None), ("FixedLossScale", 1.0, None)),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), (64.0, 2, False), (True, 64.0, 2),
+         ("DynamicLossScale", 64.0, 2)),
+        (tf.compat.v1.mixed_precision.FixedLossScale(256), (256.0, optimizers.NEVER, True), (False, 256.0, None),
+         ("FixedLossScale", 256.0, None)),
+    ],
+    ids=["dynamic", "number", "None", "v1-dynamic", "v1-fixed"],
+)
+def test_loss_scale_maps_onto_every_family(loss_scale, keras_, tf_keras_, v1_):
+    """The same loss_scale configures the Keras 3, tf_keras and v1 wrappers alike."""
+    k = optimizers.wrap_optimizer(keras.optimizers.SGD(), loss_scale)
+    assert (k.initial_scale, k.dynamic_growth_steps, k.fixed) == keras_
+    t = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(), loss_scale)
+    assert (t.dynamic, float(t.initial_scale), t.dynamic_growth_steps) == tf_keras_
+    v = optimizers.wrap_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), loss_scale)
+    scale = v._loss_scale
+    period = scale.increment_period if isinstance(scale, tf.compat.v1.mixed_precision.DynamicLossScale) else None
+    assert (type(scale).__name__, float(scale()), period) == v1_
+
+
+def _growth_steps_keras(loss_scale: object, poisons: Sequence[float]) -> list[float]:
+    w = keras.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.01), loss_scale)
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+    return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+
+
+def _growth_steps_tf_keras(loss_scale: object, poisons: Sequence[float]) -> list[float]:
+    w = tf.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.01), loss_scale)
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+    return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+
+
+def _growth_steps_v1(loss_scale: object, poisons: Sequence[float]) -> list[float]:
+    w = tf.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.01), loss_scale)
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step() -> None:
+        opt.apply_gradients(opt.compute_gradients(lambda: tf.reduce_sum(w * w) * poison, var_list=[w]))
+
+    return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+
+
+def _scales_after(step: Callable, poison: tf.Variable, poisons: Sequence[float], scale: Callable) -> list[float]:
+    out = []
+    for value in poisons:
+        poison.assign(value)
+        step()
+        out.append(float(scale()))
+    return out
+
+
+FAMILY_TO_STEPS = {"keras": _growth_steps_keras, "tf_keras": _growth_steps_tf_keras, "v1": _growth_steps_v1}
+
+
+@pytest.mark.parametrize("family", FAMILY_TO_STEPS)
+def test_dynamic_scale_doubles_after_increment_period_finite_steps(family):
+    """DynamicLossScale(64, increment_period=2): ×2 after every 2 finite steps, ÷2 on a bad
+    step, which also restarts the count."""
+    scales = FAMILY_TO_STEPS[family](tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2),
+                                     [1, 1, 1, 1, INF, 1, 1])
+    assert scales == [64, 128, 128, 256, 128, 128, 256]
+
+
+@pytest.mark.parametrize("family", FAMILY_TO_STEPS)
+@pytest.mark.parametrize("loss_scale", [128, None], ids=["number", "None"])
+def test_fixed_scale_never_changes(family, loss_scale):
+    """A number (or None, meaning 1) is a fixed scale: finite and bad steps leave it alone."""
+    scales = FAMILY_TO_STEPS[family](loss_scale, [1, 1, 1, INF, 1])
+    assert scales == [loss_scale or 1.0] * 5
+
+
+@pytest.mark.parametrize("family", FAMILY_TO_STEPS)
+def test_fixed_scale_still_skips_bad_steps(family):
+    """loss_scale=128: a non-finite step is skipped (weights stay finite and unchanged) in
+    every family, as the dynamic scale does, without ever changing the scale."""
+    if family == "keras":
+        w = keras.Variable([1.0, 2.0])
+        opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1), 128)
+    elif family == "tf_keras":
+        w = tf.Variable([1.0, 2.0])
+        opt = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.1), 128)
+    else:
+        w = tf.Variable([1.0, 2.0])
+        opt = optimizers.wrap_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 128)
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
+        opt.apply_gradients(list(zip(grads, [w])))
+
+    step()
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6)
+    poison.assign(INF)
+    step()
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6,
+                               err_msg=f"{family}: a fixed loss scale applied a non-finite step")
+    assert float(opt.loss_scale) == 128.0
+
+
+@pytest.mark.parametrize(
+    "loss_scale, error, message",
+    [
+        ("static", ValueError, "loss_scale must be 'dynamic', not 'static'"),
+        ("", ValueError, "loss_scale must be 'dynamic'"),
+        (-1, ValueError, "positive finite number, got -1"),
+        (0, ValueError, "positive finite number, got 0"),
+        (INF, ValueError, "positive finite number, got inf"),
+        (NAN, ValueError, "positive finite number, got nan"),
+        (True, TypeError, "cannot interpret loss_scale=True (bool)"),
+        ([128], TypeError, "cannot interpret loss_scale=[128] (list)"),
+        (tf.constant(128.0), TypeError, "cannot interpret loss_scale="),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "use multiplier=2"),
+    ],
+    ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "list", "tensor", "multiplier"],
+)
+def test_bad_loss_scale_says_what_to_pass(loss_scale, error, message):
+    """Every rejected loss_scale names the bad value and lists what is accepted; nothing is enabled."""
+    with pytest.raises(error) as raised:
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), loss_scale, target="float16")
+    assert message in str(raised.value)
+    if "multiplier" not in message:
+        assert 'pass loss_scale="dynamic", a positive number' in str(raised.value) or "positive finite" in message
+    assert live.active() is None, "a rejected loss_scale must not leave the rewrite on"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optimizers.wrap_optimizer(keras.optimizers.SGD()),
+        lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()),
+        lambda: tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD()),
+        lambda: optimizers.wrap_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1)),
+    ],
+    ids=["ours-keras", "keras", "tf_keras", "ours-v1"],
+)
+def test_already_wrapped_optimizer_is_rejected(make):
+    with pytest.raises(ValueError, match="already a loss-scale optimizer .*pass the optimizer it wraps"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(make(), target="float16")
+    assert live.active() is None
+
+
+@pytest.mark.parametrize("opt", ["sgd", None, keras.layers.Dense(1), tf.Variable(1.0)], ids=["str", "None", "layer", "variable"])
+def test_non_optimizer_is_a_type_error(opt):
+    with pytest.raises(TypeError, match='"opt" must be a Keras 3 optimizer, a tf_keras optimizer or a tf.compat.v1'):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="float16")
+    assert live.active() is None
+
+
+# --------------------------------------------------------------------------------------
+# State
+
+
+def _trained_keras(tmp_scale=tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=64, increment_period=3)):
+    """A model and wrapper after 1 good, 1 bad and 4 good fit steps: scale 64 → 32 → 64, counter 1."""
+    model = _keras_model()
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(0.01), tmp_scale, target="bfloat16")
+    poison = tf.Variable(1.0)
+    model.compile(optimizer=opt, loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            poison.assign(INF if batch == 1 else 1.0)
+
+    x, y = _regression_data()
+    model.fit(np.tile(x, (3, 1)), np.tile(y, (3, 1)), batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Poison()])
+    assert (float(opt.loss_scale), int(opt.step_counter.numpy()), int(opt.iterations.numpy())) == (64.0, 1, 5)
+    return model, opt
+
+
+def _state(opt: optimizers.LossScaleOptimizer) -> tuple:
+    return (float(opt.loss_scale), int(opt.step_counter.numpy()), int(opt.iterations.numpy()),
+            [np.array(v.numpy()) for v in opt.inner_optimizer.variables])
+
+
+def _assert_same_state(actual: tuple, expected: tuple) -> None:
+    assert actual[:3] == expected[:3]
+    for a, e in zip(actual[3], expected[3]):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_checkpoint_restores_scale_counter_and_slots(tmp_path):
+    """tf.train.Checkpoint(optimizer=opt, model=model) saves the dynamic scale and its step
+    counter with the inner optimizer's slots; a fresh wrapper restores all of them."""
+    model, opt = _trained_keras()
+    saved = _state(opt)
+    path = tf.train.Checkpoint(optimizer=opt, model=model).save(str(tmp_path / "ckpt"))
+    names = {name for name, _ in tf.train.list_variables(path)}
+    assert {"optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE", "optimizer/step_counter/.ATTRIBUTES/VARIABLE_VALUE"} <= names
+
+    fresh_model = _keras_model()
+    fresh = optimizers.wrap_optimizer(keras.optimizers.Adam(0.01),
+                                      tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=64, increment_period=3))
+    fresh.build(fresh_model.trainable_variables)
+    assert float(fresh.loss_scale) == 64.0 and int(fresh.step_counter.numpy()) == 0
+    fresh.dynamic_scale.assign(1.0)  # so a restore that skipped the scale would show
+    tf.train.Checkpoint(optimizer=fresh, model=fresh_model).restore(path).assert_consumed()
+    _assert_same_state(_state(fresh), saved)
+
+
+def test_keras_model_save_and_load_keep_the_wrapper_and_its_state(tmp_path):
+    """model.save(.keras) + keras.models.load_model: the optimizer comes back as our
+    registered class, with its configuration, scale, counter and slots, and trains on."""
+    assert keras.saving.get_registered_name(optimizers.LossScaleOptimizer) == "amp_rewrite>LossScaleOptimizer"
+    model, opt = _trained_keras()
+    saved = _state(opt)
+    model.save(tmp_path / "model.keras")
+    live.stop()
+    loaded = keras.models.load_model(tmp_path / "model.keras", compile=True, safe_mode=False)
+    restored = loaded.optimizer
+    assert type(restored) is optimizers.LossScaleOptimizer
+    assert (restored.initial_scale, restored.dynamic_growth_steps, restored.fixed) == (64.0, 3, False)
+    _assert_same_state(_state(restored), saved)
+    x, y = _regression_data()
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # counter 1 → 2 (growth after 3)
+    assert (float(restored.loss_scale), int(restored.step_counter.numpy())) == (64.0, 2)
+
+
+def test_fixed_scale_round_trips_through_keras_saving(tmp_path):
+    """A fixed scale stays fixed after load_model (``fixed`` is in get_config)."""
+    model = _keras_model()
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1), 128)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    x, y = _regression_data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.save(tmp_path / "fixed.keras")
+    restored = keras.models.load_model(tmp_path / "fixed.keras").optimizer
+    assert (restored.fixed, restored.initial_scale, float(restored.loss_scale)) == (True, 128.0, 128.0)
+
+
+# --------------------------------------------------------------------------------------
+# MirroredStrategy over two logical CPUs (a subprocess: devices are fixed at TF start-up)
+
+_MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import json, math
+    import numpy as np
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    from tensorflow.core.framework import types_pb2
+    from tensorflow.python.eager import context
+    import amp_rewrite
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.RandomState(0)
+    x = (0.1 * rng.normal(size=(8, 4))).astype("float32")
+    y = (0.1 * rng.normal(size=(8, 3))).astype("float32")
+    result = {}
+
+    def local(variable):
+        return [np.asarray(v.numpy()).tolist() for v in strategy.experimental_local_results(variable)]
+
+    for bad in ([0], [1], [0, 1]):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            opt = amp_rewrite.enable_mixed_precision_graph_rewrite(
+                keras.optimizers.SGD(0.1, momentum=0.9), target="bfloat16")
+            opt.build(model.trainable_variables)
+        poison = tf.Variable(1.0)
+        data = iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()))
+        bad_ids = tf.constant(bad)
+
+        @tf.function
+        def step(batch):
+            def replica_step(xb, yb):
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                factor = tf.where(tf.reduce_any(tf.equal(bad_ids, replica)), poison, 1.0)
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb) - yb) ** 2) * factor
+                    scaled = opt.get_scaled_loss(loss)
+                grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(replica_step, args=batch)
+
+        kernel = model.layers[0].kernel.value
+        momentum = [v for v in opt.inner_optimizer.variables if "momentum" in v.name][0].value
+        states = []
+        ctx = context.context()
+        for i, value in enumerate([1.0, float("inf"), 1.0]):
+            poison.assign(value)
+            if i == 0:
+                ctx.enable_run_metadata()
+                ctx.export_run_metadata()
+            step(next(data))
+            if i == 0:
+                executed = [(n.device, n.op, types_pb2.DataType.Name(n.attr["T"].type))
+                            for g in ctx.export_run_metadata().function_graphs for p in g.partition_graphs
+                            for n in p.node if "MatMul" in n.op]
+                ctx.disable_run_metadata()
+            states.append({"kernel": local(kernel), "momentum": local(momentum),
+                           "scale": [float(v) for v in local(opt.dynamic_scale.value)],
+                           "iterations": int(opt.iterations.numpy())})
+        body = ctx.get_function_def(step.get_concrete_function(next(data)).name)
+        registered = [(n.device, types_pb2.DataType.Name(n.attr["T"].type)) for n in body.node_def if n.op == "MatMul"]
+        result[",".join(map(str, bad))] = {"states": states, "registered": registered, "executed": executed}
+        amp_rewrite.disable_mixed_precision_graph_rewrite()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def mirrored() -> dict:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"the MirroredStrategy script failed:\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_mirrored_step_runs_rewritten_on_both_replicas(mirrored):
+    """Inside strategy.run the MatMuls (forward and gradients, one set per replica, placed
+    on CPU:0 and CPU:1) are bfloat16 in the registered body and in the graphs that ran."""
+    for case in mirrored.values():
+        devices = {device.rsplit("/", 1)[-1] for device, _ in case["registered"]}
+        assert devices == {"device:CPU:0", "device:CPU:1"}
+        assert {dtype for _, dtype in case["registered"]} == {"DT_BFLOAT16"}
+        assert len(case["registered"]) >= 4
+        executed = case["executed"]
+        assert {device.rsplit("/", 1)[-1] for device, _, _ in executed} == {"device:CPU:0", "device:CPU:1"}
+        assert {dtype for _, _, dtype in executed} == {"DT_BFLOAT16"}, executed
+
+
+@pytest.mark.parametrize("bad", ["0", "1", "0,1"], ids=["replica0-bad", "replica1-bad", "both-bad"])
+def test_mirrored_replicas_skip_a_bad_step_together(mirrored, bad):
+    """Inf in the loss of replica(s) ``bad`` only: every replica skips the step (weights and
+    momentum unchanged, identical across replicas), the scale halves once on each, and
+    the next step trains both again."""
+    good, skipped, after = mirrored[bad]["states"]
+    for state in (good, skipped, after):
+        assert state["kernel"][0] == state["kernel"][1], "replicas diverged"
+        assert all(math.isfinite(v) for row in state["kernel"][0] for v in row), f"non-finite weights: {state}"
+    assert good["scale"] == [32768.0, 32768.0] and good["iterations"] == 1
+    assert skipped["kernel"] == good["kernel"] and skipped["momentum"] == good["momentum"]
+    assert skipped["scale"] == [16384.0, 16384.0] and skipped["iterations"] == 1
+    assert after["kernel"] != skipped["kernel"]
+    assert after["scale"] == [16384.0, 16384.0] and after["iterations"] == 2
