@@ -1,14 +1,29 @@
 """amp_rewrite: automatic mixed precision for TensorFlow graphs by graph rewriting.
 
-The public API is the names in ``__all__``; everything else is private.
+The public API is the names in ``__all__``; everything else is private. Names are loaded
+on first use, so ``amp-rewrite`` can quiet TensorFlow's start-up logging before
+TensorFlow is imported.
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
-from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
-from amp_rewrite.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
-from amp_rewrite.report import Decision, Report
-from amp_rewrite.rewrite import RewriteResult, rewrite_graph_def
+
+if TYPE_CHECKING:
+    from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
+    from amp_rewrite.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
+    from amp_rewrite.report import Decision, Report
+    from amp_rewrite.rewrite import RewriteResult, rewrite_graph_def
+
+_NAME_TO_MODULE = {
+    "TARGETS": "lists", "Colour": "lists", "OpLists": "lists", "load_lists": "lists",
+    "Decision": "report", "Report": "report",
+    "RewriteResult": "rewrite", "rewrite_graph_def": "rewrite",
+    "enable_mixed_precision_graph_rewrite": "live", "disable_mixed_precision_graph_rewrite": "live",
+    "mixed_precision": "live",
+}
 
 __all__ = [
     "AmpRewriteError",
@@ -26,3 +41,15 @@ __all__ = [
     "mixed_precision",
     "rewrite_graph_def",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAME_TO_MODULE:
+        raise AttributeError(f"module 'amp_rewrite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"amp_rewrite.{_NAME_TO_MODULE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

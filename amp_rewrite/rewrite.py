@@ -6,7 +6,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
@@ -142,6 +142,7 @@ def rewrite_graph_def(
     lists: str | os.PathLike | OpLists | None = None,
     cross_function: bool = False,
     entry_functions: Iterable[str] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
@@ -153,6 +154,7 @@ def rewrite_graph_def(
     its signature. ``cross_function=True`` paints across call and loop boundaries so
     low-precision values stay low precision there; private functions' signatures may then
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
+    ``progress(done, total)`` is called as items are prepared and finished.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
@@ -162,9 +164,12 @@ def rewrite_graph_def(
     library = {f.signature.name: f for f in graph_def.library.function}
     names = functions.reachable_functions(graph_def)
     links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
+    total = 2 * (len(names) + 1)
+    report_progress = progress or (lambda done, total: None)
     with _gc_paused():
         # Steps 2-5 for every item: the main graph, then each function body.
         items = {MAIN_GRAPH: _prepare(graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH)}
+        report_progress(1, total)
         op_defs = support.library_op_defs(graph_def.library)
         for name in names:
             with _naming(name):
@@ -172,6 +177,7 @@ def rewrite_graph_def(
                 body.library.CopyFrom(graph_def.library)
                 preserved = set(functions.preserved_nodes(library[name], body)) - links.nodes(name)
                 items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name)
+            report_progress(len(items), total)
         # Step 6: colouring, each item alone (grappler) or linked across boundaries.
         paintings = _paint_linked(items, links) if links.groups else {n: colouring.paint(i.ctx) for n, i in items.items()}
         # Steps 7-8: types, casts and decisions per item; functions go back into the library.
@@ -187,6 +193,7 @@ def rewrite_graph_def(
                 output.library.function[position].CopyFrom(rewritten)
             stats.append(item_stats)
             decisions.extend(item_decisions)
+            report_progress(len(items) + len(stats), total)
     report = Report(target, tuple(stats), tuple(decisions))
     log.info("%s", report.summary())
     return RewriteResult(output, report)
