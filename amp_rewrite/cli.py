@@ -31,7 +31,8 @@ from amp_rewrite.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.lists import TARGETS  # noqa: E402
 from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402
 from amp_rewrite.rewrite import RewriteResult  # noqa: E402
-from amp_rewrite.savedmodel import Model, ModelError, read_model, rewrite_model, write_model  # noqa: E402
+from amp_rewrite.lists import OpLists  # noqa: E402
+from amp_rewrite.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
@@ -105,7 +106,8 @@ def _say(args: argparse.Namespace, *lines: str) -> None:
         print(*lines, sep="\n")
 
 
-def _rewrite(args: argparse.Namespace) -> tuple[Model, RewriteResult]:
+def _rewrite(args: argparse.Namespace) -> tuple[Model, RewriteResult, OpLists]:
+    lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch)
     if args.fetch and model.kind == "savedmodel":
         raise ModelError(f"{args.src}: --fetch applies to GraphDef files; a SavedModel's outputs come from its signatures")
@@ -122,14 +124,13 @@ def _rewrite(args: argparse.Namespace) -> tuple[Model, RewriteResult]:
             bar.update(done - bar.n)
 
     try:
-        result = rewrite_model(model, target=args.target, lists=args.lists, keep=args.keep,
-                               cross_function=args.cross_function)
+        result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function)
         if bar is not None:
             progress(1, 1)
     finally:
         if bar is not None:
             bar.close()
-    return model, result
+    return model, result, lists
 
 
 def _summary_lines(report: Report) -> list[str]:
@@ -141,11 +142,11 @@ def _summary_lines(report: Report) -> list[str]:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    model, result = _rewrite(args)
+    model, result, lists = _rewrite(args)
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
     _say(args, *_summary_lines(result.report), f"Wrote {destination}")
     if args.dump:
-        _dump(model, result, args)
+        _dump(model, result, lists, args.dump, args)
     if args.validate or args.inputs:
         from amp_rewrite import validate
 
@@ -165,21 +166,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _dump(model: Model, result: RewriteResult, args: argparse.Namespace) -> None:
+def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace) -> None:
     from amp_rewrite.dump import write_dump
-    from amp_rewrite.lists import load_lists
 
-    lists = load_lists(args.target, args.lists)
-    write_dump(args.dump if args.command == "convert" else args.dir, model.graph_def, result, lists,
-               title=f"{model.path.name} → {args.target}")
-    directory = args.dump if args.command == "convert" else args.dir
-    _say(args, f"Report: {Path(directory).resolve() / 'report.html'}")
+    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}")
+    _say(args, f"Report: {directory.resolve() / 'report.html'}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    model, result = _rewrite(args)
+    model, result, lists = _rewrite(args)
     _say(args, *_summary_lines(result.report))
-    _dump(model, result, args)
+    _dump(model, result, lists, args.dir, args)
     return EXIT_OK
 
 
@@ -191,7 +188,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    model, result = _rewrite(args)
+    model, result, _ = _rewrite(args)
     report = result.report
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
@@ -264,7 +261,7 @@ def _through_casts(graph_def, tensor: str) -> str:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    model, result = _rewrite(args)
+    _, result, _ = _rewrite(args)
     matches = [d for d in result.report.decisions if d.node == args.node
                and (args.function is None or d.function == args.function)]
     if not matches:

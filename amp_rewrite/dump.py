@@ -32,7 +32,7 @@ from amp_rewrite.rewrite import RewriteResult
 log = logging.getLogger(__name__)
 
 MAIN_STEM = "main"  # file name of the main graph's item
-SVG_MAX_NODES = 3000  # above this, Graphviz takes minutes: keep the .dot, skip the .svg
+SVG_MAX_NODES = 1500  # dot needs ~10 s for 2000 nodes of a training graph, minutes for 3000
 DOT_TIMEOUT_S = 60
 # One fixed name, no timestamp or host: a second dump overwrites the first (TensorBoard
 # only needs "tfevents" in the name).
@@ -102,8 +102,15 @@ def write_dump(
     library, each function body as a GraphDef with ``_Arg``/``_Retval`` nodes),
     ``lists.yaml``, ``graphs/<item>.dot`` (+ ``.svg`` when Graphviz's ``dot`` is on PATH and
     the item has at most ``SVG_MAX_NODES`` nodes), ``report.html`` and ``tb/`` (TensorBoard,
-    the rewritten graph). Returns the written paths, in writing order.
+    the rewritten graph). Returns the written paths, in writing order. ``lists`` must be the
+    lists the rewrite used (load them once, pass them to both). Files of an earlier dump
+    that this one does not write are left alone.
     """
+    if lists.target != result.report.target:
+        raise ValueError(
+            f"lists are for {lists.target!r} but the rewrite converted to {result.report.target!r};"
+            " pass the OpLists that rewrite_graph_def used"
+        )
     root = Path(directory)
     items = _items(original, result)
     written: list[Path] = []
@@ -232,7 +239,7 @@ def _node_classes(graph_def: graph_pb2.GraphDef, decisions: Sequence[Decision], 
             node_to_class[node.name] = "cast"
         elif any(d.converted for d in own):
             node_to_class[node.name] = "converted"
-        elif False:
+        elif any(d.rule in _DENY_RULES for d in own):
             node_to_class[node.name] = "deny"
         elif own:
             colour = lists.colour(own[0].op)
@@ -304,7 +311,7 @@ def _dot(
             dtype = dtypes[ref.port] if ref.port < len(dtypes) else "?"
             port = f":{ref.port}" if ref.port else ""
             low = ', color="#2e8b2e", fontcolor="#2e8b2e", penwidth=1.6' if dtype == target else ""
-            lines.append(f"  {source} -> {_dot_quote(node.name)} [label={_dot_quote(dtype + port)}{low}];")
+            lines.append(f"  {source} -> {_dot_quote(node.name)} [xlabel={_dot_quote(dtype + port)}{low}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -345,6 +352,11 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _breakable(name: str) -> str:
+    """Escaped, with a line-break opportunity after each scope separator (no text added)."""
+    return _e(name).replace("/", "/<wbr>")
+
+
 def _link(href: str, text: str) -> str:
     return f'<a href="{_e(urllib.parse.quote(href))}">{_e(text)}</a>'
 
@@ -381,7 +393,7 @@ def _report_html(
             graph_links.insert(0, _link(f"graphs/{item.stem}.svg", "svg"))
         note = f'<div class="note">{_e(stem_to_note[item.stem])}</div>' if item.stem in stem_to_note else ""
         item_rows.append(
-            f"<tr><td class=\"name\">{_e(item.label)}</td><td class=\"num\">{stats.nodes_before}</td>"
+            f"<tr><td class=\"name\">{_breakable(item.label)}</td><td class=\"num\">{stats.nodes_before}</td>"
             f"<td class=\"num\">{stats.vertices_converted}</td>"
             f"<td class=\"num\">{stats.casts_added} ({stats.casts_to_target})</td>"
             f"<td class=\"num\">{sum(1 for d in decisions if not d.converted)}</td>"
@@ -400,8 +412,8 @@ def _report_html(
         function = d.function or MAIN_STEM
         decision_rows.append(
             f'<tr data-function="{_e(function)}" data-rule="{_e(d.rule)}" data-kept="{0 if d.converted else 1}">'
-            f'<td>{_e(function_to_label.get(d.function, d.function))}</td>'
-            f'<td class="name"><span class="sw {node_class}"></span>{_e(d.node)}</td>'
+            f"<td>{_breakable(function_to_label.get(d.function, d.function))}</td>"
+            f'<td class="name"><span class="sw {node_class}"></span>{_breakable(d.node)}</td>'
             f"<td>{_e(d.op)}</td><td>{_e(d.attr)}</td>"
             f'<td class="{"low" if d.converted else "kept"}">{_e(d.before)} → {_e(d.after)}</td>'
             f'<td title="{_e(RULE_TO_MEANING.get(d.rule, ""))}">{_e(d.rule)}</td><td>{_e(d.reason)}</td></tr>'
@@ -459,7 +471,9 @@ table{border-collapse:collapse;width:100%}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
 th{background:var(--bg);font-weight:600;position:sticky;top:0;z-index:1}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
-td.name{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;word-break:break-all}
+td.name{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;overflow-wrap:anywhere}
+#nodes{table-layout:fixed}
+#nodes td{overflow-wrap:anywhere}
 td.low{color:#1a7f37;font-weight:600;white-space:nowrap}
 td.kept{color:var(--muted);white-space:nowrap}
 td.files{white-space:nowrap}
@@ -565,6 +579,7 @@ _HTML_TEMPLATE = """<!DOCTYPE html>
 <span id="count">{total} of {total} rows</span>
 </div>
 <table id="nodes">
+<colgroup><col style="width:9%"><col style="width:27%"><col style="width:10%"><col style="width:5%"><col style="width:11%"><col style="width:11%"><col style="width:27%"></colgroup>
 <thead><tr><th>item</th><th>node</th><th>op</th><th>attr</th><th>dtype</th><th>rule</th><th>reason</th></tr></thead>
 <tbody>
 {rows}

@@ -107,8 +107,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """Scale, differentiate, apply: one training step (``loss`` may be a callable)."""
         tape = tape if tape is not None else tf.GradientTape()
         if callable(loss):
-            with tape:
-                tape.watch(var_list)
+            with tape:  # trainable variables are watched automatically
                 scaled = self.scale_loss(loss())
         else:
             scaled = self.scale_loss(loss)

@@ -119,17 +119,17 @@ def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     return tuple(sorted(called & names))
 
 
-def rewrite_model(
-    model: Model, *, target: str, lists: str | os.PathLike | OpLists | None = None, keep: Iterable[str] = (),
-    cross_function: bool = False,
-) -> RewriteResult:
-    """The rewritten graph of ``model``; ``keep`` adds node-name regexes kept float32."""
-    op_lists = load_lists(target, lists)
-    keep = tuple(keep)
-    if keep:
-        op_lists = dataclasses.replace(op_lists, keep_nodes=op_lists.keep_nodes + keep)
-    return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=op_lists,
+def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False) -> RewriteResult:
+    """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes."""
+    return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
                              cross_function=cross_function, entry_functions=model.entry_functions)
+
+
+def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:
+    """The lists for ``target`` with an overlay file and extra ``keep`` node regexes."""
+    op_lists = load_lists(target, overlay)
+    keep = tuple(keep)
+    return dataclasses.replace(op_lists, keep_nodes=op_lists.keep_nodes + keep) if keep else op_lists
 
 
 def check_destination(source: Path, destination: Path, force: bool) -> None:

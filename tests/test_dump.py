@@ -1,12 +1,13 @@
 """``write_dump``: the files a person reads after a rewrite, checked by parsing them back.
 
 The graph: ``allow1`` (MatMul) → ``clr1`` (Relu) → a deny op (Exp) whose name carries a
-``<script>`` tag → ``deny2`` (Relu, painted deny) → a functional ``While`` loop (a MatMul in its body) so the library
+``<script>`` tag → ``deny2`` (Relu) → ``deny3`` (AddV2), both painted deny → a functional ``While`` loop (a MatMul in its body) so the library
 has functions. The browser test drives a real headless Chromium over the DevTools pipe.
 """
 from __future__ import annotations
 
 import html
+import html.parser
 import importlib.util
 import shutil
 import sys
@@ -35,8 +36,9 @@ def _build() -> None:
     allow1 = tf.matmul(x, w, name="allow1")
     clr1 = tf.nn.relu(allow1, name="clr1")
     deny1 = tf.exp(clr1, name="deny1")
-    deny2 = tf.nn.relu(deny1, name="deny2")  # a clear op painted deny: downstream of deny1
-    _, loop = tf.while_loop(lambda i, acc: i < 3, lambda i, acc: (i + 1, tf.matmul(acc, w)), [tf.constant(0), deny2])
+    deny2 = tf.nn.relu(deny1, name="deny2")  # clear op between deny1 and an infer op: painted deny
+    deny3 = tf.add(deny2, 1.0, name="deny3")  # infer op
+    _, loop = tf.while_loop(lambda i, acc: i < 3, lambda i, acc: (i + 1, tf.matmul(acc, w)), [tf.constant(0), deny3])
     tf.identity(loop, name="output")
 
 
@@ -136,11 +138,10 @@ def test_dot_mentions_every_node_and_colours_by_decision(rewrite, dumped):
     assert f'fillcolor="{grey}"' in _dot_node_line(dot_text, "output")  # clear op, fetched: kept float32
     casts = [node.name for node in result.graph_def.node if node.name.endswith("-AutoMixedPrecision")]
     assert casts and all("shape=cds" in _dot_node_line(dot_text, name) for name in casts)
-    assert '"allow1" -> "clr1" [label="float16"' in dot_text
-    body = _function_names(result)[0]
-    body_dot = (directory / "graphs" / f"{body}.dot").read_text(encoding="utf-8")
-    matmul = next(d.node for d in result.report.decisions if d.function == body and d.op == "MatMul")
-    assert f'fillcolor="{green}"' in _dot_node_line(body_dot, matmul)
+    assert '"allow1" -> "clr1" [xlabel="float16"' in dot_text
+    matmul = next(d for d in result.report.decisions if d.function != MAIN_GRAPH and d.op == "MatMul")
+    body_dot = (directory / "graphs" / f"{matmul.function}.dot").read_text(encoding="utf-8")
+    assert f'fillcolor="{green}"' in _dot_node_line(body_dot, matmul.node)
 
 
 def test_second_dump_is_byte_identical(rewrite, dumped, tmp_path):
@@ -163,13 +164,47 @@ def test_lists_yaml_holds_the_effective_lists(rewrite, dumped):
         assert document[name] == sorted(getattr(lists, name)), name
 
 
+class _RowReader(html.parser.HTMLParser):
+    """The cell texts of each ``<tr data-function=...>`` row (a decision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[str, ...]] = []
+        self._cells: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "tr" and any(name == "data-function" for name, _ in attrs):
+            self._cells = []
+        elif tag == "td" and self._cells is not None:
+            self._cells.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "tr" and self._cells is not None:
+            self.rows.append(tuple(self._cells))
+            self._cells = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cells:
+            self._cells[-1] += data
+
+
+def _decision_rows(page: str) -> list[tuple[str, ...]]:
+    reader = _RowReader()
+    reader.feed(page)
+    return reader.rows
+
+
 def test_report_html_lists_every_decision_and_escapes_names(rewrite, dumped):
     _, result, _ = rewrite
     directory, _ = dumped
     page = (directory / "report.html").read_text(encoding="utf-8")
-    assert page.count("<tr data-function=") == len(result.report.decisions)
-    for decision in result.report.decisions:
-        assert html.escape(decision.node) in page and html.escape(decision.reason) in page
+    rows = _decision_rows(page)
+    expected = [
+        ("main graph" if d.function == MAIN_GRAPH else d.function, d.node, d.op, d.attr, f"{d.before} → {d.after}",
+         d.rule, d.reason)
+        for d in result.report.decisions
+    ]
+    assert rows == expected
     assert "window.pwned" in page and "<script>window.pwned" not in page
     assert page.count("<script>") == 1  # ours
     assert html.escape(TITLE) in page and TITLE not in page
@@ -197,6 +232,12 @@ def test_dump_without_graphviz_still_writes_everything_else(rewrite, tmp_path, m
     assert "Graphviz&#x27;s dot is not installed" in (tmp_path / "d" / "report.html").read_text(encoding="utf-8")
 
 
+def test_lists_of_another_target_are_refused(rewrite, tmp_path):
+    original, result, _ = rewrite
+    with pytest.raises(ValueError, match="lists are for 'bfloat16' but the rewrite converted to 'float16'"):
+        dump.write_dump(tmp_path, original, result, amp_rewrite.load_lists("bfloat16"), title=TITLE)
+
+
 def test_file_names_are_portable_and_distinct():
     taken: set[str] = set()
     stems = []
@@ -222,7 +263,7 @@ def test_tensorboard_log_holds_the_rewritten_graph(rewrite, dumped):
         return  # TensorBoard is optional; the event file above is what it reads
     accumulator = event_accumulator.EventAccumulator(str(directory / "tb"))
     accumulator.Reload()
-    assert accumulator.Graph() == result.graph_def
+    assert graph_pb2.GraphDef.FromString(accumulator.Graph().SerializeToString()) == result.graph_def
 
 
 # --------------------------------------------------------------------------------------

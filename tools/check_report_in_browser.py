@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             page.type("#search", args.type)
             time.sleep(0.3)  # the report filters large tables after a short pause in typing
             print(f"rows visible after typing {args.type!r}: {page.evaluate(VISIBLE_ROWS_JS)}")
+            page.evaluate("document.getElementById('decisions').scrollIntoView()")  # show the rows
         if args.screenshot:
             print(f"screenshot: {page.screenshot(args.screenshot, full_page=args.full_page)}")
     return 0
