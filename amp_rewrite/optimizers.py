@@ -8,7 +8,8 @@ that arithmetic, so this module only picks the right one and maps the seed API's
 
 * Keras 3 → ``keras.mixed_precision.LossScaleOptimizer`` (subclassed below only to add
   a fixed scale and the tf_keras-style ``get_scaled_loss``/``get_unscaled_gradients``);
-* tf_keras (Keras 2) → ``tf_keras.mixed_precision.LossScaleOptimizer``;
+* tf_keras (Keras 2) → ``tf_keras.mixed_precision.LossScaleOptimizer`` (a fixed scale is
+  tf_keras' own ``dynamic=False``, which, as tf_keras documents, applies every step);
 * ``tf.compat.v1.train.Optimizer`` → ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``.
 """
 from __future__ import annotations
@@ -108,11 +109,30 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         tape = tape if tape is not None else tf.GradientTape()
         if callable(loss):
             with tape:  # trainable variables are watched automatically
-                scaled = self.scale_loss(loss())
-        else:
-            scaled = self.scale_loss(loss)
-        grads = tape.gradient(scaled, var_list)
+                loss = loss()
+        # d(scale * loss) = scale * d(loss): seed the backward pass with the scale.
+        grads = tape.gradient(loss, var_list, output_gradients=tf.cast(self.loss_scale, loss.dtype))
         self.apply(grads, var_list)
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        """Keras decides on replica 0's gradients alone when a merge call is needed, so a
+        NaN on another replica was applied everywhere: decide on all replicas together."""
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            return super()._tf_apply(grads, trainable_variables)
+
+        def apply_everywhere(distribution, grads, trainable_variables):
+            finite_per_replica = distribution.extended.call_for_each_replica(
+                lambda g: tf.cast(self.check_finite(g), tf.float32), args=(grads,))
+            finite_replicas = distribution.reduce(tf.distribute.ReduceOp.SUM, finite_per_replica, axis=None)
+
+            def apply():
+                distribution.extended.call_for_each_replica(
+                    self._stateful_handle_finite_grads, args=(grads, trainable_variables))
+
+            tf.cond(finite_replicas >= distribution.num_replicas_in_sync, apply,
+                    self._stateful_handle_non_finite_grads)
+
+        tf.distribute.get_replica_context().merge_call(apply_everywhere, args=(grads, trainable_variables))
 
     def _stateful_handle_non_finite_grads(self):
         if not self.fixed:  # a fixed scale still skips the step, but never changes
@@ -179,7 +199,9 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
             opt, dynamic=plan.dynamic, initial_scale=plan.initial_scale,
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
-    v1 = tf.compat.v1.mixed_precision
-    scale = (v1.DynamicLossScale(initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps)
-             if plan.dynamic else v1.FixedLossScale(plan.initial_scale))
+    # A fixed scale still skips non-finite steps: a dynamic one that never grows or shrinks.
+    scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+        initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
+        multiplier=2 if plan.dynamic else 1,
+    )
     return _V1LossScaleOptimizer(opt, scale)

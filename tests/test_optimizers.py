@@ -16,6 +16,7 @@ checked with real steps, not mocks:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from tensorflow.python.eager import context
 
 import amp_rewrite
 from amp_rewrite import live, optimizers
@@ -123,12 +125,25 @@ def _keras_seed_api_step(model: keras.Model, opt: optimizers.LossScaleOptimizer,
     return step
 
 
-def _keras_minimize_step(model: keras.Model, opt: optimizers.LossScaleOptimizer, poison: tf.Variable) -> Callable:
+def _keras_minimize_callable_step(model: keras.Model, opt: optimizers.LossScaleOptimizer,
+                                  poison: tf.Variable) -> Callable:
     x, y = _regression_data()
 
     @tf.function
     def step() -> None:
         opt.minimize(lambda: tf.reduce_mean((model(x) - y) ** 2) * poison, model.trainable_variables)
+
+    return step
+
+
+def _keras_minimize_tape_step(model: keras.Model, opt: optimizers.LossScaleOptimizer, poison: tf.Variable) -> Callable:
+    x, y = _regression_data()
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2) * poison
+        opt.minimize(loss, model.trainable_variables, tape=tape)
 
     return step
 
@@ -142,7 +157,11 @@ def _run_poisoned(step: Callable, poison: tf.Variable, snapshot: Callable[[], Sn
     return snapshots
 
 
-@pytest.mark.parametrize("make_step", [_keras_seed_api_step, _keras_minimize_step], ids=["seed-api", "minimize"])
+@pytest.mark.parametrize(
+    "make_step",
+    [_keras_seed_api_step, _keras_minimize_callable_step, _keras_minimize_tape_step],
+    ids=["seed-api", "minimize-callable", "minimize-tensor-and-tape"],
+)
 def test_keras_custom_loop_skips_bad_steps_and_recovers(make_step):
     """get_scaled_loss/get_unscaled_gradients/apply_gradients and minimize: a non-finite step
     changes no weight or slot and no iteration, and halves the scale; three in a row
@@ -191,7 +210,8 @@ def test_float16_overflow_is_skipped_until_the_scale_fits():
         w = keras.Variable(np.full((3, 2), 0.01, "float32"))
         x = tf.fill((1, 3), 4.0)
         opt = optimizers.wrap_optimizer(keras.optimizers.SGD(1e-6))
-        with amp_rewrite.mixed_precision(target=target) if target else _nothing():
+        opt.build([w])
+        with amp_rewrite.mixed_precision(target=target) if target else contextlib.nullcontext():
             @tf.function
             def step() -> None:
                 with tf.GradientTape() as tape:
@@ -204,18 +224,11 @@ def test_float16_overflow_is_skipped_until_the_scale_fits():
         for _ in range(4):
             step()
             out.append((float(opt.loss_scale), int(opt.iterations.numpy())))
+        assert step.experimental_get_tracing_count() == 1
         return out
 
     assert scales_and_iterations(None) == [(32768.0, 1), (32768.0, 2), (32768.0, 3), (32768.0, 4)]
     assert scales_and_iterations("float16") == [(16384.0, 0), (8192.0, 0), (8192.0, 1), (8192.0, 2)]
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------------------
@@ -298,8 +311,6 @@ def test_v1_optimizer_in_tf_function_skips_bad_steps():
 
     snapshots = _run_poisoned(step, poison, snapshot)
     _check_fault_sequence(snapshots)
-    from tensorflow.python.eager import context
-
     body = context.context().get_function_def(step.get_concrete_function().name)
     assert {n.attr["T"].type for n in body.node_def if n.op == "MatMul"} == {tf.float16.as_datatype_enum}
 
@@ -327,25 +338,22 @@ def test_loss_scale_argument_plans(loss_scale, expected):
     assert optimizers.plan_loss_scale(loss_scale) == expected
 
 
-def _keras_scale(opt):
-    return opt.initial_scale, opt.dynamic_growth_steps if not opt.fixed else None
-
-
 @pytest.mark.parametrize(
     "loss_scale, keras_, tf_keras_, v1_",
     [
         ("dynamic", (2.0**15, 2000, False), (True, 2.0**15, 2000), ("DynamicLossScale", 2.0**15, 2000)),
-        (128, (128.0, optimizers.NEVER, True), (False, 128.0, None), ("FixedLossScale", 128.0, None)),
-        (None, (1.0, optimizers.NEVER, True), (False, 1.0, None), ("FixedLossScale", 1.0, None)),
+        (128, (128.0, optimizers.NEVER, True), (False, 128.0, None), ("DynamicLossScale", 128.0, optimizers.NEVER)),
+        (None, (1.0, optimizers.NEVER, True), (False, 1.0, None), ("DynamicLossScale", 1.0, optimizers.NEVER)),
         (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), (64.0, 2, False), (True, 64.0, 2),
          ("DynamicLossScale", 64.0, 2)),
         (tf.compat.v1.mixed_precision.FixedLossScale(256), (256.0, optimizers.NEVER, True), (False, 256.0, None),
-         ("FixedLossScale", 256.0, None)),
+         ("DynamicLossScale", 256.0, optimizers.NEVER)),
     ],
     ids=["dynamic", "number", "None", "v1-dynamic", "v1-fixed"],
 )
 def test_loss_scale_maps_onto_every_family(loss_scale, keras_, tf_keras_, v1_):
-    """The same loss_scale configures the Keras 3, tf_keras and v1 wrappers alike."""
+    """The same loss_scale configures the Keras 3, tf_keras and v1 wrappers alike (a fixed
+    v1 scale is a DynamicLossScale that never changes, so bad steps are still skipped)."""
     k = optimizers.wrap_optimizer(keras.optimizers.SGD(), loss_scale)
     assert (k.initial_scale, k.dynamic_growth_steps, k.fixed) == keras_
     t = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(), loss_scale)
@@ -359,6 +367,7 @@ def test_loss_scale_maps_onto_every_family(loss_scale, keras_, tf_keras_, v1_):
 def _growth_steps_keras(loss_scale: object, poisons: Sequence[float]) -> list[float]:
     w = keras.Variable([1.0, 2.0])
     opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.01), loss_scale)
+    opt.build([w])
     poison = tf.Variable(1.0)
 
     @tf.function
@@ -427,8 +436,9 @@ def test_fixed_scale_never_changes(family, loss_scale):
 
 @pytest.mark.parametrize("family", FAMILY_TO_STEPS)
 def test_fixed_scale_still_skips_bad_steps(family):
-    """loss_scale=128: a non-finite step is skipped (weights stay finite and unchanged) in
-    every family, as the dynamic scale does, without ever changing the scale."""
+    """loss_scale=128: a non-finite step is skipped (weights stay finite and unchanged)
+    without ever changing the scale — in Keras 3 and v1. tf_keras keeps its own documented
+    fixed-scale contract (``dynamic=False`` applies every step): the step is applied."""
     if family == "keras":
         w = keras.Variable([1.0, 2.0])
         opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1), 128)
@@ -451,34 +461,39 @@ def test_fixed_scale_still_skips_bad_steps(family):
     np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6)
     poison.assign(INF)
     step()
-    np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6,
-                               err_msg=f"{family}: a fixed loss scale applied a non-finite step")
+    if family == "tf_keras":
+        assert not np.all(np.isfinite(np.asarray(w.numpy()))), "tf_keras' fixed scale applies every step"
+    else:
+        np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6,
+                                   err_msg=f"{family}: a fixed loss scale applied a non-finite step")
     assert float(opt.loss_scale) == 128.0
 
 
+HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no scaling)'
+
+
 @pytest.mark.parametrize(
-    "loss_scale, error, message",
+    "loss_scale, error, what, hint",
     [
-        ("static", ValueError, "loss_scale must be 'dynamic', not 'static'"),
-        ("", ValueError, "loss_scale must be 'dynamic'"),
-        (-1, ValueError, "positive finite number, got -1"),
-        (0, ValueError, "positive finite number, got 0"),
-        (INF, ValueError, "positive finite number, got inf"),
-        (NAN, ValueError, "positive finite number, got nan"),
-        (True, TypeError, "cannot interpret loss_scale=True (bool)"),
-        ([128], TypeError, "cannot interpret loss_scale=[128] (list)"),
-        (tf.constant(128.0), TypeError, "cannot interpret loss_scale="),
-        (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "use multiplier=2"),
+        ("static", ValueError, "loss_scale must be 'dynamic', not 'static'", HELP),
+        ("", ValueError, "loss_scale must be 'dynamic', not ''", HELP),
+        (-1, ValueError, "got -1", "must be a positive finite number"),
+        (0, ValueError, "got 0", "must be a positive finite number"),
+        (INF, ValueError, "got inf", "must be a positive finite number"),
+        (NAN, ValueError, "got nan", "must be a positive finite number"),
+        (True, TypeError, "cannot interpret loss_scale=True (bool)", HELP),
+        ([128], TypeError, "cannot interpret loss_scale=[128] (list)", HELP),
+        (tf.constant(128.0), TypeError, "cannot interpret loss_scale=", HELP),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "DynamicLossScale(multiplier=3.0)",
+         "use multiplier=2"),
     ],
     ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "list", "tensor", "multiplier"],
 )
-def test_bad_loss_scale_says_what_to_pass(loss_scale, error, message):
-    """Every rejected loss_scale names the bad value and lists what is accepted; nothing is enabled."""
+def test_bad_loss_scale_says_what_to_pass(loss_scale, error, what, hint):
+    """Every rejected loss_scale names the bad value and says what to pass; nothing is enabled."""
     with pytest.raises(error) as raised:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), loss_scale, target="float16")
-    assert message in str(raised.value)
-    if "multiplier" not in message:
-        assert 'pass loss_scale="dynamic", a positive number' in str(raised.value) or "positive finite" in message
+    assert what in str(raised.value) and hint in str(raised.value)
     assert live.active() is None, "a rejected loss_scale must not leave the rewrite on"
 
 
@@ -509,10 +524,15 @@ def test_non_optimizer_is_a_type_error(opt):
 # State
 
 
-def _trained_keras(tmp_scale=tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=64, increment_period=3)):
-    """A model and wrapper after 1 good, 1 bad and 4 good fit steps: scale 64 → 32 → 64, counter 1."""
+def _growth_3() -> tf.compat.v1.mixed_precision.DynamicLossScale:
+    return tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=64, increment_period=3)
+
+
+def _trained_keras() -> tuple[keras.Model, optimizers.LossScaleOptimizer]:
+    """A model and wrapper after 1 good, 1 bad and 4 good fit steps: scale 64 → 32 → 64, counter 1;
+    recompiled with a plain loss so it can be saved."""
     model = _keras_model()
-    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(0.01), tmp_scale, target="bfloat16")
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(0.01), _growth_3(), target="bfloat16")
     poison = tf.Variable(1.0)
     model.compile(optimizer=opt, loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
 
@@ -524,6 +544,7 @@ def _trained_keras(tmp_scale=tf.compat.v1.mixed_precision.DynamicLossScale(initi
     model.fit(np.tile(x, (3, 1)), np.tile(y, (3, 1)), batch_size=4, epochs=1, shuffle=False, verbose=0,
               callbacks=[Poison()])
     assert (float(opt.loss_scale), int(opt.step_counter.numpy()), int(opt.iterations.numpy())) == (64.0, 1, 5)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
     return model, opt
 
 
@@ -548,13 +569,32 @@ def test_checkpoint_restores_scale_counter_and_slots(tmp_path):
     assert {"optimizer/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE", "optimizer/step_counter/.ATTRIBUTES/VARIABLE_VALUE"} <= names
 
     fresh_model = _keras_model()
-    fresh = optimizers.wrap_optimizer(keras.optimizers.Adam(0.01),
-                                      tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=64, increment_period=3))
+    fresh = optimizers.wrap_optimizer(keras.optimizers.Adam(0.01), _growth_3())
     fresh.build(fresh_model.trainable_variables)
     assert float(fresh.loss_scale) == 64.0 and int(fresh.step_counter.numpy()) == 0
     fresh.dynamic_scale.assign(1.0)  # so a restore that skipped the scale would show
     tf.train.Checkpoint(optimizer=fresh, model=fresh_model).restore(path).assert_consumed()
     _assert_same_state(_state(fresh), saved)
+
+
+def test_tf_keras_checkpoint_restores_scale_and_counter(tmp_path):
+    """The tf_keras wrapper's scale and good-step counter go through tf.train.Checkpoint too."""
+    w = tf.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.01), _growth_3())
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+    assert _scales_after(step, poison, [1, INF, 1], lambda: opt.loss_scale) == [64, 32, 32]
+    assert int(opt.dynamic_counter.numpy()) == 1
+    path = tf.train.Checkpoint(optimizer=opt, w=w).save(str(tmp_path / "ckpt"))
+    fresh = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.01), _growth_3())
+    tf.train.Checkpoint(optimizer=fresh, w=tf.Variable([0.0, 0.0])).restore(path)
+    assert (float(fresh.loss_scale), int(fresh.dynamic_counter.numpy())) == (32.0, 1)
 
 
 def test_keras_model_save_and_load_keep_the_wrapper_and_its_state(tmp_path):
@@ -565,7 +605,7 @@ def test_keras_model_save_and_load_keep_the_wrapper_and_its_state(tmp_path):
     saved = _state(opt)
     model.save(tmp_path / "model.keras")
     live.stop()
-    loaded = keras.models.load_model(tmp_path / "model.keras", compile=True, safe_mode=False)
+    loaded = keras.models.load_model(tmp_path / "model.keras")
     restored = loaded.optimizer
     assert type(restored) is optimizers.LossScaleOptimizer
     assert (restored.initial_scale, restored.dynamic_growth_steps, restored.fixed) == (64.0, 3, False)
@@ -640,6 +680,7 @@ _MIRRORED_SCRIPT = textwrap.dedent(
         momentum = [v for v in opt.inner_optimizer.variables if "momentum" in v.name][0].value
         states = []
         ctx = context.context()
+        names_before = set(ctx.list_function_names())
         for i, value in enumerate([1.0, float("inf"), 1.0]):
             poison.assign(value)
             if i == 0:
@@ -654,7 +695,9 @@ _MIRRORED_SCRIPT = textwrap.dedent(
             states.append({"kernel": local(kernel), "momentum": local(momentum),
                            "scale": [float(v) for v in local(opt.dynamic_scale.value)],
                            "iterations": int(opt.iterations.numpy())})
-        body = ctx.get_function_def(step.get_concrete_function(next(data)).name)
+        step_names = [n for n in set(ctx.list_function_names()) - names_before if n.startswith("__inference_step_")]
+        assert len(step_names) == 1, step_names
+        body = ctx.get_function_def(step_names[0])
         registered = [(n.device, types_pb2.DataType.Name(n.attr["T"].type)) for n in body.node_def if n.op == "MatMul"]
         result[",".join(map(str, bad))] = {"states": states, "registered": registered, "executed": executed}
         amp_rewrite.disable_mixed_precision_graph_rewrite()
@@ -692,11 +735,12 @@ def test_mirrored_replicas_skip_a_bad_step_together(mirrored, bad):
     momentum unchanged, identical across replicas), the scale halves once on each, and
     the next step trains both again."""
     good, skipped, after = mirrored[bad]["states"]
+    assert good["scale"] == [32768.0, 32768.0] and good["iterations"] == 1
+    assert (skipped["scale"], skipped["iterations"]) == ([16384.0, 16384.0], 1), (
+        f"the step with Inf on replica(s) {bad} was applied, not skipped: {skipped}")
+    assert skipped["kernel"] == good["kernel"] and skipped["momentum"] == good["momentum"]
     for state in (good, skipped, after):
         assert state["kernel"][0] == state["kernel"][1], "replicas diverged"
         assert all(math.isfinite(v) for row in state["kernel"][0] for v in row), f"non-finite weights: {state}"
-    assert good["scale"] == [32768.0, 32768.0] and good["iterations"] == 1
-    assert skipped["kernel"] == good["kernel"] and skipped["momentum"] == good["momentum"]
-    assert skipped["scale"] == [16384.0, 16384.0] and skipped["iterations"] == 1
     assert after["kernel"] != skipped["kernel"]
     assert after["scale"] == [16384.0, 16384.0] and after["iterations"] == 2
