@@ -392,15 +392,12 @@ def test_digits_accuracy_matches_float32(target, digits, float32_digits_accuracy
 
 
 def readme_example() -> str:
-    """The ```python block that calls enable_mixed_precision_graph_rewrite(opt), from the README
-    (or docs_live.md until it is merged there)."""
-    for name in ("README.md", "docs_live.md"):
-        path = ROOT / name
-        if path.exists():
-            for block in re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
-                if "enable_mixed_precision_graph_rewrite(opt)" in block:
-                    return block
-    pytest.fail("no ```python block calling enable_mixed_precision_graph_rewrite(opt) in README.md or docs_live.md")
+    """The ```python block of README.md that calls enable_mixed_precision_graph_rewrite(opt)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        if "enable_mixed_precision_graph_rewrite(opt)" in block:
+            return block
+    pytest.fail("no ```python block calling enable_mixed_precision_graph_rewrite(opt) in README.md")
 
 
 @pytest.mark.parametrize("target", TARGETS)
