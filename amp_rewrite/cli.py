@@ -143,6 +143,10 @@ def _summary_lines(report: Report) -> list[str]:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     model, result, lists = _rewrite(args)
+    if args.inputs:
+        from amp_rewrite.validate import load_inputs
+
+        load_inputs(args.inputs)  # a bad file is an error before anything is written
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
     _say(args, *_summary_lines(result.report), f"Wrote {destination}")
     if args.dump:
@@ -213,6 +217,10 @@ def _static_shapes(graph_def, function=None) -> dict[str, list[list[int]]]:
     """Output shapes per node from ``_output_shapes`` attrs (and, in a function, its arg_attr)."""
     shapes = {}
     for node in graph_def.node:
+        if node.op == "Placeholder" and "shape" in node.attr:
+            shapes[node.name] = [[d.size for d in node.attr["shape"].shape.dim]]
+        elif node.op == "Const":
+            shapes[node.name] = [[d.size for d in node.attr["value"].tensor.tensor_shape.dim]]
         if "_output_shapes" in node.attr:
             shapes[node.name] = [[d.size for d in s.dim] if not s.unknown_rank else []
                                  for s in node.attr["_output_shapes"].list.shape]

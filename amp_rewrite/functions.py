@@ -23,11 +23,16 @@ RETVAL_SUFFIX = "_RetVal"
 def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> list[tuple[str, int]]:
     """(output arg name, index within the arg) for each output port of the node."""
     ports = []
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+
+    def attr(name: str):
+        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
+
     for arg in op_def.output_arg:
         if arg.type_list_attr:
-            count = len(node_def.attr[arg.type_list_attr].list.type)
+            count = len(attr(arg.type_list_attr).list.type)
         elif arg.number_attr:
-            count = node_def.attr[arg.number_attr].i
+            count = attr(arg.number_attr).i
         else:
             count = 1
         ports.extend((arg.name, i) for i in range(count))

@@ -88,7 +88,8 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
             ref = parse_tensor_name(tensor, consumer=node_def.name)
             if ref.node not in graph:
                 raise GraphError(
-                    f"node '{node_def.name}': input '{tensor}' names a node that is not in the graph"
+                    f"node '{node_def.name}': input '{tensor}' names a node that is not in the graph;"
+                    " fix or remove that input"
                 )
             if ref.is_control:
                 seen_control = True

@@ -137,10 +137,13 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
     source, destination = source.resolve(), destination.resolve()
     if destination == source or source in destination.parents:
         raise ModelError(f"{destination}: is (inside) the source {source}; choose a destination outside it")
+    if destination in source.parents:
+        raise ModelError(f"{destination}: contains the source {source}; choose a destination outside it")
     if destination.exists() and not force:
         raise ModelError(f"{destination}: already exists; choose another destination or pass --force to replace it")
     if not destination.parent.is_dir():
-        raise ModelError(f"{destination.parent}: no such directory; create it first")
+        what = "is not a directory" if destination.parent.exists() else "no such directory; create it first"
+        raise ModelError(f"{destination.parent}: {what}")
 
 
 @contextlib.contextmanager
@@ -150,14 +153,15 @@ def _staging(destination: Path) -> Iterator[Path]:
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     except OSError as error:
         raise ModelError(f"{destination.parent}: cannot write here ({error.strerror}); check permissions") from None
-    target = staging / destination.name
+    target, old = staging / destination.name, staging / "replaced"
     try:
         yield target
         if destination.exists():  # --force: swap the old one out, then remove it
-            old = staging / "replaced"
             os.replace(destination, old)
         os.replace(target, destination)
     except OSError as error:
+        if old.exists() and not destination.exists():
+            os.replace(old, destination)  # put the replaced destination back
         raise ModelError(f"{destination}: writing failed ({error.strerror}); nothing was changed") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -167,9 +171,11 @@ def write_model(model: Model, graph_def: graph_pb2.GraphDef, destination: str | 
     """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
+    if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
+        raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
     with _staging(destination) as target:
         if model.kind == "graphdef":
-            _write_proto(target, graph_def, text=model.text)
+            _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
             return destination
         shutil.copytree(model.path, target, ignore=shutil.ignore_patterns(*SAVED_MODEL_FILES, FINGERPRINT))
         saved_model = saved_model_pb2.SavedModel()

@@ -43,6 +43,17 @@ def resolve_op_def(
     return op_def
 
 
+def fill_default_attrs(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> None:
+    """Add the attrs a serialized graph left out because they held their default value.
+
+    SavedModels and ``tf.io.write_graph`` strip default-valued attrs (e.g. ``Reshape``'s
+    ``Tshape``); a missing type attr would otherwise be read as no dtype at all.
+    """
+    for attr_def in op_def.attr:
+        if attr_def.name not in node_def.attr and attr_def.HasField("default_value"):
+            node_def.attr[attr_def.name].CopyFrom(attr_def.default_value)
+
+
 @functools.lru_cache(maxsize=None)
 def _attr_def(op: str, attr: str) -> op_def_pb2.OpDef.AttrDef | None:
     op_def = registered_op_def(op)

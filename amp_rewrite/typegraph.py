@@ -166,9 +166,11 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
     for name, node_def in node_defs.items():
         num_inputs = sum(1 for keyed in nodes._pred[name].values() for d in keyed.values() if d["src_port"] >= 0)
+        op_def = support.resolve_op_def(node_def, functions)
+        support.fill_default_attrs(node_def, op_def)  # the working copy; the caller's graph is untouched
         key = _shape_key(node_def)
         if key not in shared:
-            shared[key] = node_types(node_def, support.resolve_op_def(node_def, functions), num_inputs)
+            shared[key] = node_types(node_def, op_def, num_inputs)
         elif len(shared[key].inputs) != num_inputs:
             node_types(node_def, shared[key].op_def, num_inputs)  # raises the port-count error
         types[name] = shared[key]

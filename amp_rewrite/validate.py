@@ -44,7 +44,7 @@ def _sample(spec_shape: list[int | None], dtype: tf.DType, rng: np.random.Genera
     raise ModelError(f"cannot make random inputs of dtype {dtype.name}; pass real data with --inputs FILE.npz")
 
 
-def _load_inputs(path: Path | None) -> Mapping[str, np.ndarray] | None:
+def load_inputs(path: Path | None) -> Mapping[str, np.ndarray] | None:
     if path is None:
         return None
     try:
@@ -64,7 +64,7 @@ def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> Out
 def validate_saved_models(source: Path, destination: Path, runs: int, inputs: Path | None = None) -> list[OutputError]:
     """Worst error per (signature, output) over ``runs`` random batches (or the given inputs)."""
     old_model, new_model = tf.saved_model.load(str(source)), tf.saved_model.load(str(destination))
-    given = _load_inputs(inputs)
+    given = load_inputs(inputs)
     rng = np.random.default_rng(0)
     worst: dict[tuple[str, str], OutputError] = {}
     for key in sorted(old_model.signatures):
@@ -91,7 +91,7 @@ def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, runs: int, 
     """The same for a GraphDef file: placeholders fed, ``model.fetches`` compared."""
     if not model.fetches:
         raise ModelError(f"{model.path}: --validate needs the outputs to compare; name them with --fetch")
-    given = _load_inputs(inputs)
+    given = load_inputs(inputs)
     placeholders = [n for n in model.graph_def.node if n.op == "Placeholder"]
     rng = np.random.default_rng(0)
     worst: dict[str, OutputError] = {}

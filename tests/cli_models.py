@@ -1,0 +1,113 @@
+"""Models on disk for the CLI tests: two SavedModels, GraphDef files, and broken copies.
+
+Names say what a test expects: in the GraphDef, ``allow1`` (MatMul) converts, ``deny1``
+(Exp) is on the deny list and ``deny2`` (Relu) is painted deny from it; ``odd`` is a
+converted MatMul whose dims (16×12) are not all multiples of 8. In the ``tf.Module``,
+``serve`` multiplies by a 5×3 matrix (a Tensor Core hint) and ``other`` by a 16×16 one
+(none); ``weights`` has no inputs and only reads a variable.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+from google.protobuf import text_format
+from tensorflow.core.framework import graph_pb2
+
+ASSET_TEXT = "alpha\nbeta\n"
+# Fetches of the GraphDef built by ``graph_def_with_deny_path``.
+GRAPH_FETCHES = ("Identity", "Identity_1")
+OVERFLOW_FETCH = "Identity"
+
+
+def export_keras_model(path: Path) -> None:
+    """A Keras 3 Conv2D → Flatten → Dense model written with ``model.export``."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    x = keras.layers.Conv2D(8, 3, activation="relu")(image)
+    x = keras.layers.Flatten()(x)
+    logits = keras.layers.Dense(4)(x)
+    keras.Model(image, logits).export(str(path), verbose=False)
+
+
+class _Module(tf.Module):
+    def __init__(self, asset: Path) -> None:
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w = tf.Variable(rng.standard_normal((5, 3)).astype(np.float32), name="w")
+        self.w2 = tf.Variable(rng.standard_normal((16, 16)).astype(np.float32), name="w2")
+        self.vocab = tf.saved_model.Asset(str(asset))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32, name="x")])
+    def serve(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": tf.matmul(x, self.w)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="z")])
+    def other(self, z: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"out": tf.nn.relu(tf.matmul(z, self.w2))}
+
+    @tf.function(input_signature=[])
+    def weights(self) -> tf.Tensor:
+        return self.w.read_value()
+
+
+def save_module(path: Path) -> None:
+    """A ``tf.Module`` with three signatures (one without inputs), two variables and an asset."""
+    asset = path.parent / f"{path.name}-vocab.txt"
+    asset.write_text(ASSET_TEXT, encoding="utf-8")
+    module = _Module(asset)
+    signatures = {"serving_default": module.serve, "other": module.other, "weights": module.weights}
+    tf.saved_model.save(module, str(path), signatures=signatures)
+
+
+def graph_def_with_deny_path() -> graph_pb2.GraphDef:
+    """allow1 (MatMul) → clr1 (Relu) → deny1 (Exp) → deny2 (Relu) → deny3 (AddV2) → Identity;
+    x → odd (MatMul 16×12) → Identity_1. From a ``tf.function``."""
+
+    @tf.function(input_signature=[tf.TensorSpec([4, 16], tf.float32, name="x")])
+    def graph(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        allow1 = tf.matmul(x, tf.constant(np.full((16, 16), 0.1, np.float32)), name="allow1")
+        clr1 = tf.nn.relu(allow1, name="clr1")
+        deny1 = tf.exp(clr1, name="deny1")
+        deny2 = tf.nn.relu(deny1, name="deny2")
+        deny3 = tf.add(deny2, 1.0, name="deny3")
+        odd = tf.matmul(x, tf.constant(np.full((16, 12), 0.1, np.float32)), name="odd")
+        return deny3, odd
+
+    return graph.get_concrete_function().graph.as_graph_def()
+
+
+def overflow_graph_def() -> graph_pb2.GraphDef:
+    """sum(exp(x @ w + 12)): the Exp's inputs are all above 11.1, so it overflows float16
+    (max 65504) once an overlay allows Exp and Sum; with the built-in lists both stay
+    float32 and the output is accurate."""
+
+    @tf.function(input_signature=[tf.TensorSpec([4, 16], tf.float32, name="x")])
+    def graph(x: tf.Tensor) -> tf.Tensor:
+        w = tf.constant(np.random.default_rng(0).uniform(-0.05, 0.05, (16, 16)).astype(np.float32))
+        return tf.reduce_sum(tf.exp(tf.matmul(x, w) + 12.0), name="total")
+
+    return graph.get_concrete_function().graph.as_graph_def()
+
+
+def write_graph_def(graph_def: graph_pb2.GraphDef, path: Path) -> Path:
+    """``path`` as a binary (.pb) or text (.pbtxt) GraphDef."""
+    if path.suffix == ".pbtxt":
+        path.write_text(text_format.MessageToString(graph_def), encoding="utf-8")
+    else:
+        path.write_bytes(graph_def.SerializeToString(deterministic=True))
+    return path
+
+
+def hash_tree(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (or of ``path`` itself), by relative path; dirs as 'dir'."""
+    if path.is_file():
+        return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(path.rglob("*"))
+    }

@@ -1,0 +1,680 @@
+"""Random well-formed float32 TensorFlow graphs for fuzzing the AMP pass.
+
+``graph_plans()`` is a hypothesis strategy for a ``GraphPlan``: a list of ``Step``s (an op
+from ``CATALOGUE``, small integers that choose its inputs and attributes, a device, an
+optional control input) and the fetches. ``build_graph(plan)`` interprets the plan in a
+``tf.Graph`` with ``tf.raw_ops``; every integer is taken modulo the number of choices, so
+every plan is a valid graph and hypothesis can shrink plans freely (a pick of 0 means the
+most recent tensor, so shrunk graphs are chains).
+
+Every tensor of the pool is a ``[4, 4]`` matrix ("mat") or a ``[1, 2, 2, 4]`` NHWC image
+("img"), both 16 elements so ``Reshape`` joins them. Steps that change shapes
+(reductions, ``Split``/``Unpack``/``Slice``) come with the op that restores the shape.
+Each value is also computed eagerly in float32 while building, and inputs are chosen
+where the op is well conditioned (``Exp`` of small values, ``Log``/``Sqrt`` of values
+>= 0.5, divisors away from 0, every result within +-``LIMIT``), so a float16 or bfloat16
+rewrite must match float32 within the target's tolerance.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+from hypothesis import strategies as st
+from tensorflow.core.framework.graph_pb2 import GraphDef
+
+MAT = (4, 4)
+IMG = (1, 2, 2, 4)
+SHAPES = (MAT, IMG)
+# Largest magnitude a pool tensor may hold: keeps float16 far from overflow and keeps
+# rounding errors small against the tolerance.
+LIMIT = 4.0
+# Device strings drawn for a step: mostly empty (the target's device), else explicit.
+DEVICES = ("", "", "", "", "/device:GPU:0", "/device:CPU:0", "/job:localhost/replica:0/task:0/device:GPU:0")
+_ATTEMPTS = 4  # input choices tried before a step falls back to fresh graph inputs
+
+
+# --------------------------------------------------------------------------------------
+# Plans: what hypothesis draws and shrinks
+
+
+@dataclass(frozen=True)
+class Step:
+    """One catalogue entry to apply; ``picks`` choose inputs, ``variant`` attributes."""
+
+    op: str
+    picks: tuple[int, ...] = (0, 0, 0, 0)
+    variant: int = 0
+    device: str = ""
+    control: int = 0  # 0: none; else a control input on an earlier node (counted back)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """A whole graph: values seed, steps in order, fetch choices (the first one a sink)."""
+
+    seed: int
+    steps: tuple[Step, ...]
+    fetch_picks: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
+class FuzzGraph:
+    """A built plan: the float32 GraphDef and what a test needs to run it."""
+
+    graph_def: GraphDef
+    fetches: tuple[str, ...]  # node names; always at least one sink
+    outputs: tuple[str, ...]  # float32 tensors to compare numerically: fetches and sinks
+    feeds: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# Building
+
+
+@dataclass(frozen=True)
+class _Value:
+    graph: tf.Tensor | None  # None while a step is only tried eagerly
+    eager: tf.Tensor
+    is_input: bool = False  # a placeholder or constant: exact in every precision
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.eager.shape)
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.eager.numpy().astype(np.float32)
+
+
+Need = Callable[[np.ndarray], bool]
+
+
+def _any(x: np.ndarray) -> bool:
+    return True
+
+
+def _small(x: np.ndarray) -> bool:
+    return float(np.max(np.abs(x))) <= 2.0
+
+
+def _unit(x: np.ndarray) -> bool:
+    return float(np.max(np.abs(x))) <= 1.0
+
+
+def _positive(x: np.ndarray) -> bool:
+    return float(np.min(x)) >= 0.5
+
+
+def _away_from_zero(x: np.ndarray) -> bool:
+    return float(np.min(np.abs(x))) >= 0.5
+
+
+def _above_minus_half(x: np.ndarray) -> bool:
+    return float(np.min(x)) >= -0.5
+
+
+class _Builder:
+    """The graph under construction, its pool of float32 tensors and feed values."""
+
+    def __init__(self, seed: int) -> None:
+        self.graph = tf.Graph()
+        self.rng = np.random.default_rng(seed)
+        self.pool: list[_Value] = []
+        self.feeds: dict[str, np.ndarray] = {}
+        self.count = itertools.count()
+
+    def name(self, op: str) -> str:
+        return f"{op.lower()}{next(self.count)}"
+
+    def fresh(self, shape: tuple[int, ...], need: Need, placeholder: bool, device: str = "") -> _Value:
+        """A new graph input whose values satisfy ``need``."""
+        if need in (_positive,):
+            values = self.rng.uniform(0.5, 1.5, shape)
+        elif need is _away_from_zero:
+            values = self.rng.uniform(0.5, 1.5, shape) * self.rng.choice([-1.0, 1.0], shape)
+        else:
+            values = self.rng.uniform(-1.0, 1.0, shape)
+        values = values.astype(np.float32)
+        with self.graph.as_default(), _device(device):
+            if placeholder:
+                tensor = tf.compat.v1.placeholder(tf.float32, shape, name=self.name("Placeholder"))
+                self.feeds[tensor.name] = values
+            else:
+                tensor = tf.constant(values, name=self.name("Const"))
+        value = _Value(tensor, tf.constant(values), is_input=True)
+        self.pool.append(value)
+        return value
+
+
+@contextlib.contextmanager
+def _device(device: str):
+    if device:
+        with tf.device(device):
+            yield
+    else:
+        yield
+
+
+class _Context:
+    """One attempt at one step: takes inputs from the pool, adds ops (eagerly only while
+    ``trial``), reads attribute choices from the step's ``variant``."""
+
+    def __init__(self, builder: _Builder, step: Step, attempt: int, trial: bool, control: tf.Operation | None):
+        self.builder = builder
+        self.step = step
+        self.attempt = attempt
+        self.trial = trial
+        self.control = control
+        self.slot = 0
+        self.variant = step.variant
+        self.taken: list[_Value] = []
+
+    # inputs -------------------------------------------------------------------------
+    def take(self, shape: tuple[int, ...] = MAT, need: Need = _any, *, inputs_only: bool = False) -> _Value:
+        """An existing tensor of ``shape`` satisfying ``need``, or (last attempt, or none
+        exists) a fresh placeholder or constant."""
+        pick = self.step.picks[self.slot % len(self.step.picks)] + self.slot // len(self.step.picks)
+        self.slot += 1
+        candidates = [
+            value
+            for value in self.builder.pool
+            if value.shape == shape and (value.is_input or not inputs_only) and need(value.array)
+        ]
+        if self.attempt < _ATTEMPTS - 1 and candidates:
+            value = candidates[-1 - (pick + self.attempt) % len(candidates)]
+        elif self.trial:
+            # The fresh input is only made if the final, non-trial run asks for it.
+            value = _Value(None, tf.constant(self.builder.rng.uniform(0.5, 1.0, shape).astype(np.float32)), True)
+        else:
+            value = self.builder.fresh(shape, need, placeholder=pick % 2 == 0, device=self.step.device)
+        self.taken.append(value)
+        return value
+
+    def take_any_shape(self, need: Need = _any) -> _Value:
+        return self.take(self.choice(SHAPES), need)
+
+    def choice(self, options: Sequence):
+        index = self.variant % len(options)
+        self.variant //= len(options)
+        return options[index]
+
+    # ops ----------------------------------------------------------------------------
+    def op(self, op: str, **kwargs) -> list[_Value]:
+        """Apply ``tf.raw_ops.<op>`` eagerly and (unless trial) in the graph; its outputs."""
+        raw = getattr(tf.raw_ops, op)
+        eager = raw(**{key: _eager(arg) for key, arg in kwargs.items()})
+        eager_outputs = [eager] if isinstance(eager, tf.Tensor) else list(eager)
+        if self.trial:
+            return [_Value(None, out) for out in eager_outputs]
+        builder = self.builder
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(builder.graph.as_default())
+            stack.enter_context(_device(self.step.device))
+            if self.control is not None:
+                stack.enter_context(builder.graph.control_dependencies([self.control]))
+                self.control = None  # the first op of the step carries it
+            graph = raw(**{key: _graph(arg) for key, arg in kwargs.items()}, name=builder.name(op))
+        graph_outputs = [graph] if isinstance(graph, tf.Tensor) else list(graph)
+        return [_Value(g, e) for g, e in zip(graph_outputs, eager_outputs)]
+
+    def const(self, values: np.ndarray) -> _Value:
+        """A constant not in the pool (filters, biases, shapes)."""
+        values = np.asarray(values)
+        if self.trial:
+            return _Value(None, tf.constant(values), True)
+        with self.builder.graph.as_default(), _device(self.step.device):
+            tensor = tf.constant(values, name=self.builder.name("Const"))
+        return _Value(tensor, tf.constant(values), True)
+
+    def uniform(self, low: float, high: float, shape: tuple[int, ...]) -> np.ndarray:
+        # Drawn from the step's own generator, so a trial and the final run agree.
+        seed = (self.step.variant, self.slot, len(self.builder.pool))
+        self.slot += 1
+        return np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32)
+
+
+def _eager(arg):
+    if isinstance(arg, _Value):
+        return arg.eager
+    if isinstance(arg, list):
+        return [_eager(a) for a in arg]
+    return arg
+
+
+def _graph(arg):
+    if isinstance(arg, _Value):
+        return arg.graph
+    if isinstance(arg, list):
+        return [_graph(a) for a in arg]
+    return arg
+
+
+# --------------------------------------------------------------------------------------
+# The catalogue: one emitter per entry, grouped by the float16 list its main op is in.
+# An emitter takes its inputs with ``c.take`` and returns the float32 tensors it adds to
+# the pool. Helper ops that restore a shape are clear-list ops.
+
+
+def _shape_of(c: _Context, value: _Value, shape: tuple[int, ...]) -> _Value:
+    """Bring a broadcastable ``value`` back to ``shape``: BroadcastTo or a binary op."""
+    how = c.choice(("BroadcastTo", "AddV2", "Mul"))
+    if how == "BroadcastTo":
+        return c.op("BroadcastTo", input=value, shape=c.const(np.array(shape, np.int32)))[0]
+    other = c.take(shape)
+    return c.op(how, x=value, y=other)[0]
+
+
+def _unary(op: str, need: Need = _any, arg: str = "x") -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        return c.op(op, **{arg: c.take_any_shape(need)})[:1]
+
+    emit.__name__ = op
+    return emit
+
+
+def _binary(op: str, need_y: Need = _any) -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        shape = c.choice(SHAPES)
+        return c.op(op, x=c.take(shape), y=c.take(shape, need_y))[:1]
+
+    emit.__name__ = op
+    return emit
+
+
+def _reduction(op: str) -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        shape = c.choice(SHAPES)
+        axis = c.choice(range(len(shape)))
+        reduced = c.op(op, input=c.take(shape), axis=c.const(np.array([axis], np.int32)), keep_dims=True)[0]
+        return [_shape_of(c, reduced, shape)]
+
+    emit.__name__ = op
+    return emit
+
+
+# allow ------------------------------------------------------------------------------
+def _matmul(c: _Context) -> list[_Value]:
+    return c.op("MatMul", a=c.take(), b=c.take(), transpose_a=c.choice((False, True)),
+                transpose_b=c.choice((False, True)))
+
+
+def _batch_matmul(c: _Context) -> list[_Value]:
+    return c.op("BatchMatMulV2", x=c.take(), y=c.take(), adj_x=c.choice((False, True)))
+
+
+def _einsum(c: _Context) -> list[_Value]:
+    return c.op("Einsum", inputs=[c.take(), c.take()], equation=c.choice(("ij,jk->ik", "ij,kj->ik")))
+
+
+def _conv2d(c: _Context) -> list[_Value]:
+    image = c.take(IMG)
+    if c.choice(("const", "computed")) == "const":
+        size = c.choice((1, 2))
+        filter_ = c.const(c.uniform(-1.0, 1.0, (size, size, 4, 4)) / (size * size * 2))
+    else:  # a filter computed in the graph: [4, 4] -> [1, 1, 4, 4]
+        filter_ = c.op("Reshape", tensor=c.take(MAT), shape=c.const(np.array([1, 1, 4, 4], np.int32)))[0]
+    return c.op("Conv2D", input=image, filter=filter_, strides=[1, 1, 1, 1], padding="SAME")
+
+
+def _depthwise_conv2d(c: _Context) -> list[_Value]:
+    filter_ = c.const(c.uniform(-0.5, 0.5, (2, 2, 4, 1)))
+    return c.op("DepthwiseConv2dNative", input=c.take(IMG), filter=filter_, strides=[1, 1, 1, 1], padding="SAME")
+
+
+# deny -------------------------------------------------------------------------------
+def _pow(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    return c.op("Pow", x=c.take(shape, _positive), y=c.take(shape, _unit))
+
+
+def _l2loss(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    loss = c.op("L2Loss", t=c.take(shape, _unit))[0]
+    return [_shape_of(c, loss, shape)]
+
+
+def _softmax_cross_entropy(c: _Context) -> list[_Value]:
+    """Both outputs: the loss [4] broadcast back, and the backprop [4, 4] (output 1)."""
+    loss, backprop = c.op("SoftmaxCrossEntropyWithLogits", features=c.take(), labels=c.take(MAT, _unit))
+    restored = c.op("Reshape", tensor=loss, shape=c.const(np.array([4, 1], np.int32)))[0]
+    return [backprop, _shape_of(c, restored, MAT)]
+
+
+# infer ------------------------------------------------------------------------------
+def _addn(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    count = c.choice((2, 3, 4))
+    return c.op("AddN", inputs=[c.take(shape) for _ in range(count)])
+
+
+def _bias_add(c: _Context) -> list[_Value]:
+    value = c.take_any_shape()
+    if c.choice(("const", "computed")) == "const":
+        bias = c.const(c.uniform(-1.0, 1.0, (4,)))
+    else:  # row 0 of a matrix: Slice and Reshape (both clear)
+        row = c.op("Slice", input=c.take(MAT), begin=c.const(np.array([0, 0], np.int32)),
+                   size=c.const(np.array([1, 4], np.int32)))[0]
+        bias = c.op("Reshape", tensor=row, shape=c.const(np.array([4], np.int32)))[0]
+    return c.op("BiasAdd", value=value, bias=bias)
+
+
+def _leaky_relu(c: _Context) -> list[_Value]:
+    return c.op("LeakyRelu", features=c.take_any_shape(), alpha=c.choice((0.2, 0.01)))
+
+
+def _fused_batch_norm(op: str) -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        x = c.take(IMG)
+        scale, offset, mean = (c.const(c.uniform(-1.0, 1.0, (4,))) for _ in range(3))
+        variance = c.const(c.uniform(0.5, 1.5, (4,)))
+        return c.op(op, x=x, scale=scale, offset=offset, mean=mean, variance=variance, is_training=False)[:1]
+
+    emit.__name__ = op
+    return emit
+
+
+def _pool(op: str) -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        arg = "value" if op == "AvgPool" else "input"
+        return c.op(op, **{arg: c.take(IMG)}, ksize=[1, 2, 2, 1], strides=[1, 1, 1, 1], padding="SAME")
+
+    emit.__name__ = op
+    return emit
+
+
+# clear ------------------------------------------------------------------------------
+def _identity_n(c: _Context) -> list[_Value]:
+    count = c.choice((1, 2, 3))
+    return c.op("IdentityN", input=[c.take_any_shape() for _ in range(count)])
+
+
+def _reshape(c: _Context) -> list[_Value]:
+    source, target = c.choice(SHAPES), c.choice(SHAPES)
+    return c.op("Reshape", tensor=c.take(source), shape=c.const(np.array(target, np.int32)))
+
+
+def _transpose(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    perm = [1, 0] if shape == MAT else [0, 2, 1, 3]
+    return c.op("Transpose", x=c.take(shape), perm=c.const(np.array(perm, np.int32)))
+
+
+def _split_concat(c: _Context) -> list[_Value]:
+    """Split two tensors in halves along the last axis and concatenate a mix of halves."""
+    shape = c.choice(SHAPES)
+    axis = len(shape) - 1
+    halves = c.op("Split", axis=c.const(np.array(axis, np.int32)), value=c.take(shape), num_split=2)
+    if c.choice(("slice", "split")) == "slice":
+        other = c.take(shape)
+        begin = [0] * len(shape)
+        size = list(shape[:-1]) + [2]
+        halves.append(c.op("Slice", input=other, begin=c.const(np.array(begin, np.int32)),
+                           size=c.const(np.array(size, np.int32)))[0])
+    order = c.choice(((1, 0), (0, 1), (-1, 0), (1, -1)))
+    return c.op("ConcatV2", values=[halves[i] for i in order], axis=c.const(np.array(axis, np.int32)))
+
+
+def _unpack_pack(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    axis = c.choice((0, 1)) if shape == MAT else 3
+    parts = c.op("Unpack", value=c.take(shape), num=4, axis=axis)
+    order = c.choice(((0, 1, 2, 3), (3, 2, 1, 0), (1, 0, 3, 2)))
+    return c.op("Pack", values=[parts[i] for i in order], axis=axis)
+
+
+def _squeeze_expand(c: _Context) -> list[_Value]:
+    if c.choice(("img", "mat")) == "img":
+        squeezed = c.op("Squeeze", input=c.take(IMG), axis=[0])[0]
+        return c.op("ExpandDims", input=squeezed, axis=c.const(np.array(0, np.int32)))
+    expanded = c.op("ExpandDims", input=c.take(MAT), axis=c.const(np.array(0, np.int32)))[0]
+    return c.op("Squeeze", input=expanded, axis=[0])
+
+
+def _gather(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    axis = 0 if shape == MAT else 3
+    indices = c.choice(((1, 0, 3, 2), (3, 3, 0, 1)))
+    return c.op("GatherV2", params=c.take(shape), indices=c.const(np.array(indices, np.int32)),
+                axis=c.const(np.array(axis, np.int32)))
+
+
+def _tile(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    size = [2, 4] if shape == MAT else [1, 1, 2, 4]
+    multiples = [2, 1] if shape == MAT else [1, 2, 1, 1]
+    part = c.op("Slice", input=c.take(shape), begin=c.const(np.zeros(len(shape), np.int32)),
+                size=c.const(np.array(size, np.int32)))[0]
+    return c.op("Tile", input=part, multiples=c.const(np.array(multiples, np.int32)))
+
+
+def _reverse(c: _Context) -> list[_Value]:
+    return c.op("ReverseV2", tensor=c.take_any_shape(), axis=c.const(np.array([0], np.int32)))
+
+
+def _select(op: str) -> Callable[[_Context], list[_Value]]:
+    """The condition compares a graph input with 0 (Greater/Less are clear ops too); a
+    graph input is exact in every precision, so the condition never flips."""
+
+    def emit(c: _Context) -> list[_Value]:
+        shape = c.choice(SHAPES)
+        compare = c.choice(("Greater", "Less", "GreaterEqual"))
+        zero = c.const(np.zeros(shape, np.float32))
+        condition = c.op(compare, x=c.take(shape, inputs_only=True), y=zero)[0]
+        branches = ("t", "e") if op == "SelectV2" else ("x", "y")
+        return c.op(op, condition=condition, **{branch: c.take(shape) for branch in branches})
+
+    emit.__name__ = op
+    return emit
+
+
+def _clip(c: _Context) -> list[_Value]:
+    low, high = c.choice(((-0.5, 0.5), (0.0, 1.0)))
+    return c.op("ClipByValue", t=c.take_any_shape(), clip_value_min=c.const(np.float32(low)),
+                clip_value_max=c.const(np.float32(high)))
+
+
+def _check_numerics(c: _Context) -> list[_Value]:
+    return c.op("CheckNumerics", tensor=c.take_any_shape(), message="fuzz")
+
+
+# unlisted ---------------------------------------------------------------------------
+def _cumsum(c: _Context) -> list[_Value]:
+    shape = c.choice(SHAPES)
+    return c.op("Cumsum", x=c.take(shape, _unit), axis=c.const(np.array(len(shape) - 1, np.int32)),
+                exclusive=c.choice((False, True)), reverse=c.choice((False, True)))
+
+
+def _low_precision_section(c: _Context) -> list[_Value]:
+    """An existing low-precision section: Cast to half -> MatMul (-> Relu) -> Cast back."""
+    dtype = c.choice((tf.float16, tf.float16, tf.bfloat16))
+    a = c.op("Cast", x=c.take(), DstT=dtype)[0]
+    b = c.op("Cast", x=c.take(), DstT=dtype)[0]
+    product = c.op("MatMul", a=a, b=b)[0]
+    activation = c.choice((None, "Relu", "Tanh"))
+    if activation == "Relu":
+        product = c.op("Relu", features=product)[0]
+    elif activation == "Tanh":
+        product = c.op("Tanh", x=product)[0]
+    return c.op("Cast", x=product, DstT=tf.float32)
+
+
+def _graph_input(placeholder: bool) -> Callable[[_Context], list[_Value]]:
+    def emit(c: _Context) -> list[_Value]:
+        shape = c.choice(SHAPES)
+        if c.trial:
+            return [_Value(None, tf.zeros(shape), True)]
+        c.builder.fresh(shape, _any, placeholder=placeholder, device=c.step.device)
+        return []
+
+    emit.__name__ = "Placeholder" if placeholder else "Const"
+    return emit
+
+
+CATALOGUE: dict[str, Callable[[_Context], list[_Value]]] = {
+    # allow (both targets)
+    "MatMul": _matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "Einsum": _einsum,
+    "Conv2D": _conv2d,
+    "DepthwiseConv2dNative": _depthwise_conv2d,
+    # deny (float16); Sum and Mean are infer for bfloat16
+    "Exp": _unary("Exp", _small),
+    "Expm1": _unary("Expm1", _small),
+    "Pow": _pow,
+    "Sum": _reduction("Sum"),
+    "Mean": _reduction("Mean"),
+    "L2Loss": _l2loss,
+    "SoftmaxCrossEntropyWithLogits": _softmax_cross_entropy,
+    # infer
+    "AddN": _addn,
+    "AddV2": _binary("AddV2"),
+    "Add": _binary("Add"),
+    "Sub": _binary("Sub"),
+    "Mul": _binary("Mul"),
+    "RealDiv": _binary("RealDiv", _away_from_zero),
+    "BiasAdd": _bias_add,
+    "Tanh": _unary("Tanh"),
+    "Sigmoid": _unary("Sigmoid"),
+    "Log": _unary("Log", _positive),
+    "Log1p": _unary("Log1p", _above_minus_half),
+    "Sqrt": _unary("Sqrt", _positive),
+    "Reciprocal": _unary("Reciprocal", _away_from_zero),
+    "Softmax": _unary("Softmax", arg="logits"),
+    "LogSoftmax": _unary("LogSoftmax", arg="logits"),
+    "Elu": _unary("Elu", arg="features"),
+    "Selu": _unary("Selu", arg="features"),
+    "Softplus": _unary("Softplus", arg="features"),
+    "Softsign": _unary("Softsign", arg="features"),
+    "Erf": _unary("Erf"),
+    "LeakyRelu": _leaky_relu,
+    "Prod": _reduction("Prod"),
+    "FusedBatchNorm": _fused_batch_norm("FusedBatchNorm"),
+    "FusedBatchNormV3": _fused_batch_norm("FusedBatchNormV3"),
+    "AvgPool": _pool("AvgPool"),
+    # infer for bfloat16 only; unlisted for float16
+    "Square": _unary("Square", _small),
+    "Rsqrt": _unary("Rsqrt", _positive),
+    "SquaredDifference": _binary("SquaredDifference"),
+    # clear
+    "Relu": _unary("Relu", arg="features"),
+    "Relu6": _unary("Relu6", arg="features"),
+    "Identity": _unary("Identity", arg="input"),
+    "IdentityN": _identity_n,
+    "Neg": _unary("Neg"),
+    "Abs": _unary("Abs"),
+    "StopGradient": _unary("StopGradient", arg="input"),
+    "Snapshot": _unary("Snapshot", arg="input"),
+    "ZerosLike": _unary("ZerosLike"),
+    "CheckNumerics": _check_numerics,
+    "Maximum": _binary("Maximum"),
+    "Minimum": _binary("Minimum"),
+    "ClipByValue": _clip,
+    "Max": _reduction("Max"),
+    "Min": _reduction("Min"),
+    "MaxPool": _pool("MaxPool"),
+    "Reshape": _reshape,
+    "Transpose": _transpose,
+    "ConcatV2": _split_concat,
+    "Pack": _unpack_pack,
+    "ExpandDims": _squeeze_expand,
+    "GatherV2": _gather,
+    "Tile": _tile,
+    "ReverseV2": _reverse,
+    "Select": _select("Select"),
+    "SelectV2": _select("SelectV2"),
+    # unlisted
+    "Sin": _unary("Sin"),
+    "Cos": _unary("Cos"),
+    "Atan": _unary("Atan"),
+    "Cumsum": _cumsum,
+    "LowPrecisionSection": _low_precision_section,
+    "Placeholder": _graph_input(True),
+    "Const": _graph_input(False),
+}
+
+
+def _acceptable(outputs: list[_Value]) -> bool:
+    for value in outputs:
+        array = value.array
+        if not np.all(np.isfinite(array)) or float(np.max(np.abs(array), initial=0.0)) > LIMIT:
+            return False
+    return True
+
+
+def _apply(builder: _Builder, step: Step, emit: Callable[[_Context], list[_Value]]) -> None:
+    """Try the step's input choices eagerly until the result is well conditioned, then
+    build it; the last attempt takes fresh graph inputs."""
+    control = None
+    if step.control:
+        operations = builder.graph.get_operations()
+        if operations:
+            control = operations[-1 - (step.control - 1) % len(operations)]
+    for attempt in range(_ATTEMPTS):
+        trial = emit(_Context(builder, step, attempt, trial=True, control=None))
+        if attempt == _ATTEMPTS - 1 or _acceptable(trial):
+            break
+    outputs = emit(_Context(builder, step, attempt, trial=False, control=control))
+    builder.pool.extend(
+        value for value in outputs if value.eager.dtype == tf.float32 and value.shape in SHAPES
+    )
+
+
+def build_graph(plan: GraphPlan, max_nodes: int = 300) -> FuzzGraph:
+    """The graph a plan describes; steps past ``max_nodes`` nodes are ignored."""
+    builder = _Builder(plan.seed)
+    builder.fresh(MAT, _any, placeholder=True)
+    builder.fresh(IMG, _any, placeholder=True)
+    for step in plan.steps:
+        if len(builder.graph.get_operations()) >= max_nodes:
+            break
+        _apply(builder, step, CATALOGUE[step.op])
+    graph_def = builder.graph.as_graph_def()
+    consumed = {
+        tensor.lstrip("^").split(":")[0] for node in graph_def.node for tensor in node.input
+    }
+    sinks = [node.name for node in graph_def.node if node.name not in consumed and node.op not in ("Const", "Placeholder")]
+    if not sinks:  # only graph inputs: fetch the last one
+        sinks = [graph_def.node[-1].name]
+    fetches = [sinks[plan.fetch_picks[0] % len(sinks)]]
+    names = [node.name for node in graph_def.node]
+    fetches += [names[-1 - pick % len(names)] for pick in plan.fetch_picks[1:]]
+    fetches = list(dict.fromkeys(fetches))
+    outputs = [
+        f"{name}:0"
+        for name in dict.fromkeys(fetches + sinks)
+        if builder.graph.get_operation_by_name(name).outputs
+        and builder.graph.get_operation_by_name(name).outputs[0].dtype == tf.float32
+    ]
+    return FuzzGraph(graph_def, tuple(fetches), tuple(outputs), dict(builder.feeds))
+
+
+# --------------------------------------------------------------------------------------
+# Strategies
+
+_OPS = tuple(CATALOGUE)
+
+
+def steps(ops: Sequence[str] = _OPS) -> st.SearchStrategy[Step]:
+    return st.builds(
+        Step,
+        op=st.sampled_from(ops),
+        picks=st.tuples(*[st.integers(0, 63)] * 4),
+        variant=st.integers(0, 255),
+        device=st.sampled_from(DEVICES),
+        control=st.one_of(st.just(0), st.integers(1, 32)),
+    )
+
+
+def graph_plans(min_steps: int = 3, max_steps: int = 120) -> st.SearchStrategy[GraphPlan]:
+    """Plans of ``min_steps``..``max_steps`` steps (about 10..300 nodes)."""
+    return st.builds(
+        GraphPlan,
+        seed=st.integers(0, 2**16),
+        steps=st.lists(steps(), min_size=min_steps, max_size=max_steps).map(tuple),
+        fetch_picks=st.lists(st.integers(0, 255), min_size=1, max_size=4).map(tuple),
+    )

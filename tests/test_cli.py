@@ -1,0 +1,667 @@
+"""``amp-rewrite`` end to end: real SavedModels and GraphDef files on disk, the CLI run
+in-process (``cli.main``) and, where exit codes and stderr matter, as a real process.
+
+Every error case checks the CLI's contract: exit 2, exactly one ``amp-rewrite: error:``
+line naming the file or node, no traceback, the source byte-identical, and nothing
+(no partial destination, no temporary directory) left beside the destination.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from google.protobuf import text_format
+from tensorflow.core.framework import function_pb2, graph_pb2, types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+
+import amp_rewrite
+from amp_rewrite import cli, savedmodel
+
+from cli_models import (
+    ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,
+    overflow_graph_def, save_module, write_graph_def,
+)
+
+TARGETS = ("float16", "bfloat16")
+MODELS = ("keras", "module")
+TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # of each output's largest magnitude
+BIN = Path(sys.executable).parent
+UNKNOWN_DIM = 3
+
+
+Paths = dict[str, Path]
+
+
+@dataclass(frozen=True)
+class Run:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(*args: object) -> Run:
+    """``amp-rewrite ARGS`` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse usage errors
+            code = exit_.code
+    return Run(code, out.getvalue(), err.getvalue())
+
+
+def error_line(run: Run, code: int = 2) -> str:
+    """The one error line of a failed run (asserting the exit code and that it is alone)."""
+    assert run.code == code, f"exit {run.code}, expected {code}; stderr: {run.err!r}; stdout: {run.out!r}"
+    assert "Traceback" not in run.err
+    prefix = "amp-rewrite: error: " if code == 2 else "amp-rewrite: "
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), f"stderr is not one error line: {run.err!r}"
+    return lines[0]
+
+
+def assert_ok(run: Run) -> None:
+    assert run.code == 0, f"exit {run.code}; stderr: {run.err!r}"
+
+
+def listing(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+# --------------------------------------------------------------------------------------
+# Models on disk, built once
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def saved_models(workspace: Path) -> dict[str, Path]:
+    source = workspace / "src"
+    source.mkdir()
+    export_keras_model(source / "keras")
+    save_module(source / "module")
+    return {"keras": source / "keras", "module": source / "module"}
+
+
+@pytest.fixture(scope="module")
+def graph_files(workspace: Path) -> dict[str, Path]:
+    source = workspace / "graphs"
+    source.mkdir()
+    graph_def = graph_def_with_deny_path()
+    return {
+        ".pb": write_graph_def(graph_def, source / "graph.pb"),
+        ".pbtxt": write_graph_def(graph_def, source / "graph.pbtxt"),
+        "overflow": write_graph_def(overflow_graph_def(), source / "overflow.pb"),
+    }
+
+
+@dataclass(frozen=True)
+class Conversion:
+    src: Path
+    dst: Path
+    run: Run
+    src_before: dict[str, str]
+    src_after: dict[str, str]
+    parent_after: set[str]
+
+
+Conversions = dict[tuple[str, str], Conversion]
+Loader = Callable[[Path], Any]
+
+
+@pytest.fixture(scope="module")
+def conversions(workspace: Path, saved_models: Paths) -> Conversions:
+    """Each SavedModel converted to each target, in-process, into its own empty folder."""
+    result = {}
+    for model, src in saved_models.items():
+        for target in TARGETS:
+            parent = workspace / "out" / f"{model}-{target}"
+            parent.mkdir(parents=True)
+            before = hash_tree(src)
+            run = run_cli("convert", src, parent / "dst", "--target", target)
+            result[(model, target)] = Conversion(src, parent / "dst", run, before, hash_tree(src), listing(parent))
+    return result
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Loader:
+    """``tf.saved_model.load``, once per path."""
+    cache: dict[Path, Any] = {}
+
+    def load(path: Path) -> Any:
+        if path not in cache:
+            cache[path] = tf.saved_model.load(str(path))
+        return cache[path]
+
+    return load
+
+
+def converted(conversions: Conversions, model: str, target: str) -> Conversion:
+    conversion = conversions[(model, target)]
+    assert_ok(conversion.run)
+    return conversion
+
+
+def sample_inputs(function: Any, rng: np.random.Generator) -> dict[str, tf.Tensor]:
+    """Random float32 inputs for a signature (unknown dims become 3)."""
+    specs = function.structured_input_signature[1]
+    return {
+        name: tf.constant(rng.standard_normal([UNKNOWN_DIM if d is None else d for d in spec.shape]).astype(np.float32))
+        for name, spec in specs.items()
+    }
+
+
+def library_of(saved_model_dir: Path) -> function_pb2.FunctionDefLibrary:
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((saved_model_dir / "saved_model.pb").read_bytes())
+    return saved_model.meta_graphs[0].graph_def.library
+
+
+# --------------------------------------------------------------------------------------
+# 1. SavedModels: convert
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_convert_leaves_source_byte_identical_and_no_temp_dir(
+    conversions: Conversions, model: str, target: str
+) -> None:
+    """The source is only read (even when the rewrite fails); the staging directory beside
+    DST is gone after the rename."""
+    assert conversions[(model, target)].src_after == conversions[(model, target)].src_before
+    conversion = converted(conversions, model, target)
+    assert conversion.parent_after == {"dst"}
+    assert f"Wrote {conversion.dst}" in conversion.run.out
+    assert conversion.run.err == ""
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_savedmodel_keeps_signatures_and_numbers(
+    conversions: Conversions, loaded: Loader, model: str, target: str
+) -> None:
+    """Same signature keys, input/output names, dtypes and shapes; outputs within tolerance."""
+    conversion = converted(conversions, model, target)
+    old, new = loaded(conversion.src), loaded(conversion.dst)
+    assert sorted(new.signatures) == sorted(old.signatures)
+    rng = np.random.default_rng(1)
+    tolerance = TARGET_TO_TOLERANCE[target]
+    for key in sorted(old.signatures):
+        old_fn, new_fn = old.signatures[key], new.signatures[key]
+        assert new_fn.structured_input_signature == old_fn.structured_input_signature, key
+        assert new_fn.structured_outputs == old_fn.structured_outputs, key
+        feed = sample_inputs(old_fn, rng)
+        want, got = old_fn(**feed), new_fn(**feed)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            expected, actual = want[name].numpy(), got[name].numpy()
+            assert actual.dtype == expected.dtype == np.float32, f"{key}/{name}"
+            scale = float(np.max(np.abs(expected)))
+            np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance * scale, err_msg=f"{key}/{name}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_variable_only_function_returns_the_variable_exactly(
+    conversions: Conversions, loaded: Loader, target: str
+) -> None:
+    """A signature without inputs that reads a variable has nothing to convert."""
+    conversion = converted(conversions, "module", target)
+    want = loaded(conversion.src).signatures["weights"]()["output_0"].numpy()
+    got = loaded(conversion.dst).signatures["weights"]()["output_0"].numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_savedmodel_copies_variables_and_assets(conversions: Conversions, model: str, target: str) -> None:
+    conversion = converted(conversions, model, target)
+    for folder in ("variables", "assets"):
+        assert hash_tree(conversion.dst / folder) == hash_tree(conversion.src / folder), folder
+    assert hash_tree(conversion.dst / "variables"), "no variables were saved"
+    if model == "module":
+        assets = list((conversion.dst / "assets").iterdir())
+        assert [a.read_text(encoding="utf-8") for a in assets] == [ASSET_TEXT]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_savedmodel_has_fresh_fingerprint(conversions: Conversions, model: str) -> None:
+    """fingerprint.pb hashes the new saved_model.pb, not the old one."""
+    conversion = converted(conversions, model, "float16")
+    old = tf.saved_model.experimental.read_fingerprint(str(conversion.src))
+    new = tf.saved_model.experimental.read_fingerprint(str(conversion.dst))
+    assert new.saved_model_checksum != old.saved_model_checksum
+    assert new.checkpoint_hash == old.checkpoint_hash
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_function_bodies_compute_matmul_and_conv_in_target_dtype(
+    conversions: Conversions, model: str, target: str
+) -> None:
+    """Every float32 MatMul/Conv2D of the source's function bodies is in the target dtype."""
+    conversion = converted(conversions, model, target)
+    wanted = {"module": {"MatMul"}, "keras": {"MatMul", "Conv2D"}}[model]
+
+    def heavy_ops(library: function_pb2.FunctionDefLibrary, dtype: int) -> set[tuple[str, str, str]]:
+        return {(f.signature.name, n.name, n.op) for f in library.function for n in f.node_def
+                if n.op in wanted and n.attr["T"].type == dtype}
+
+    before = heavy_ops(library_of(conversion.src), types_pb2.DT_FLOAT)
+    assert {op for _, _, op in before} == wanted
+    assert heavy_ops(library_of(conversion.dst), TARGET_TO_DTYPE[target]) == before
+    assert not heavy_ops(library_of(conversion.dst), types_pb2.DT_FLOAT)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_saved_model_cli_shows_converted_model(conversions: Conversions, model: str) -> None:
+    """TensorFlow's own tool reads the result (both targets, run side by side)."""
+    dsts = [converted(conversions, model, target).dst for target in TARGETS]
+    processes = [
+        subprocess.Popen([str(BIN / "saved_model_cli"), "show", "--all", "--dir", str(dst)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for dst in dsts
+    ]
+    for dst, process in zip(dsts, processes):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, f"saved_model_cli failed on {dst}: {err[-2000:]}"
+        assert "signature_def['serving_default']" in out
+
+
+# --------------------------------------------------------------------------------------
+# 2. Validation
+
+
+def test_validate_prints_every_output_and_exits_0(workspace: Path, saved_models: Paths) -> None:
+    run = run_cli("convert", saved_models["module"], workspace / "validated", "--validate", 2)
+    assert_ok(run)
+    assert "Validation (2 run(s)" in run.out
+    for output in ("serving_default/y", "other/out", "weights/output_0"):
+        line = next((l for l in run.out.splitlines() if f" {output}:" in l), None)
+        assert line is not None and line.split()[0] == "ok" and "max rel" in line, f"{output}: {run.out}"
+
+
+def test_validate_fails_when_overlay_allows_an_overflowing_exp(workspace: Path, graph_files: Paths) -> None:
+    """exp(>11) overflows float16: fine while Exp/Sum are deny ops, exit 1 once an overlay allows them."""
+    overlay = workspace / "allow_exp.yaml"
+    overlay.write_text("allow: {add: [Exp, Sum]}\ndeny: {remove: [Exp, Sum]}\n", encoding="utf-8")
+    common = ("--fetch", OVERFLOW_FETCH, "--validate", 2)
+    safe = run_cli("convert", graph_files["overflow"], workspace / "overflow-safe.pb", *common)
+    assert_ok(safe)
+    run = run_cli("convert", graph_files["overflow"], workspace / "overflow-allowed.pb", "--lists", overlay, *common)
+    assert "validation failed for 1 output(s)" in error_line(run, code=1)
+    assert any(l.split()[:2] == ["FAIL", f"graph/{OVERFLOW_FETCH}:"] for l in run.out.splitlines()), run.out
+
+
+def test_inputs_npz_feeds_every_signature(workspace: Path, saved_models: Paths) -> None:
+    inputs = workspace / "inputs.npz"
+    rng = np.random.default_rng(2)
+    np.savez(inputs, x=rng.standard_normal((2, 5)).astype(np.float32),
+             z=rng.standard_normal((2, 16)).astype(np.float32))
+    run = run_cli("convert", saved_models["module"], workspace / "with-inputs", "--inputs", inputs)
+    assert_ok(run)
+    assert "Validation (1 run(s)" in run.out and "serving_default/y" in run.out
+
+
+def test_inputs_npz_missing_an_array_names_it(workspace: Path, saved_models: Paths) -> None:
+    inputs = workspace / "only_x.npz"
+    np.savez(inputs, x=np.ones((2, 5), np.float32))
+    run = run_cli("convert", saved_models["module"], workspace / "missing-z", "--validate", 1, "--inputs", inputs)
+    line = error_line(run)
+    assert "'z'" in line or " z " in line or line.endswith(" z"), line
+    assert "only_x.npz" in line
+
+
+def test_process_exit_1_on_huge_inputs_with_one_quiet_stderr_line(workspace: Path, saved_models: Paths) -> None:
+    """The installed ``amp-rewrite``: 1e5 is inf in float16, so validation fails; stderr holds
+    the one error line and none of TensorFlow's native start-up chatter."""
+    inputs = workspace / "huge.npz"
+    np.savez(inputs, x=np.full((2, 5), 1e5, np.float32), z=np.full((2, 16), 1e5, np.float32))
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    process = subprocess.run(
+        [str(BIN / "amp-rewrite"), "convert", str(saved_models["module"]), str(workspace / "huge-out"),
+         "--inputs", str(inputs)],
+        check=False, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert process.returncode == 1, process.stderr
+    assert process.stderr.splitlines() == ["amp-rewrite: validation failed for 2 output(s); see above"]
+    assert "FAIL serving_default/y" in process.stdout and "FAIL other/out" in process.stdout
+
+
+# --------------------------------------------------------------------------------------
+# 3. GraphDef files
+
+
+def read_graph_def(path: Path) -> graph_pb2.GraphDef:
+    graph_def = graph_pb2.GraphDef()
+    if path.suffix == ".pbtxt":
+        text_format.Parse(path.read_text(encoding="utf-8"), graph_def)
+    else:
+        graph_def.ParseFromString(path.read_bytes())
+    return graph_def
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("suffix", [".pb", ".pbtxt"])
+def test_graph_def_file_equals_rewrite_graph_def(workspace: Path, graph_files: Paths, suffix: str, target: str) -> None:
+    """convert --fetch writes what the Python API returns, in the source's format."""
+    src = graph_files[suffix]
+    before = hash_tree(src)
+    dst = workspace / f"graph-{target}{suffix}"
+    fetches = [a for f in GRAPH_FETCHES for a in ("--fetch", f)]
+    assert_ok(run_cli("convert", src, dst, "--target", target, *fetches))
+    expected = amp_rewrite.rewrite_graph_def(read_graph_def(src), target=target, fetches=GRAPH_FETCHES).graph_def
+    written = read_graph_def(dst)  # a text file for .pbtxt, binary for .pb
+    assert written == expected
+    assert {n.name: n.attr["T"].type for n in written.node}["allow1"] == TARGET_TO_DTYPE[target]
+    assert hash_tree(src) == before
+
+
+def test_graph_def_destination_suffix_matches_its_contents(workspace: Path, graph_files: Paths) -> None:
+    """A .pb source written to a .pbtxt destination is either refused or written as text:
+    the file must read back as its name says."""
+    dst = workspace / "cross-kind.pbtxt"
+    run = run_cli("convert", graph_files[".pb"], dst, "--fetch", "Identity")
+    if run.code == 2:
+        assert not dst.exists()
+        error_line(run)
+        return
+    assert_ok(run)
+    savedmodel.read_model(dst, ["Identity"])  # raises ModelError if binary was written into a .pbtxt
+
+
+def test_keep_regex_keeps_matching_nodes_float32(workspace: Path, graph_files: Paths) -> None:
+    dst = workspace / "kept.pb"
+    assert_ok(run_cli("convert", graph_files[".pb"], dst, "--keep", "allow[0-9]"))
+    name_to_dtype = {n.name: n.attr["T"].type for n in read_graph_def(dst).node}
+    assert name_to_dtype["allow1"] == types_pb2.DT_FLOAT
+    assert name_to_dtype["odd"] == types_pb2.DT_HALF
+
+
+# --------------------------------------------------------------------------------------
+# 4. inspect and explain
+
+
+def test_inspect_prints_a_row_per_function_and_the_summary(saved_models: Paths) -> None:
+    src = saved_models["module"]
+    run = run_cli("inspect", src)
+    assert_ok(run)
+    rows = run.out.splitlines()
+    lists = amp_rewrite.load_lists("float16")
+    report = savedmodel.rewrite_model(savedmodel.read_model(src), target="float16", lists=lists).report
+    names = sorted([f.signature.name for f in library_of(src).function] + ["(main graph)"])
+    name_to_row = {row.split("  ")[0]: row.split() for row in rows if row.split("  ")[0] in names}
+    assert sorted(name_to_row) == names, run.out
+    for item in report.items:
+        row = name_to_row[item.function or "(main graph)"]
+        counts = row[2:5] if item.function == "" else row[1:4]  # "(main graph)" is two words
+        assert counts == [str(item.nodes_before), str(item.vertices_converted), str(item.casts_added)], row
+    assert report.summary() in rows
+
+
+def test_inspect_hints_tensor_cores_for_dims_not_multiple_of_8(saved_models: Paths) -> None:
+    """serve: (N×5)·(5×3) gets a hint; other: (N×16)·(16×16) does not; bfloat16 has none."""
+    src = saved_models["module"]
+    library = [f.signature.name for f in library_of(src).function]
+    serve = next(name for name in library if name.startswith("__inference_serve_"))
+    other = next(name for name in library if name.startswith("__inference_other_"))
+    run = run_cli("inspect", src)
+    assert_ok(run)
+    hints = run.out.split("Tensor Core hints", 1)[1].splitlines()[1:] if "Tensor Core hints" in run.out else []
+    assert any(h.strip().startswith(f"{serve}:") and "MatMul" in h for h in hints), run.out
+    assert not any(other in h for h in hints), run.out
+    bf16 = run_cli("inspect", src, "--target", "bfloat16")
+    assert_ok(bf16)
+    assert "Tensor Core" not in bf16.out
+
+
+def test_inspect_hints_tensor_cores_in_a_graph_def_file(graph_files: Paths) -> None:
+    """A tf.function's GraphDef has static shapes (placeholder, constants) but no
+    ``_output_shapes`` attrs: 'odd' (16×12) still deserves a hint, 'allow1' (16×16) none."""
+    run = run_cli("inspect", graph_files[".pb"], "--fetch", "Identity", "--fetch", "Identity_1")
+    assert_ok(run)
+    hints = run.out.split("Tensor Core hints", 1)[1].splitlines()[1:] if "Tensor Core hints" in run.out else []
+    assert any(h.strip().startswith("odd ") for h in hints), run.out
+    assert not any("allow1" in h for h in hints), run.out
+
+
+def test_explain_converted_node(graph_files: Paths) -> None:
+    run = run_cli("explain", graph_files[".pb"], "allow1", "--fetch", "Identity")
+    assert_ok(run)
+    lines = [l.strip() for l in run.out.splitlines()]
+    assert lines[0].startswith("allow1 (MatMul)") and lines[0].endswith("float32 -> float16"), run.out
+    assert any(l.startswith("rule: ") for l in lines) and any(l.startswith("why: ") and "MatMul" in l for l in lines)
+
+
+def test_explain_deny_propagated_node_shows_path_from_deny_op(graph_files: Paths) -> None:
+    run = run_cli("explain", graph_files[".pb"], "deny2", "--fetch", "Identity")
+    assert_ok(run)
+    assert run.out.splitlines()[0].endswith("float32 -> float32"), run.out
+    paths = [l.strip() for l in run.out.splitlines() if l.strip().startswith("path: ")]
+    assert len(paths) == 1, run.out
+    hops = paths[0].removeprefix("path: ").split(" -> ")
+    assert (hops[0], hops[-1]) == ("deny1", "deny2")
+
+
+def test_explain_unknown_node_exits_2_naming_it(graph_files: Paths) -> None:
+    line = error_line(run_cli("explain", graph_files[".pb"], "no_such_node"))
+    assert "'no_such_node'" in line
+
+
+def test_explain_node_in_several_functions_asks_for_function(saved_models: Paths) -> None:
+    src = saved_models["module"]
+    line = error_line(run_cli("explain", src, "MatMul"))
+    assert "--function" in line and "'MatMul'" in line
+    names = [f.signature.name for f in library_of(src).function]
+    serve = next(name for name in names if name.startswith("__inference_serve_"))
+    run = run_cli("explain", src, "MatMul", "--function", serve)
+    assert_ok(run)
+    assert f"in function '{serve}'" in run.out and "float32 -> float16" in run.out
+    assert "'nope'" in error_line(run_cli("explain", src, "MatMul", "--function", "nope"))
+
+
+# --------------------------------------------------------------------------------------
+# dump
+
+
+def test_dump_and_convert_dump_write_a_report(workspace: Path, graph_files: Paths) -> None:
+    """``dump`` and ``convert --dump`` write report.html into the directory they are given."""
+    directory = workspace / "dump"
+    assert_ok(run_cli("dump", graph_files[".pb"], directory, "--fetch", "Identity"))
+    assert (directory / "report.html").is_file()
+    converted_dir = workspace / "convert-dump"
+    run = run_cli("convert", graph_files[".pb"], workspace / "dumped.pb", "--dump", converted_dir)
+    assert_ok(run)
+    assert (converted_dir / "report.html").is_file() and (workspace / "dumped.pb").is_file()
+
+
+# --------------------------------------------------------------------------------------
+# 5. Bad input: exit 2, one line, source untouched, nothing left beside the destination
+
+
+def _corrupt(kind: str, saved_models: Paths, graph_files: Paths, folder: Path) -> tuple[Path, str]:
+    """A broken source of ``kind`` in ``folder``, and what its error line must mention."""
+    if kind == "missing":
+        return folder / "nothing_here", "nothing_here"
+    if kind == "empty-dir":
+        (folder / "empty").mkdir()
+        return folder / "empty", "empty"
+    if kind in ("truncated", "random-bytes", "no-variables"):
+        src = folder / kind
+        shutil.copytree(saved_models["module"], src)
+        pb = src / "saved_model.pb"
+        if kind == "truncated":
+            pb.write_bytes(pb.read_bytes()[:200])
+        elif kind == "random-bytes":
+            pb.write_bytes(np.random.default_rng(3).bytes(4096))
+        else:
+            shutil.rmtree(src / "variables")
+            return src, "variables"
+        return src, "saved_model.pb"
+    graph_def = read_graph_def(graph_files[".pb"])
+    if kind == "pbtxt-syntax":
+        path = folder / "broken.pbtxt"
+        path.write_text(text_format.MessageToString(graph_def)[:-60] + "\nnode { name: ", encoding="utf-8")
+        return path, "broken.pbtxt"
+    node = next(n for n in graph_def.node if n.name == "clr1")
+    if kind == "dangling-input":
+        node.input[0] = "ghost:0"
+    else:  # unknown-op
+        node.op = "NoSuchOp"
+    return write_graph_def(graph_def, folder / f"{kind}.pb"), "clr1"
+
+
+BAD_SOURCES = ("missing", "empty-dir", "truncated", "random-bytes", "no-variables", "pbtxt-syntax",
+               "dangling-input", "unknown-op")
+
+
+@pytest.mark.parametrize("kind", BAD_SOURCES)
+def test_bad_source_exits_2_with_one_line(workspace: Path, saved_models: Paths, graph_files: Paths, kind: str) -> None:
+    folder = workspace / "bad" / kind
+    folder.mkdir(parents=True)
+    src, mention = _corrupt(kind, saved_models, graph_files, folder)
+    before, entries = (hash_tree(src) if src.exists() else None), listing(folder)
+    dst = folder / ("out" + (src.suffix if src.suffix in (".pb", ".pbtxt") else ""))
+    line = error_line(run_cli("convert", src, dst))
+    assert mention in line, line
+    assert not dst.exists() and listing(folder) == entries
+    assert (hash_tree(src) if src.exists() else None) == before
+
+
+@pytest.mark.parametrize("overlay, mention", [
+    ("allow: {add: [Exp]\n", "invalid YAML"),
+    ("allow: {add: [Exp]}\n", "'Exp'"),   # Exp is also on the built-in deny list
+    ("allow: {add: [Exp]}\nbogus: 1\n", "'bogus'"),
+], ids=["syntax", "op-in-two-lists", "unknown-key"])
+def test_bad_overlay_exits_2_naming_the_file(workspace: Path, graph_files: Paths, overlay: str, mention: str) -> None:
+    folder = workspace / "overlay" / mention.strip("'").replace(" ", "-")
+    folder.mkdir(parents=True)
+    path = folder / "lists.yaml"
+    path.write_text(overlay, encoding="utf-8")
+    line = error_line(run_cli("convert", graph_files[".pb"], folder / "out.pb", "--lists", path))
+    assert "lists.yaml" in line and mention in line, line
+    assert listing(folder) == {"lists.yaml"}
+
+
+def test_existing_destination_needs_force(workspace: Path, saved_models: Paths) -> None:
+    folder = workspace / "force"
+    dst = folder / "dst"
+    dst.mkdir(parents=True)
+    (dst / "old.txt").write_text("old", encoding="utf-8")
+    line = error_line(run_cli("convert", saved_models["module"], dst))
+    assert "--force" in line and str(dst) in line
+    assert listing(dst) == {"old.txt"}
+    assert_ok(run_cli("convert", saved_models["module"], dst, "--force"))
+    assert "old.txt" not in listing(dst) and (dst / "saved_model.pb").is_file()
+    assert listing(folder) == {"dst"}
+    assert "serving_default" in tf.saved_model.load(str(dst)).signatures
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_destination_in_source_is_refused(workspace: Path, saved_models: Paths, where: str) -> None:
+    src = workspace / f"own-{where}"
+    shutil.copytree(saved_models["module"], src)
+    before = hash_tree(src)
+    dst = src if where == "same" else src / "variables" / "out"
+    line = error_line(run_cli("convert", src, dst, "--force"))
+    assert str(src.resolve()) in line
+    assert hash_tree(src) == before
+
+
+def test_destination_holding_the_source_is_refused(workspace: Path, saved_models: Paths) -> None:
+    """``convert holder/model holder --force`` must not swap out (and delete) the folder the
+    source lives in."""
+    holder = workspace / "holder"
+    src = holder / "model"
+    shutil.copytree(saved_models["module"], src)
+    before = hash_tree(src)
+    run = run_cli("convert", src, holder, "--force")
+    assert src.is_dir() and hash_tree(src) == before, "the source was deleted or changed"
+    error_line(run)
+
+
+@pytest.mark.parametrize("where", ["proc", "under-a-file"])
+def test_unwritable_destination_exits_2(workspace: Path, saved_models: Paths, where: str) -> None:
+    if where == "proc":
+        dst = Path("/proc/amp_rewrite_cli_out")  # /proc is a directory nobody can create entries in
+    else:
+        blocker = workspace / "a_file"
+        blocker.write_text("not a directory", encoding="utf-8")
+        dst = blocker / "out"
+    line = error_line(run_cli("convert", saved_models["module"], dst))
+    assert str(dst.parent) in line
+    assert not dst.exists()
+
+
+class _FailingMoveIntoPlace:
+    """``os.replace`` that fails (disk full) when the staged model is moved onto ``destination``
+    and works otherwise, e.g. for moving an old destination aside."""
+
+    def __init__(self, destination: Path) -> None:
+        self.destination, self.real, self.failed = destination, os.replace, False
+
+    def __call__(self, src: str | os.PathLike, dst: str | os.PathLike) -> None:
+        if Path(dst) == self.destination and Path(src).name == self.destination.name:
+            self.failed = True
+            raise OSError(28, "No space left on device", str(dst))
+        self.real(src, dst)
+
+
+def test_failed_rename_leaves_no_partial_destination(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = workspace / "half-way"
+    folder.mkdir()
+    failing = _FailingMoveIntoPlace(folder / "dst")
+    monkeypatch.setattr(savedmodel.os, "replace", failing)
+    line = error_line(run_cli("convert", saved_models["module"], folder / "dst"))
+    assert failing.failed and str(folder / "dst") in line
+    assert listing(folder) == set()
+
+
+def test_failed_forced_replace_keeps_the_old_destination(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --force the old DST is moved aside first; if the new one then cannot be moved in,
+    the old one must come back (the message says "nothing was changed")."""
+    folder = workspace / "half-way-force"
+    dst = folder / "dst"
+    dst.mkdir(parents=True)
+    (dst / "old.txt").write_text("old", encoding="utf-8")
+    failing = _FailingMoveIntoPlace(dst)
+    monkeypatch.setattr(savedmodel.os, "replace", failing)
+    run = run_cli("convert", saved_models["module"], dst, "--force")
+    assert failing.failed
+    assert listing(folder) == {"dst"} and listing(dst) == {"old.txt"}, "the old destination was lost"
+    error_line(run)
+
+
+def test_process_exit_2_with_one_line_and_no_tensorflow_chatter(workspace: Path, saved_models: Paths) -> None:
+    """``python -m amp_rewrite`` on a truncated saved_model.pb: a real exit code and one stderr line."""
+    src = workspace / "truncated-for-process"
+    shutil.copytree(saved_models["module"], src)
+    (src / "saved_model.pb").write_bytes((src / "saved_model.pb").read_bytes()[:100])
+    before = hash_tree(src)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    process = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(src), str(workspace / "never")],
+                             check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert process.returncode == 2
+    lines = process.stderr.splitlines()
+    assert len(lines) == 1, process.stderr
+    assert lines[0].startswith("amp-rewrite: error: ") and "saved_model.pb" in lines[0], process.stderr
+    assert process.stdout == ""
+    assert not (workspace / "never").exists() and hash_tree(src) == before
