@@ -58,6 +58,7 @@ from tensorflow.python.grappler.cluster import Cluster
 
 from amp_rewrite import functions, support
 from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.graph_io import parse_tensor_name
 
 TARGET_TO_OPTIMIZER = {
     "float16": "auto_mixed_precision",
@@ -118,7 +119,7 @@ def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[Gr
             for dim in shape.dim:
                 if dim.size < 0:
                     dim.size = 1
-    fetch_names = [_node_name(fetch) for fetch in fetches]
+    fetch_names = [parse_tensor_name(fetch).node for fetch in fetches]
     if not fetch_names:
         item_graph.node.add(name=_NO_FETCH_NODE, op="NoOp")
         fetch_names = [_NO_FETCH_NODE]
@@ -244,17 +245,6 @@ class Agreement:
         return "\n".join(lines)
 
 
-def _node_name(tensor: str) -> str:
-    """``"^x"``, ``"x:1"``, ``"x"`` -> ``"x"``."""
-    return tensor.lstrip("^").split(":")[0]
-
-
-def _parse_input(tensor: str) -> tuple[str, int]:
-    """A data input ``"x:1"`` / ``"x"`` -> ``("x", 1)`` / ``("x", 0)``."""
-    name, _, port = tensor.partition(":")
-    return name, int(port) if port else 0
-
-
 def _type_name(dtype: int | None) -> str:
     return "missing" if dtype is None else types_pb2.DataType.Name(dtype)
 
@@ -297,14 +287,14 @@ def _cast_wiring(graph_def: GraphDef) -> dict[str, tuple[str, frozenset[tuple[st
     for node in graph_def.node:
         key = _cast_key(node.name)
         if key is not None:
-            source, port = _parse_input(node.input[0]) if node.input else ("", 0)
+            source, port = parse_tensor_name(node.input[0]) if node.input else ("", 0)
             key_to_source[key] = f"{_stable_name(source)}:{port}"
             key_to_consumers.setdefault(key, set())
     for node in graph_def.node:
         for index, tensor in enumerate(node.input):
             if tensor.startswith("^"):
                 continue
-            producer, _ = _parse_input(tensor)
+            producer = parse_tensor_name(tensor).node
             key = _cast_key(producer)
             if key is not None:
                 key_to_consumers.setdefault(key, set()).add((_stable_name(node.name), index))

@@ -364,33 +364,27 @@ def test_loss_scale_maps_onto_every_family(loss_scale, keras_, tf_keras_, v1_):
     assert (type(scale).__name__, float(scale()), period) == v1_
 
 
-def _growth_steps_keras(loss_scale: object, poisons: Sequence[float]) -> list[float]:
-    w = keras.Variable([1.0, 2.0])
-    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.01), loss_scale)
-    opt.build([w])
-    poison = tf.Variable(1.0)
+def _growth_steps_keras_like(variable: Callable, make_optimizer: Callable) -> Callable:
+    """Scale after each step of a custom loop with the seed API (Keras 3 or tf_keras)."""
 
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+    def run(loss_scale: object, poisons: Sequence[float]) -> list[float]:
+        w = variable([1.0, 2.0])
+        opt = optimizers.wrap_optimizer(make_optimizer(), loss_scale)
+        poison = tf.Variable(1.0)
 
-    return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+        @tf.function
+        def step() -> None:
+            with tf.GradientTape() as tape:
+                scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+            opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+        return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+
+    return run
 
 
-def _growth_steps_tf_keras(loss_scale: object, poisons: Sequence[float]) -> list[float]:
-    w = tf.Variable([1.0, 2.0])
-    opt = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.01), loss_scale)
-    poison = tf.Variable(1.0)
-
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
-
-    return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+_growth_steps_keras = _growth_steps_keras_like(keras.Variable, lambda: keras.optimizers.SGD(0.01))
+_growth_steps_tf_keras = _growth_steps_keras_like(tf.Variable, lambda: tf_keras.optimizers.SGD(0.01))
 
 
 def _growth_steps_v1(loss_scale: object, poisons: Sequence[float]) -> list[float]:
