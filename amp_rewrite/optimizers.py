@@ -135,8 +135,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         tf.distribute.get_replica_context().merge_call(apply_everywhere, args=(grads, trainable_variables))
 
     def _stateful_handle_non_finite_grads(self):
-        if not self.fixed:  # a fixed scale still skips the step, but never changes
-            super()._stateful_handle_non_finite_grads()
+        if self.fixed:  # a fixed scale still skips the step, but never changes
+            return
+        super()._stateful_handle_non_finite_grads()
+        # Keras halves without a floor; a run of bad steps must not drive the scale below 1
+        # (tf_keras and TF1 stop there too), or good gradients would be scaled *up*.
+        self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, 1.0))
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        before = tf.identity(self.dynamic_scale)
+        super()._stateful_handle_finite_grads(grads, trainable_variables)
+        # ... and doubles without a ceiling: keep the last finite scale.
+        self.dynamic_scale.assign(tf.where(tf.math.is_finite(self.dynamic_scale), self.dynamic_scale, before))
 
     def get_config(self):
         return {**super().get_config(), "fixed": self.fixed}

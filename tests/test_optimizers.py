@@ -738,3 +738,37 @@ def test_mirrored_replicas_skip_a_bad_step_together(mirrored, bad):
         assert all(math.isfinite(v) for row in state["kernel"][0] for v in row), f"non-finite weights: {state}"
     assert after["kernel"] != skipped["kernel"]
     assert after["scale"] == [16384.0, 16384.0] and after["iterations"] == 2
+
+
+def test_keras_scale_never_drops_below_one_nor_overflows():
+    """Twenty bad steps in a row stop halving at 1 (Keras alone would reach 2**-5), and a
+    scale doubled past float32's range keeps its last finite value; training goes on."""
+    w = keras.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.01), "dynamic")
+    poison = tf.Variable(INF)
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+    scales = _scales_after(step, poison, [INF] * 20 + [1.0], lambda: opt.loss_scale)
+    assert scales[14:] == [1.0] * 7 and min(scales) == 1.0, scales
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.98, 1.96], rtol=1e-6)
+
+    big = optimizers.wrap_optimizer(
+        keras.optimizers.SGD(0.01),
+        tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0**127, increment_period=1),
+    )
+    v = keras.Variable([1.0])
+
+    @tf.function
+    def grow() -> None:
+        with tf.GradientTape() as tape:
+            scaled = big.get_scaled_loss(tf.reduce_sum(v) * 1e-30)
+        big.apply_gradients(zip(big.get_unscaled_gradients(tape.gradient(scaled, [v])), [v]))
+
+    for _ in range(3):
+        grow()
+    assert float(big.loss_scale) == 2.0**127
