@@ -14,6 +14,7 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 
 from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.errors import GraphError
+from amp_rewrite import graph_io
 from amp_rewrite.graph_io import tensor_name
 from amp_rewrite.typegraph import Vertex
 
@@ -50,15 +51,17 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     nodes = types.nodes
     converted = added = to_target = 0
     for name in list(nodes):
+        node_types = types.types[name]
+        float_attrs = [a for a in node_types.attrs if ctx.is_float32(Vertex(name, a))]
+        if not float_attrs:
+            continue
         node_def = types.node_def(name)
         by_port: dict[int, list] = {}
         for dst, keyed in nodes._succ[name].items():
             for key, data in keyed.items():
                 by_port.setdefault(data["src_port"], []).append((dst, key, data))
-        for attr in types.types[name].attrs:
+        for attr in float_attrs:
             vertex = Vertex(name, attr)
-            if not ctx.is_float32(vertex):
-                continue
             src_allow = vertex in painting.allow
             if src_allow:
                 if not attr.name:
@@ -72,7 +75,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 else:
                     value.list.type[attr.index] = target
                 converted += 1
-            for port in types.types[name].output_ports(attr):
+            for port in node_types.output_ports(attr):
                 cast_name = None
                 for dst, key, data in by_port.get(port, ()):
                     dst_allow = types.input_vertex(dst, data["dst_port"]) in painting.allow
@@ -83,12 +86,12 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                         kind = KIND_TO_TARGET[target] if to_f16 else KIND_TO_FP32
                         cast_name = _cast_name(nodes, name, port, kind)
                         src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_f16 else (target, types_pb2.DT_FLOAT)
-                        nodes.add_node(cast_name, node_def=_cast_node(cast_name, node_def, src_dtype, dst_dtype))
-                        nodes.add_edge(name, cast_name, src_port=port, dst_port=0, tensor=tensor_name(name, port))
+                        cast = _cast_node(cast_name, node_def, src_dtype, dst_dtype)
+                        cast.input.append(tensor_name(name, port))
+                        graph_io.add_node(nodes, cast)
                         added += 1
                         if to_f16 and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
                                 and not ctx.reads_ref_variable(name):
                             to_target += 1
-                    nodes.remove_edge(name, dst, key)
-                    nodes.add_edge(cast_name, dst, src_port=0, dst_port=data["dst_port"], tensor=cast_name)
+                    graph_io.replace_input(nodes, dst, data["dst_port"], cast_name, 0)
     return CastStats(converted, added, to_target)

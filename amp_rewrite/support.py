@@ -49,9 +49,20 @@ def fill_default_attrs(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef)
     SavedModels and ``tf.io.write_graph`` strip default-valued attrs (e.g. ``Reshape``'s
     ``Tshape``); a missing type attr would otherwise be read as no dtype at all.
     """
-    for attr_def in op_def.attr:
-        if attr_def.name not in node_def.attr and attr_def.HasField("default_value"):
-            node_def.attr[attr_def.name].CopyFrom(attr_def.default_value)
+    attrs = node_def.attr
+    registered = registered_op_def(node_def.op) is op_def
+    for name, default in _registered_defaults(node_def.op) if registered else _defaults_of(op_def):
+        if name not in attrs:
+            attrs[name].CopyFrom(default)
+
+
+def _defaults_of(op_def: op_def_pb2.OpDef) -> tuple:
+    return tuple((a.name, a.default_value) for a in op_def.attr if a.HasField("default_value"))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_defaults(op: str) -> tuple:
+    return _defaults_of(registered_op_def(op))
 
 
 @functools.lru_cache(maxsize=None)

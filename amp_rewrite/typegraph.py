@@ -9,6 +9,7 @@ records the (output port, input port) pairs it stands for.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -49,8 +50,15 @@ class NodeTypes:
     outputs: tuple[TypeAttr, ...]  # one per output port
     attrs: tuple[TypeAttr, ...]    # every vertex of the node, in a stable order
 
-    def output_ports(self, attr: TypeAttr) -> Iterator[int]:
-        return (port for port, a in enumerate(self.outputs) if a == attr)
+    @functools.cached_property
+    def _attr_to_outputs(self) -> dict[TypeAttr, tuple[int, ...]]:
+        ports: dict[TypeAttr, list[int]] = {}
+        for port, attr in enumerate(self.outputs):
+            ports.setdefault(attr, []).append(port)
+        return {attr: tuple(p) for attr, p in ports.items()}
+
+    def output_ports(self, attr: TypeAttr) -> tuple[int, ...]:
+        return self._attr_to_outputs.get(attr, ())
 
 
 def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef) -> list[TypeAttr]:
