@@ -22,7 +22,7 @@ demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
 
 # Pass time vs grappler, then model speed-ups vs float32 (writes BENCHMARKS.md); both
-# run, and the first failure's status is kept. Run on a quiet machine.
+# run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_pass.py || status=$$?; \
