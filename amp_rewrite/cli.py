@@ -127,6 +127,8 @@ def _rewrite(args: argparse.Namespace) -> tuple[Model, RewriteResult, OpLists]:
         result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function)
         if bar is not None:
             progress(1, 1)
+    except AmpRewriteError as error:
+        raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
     finally:
         if bar is not None:
             bar.close()
