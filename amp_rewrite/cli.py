@@ -146,9 +146,9 @@ def _summary_lines(report: Report) -> list[str]:
 def cmd_convert(args: argparse.Namespace) -> int:
     model, result, lists = _rewrite(args)
     if args.inputs:
-        from amp_rewrite.validate import load_inputs
+        from amp_rewrite.validate import check_inputs
 
-        load_inputs(args.inputs)  # a bad file is an error before anything is written
+        check_inputs(model, args.inputs)  # a bad file is an error before anything is written
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
     _say(args, *_summary_lines(result.report), f"Wrote {destination}")
     if args.dump:

@@ -54,6 +54,20 @@ def load_inputs(path: Path | None) -> Mapping[str, np.ndarray] | None:
         raise ModelError(f"{path}: cannot read inputs ({error}); pass an .npz file saved with numpy.savez") from None
 
 
+def check_inputs(model: Model, path: Path) -> None:
+    """Before anything is written: ``path`` loads and has an array for every input."""
+    given = load_inputs(path)
+    if model.kind == "savedmodel":
+        for key, signature in sorted(model.saved_model.meta_graphs[0].signature_def.items()):
+            missing = sorted(set(signature.inputs) - set(given))
+            if signature.inputs and missing:
+                raise ModelError(f"{path}: no array for input(s) {', '.join(missing)} of signature '{key}'")
+    else:
+        missing = sorted({n.name for n in model.graph_def.node if n.op == "Placeholder"} - set(given))
+        if missing:
+            raise ModelError(f"{path}: no array for placeholder(s) {', '.join(missing)}")
+
+
 def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> OutputError:
     old, new = np.asarray(old, np.float64), np.asarray(new, np.float64)
     diff = float(np.max(np.abs(new - old))) if old.size else 0.0

@@ -324,6 +324,7 @@ def test_inputs_npz_missing_an_array_names_it(workspace: Path, saved_models: Pat
     line = error_line(run)
     assert "'z'" in line or " z " in line or line.endswith(" z"), line
     assert "only_x.npz" in line
+    assert not (workspace / "missing-z").exists(), "a bad --inputs file must stop the run before DST is written"
 
 
 def test_process_exit_1_on_huge_inputs_with_one_quiet_stderr_line(workspace: Path, saved_models: Paths) -> None:
