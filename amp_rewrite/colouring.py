@@ -82,13 +82,16 @@ class PaintContext:
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        self.ops: dict[str, str] = {name: node_def.op for name, node_def in self.types.node_defs.items()}
+
     def is_clear(self, vertex: Vertex) -> bool:
         if vertex in self.boundary:
             return True
         return self.op(vertex) in self.lists.clear and vertex not in self.pinned
 
     def op(self, vertex: Vertex) -> str:
-        return self.types.node_defs[vertex.node].op
+        return self.ops[vertex.node]
 
     def is_processed(self, vertex: Vertex) -> bool:
         return vertex.node in self.processed
@@ -272,10 +275,11 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
     """Pass 1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
     allow: dict[Vertex, Reason] = {}
     forceable: dict[str, bool] = {}
+    ops, processed = ctx.ops, ctx.processed
     for vertex in _vertices(ctx):
-        if not ctx.is_processed(vertex):
+        if vertex.node not in processed:
             continue
-        op = ctx.op(vertex)
+        op = ops[vertex.node]
         if op in ctx.lists.allow:
             allow[vertex] = Reason("allow-list", f"op {op} is on the allow list")
         elif ctx.lists.force_all:
@@ -306,16 +310,17 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     graph = ctx.types.graph
     lists = ctx.lists
     upstream: set[Vertex] = set()
+    ops, stoppers = ctx.ops, lists.deny | lists.infer
     for root in _vertices(ctx):
-        op = ctx.op(root)
-        if op not in lists.deny and op not in lists.infer:
+        if ops[root.node] not in stoppers:
             continue
         upstream.update(
             _reach(graph, root, lambda v: v not in upstream and ctx.is_clear(v), inputs=True, outputs=False)
         )
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    roots = [v for v in _vertices(ctx) if ctx.op(v) in lists.deny and v not in denied]
+    ops = ctx.ops
+    roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
     roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]  # cross_function: deny from across a boundary
     for root in roots:
         op = ctx.op(root)
@@ -337,7 +342,8 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
 
     def roots() -> Iterator[Vertex]:
         # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-        return (v for v in _vertices(ctx) if ctx.is_processed(v) and (ctx.op(v) in lists.allow or v in ctx.seeds))
+        ops, processed, allowed, seeds = ctx.ops, ctx.processed, lists.allow, ctx.seeds
+        return (v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in allowed or v in seeds))
 
     downstream: set[Vertex] = set()
 
@@ -369,10 +375,11 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
     """
     graph, lists = ctx.types.graph, ctx.lists
     added: dict[Vertex, Reason] = {}
+    ops, processed, infer = ctx.ops, ctx.processed, lists.infer
     for vertex in _vertices(ctx):
         if (
-            not ctx.is_processed(vertex) or vertex in deny or vertex in allow or vertex in added
-            or ctx.op(vertex) not in lists.infer or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
+            vertex.node not in processed or ops[vertex.node] not in infer or vertex in deny or vertex in allow
+            or vertex in added or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
         ):
             continue
         fanins = graph._pred[vertex]

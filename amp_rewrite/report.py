@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tensorflow.core.framework import types_pb2
 
@@ -10,16 +11,17 @@ TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16
 MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph
 
 
+_FLOAT_NAMES = {types_pb2.DT_FLOAT: "float32", types_pb2.DT_HALF: "float16", types_pb2.DT_BFLOAT16: "bfloat16"}
+
+
 def dtype_name(dtype: int) -> str:
     """``DT_HALF`` → ``float16``: the Python names users know."""
-    return {
-        types_pb2.DT_FLOAT: "float32", types_pb2.DT_HALF: "float16", types_pb2.DT_BFLOAT16: "bfloat16",
-    }.get(dtype, types_pb2.DataType.Name(dtype).removeprefix("DT_").lower())
+    name = _FLOAT_NAMES.get(dtype)
+    return name if name is not None else types_pb2.DataType.Name(dtype).removeprefix("DT_").lower()
 
 
-@dataclass(frozen=True)
-class Decision:
-    """The fate of one float32 (node, type attribute) vertex."""
+class Decision(NamedTuple):
+    """The fate of one float32 (node, type attribute) vertex (a tuple: thousands per graph)."""
 
     function: str  # MAIN_GRAPH or the library function the node lives in
     node: str

@@ -161,42 +161,50 @@ def rewrite_graph_def(
     op_lists = load_lists(target, lists)
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     functions.check_calls(graph_def)
-    library = {f.signature.name: f for f in graph_def.library.function}
     names = functions.reachable_functions(graph_def)
     links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
-    total = 2 * (len(names) + 1)
-    report_progress = progress or (lambda done, total: None)
-    with _gc_paused():
-        # Steps 2-5 for every item: the main graph, then each function body.
-        items = {MAIN_GRAPH: _prepare(graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH)}
-        report_progress(1, total)
-        op_defs = support.library_op_defs(graph_def.library)
-        for name in names:
-            with _naming(name):
-                body = functions.body_graph_def(library[name], op_defs)
-                body.library.CopyFrom(graph_def.library)
-                preserved = set(functions.preserved_nodes(library[name], body)) - links.nodes(name)
-                items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name)
-            report_progress(len(items), total)
-        # Step 6: colouring, each item alone (grappler) or linked across boundaries.
-        paintings = _paint_linked(items, links) if links.groups else {n: colouring.paint(i.ctx) for n, i in items.items()}
-        # Steps 7-8: types, casts and decisions per item; functions go back into the library.
-        output, stats, decisions = None, [], []
-        for name, item in items.items():
-            with _naming(name):
-                graph, item_stats, item_decisions = _finish(item, paintings[name], name)
-            if name == MAIN_GRAPH:
-                output = graph
-            else:
-                rewritten = functions.to_function_def(graph, library[name], op_defs)
-                position = next(i for i, f in enumerate(output.library.function) if f.signature.name == name)
-                output.library.function[position].CopyFrom(rewritten)
-            stats.append(item_stats)
-            decisions.extend(item_decisions)
-            report_progress(len(items) + len(stats), total)
-    report = Report(target, tuple(stats), tuple(decisions))
+    with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
+        output, stats, decisions = _rewrite_items(graph_def, target, fetch_nodes, op_lists, names, links,
+                                                  progress or (lambda done, total: None))
+        report = Report(target, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
+
+
+def _rewrite_items(
+    graph_def: graph_pb2.GraphDef, target: str, fetch_nodes: tuple[str, ...], op_lists: OpLists,
+    names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
+) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[Decision, ...]]:
+    total = 2 * (len(names) + 1)
+    library = {f.signature.name: f for f in graph_def.library.function}
+    # Steps 2-5 for every item: the main graph, then each function body.
+    items = {MAIN_GRAPH: _prepare(graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH)}
+    progress(1, total)
+    op_defs = support.library_op_defs(graph_def.library)
+    for name in names:
+        with _naming(name):
+            body = functions.body_graph_def(library[name], op_defs)
+            body.library.CopyFrom(graph_def.library)
+            preserved = set(functions.preserved_nodes(library[name], body)) - links.nodes(name)
+            items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name)
+        progress(len(items), total)
+    # Step 6: colouring, each item alone (grappler) or linked across boundaries.
+    paintings = _paint_linked(items, links) if links.groups else {n: colouring.paint(i.ctx) for n, i in items.items()}
+    # Steps 7-8: types, casts and decisions per item; functions go back into the library.
+    output, stats, decisions = None, [], []
+    for name, item in items.items():
+        with _naming(name):
+            graph, item_stats, item_decisions = _finish(item, paintings[name], name)
+        if name == MAIN_GRAPH:
+            output = graph
+        else:
+            rewritten = functions.to_function_def(graph, library[name], op_defs)
+            position = next(i for i, f in enumerate(output.library.function) if f.signature.name == name)
+            output.library.function[position].CopyFrom(rewritten)
+        stats.append(item_stats)
+        decisions.extend(item_decisions)
+        progress(len(items) + len(stats), total)
+    return output, tuple(stats), tuple(decisions)
 
 
 @contextlib.contextmanager

@@ -109,13 +109,34 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
 
 
-def _shape_key(node_def: node_def_pb2.NodeDef) -> tuple:
-    """What ``node_types`` depends on: the op, its attr names, list lengths and counts."""
-    shape = []
-    for name, value in sorted(node_def.attr.items()):
-        kind = value.WhichOneof("value")
-        shape.append((name, len(value.list.type) if kind == "list" else value.i if kind == "i" else None))
-    return node_def.op, tuple(shape)
+def _shape_key(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> tuple:
+    """What ``node_types`` depends on: the op, its attr names, and its list lengths and counts."""
+    attrs = node_def.attr
+    counts = tuple(
+        len(attrs[name].list.type) if is_list else attrs[name].i
+        for name, is_list in _counted_attrs(op_def) if name in attrs
+    )
+    return node_def.op, tuple(sorted(attrs)), counts
+
+
+def _counted_attrs(op_def: op_def_pb2.OpDef) -> tuple[tuple[str, bool], ...]:
+    """The attrs whose value changes a node's ports or vertices: (name, is a type list)."""
+    if support.registered_op_def(op_def.name) is op_def:
+        return _registered_counted_attrs(op_def.name)
+    return _counted_attrs_of(op_def)
+
+
+def _counted_attrs_of(op_def: op_def_pb2.OpDef) -> tuple[tuple[str, bool], ...]:
+    counted = {a.name: a.type == "list(type)" for a in op_def.attr if a.type == "list(type)"}
+    for arg in list(op_def.input_arg) + list(op_def.output_arg):
+        if arg.number_attr:
+            counted.setdefault(arg.number_attr, False)
+    return tuple(sorted(counted.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_counted_attrs(op: str) -> tuple[tuple[str, bool], ...]:
+    return _counted_attrs_of(support.registered_op_def(op))
 
 
 def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
@@ -173,19 +194,24 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     edges: dict[tuple[Vertex, Vertex], list[tuple[int, int]]] = {}
     shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
     for name, node_def in node_defs.items():
-        num_inputs = sum(1 for keyed in nodes._pred[name].values() for d in keyed.values() if d["src_port"] >= 0)
+        inputs = node_def.input  # data inputs first, then "^control" ones
+        num_inputs = len(inputs)
+        while num_inputs and inputs[num_inputs - 1].startswith("^"):
+            num_inputs -= 1
         op_def = support.resolve_op_def(node_def, functions)
         support.fill_default_attrs(node_def, op_def)  # the working copy; the caller's graph is untouched
-        key = _shape_key(node_def)
+        key = _shape_key(node_def, op_def)
         if key not in shared:
             shared[key] = node_types(node_def, op_def, num_inputs)
         elif len(shared[key].inputs) != num_inputs:
             node_types(node_def, shared[key].op_def, num_inputs)  # raises the port-count error
         types[name] = shared[key]
-    graph.add_nodes_from(Vertex(name, attr) for name in node_defs for attr in types[name].attrs)
+    vertices = {name: {attr: Vertex(name, attr) for attr in types[name].attrs} for name in node_defs}
+    graph.add_nodes_from(v for by_attr in vertices.values() for v in by_attr.values())
     for dst, node_def in node_defs.items():
+        dst_vertices, dst_inputs = vertices[dst], types[dst].inputs
         for src, keyed in nodes._pred[dst].items():
-            outputs = types[src].outputs
+            outputs, src_vertices = types[src].outputs, vertices[src]
             for data in keyed.values():
                 out_port, in_port = data["src_port"], data["dst_port"]
                 if out_port < 0:
@@ -195,7 +221,7 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
                         f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
                         f" which has {len(outputs)} output(s)"
                     )
-                key = (Vertex(src, outputs[out_port]), Vertex(dst, types[dst].inputs[in_port]))
+                key = (src_vertices[outputs[out_port]], dst_vertices[dst_inputs[in_port]])
                 edges.setdefault(key, []).append((out_port, in_port))
     graph.add_edges_from((u, v, {"ports": ports}) for (u, v), ports in edges.items())
     return TypeGraph(graph, nodes, types, node_defs)
