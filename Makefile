@@ -29,5 +29,9 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	exit $$status
 
+# A long random search of the pass (tests/test_fuzz.py; make test runs 20 derandomized examples).
+fuzz: install
+	AMP_FUZZ_EXAMPLES=2000 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests/test_fuzz.py -k random_graphs
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -21,6 +21,6 @@ setup(
         "protobuf>=4.21",
         "tqdm>=4.60",
     ],
-    extras_require={"test": ["pytest>=7", "scikit-learn>=1.3", "tf-keras>=2.16,<2.22"]},
+    extras_require={"test": ["pytest>=7", "hypothesis>=6", "scikit-learn>=1.3", "tf-keras>=2.16,<2.22"]},
     entry_points={"console_scripts": ["amp-rewrite=amp_rewrite.cli:main"]},
 )

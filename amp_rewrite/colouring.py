@@ -134,8 +134,8 @@ class PaintContext:
         if op not in ("Identity", "Enter"):
             return False
         producer = self.types.data_producer(node, 0)
-        if producer is None:
-            return False
+        if producer is None or producer[0] not in self.types.node_defs:
+            return False  # no input, or a Cast the final pass inserted (never on a ref edge)
         source = producer[0]
         if op == "Identity":
             return self.types.node_def(source).op in ("Variable", "VariableV2")
@@ -315,7 +315,9 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         if ops[root.node] not in stoppers:
             continue
         upstream.update(
-            _reach(graph, root, lambda v: v not in upstream and ctx.is_clear(v), inputs=True, outputs=False)
+            # Pinned loop values are clear ops all the same: deny passes through them.
+            _reach(graph, root, lambda v: v not in upstream and (ctx.is_clear(v) or ops[v.node] in lists.clear),
+                   inputs=True, outputs=False)
         )
     added: dict[Vertex, Reason] = {}
     denied = set(deny)

@@ -2,7 +2,8 @@
 
 ``graph_plans()`` is a hypothesis strategy for a ``GraphPlan``: a list of ``Step``s (an op
 from ``CATALOGUE``, small integers that choose its inputs and attributes, a device, an
-optional control input) and the fetches. ``build_graph(plan)`` interprets the plan in a
+optional control input), the fetches and edits of the op lists (through TensorFlow's
+variables, which both implementations read). ``build_graph(plan)`` interprets the plan in a
 ``tf.Graph`` with ``tf.raw_ops``; every integer is taken modulo the number of choices, so
 every plan is a valid graph and hypothesis can shrink plans freely (a pick of 0 means the
 most recent tensor, so shrunk graphs are chains).
@@ -10,6 +11,8 @@ most recent tensor, so shrunk graphs are chains).
 Every tensor of the pool is a ``[4, 4]`` matrix ("mat") or a ``[1, 2, 2, 4]`` NHWC image
 ("img"), both 16 elements so ``Reshape`` joins them. Steps that change shapes
 (reductions, ``Split``/``Unpack``/``Slice``) come with the op that restores the shape.
+Control flow comes as small v1 loops and conds (Enter/Merge/Switch/NextIteration/Exit)
+and functional ``StatelessWhile``/``StatelessIf`` with library functions.
 Each value is also computed eagerly in float32 while building, and inputs are chosen
 where the op is well conditioned (``Exp`` of small values, ``Log``/``Sqrt`` of values
 >= 0.5, divisors away from 0, every result within +-``LIMIT``), so a float16 or bfloat16
@@ -54,12 +57,44 @@ class Step:
 
 
 @dataclass(frozen=True)
+class ListEdit:
+    """Move ``op`` to list ``to`` ("allow", "deny", "infer", "clear"), or out of all ("")."""
+
+    op: str
+    to: str = ""
+
+
+@dataclass(frozen=True)
 class GraphPlan:
-    """A whole graph: values seed, steps in order, fetch choices (the first one a sink)."""
+    """A whole graph: values seed, steps in order, fetch choices (the first one a sink),
+    and edits of the op lists made through TensorFlow's variables (both implementations
+    read them)."""
 
     seed: int
     steps: tuple[Step, ...]
     fetch_picks: tuple[int, ...] = (0,)
+    list_edits: tuple[ListEdit, ...] = ()
+    level: str = ""  # TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL
+
+
+_ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
+_LIST_TO_VARIABLE = {"allow": "ALLOWLIST", "deny": "DENYLIST", "infer": "INFERLIST", "clear": "CLEARLIST"}
+
+
+def list_environment(edits: Sequence[ListEdit], level: str = "") -> dict[str, str]:
+    """The variables that make ``edits``: add to the destination and remove from the three
+    other lists, so no op ends in two lists (removing an absent op changes nothing)."""
+    name_to_ops: dict[str, list[str]] = {}
+    for edit in edits:
+        for name, variable in _LIST_TO_VARIABLE.items():
+            action = "ADD" if name == edit.to else "REMOVE"
+            ops = name_to_ops.setdefault(f"{_ENV_PREFIX}{variable}_{action}", [])
+            if edit.op not in ops:
+                ops.append(edit.op)
+    environ = {name: ",".join(ops) for name, ops in name_to_ops.items()}
+    if level:
+        environ[f"{_ENV_PREFIX}LEVEL"] = level
+    return environ
 
 
 @dataclass(frozen=True)
@@ -70,6 +105,7 @@ class FuzzGraph:
     fetches: tuple[str, ...]  # node names; always at least one sink
     outputs: tuple[str, ...]  # float32 tensors to compare numerically: fetches and sinks
     feeds: dict[str, np.ndarray] = field(default_factory=dict)
+    environ: dict[str, str] = field(default_factory=dict)  # list edits for both implementations
 
 
 # --------------------------------------------------------------------------------------
@@ -127,6 +163,10 @@ class _Builder:
         self.pool: list[_Value] = []
         self.feeds: dict[str, np.ndarray] = {}
         self.count = itertools.count()
+        # Ops outside any v1 loop or cond frame: the only valid control inputs.
+        self.top_level: list[tf.Operation] = []
+        # Nodes a session may fetch: not inside a v1 loop frame.
+        self.fetchable: set[str] = set()
 
     def name(self, op: str) -> str:
         return f"{op.lower()}{next(self.count)}"
@@ -146,6 +186,8 @@ class _Builder:
                 self.feeds[tensor.name] = values
             else:
                 tensor = tf.constant(values, name=self.name("Const"))
+        self.top_level.append(tensor.op)
+        self.fetchable.add(tensor.op.name)
         value = _Value(tensor, tf.constant(values), is_input=True)
         self.pool.append(value)
         return value
@@ -220,6 +262,36 @@ class _Context:
                 self.control = None  # the first op of the step carries it
             graph = raw(**{key: _graph(arg) for key, arg in kwargs.items()}, name=builder.name(op))
         graph_outputs = [graph] if isinstance(graph, tf.Tensor) else list(graph)
+        builder.top_level.append(graph_outputs[0].op)
+        builder.fetchable.add(graph_outputs[0].op.name)
+        return [_Value(g, e) for g, e in zip(graph_outputs, eager_outputs)]
+
+    def call(self, name: str, fn: Callable[..., Sequence[tf.Tensor]], *args: _Value,
+             control_flow_v2: bool = True) -> list[_Value]:
+        """Run ``fn`` (built from ``tf`` functions, e.g. a loop) eagerly and (unless trial) in
+        the graph under the name scope ``name``, with v1 or v2 control flow; its outputs.
+        No control input: a v1 frame cannot take one from outside."""
+        eager_outputs = list(fn(*[arg.eager for arg in args]))
+        if self.trial:
+            return [_Value(None, out) for out in eager_outputs]
+        builder = self.builder
+        was_v2 = tf.compat.v1.control_flow_v2_enabled()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(builder.graph.as_default())
+            stack.enter_context(_device(self.step.device))
+            stack.enter_context(tf.name_scope(builder.name(name)))
+            if control_flow_v2:
+                tf.compat.v1.enable_control_flow_v2()
+            else:
+                tf.compat.v1.disable_control_flow_v2()
+            try:
+                graph_outputs = list(fn(*[arg.graph for arg in args]))
+            finally:
+                if was_v2:
+                    tf.compat.v1.enable_control_flow_v2()
+                else:
+                    tf.compat.v1.disable_control_flow_v2()
+        builder.fetchable.update(tensor.op.name for tensor in graph_outputs)
         return [_Value(g, e) for g, e in zip(graph_outputs, eager_outputs)]
 
     def const(self, values: np.ndarray) -> _Value:
@@ -489,11 +561,57 @@ def _cumsum(c: _Context) -> list[_Value]:
                 exclusive=c.choice((False, True)), reverse=c.choice((False, True)))
 
 
-def _low_precision_section(c: _Context) -> list[_Value]:
-    """An existing low-precision section: Cast to half -> MatMul (-> Relu) -> Cast back."""
-    dtype = c.choice((tf.float16, tf.float16, tf.bfloat16))
-    a = c.op("Cast", x=c.take(), DstT=dtype)[0]
-    b = c.op("Cast", x=c.take(), DstT=dtype)[0]
+def _while_loop(control_flow_v2: bool) -> Callable[[_Context], list[_Value]]:
+    """A loop of 2 or 3 iterations whose body is MatMul (allow) with a captured weight,
+    then an infer, clear or deny op: v1 (Enter/Merge/Switch/NextIteration/Exit) or a
+    functional StatelessWhile whose body and cond are library functions."""
+
+    def emit(c: _Context) -> list[_Value]:
+        start, weight = c.take(), c.take(MAT, _unit)
+        iterations = c.choice((2, 3))
+        after = c.choice(("Tanh", "Sigmoid", "Relu6", "ExpTanh"))
+
+        def loop(x: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
+            def body(i: tf.Tensor, h: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+                product = tf.raw_ops.MatMul(a=h, b=w)
+                if after == "ExpTanh":
+                    return i + 1, tf.raw_ops.Exp(x=tf.raw_ops.Tanh(x=product))
+                return i + 1, getattr(tf.raw_ops, after)(**{"features" if after == "Relu6" else "x": product})
+
+            _, result = tf.compat.v1.while_loop(lambda i, h: i < iterations, body, [tf.constant(0), x])
+            return [result]
+
+        return c.call("while" if control_flow_v2 else "while_v1", loop, start, weight,
+                      control_flow_v2=control_flow_v2)
+
+    emit.__name__ = "While" if control_flow_v2 else "WhileV1"
+    return emit
+
+
+def _cond(control_flow_v2: bool) -> Callable[[_Context], list[_Value]]:
+    """A conditional on the sign of a graph input's first element: MatMul (allow) in one
+    branch, Tanh (infer) in the other; v1 (Switch/Merge) or a functional StatelessIf."""
+
+    def emit(c: _Context) -> list[_Value]:
+        decider, a, b = c.take(MAT, inputs_only=True), c.take(), c.take(MAT, _unit)
+
+        def cond(p: tf.Tensor, x: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
+            predicate = tf.raw_ops.Greater(x=tf.reshape(tf.slice(p, [0, 0], [1, 1]), []), y=0.0)
+            return [tf.compat.v1.cond(predicate, lambda: tf.raw_ops.MatMul(a=x, b=w), lambda: tf.raw_ops.Tanh(x=x))]
+
+        return c.call("cond" if control_flow_v2 else "cond_v1", cond, decider, a, b, control_flow_v2=control_flow_v2)
+
+    emit.__name__ = "If" if control_flow_v2 else "CondV1"
+    return emit
+
+
+def _float16_section(c: _Context) -> list[_Value]:
+    """An existing float16 section: Cast to half -> MatMul (-> Relu/Tanh) -> Cast back.
+
+    Only float16: its rounding steps stay within the float16 tolerance when the inputs
+    move by a float16 rounding (a bfloat16 section's do not)."""
+    a = c.op("Cast", x=c.take(), DstT=tf.float16)[0]
+    b = c.op("Cast", x=c.take(), DstT=tf.float16)[0]
     product = c.op("MatMul", a=a, b=b)[0]
     activation = c.choice((None, "Relu", "Tanh"))
     if activation == "Relu":
@@ -592,7 +710,15 @@ CATALOGUE: dict[str, Callable[[_Context], list[_Value]]] = {
     "Cos": _unary("Cos"),
     "Atan": _unary("Atan"),
     "Cumsum": _cumsum,
-    "LowPrecisionSection": _low_precision_section,
+    # float and double only: moved to the allow list, the pass must drop it again
+    "Igamma": lambda c: c.op("Igamma", **{arg: c.take(shape, _positive) for shape in [c.choice(SHAPES)]
+                                          for arg in ("a", "x")}),
+    "Float16Section": _float16_section,
+    # control flow: v1 loops and conds, functional StatelessWhile and StatelessIf
+    "WhileV1": _while_loop(control_flow_v2=False),
+    "While": _while_loop(control_flow_v2=True),
+    "CondV1": _cond(control_flow_v2=False),
+    "If": _cond(control_flow_v2=True),
     "Placeholder": _graph_input(True),
     "Const": _graph_input(False),
 }
@@ -610,10 +736,8 @@ def _apply(builder: _Builder, step: Step, emit: Callable[[_Context], list[_Value
     """Try the step's input choices eagerly until the result is well conditioned, then
     build it; the last attempt takes fresh graph inputs."""
     control = None
-    if step.control:
-        operations = builder.graph.get_operations()
-        if operations:
-            control = operations[-1 - (step.control - 1) % len(operations)]
+    if step.control and builder.top_level:
+        control = builder.top_level[-1 - (step.control - 1) % len(builder.top_level)]
     for attempt in range(_ATTEMPTS):
         trial = emit(_Context(builder, step, attempt, trial=True, control=None))
         if attempt == _ATTEMPTS - 1 or _acceptable(trial):
@@ -637,11 +761,14 @@ def build_graph(plan: GraphPlan, max_nodes: int = 300) -> FuzzGraph:
     consumed = {
         tensor.lstrip("^").split(":")[0] for node in graph_def.node for tensor in node.input
     }
-    sinks = [node.name for node in graph_def.node if node.name not in consumed and node.op not in ("Const", "Placeholder")]
+    names = [node.name for node in graph_def.node if node.name in builder.fetchable]
+    sinks = [
+        name for name in names
+        if name not in consumed and builder.graph.get_operation_by_name(name).type not in ("Const", "Placeholder")
+    ]
     if not sinks:  # only graph inputs: fetch the last one
-        sinks = [graph_def.node[-1].name]
+        sinks = names[-1:]
     fetches = [sinks[plan.fetch_picks[0] % len(sinks)]]
-    names = [node.name for node in graph_def.node]
     fetches += [names[-1 - pick % len(names)] for pick in plan.fetch_picks[1:]]
     fetches = list(dict.fromkeys(fetches))
     outputs = [
@@ -650,13 +777,16 @@ def build_graph(plan: GraphPlan, max_nodes: int = 300) -> FuzzGraph:
         if builder.graph.get_operation_by_name(name).outputs
         and builder.graph.get_operation_by_name(name).outputs[0].dtype == tf.float32
     ]
-    return FuzzGraph(graph_def, tuple(fetches), tuple(outputs), dict(builder.feeds))
+    environ = list_environment(plan.list_edits, plan.level)
+    return FuzzGraph(graph_def, tuple(fetches), tuple(outputs), dict(builder.feeds), environ)
 
 
 # --------------------------------------------------------------------------------------
 # Strategies
 
-_OPS = tuple(CATALOGUE)
+# Allow ops start every conversion, so they are drawn three times as often.
+_ALLOW = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D", "DepthwiseConv2dNative")
+_OPS = tuple(CATALOGUE) + _ALLOW * 2
 
 
 def steps(ops: Sequence[str] = _OPS) -> st.SearchStrategy[Step]:
@@ -670,11 +800,29 @@ def steps(ops: Sequence[str] = _OPS) -> st.SearchStrategy[Step]:
     )
 
 
-def graph_plans(min_steps: int = 3, max_steps: int = 120) -> st.SearchStrategy[GraphPlan]:
+# Ops whose list the plan may change: every op the catalogue emits, and Cast.
+EDITABLE_OPS = tuple(sorted(
+    {op for op in CATALOGUE if op not in ("Float16Section", "Placeholder", "Const", "WhileV1", "CondV1", "If", "While")}
+    | {"Split", "Slice", "Unpack", "Squeeze", "BroadcastTo", "Greater", "Less", "GreaterEqual", "Cast"}
+))
+
+
+def list_edits() -> st.SearchStrategy[tuple[ListEdit, ...]]:
+    """Mostly none; else one to three ops moved to another list or out of all."""
+    edit = st.builds(ListEdit, op=st.sampled_from(EDITABLE_OPS), to=st.sampled_from(("", *_LIST_TO_VARIABLE)))
+    return st.one_of(st.just(()), st.just(()), st.just(()), st.lists(edit, min_size=1, max_size=3).map(tuple))
+
+
+def graph_plans(min_steps: int = 5, max_steps: int = 120) -> st.SearchStrategy[GraphPlan]:
     """Plans of ``min_steps``..``max_steps`` steps (about 10..300 nodes)."""
     return st.builds(
         GraphPlan,
+        list_edits=list_edits(),
+        level=st.sampled_from(("",) * 8 + ("TREAT_INFER_AS_DENY", "TENSOR_CORES_ONLY")),
         seed=st.integers(0, 2**16),
-        steps=st.lists(steps(), min_size=min_steps, max_size=max_steps).map(tuple),
+        # A drawn length: hypothesis' own list lengths stay short on average.
+        steps=st.integers(min_steps, max_steps).flatmap(
+            lambda count: st.lists(steps(), min_size=count, max_size=count).map(tuple)
+        ),
         fetch_picks=st.lists(st.integers(0, 255), min_size=1, max_size=4).map(tuple),
     )
