@@ -291,7 +291,7 @@ def _build_transformer(size: int | None, batch: int, rng: np.random.Generator) -
     spec = _TRANSFORMER
     tokens = keras.Input((spec["seq_len"],), dtype="int32")
     hidden = layers.Embedding(spec["vocab"], spec["width"])(tokens)
-    hidden = _PositionEmbedding(spec["seq_len"], spec["width"])(hidden)
+    hidden = PositionEmbedding(spec["seq_len"], spec["width"])(hidden)
     for _ in range(spec["layers"]):
         attention = layers.MultiHeadAttention(spec["heads"], key_dim=spec["width"] // spec["heads"])(hidden, hidden)
         hidden = layers.LayerNormalization()(hidden + attention)
@@ -305,7 +305,7 @@ def _build_transformer(size: int | None, batch: int, rng: np.random.Generator) -
     return model, tf.TensorSpec(x.shape, tf.int32, name="x"), x
 
 
-class _PositionEmbedding(keras.layers.Layer):
+class PositionEmbedding(keras.layers.Layer):
     """Adds a learned embedding per sequence position."""
 
     def __init__(self, length: int, width: int, **kwargs: Any) -> None:

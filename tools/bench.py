@@ -49,6 +49,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import amp_rewrite
+from amp_rewrite.models import PositionEmbedding
 from amp_rewrite.reference import run_grappler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -287,15 +288,6 @@ def plan_jobs(settings: Settings, workdir: Path) -> list[Job]:
 # --- the child: one measurement -------------------------------------------------------
 
 
-class _PositionEmbedding(keras.layers.Layer):
-    """Adds a learned embedding per sequence position, as BERT does."""
-
-    def __init__(self, length: int, width: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.table = self.add_weight(shape=(length, width), initializer="glorot_uniform", name="table")
-
-    def call(self, inputs: Any) -> Any:
-        return inputs + self.table
 
 
 def _build_resnet50(sizes: Sizes) -> Any:
@@ -310,7 +302,7 @@ def _build_bert(sizes: Sizes) -> Any:
     layers = keras.layers
     tokens = keras.Input((sizes.bert_seq,), dtype="int32", name="tokens")
     hidden = layers.Embedding(sizes.bert_vocab, sizes.bert_hidden, name="word_embeddings")(tokens)
-    hidden = _PositionEmbedding(sizes.bert_seq, sizes.bert_hidden, name="position_embeddings")(hidden)
+    hidden = PositionEmbedding(sizes.bert_seq, sizes.bert_hidden, name="position_embeddings")(hidden)
     hidden = layers.LayerNormalization(epsilon=1e-12, name="embeddings_norm")(hidden)
     for index in range(sizes.bert_layers):
         attention = layers.MultiHeadAttention(sizes.bert_heads, key_dim=sizes.bert_hidden // sizes.bert_heads,
