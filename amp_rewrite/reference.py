@@ -188,16 +188,23 @@ class FunctionAgreement:
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
+        return _item_ok(self)
 
     def explain(self) -> str:
-        lines = [
-            f"function '{self.name}': {self.agreed}/{self.judged} float32 vertices agree; "
-            f"casts: ours={self.ours_casts} grappler={self.grappler_casts}"
-        ]
-        lines += [f"  vertex: {line}" for line in self.mismatches]
-        lines += [f"  cast: {line}" for line in self.cast_mismatches]
-        return "\n".join(lines)
+        return "\n".join(_item_lines(self, f"function '{self.name}': "))
+
+
+def _item_ok(item: FunctionAgreement | Agreement) -> bool:
+    """One item (main graph or function) agrees: every vertex and every cast."""
+    return not item.mismatches and not item.cast_mismatches and item.judged == item.agreed
+
+
+def _item_lines(item: FunctionAgreement | Agreement, prefix: str) -> list[str]:
+    lines = [f"{prefix}{item.agreed}/{item.judged} float32 vertices agree; "
+             f"casts: ours={item.ours_casts} grappler={item.grappler_casts}"]
+    lines += [f"  vertex: {line}" for line in item.mismatches]
+    lines += [f"  cast: {line}" for line in item.cast_mismatches]
+    return lines
 
 
 @dataclass(frozen=True)
@@ -222,8 +229,7 @@ class Agreement:
 
     @property
     def ok(self) -> bool:
-        main_ok = not self.mismatches and not self.cast_mismatches and self.judged == self.agreed
-        return main_ok and not self.library_mismatches and all(f.ok for f in self.functions)
+        return _item_ok(self) and not self.library_mismatches and all(f.ok for f in self.functions)
 
     def function(self, name: str) -> FunctionAgreement:
         """The breakdown for library function ``name``."""
@@ -234,12 +240,7 @@ class Agreement:
 
     def explain(self) -> str:
         """A multi-line report for an assertion message: main graph, library, then each function."""
-        lines = [
-            f"{self.agreed}/{self.judged} float32 vertices agree; casts: ours={self.ours_casts} "
-            f"grappler={self.grappler_casts}"
-        ]
-        lines += [f"  vertex: {line}" for line in self.mismatches]
-        lines += [f"  cast: {line}" for line in self.cast_mismatches]
+        lines = _item_lines(self, "")
         lines += [f"  library: {line}" for line in self.library_mismatches]
         lines += [function.explain() for function in self.functions]
         return "\n".join(lines)
