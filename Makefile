@@ -29,7 +29,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	exit $$status
 
-# A long random search of the pass (tests/test_fuzz.py; make test runs 20 derandomized examples).
+# A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).
 fuzz: install
 	AMP_FUZZ_EXAMPLES=2000 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests/test_fuzz.py -k random_graphs
 

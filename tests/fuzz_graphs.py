@@ -214,7 +214,6 @@ class _Context:
         self.control = control
         self.slot = 0
         self.variant = step.variant
-        self.taken: list[_Value] = []
 
     # inputs -------------------------------------------------------------------------
     def take(self, shape: tuple[int, ...] = MAT, need: Need = _any, *, inputs_only: bool = False) -> _Value:
@@ -234,7 +233,6 @@ class _Context:
             value = _Value(None, tf.constant(self.builder.rng.uniform(0.5, 1.0, shape).astype(np.float32)), True)
         else:
             value = self.builder.fresh(shape, need, placeholder=pick % 2 == 0, device=self.step.device)
-        self.taken.append(value)
         return value
 
     def take_any_shape(self, need: Need = _any) -> _Value:
@@ -605,6 +603,13 @@ def _cond(control_flow_v2: bool) -> Callable[[_Context], list[_Value]]:
     return emit
 
 
+def _zeta(c: _Context) -> list[_Value]:
+    """Hurwitz zeta(x, q) with x >= 1.5 and q >= 0.5: finite and moderate."""
+    shape = c.choice(SHAPES)
+    exponent = c.op("AddV2", x=c.take(shape, _positive), y=c.const(np.float32(1.0)))[0]
+    return c.op("Zeta", x=exponent, q=c.take(shape, _positive))
+
+
 def _float16_section(c: _Context) -> list[_Value]:
     """An existing float16 section: Cast to half -> MatMul (-> Relu/Tanh) -> Cast back.
 
@@ -710,9 +715,8 @@ CATALOGUE: dict[str, Callable[[_Context], list[_Value]]] = {
     "Cos": _unary("Cos"),
     "Atan": _unary("Atan"),
     "Cumsum": _cumsum,
-    # float and double only: moved to the allow list, the pass must drop it again
-    "Igamma": lambda c: c.op("Igamma", **{arg: c.take(shape, _positive) for shape in [c.choice(SHAPES)]
-                                          for arg in ("a", "x")}),
+    # float and double only (op definition): moved to the allow list, the pass drops it again
+    "Zeta": _zeta,
     "Float16Section": _float16_section,
     # control flow: v1 loops and conds, functional StatelessWhile and StatelessIf
     "WhileV1": _while_loop(control_flow_v2=False),
@@ -784,9 +788,11 @@ def build_graph(plan: GraphPlan, max_nodes: int = 300) -> FuzzGraph:
 # --------------------------------------------------------------------------------------
 # Strategies
 
-# Allow ops start every conversion, so they are drawn three times as often.
+# Allow ops start every conversion, and loops and conds have the most rules of their own:
+# both are drawn three times as often as the rest.
 _ALLOW = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D", "DepthwiseConv2dNative")
-_OPS = tuple(CATALOGUE) + _ALLOW * 2
+_CONTROL_FLOW = ("WhileV1", "While", "CondV1", "If")
+_OPS = tuple(CATALOGUE) + (_ALLOW + _CONTROL_FLOW) * 2
 
 
 def steps(ops: Sequence[str] = _OPS) -> st.SearchStrategy[Step]:
@@ -800,29 +806,37 @@ def steps(ops: Sequence[str] = _OPS) -> st.SearchStrategy[Step]:
     )
 
 
-# Ops whose list the plan may change: every op the catalogue emits, and Cast.
-EDITABLE_OPS = tuple(sorted(
-    {op for op in CATALOGUE if op not in ("Float16Section", "Placeholder", "Const", "WhileV1", "CondV1", "If", "While")}
-    | {"Split", "Slice", "Unpack", "Squeeze", "BroadcastTo", "Greater", "Less", "GreaterEqual", "Cast"}
-))
+# Ops whose list a plan may change: the ops steps emit (helpers such as Split included), and Cast.
+_STEP_TO_EDITABLE = {
+    "ConcatV2": ("ConcatV2", "Split", "Slice"), "Pack": ("Pack", "Unpack"), "ExpandDims": ("ExpandDims", "Squeeze"),
+    "Tile": ("Tile", "Slice"), "Sum": ("Sum", "BroadcastTo"), "Select": ("Select", "Greater", "Less"),
+    "SelectV2": ("SelectV2", "GreaterEqual"), "Float16Section": ("Cast",), "Placeholder": (), "Const": (),
+    "WhileV1": ("Tanh", "Sigmoid", "Relu6", "Exp"), "While": ("Tanh", "Exp"),
+    "CondV1": ("Greater",), "If": ("Greater",),
+}
+EDITABLE_OPS = tuple(sorted({op for step in CATALOGUE for op in _STEP_TO_EDITABLE.get(step, (step,))}))
+_LEVELS = ("",) * 8 + ("TREAT_INFER_AS_DENY", "TENSOR_CORES_ONLY")
 
 
-def list_edits() -> st.SearchStrategy[tuple[ListEdit, ...]]:
-    """Mostly none; else one to three ops moved to another list or out of all."""
-    edit = st.builds(ListEdit, op=st.sampled_from(EDITABLE_OPS), to=st.sampled_from(("", *_LIST_TO_VARIABLE)))
+def list_edits(ops: Sequence[str] = EDITABLE_OPS) -> st.SearchStrategy[tuple[ListEdit, ...]]:
+    """Mostly none; else one to three of ``ops`` moved to another list (most often allow,
+    which converts the most) or out of all."""
+    edit = st.builds(ListEdit, op=st.sampled_from(ops), to=st.sampled_from(("allow", "", *_LIST_TO_VARIABLE)))
     return st.one_of(st.just(()), st.just(()), st.just(()), st.lists(edit, min_size=1, max_size=3).map(tuple))
 
 
-def graph_plans(min_steps: int = 5, max_steps: int = 120) -> st.SearchStrategy[GraphPlan]:
-    """Plans of ``min_steps``..``max_steps`` steps (about 10..300 nodes)."""
-    return st.builds(
-        GraphPlan,
-        list_edits=list_edits(),
-        level=st.sampled_from(("",) * 8 + ("TREAT_INFER_AS_DENY", "TENSOR_CORES_ONLY")),
-        seed=st.integers(0, 2**16),
-        # A drawn length: hypothesis' own list lengths stay short on average.
-        steps=st.integers(min_steps, max_steps).flatmap(
-            lambda count: st.lists(steps(), min_size=count, max_size=count).map(tuple)
-        ),
-        fetch_picks=st.lists(st.integers(0, 255), min_size=1, max_size=4).map(tuple),
+@st.composite
+def graph_plans(draw: st.DrawFn, min_steps: int = 5, max_steps: int = 120) -> GraphPlan:
+    """Plans of ``min_steps``..``max_steps`` steps (about 10..300 nodes); list edits
+    move ops the plan uses."""
+    # A drawn length: hypothesis' own list lengths stay short on average.
+    count = draw(st.integers(min_steps, max_steps))
+    plan_steps = tuple(draw(st.lists(steps(), min_size=count, max_size=count)))
+    used = sorted({op for step in plan_steps for op in _STEP_TO_EDITABLE.get(step.op, (step.op,))})
+    return GraphPlan(
+        seed=draw(st.integers(0, 2**16)),
+        steps=plan_steps,
+        fetch_picks=tuple(draw(st.lists(st.integers(0, 255), min_size=1, max_size=4))),
+        list_edits=draw(list_edits(used or EDITABLE_OPS)),
+        level=draw(st.sampled_from(_LEVELS)),
     )
