@@ -24,9 +24,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import keras
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -111,7 +113,9 @@ def _keras_snapshot(model: keras.Model, opt: optimizers.LossScaleOptimizer) -> S
                     tuple(np.array(v.numpy()) for v in slots), int(opt.iterations.numpy()), float(opt.loss_scale))
 
 
-def _keras_seed_api_step(model: keras.Model, opt: optimizers.LossScaleOptimizer, poison: tf.Variable) -> Callable:
+def _seed_api_step(model: Any, opt: Any, poison: tf.Variable) -> Callable:
+    """One step with the seed API (get_scaled_loss / get_unscaled_gradients / apply_gradients),
+    for any optimizer family that has it."""
     x, y = _regression_data()
 
     @tf.function
@@ -159,7 +163,7 @@ def _run_poisoned(step: Callable, poison: tf.Variable, snapshot: Callable[[], Sn
 
 @pytest.mark.parametrize(
     "make_step",
-    [_keras_seed_api_step, _keras_minimize_callable_step, _keras_minimize_tape_step],
+    [_seed_api_step, _keras_minimize_callable_step, _keras_minimize_tape_step],
     ids=["seed-api", "minimize-callable", "minimize-tensor-and-tape"],
 )
 def test_keras_custom_loop_skips_bad_steps_and_recovers(make_step):
@@ -243,15 +247,7 @@ def test_tf_keras_custom_loop_skips_bad_steps_and_recovers():
     opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1, momentum=0.9), target="float16")
     assert isinstance(opt, tf_keras.mixed_precision.LossScaleOptimizer)
     poison = tf.Variable(1.0)
-    x, y = _regression_data()
-
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2) * poison
-            scaled = opt.get_scaled_loss(loss)
-        grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+    step = _seed_api_step(model, opt, poison)
 
     def snapshot() -> Snapshot:
         slots = [v for v in opt.variables() if "iteration" not in v.name]
