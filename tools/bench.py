@@ -9,7 +9,11 @@ float32 time / variant time; medians of ``--runs`` calls after the first call an
 
 Each (model, step, variant) runs in a fresh subprocess of this script, so rewrites,
 grappler options and Keras policies never leak from one variant into another, and the
-child's own peak RSS (``ru_maxrss``) is that variant's. The child also records what
+child's own peak RSS (``ru_maxrss``) is that variant's. A (model, step)'s variants are
+timed in turn: each child builds and warms up alone, then every round times one step of
+each variant, in an order rotated per round, so a change in the machine's load during the
+run (another process, clock speed) falls on every variant alike instead of on whichever
+ran at that moment. The child also records what
 actually ran after TensorFlow's runtime optimizations (the partition graphs of the step's
 first call, from run metadata): the precision casts per step, how many convolutions and
 matmuls run in low precision, and the oneDNN/cuDNN fusions kept. Where ours is slower,
@@ -37,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -426,8 +431,9 @@ def gpu_line() -> str | None:
     return f"GPU: {', '.join(named)}; measured on the first"
 
 
-def measure_step(job: Job) -> dict[str, Any]:
-    """Build, trace (first call, inside the variant's scope), warm up, time; then count ops."""
+def serve_step(job: Job, commands: Any, reply: Callable[[str], None]) -> dict[str, Any]:
+    """Build, trace (first call, inside the variant's scope) and warm up; say "ready"; then
+    time one step per "step" command until "done"; then count ops (and time the passes)."""
     x, y = _inputs(job)
     eager = context.context()
     with _variant_scope(job):
@@ -443,11 +449,15 @@ def measure_step(job: Job) -> dict[str, Any]:
         eager.disable_run_metadata()
     for _ in range(job.sizes.warmup):
         _sync(step(x, y))
+    reply("ready")
     seconds = []
-    for _ in range(job.sizes.runs):
+    for command in commands:
+        if command.strip() != "step":
+            break
         start = time.perf_counter()
         _sync(step(x, y))
         seconds.append(time.perf_counter() - start)
+        reply(repr(seconds[-1]))
     result = {
         "seconds": seconds, "first_call_s": first_call_s, "peak_rss_mb": _peak_rss_mb(),
         "peak_gpu_mb": tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20 if job.device == "gpu" else 0.0,
@@ -480,40 +490,102 @@ def export_float32(job: Job) -> dict[str, Any]:
 
 
 def run_child(spec: str) -> int:
+    """The child's side: stdout is the line protocol with the parent; anything else that
+    writes to stdout (TensorFlow, Keras) is sent to stderr."""
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     fields = json.loads(spec)
     out = Path(fields.pop("out"))
     job = Job(**{**fields, "sizes": Sizes(**fields["sizes"])})
-    measure = {"step": measure_step, "export": export_float32}[job.kind]
-    out.write_text(json.dumps(measure(job)), encoding="utf-8")
+    if job.kind == "export":
+        result = export_float32(job)
+    else:
+        result = serve_step(job, sys.stdin, lambda line: print(line, file=protocol))
+    out.write_text(json.dumps(result), encoding="utf-8")
     return 0
 
 
 # --- the parent: run the children, write the tables -----------------------------------
 
 
-def run_job(job: Job, workdir: Path) -> Outcome:
-    out = workdir / "result.json"
-    out.unlink(missing_ok=True)
-    spec = json.dumps({**dataclasses.asdict(job), "out": str(out)})
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-    if job.device == "cpu":
-        environment["CUDA_VISIBLE_DEVICES"] = "-1"  # a GPU host still measures the CPU
-    try:
-        child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", spec], env=environment,
-                               capture_output=True, text=True, timeout=job.sizes.child_timeout, cwd=REPO, check=False)
-    except subprocess.TimeoutExpired:
-        return Outcome(job, error=f"timed out after {job.sizes.child_timeout} s (raise --child-timeout)")
-    if child.returncode != 0 or not out.exists():
-        lines = [line for line in child.stderr.splitlines() if line.strip()]
-        print(f"--- {job.name} failed (exit {child.returncode}); last lines of its stderr:", *lines[-15:],
+class Child:
+    """One job's process. Step children hold their model between the parent's "step"
+    commands, so a group's variants can be timed in turn (see ``run_group``)."""
+
+    def __init__(self, job: Job, workdir: Path, index: int) -> None:
+        self.job, self.error = job, ""
+        self.out, self.log = workdir / f"result-{index}.json", workdir / f"stderr-{index}.txt"
+        spec = json.dumps({**dataclasses.asdict(job), "out": str(self.out)})
+        environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        if job.device == "cpu":
+            environment["CUDA_VISIBLE_DEVICES"] = "-1"  # a GPU host still measures the CPU
+        with self.log.open("w", encoding="utf-8") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--child", spec], env=environment, cwd=REPO,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+        # A hung child is killed; its next read then fails like any other death.
+        self.watchdog = threading.Timer(job.sizes.child_timeout, self._time_out)
+        self.watchdog.start()
+
+    def _time_out(self) -> None:
+        self.error = f"timed out after {self.job.sizes.child_timeout} s (raise --child-timeout)"
+        self.process.kill()
+
+    def ask(self, command: str | None) -> str | None:
+        """Send a command (None: just listen) and read the one-line answer; None (and
+        ``error`` set) if the child died."""
+        if self.error:
+            return None
+        if command is not None:
+            with contextlib.suppress(OSError):  # a dead child is found by the read below
+                self.process.stdin.write(command + "\n")
+                self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            self._failed()
+            return None
+        return answer.strip()
+
+    def _failed(self) -> None:
+        self.process.wait()
+        lines = [line for line in self.log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        print(f"--- {self.job.name} failed (exit {self.process.returncode}); last lines of its stderr:", *lines[-15:],
               sep="\n", file=sys.stderr)
-        return Outcome(job, error=(lines[-1] if lines else f"exit status {child.returncode}")[:200])
-    values = json.loads(out.read_text(encoding="utf-8"))
-    if "ops" in values:
-        values["ops"] = StepOps(**values["ops"])
-    if "seconds" in values:
-        values["seconds"] = tuple(values["seconds"])
-    return Outcome(job, **values)
+        self.error = self.error or (lines[-1] if lines else f"exit status {self.process.returncode}")[:200]
+
+    def finish(self) -> Outcome:
+        """Say "done", wait for the result file, and read it."""
+        if not self.error:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+            if self.process.wait() != 0 or not self.out.exists():
+                self._failed()
+        self.watchdog.cancel()
+        if self.error:
+            return Outcome(self.job, error=self.error)
+        values = json.loads(self.out.read_text(encoding="utf-8"))
+        if "ops" in values:
+            values["ops"] = StepOps(**values["ops"])
+        if "seconds" in values:
+            values["seconds"] = tuple(values["seconds"])
+        return Outcome(self.job, **values)
+
+
+def run_group(jobs: Sequence[Job], workdir: Path, first_index: int) -> list[Outcome]:
+    """Time one (model, step)'s variants in turn: each is built and warmed up alone, then
+    every round times one step of each, in an order rotated per round, so drift in the
+    machine's load (another process, thermal state) falls on all variants alike."""
+    children = []
+    for index, job in enumerate(jobs, first_index):
+        child = Child(job, workdir, index)
+        if child.ask(None) not in ("ready", None):
+            child.error = "did not say it was ready"
+        children.append(child)
+    for round_index in range(jobs[0].sizes.runs):
+        shift = round_index % len(children)
+        for child in children[shift:] + children[:shift]:
+            child.ask("step")
+    return [child.finish() for child in children]
 
 
 def convert_savedmodel(source: str, destination: str, target: str) -> tuple[float, str]:
@@ -526,23 +598,32 @@ def convert_savedmodel(source: str, destination: str, target: str) -> tuple[floa
 
 
 def run_all(settings: Settings, workdir: Path) -> list[Outcome]:
-    outcomes = []
+    outcomes: list[Outcome] = []
     jobs = plan_jobs(settings, workdir)
     started = time.perf_counter()
-    for index, job in enumerate(jobs, 1):
-        if job.variant == "ours-cli" and any(o.job.kind == "export" and o.error for o in outcomes
-                                             if o.job.model == job.model):
-            outcomes.append(Outcome(job, error="the float32 export failed"))
+    groups: dict[tuple[str, str], list[Job]] = {}
+    for job in jobs:
+        groups.setdefault((job.model, job.mode), []).append(job)
+    for (model, mode), group in groups.items():
+        group_start = time.perf_counter()
+        if group[0].kind == "export":
+            outcome = Child(group[0], workdir, len(outcomes)).finish()
+            if not outcome.error and "ours-cli" in settings.variants:
+                seconds, error = convert_savedmodel(group[0].savedmodel, str(workdir / f"{model}-{settings.target}"),
+                                                    settings.target)
+                outcome = dataclasses.replace(outcome, convert_s=seconds,
+                                              error=error and f"amp-rewrite convert: {error}")
+            outcomes.append(outcome)
+            done = "failed" if outcome.error else "done"
+            print(f"export {model}: {done}", file=sys.stderr, flush=True)
             continue
-        job_start = time.perf_counter()
-        outcome = run_job(job, workdir)
-        if job.kind == "export" and not outcome.error and "ours-cli" in settings.variants:
-            seconds, error = convert_savedmodel(job.savedmodel, str(workdir / f"{job.model}-{settings.target}"),
-                                                settings.target)
-            outcome = dataclasses.replace(outcome, convert_s=seconds, error=error and f"amp-rewrite convert: {error}")
-        outcomes.append(outcome)
-        done = f"{outcome.median_s:.3f} s/step" if outcome.seconds else ("failed" if outcome.error else "done")
-        print(f"[{index}/{len(jobs)}] {job.name}: {done} ({time.perf_counter() - job_start:.0f} s,"
+        export_failed = any(o.job.kind == "export" and o.error for o in outcomes if o.job.model == model)
+        runnable = [job for job in group if not (job.variant == "ours-cli" and export_failed)]
+        outcomes += [Outcome(job, error="the float32 export failed") for job in group if job not in runnable]
+        outcomes += run_group(runnable, workdir, len(outcomes))
+        summary = ", ".join(f"{o.job.variant} {o.median_s:.3f} s" if o.seconds else f"{o.job.variant} failed"
+                            for o in outcomes[-len(runnable):])
+        print(f"{model} {mode}: {summary} ({time.perf_counter() - group_start:.0f} s,"
               f" {time.perf_counter() - started:.0f} s in all)", file=sys.stderr, flush=True)
     return outcomes
 
@@ -714,7 +795,8 @@ QUICK_NOTE = (
     " it shows that every variant runs and the table renders. Replace it with a full run on a quiet machine."
 )
 METHOD_NOTE = (
-    "Each variant runs in a fresh process; speed-up = float32 time / variant time, both from this run;"
+    "Each variant runs in its own process; a model and step's variants are timed in turn, one step each per"
+    " round, in an order rotated per round; speed-up = float32 time / variant time, both from this run;"
     " peak RSS is the variant's whole process (TensorFlow, model build, tracing, runs)."
 )
 VERDICTS_HEADING = (
