@@ -21,11 +21,12 @@ test: install
 demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
 
-# Pass time vs grappler, then model speed-ups vs float32 (writes BENCHMARKS.md); both
+# Pass time vs grappler, bfloat16 vs float32 op kernels, then model speed-ups vs float32 (writes BENCHMARKS.md); both
 # run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_pass.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_ops.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	exit $$status
 

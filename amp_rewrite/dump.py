@@ -66,6 +66,7 @@ RULE_TO_MEANING = {
     "infer-isolated": "infer op neither between allow ops nor directly after one",
     "clear-isolated": "clear op not connected to an allow op through clear ops",
     "unlisted": "op is in no list, so it is never converted",
+    "slower-converted": "op taken off grappler's lists: its low-precision kernel is slower than float32's",
     "not-processed": "the pass may not touch the node: fetched, a graph input, keep_nodes, or another device",
     "no-kernel": "TensorFlow has no low-precision kernel for the op on that device",
     "loop-value": "loop value of a functional While whose body and cond keep float32",

@@ -4,7 +4,11 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
 
 1. The built-in file ``lists/<target>.yaml``: the lists TensorFlow 2.21 builds
    (float16: ``AutoMixedPrecisionListsFp16``, CUDA variant, all gates open;
-   bfloat16: ``AutoMixedPrecisionListsMkl``), with a reason where an entry is not obvious.
+   bfloat16: ``AutoMixedPrecisionListsMkl``), with a reason where an entry is not obvious,
+   less the ops of its optional ``float32`` section: ops grappler would convert whose
+   low-precision kernels are measurably slower than float32's. They are in no list (never
+   converted, nothing spreads from them); their reasons say why. ``held_float32(target)``
+   names them; an overlay or variable may still put them in any list.
 2. An optional user overlay file; every key is optional, ``add`` is applied before ``remove``::
 
        allow: {add: [Foo], remove: [Bar]}
@@ -55,8 +59,8 @@ class Colour(enum.Enum):
 
 
 _LIST_NAMES = tuple(colour.value for colour in Colour)
-_ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
-_LEVEL_VAR = _ENV_PREFIX + "LEVEL"
+ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
+_LEVEL_VAR = ENV_PREFIX + "LEVEL"
 _LEVELS = ("TENSOR_CORES_ONLY", "TREAT_INFER_AS_DENY", "UNSAFE_FORCE_ALL")
 # TensorFlow's variable names per list, in the order it applies them (legacy name second).
 _LIST_TO_ENV_NAMES = {
@@ -67,7 +71,8 @@ _LIST_TO_ENV_NAMES = {
 }
 _OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes")
 _EDIT_KEYS = ("add", "remove")
-_BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES)
+_HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slower converted
+_BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
 _BUILTIN_DIRS = (
     Path(__file__).resolve().parent.parent / "lists",
@@ -176,7 +181,7 @@ def load_lists(
             continue
         for env_name in env_names:
             for action in ("add", "remove"):
-                var = f"{_ENV_PREFIX}{env_name}_{action.upper()}"
+                var = f"{ENV_PREFIX}{env_name}_{action.upper()}"
                 value = environ.get(var, "")
                 if value:
                     sources.append(var)
@@ -215,7 +220,7 @@ class _Draft:
         self._builtin = builtin
         self._count = 0
         self._name_to_op_to_origin: dict[str, dict[str, tuple[int, str]]] = {
-            name: {op: (0, builtin.shown) for op in ops} for name, ops in builtin.name_to_op_to_reason.items()
+            name: {op: (0, builtin.shown) for op in builtin.name_to_op_to_reason[name]} for name in _LIST_NAMES
         }
 
     def apply(self, edits: Mapping[str, Mapping[str, Iterable[str]]], source: str) -> None:
@@ -248,12 +253,14 @@ class _Draft:
         return {name: frozenset(op for op in ops if op) for name, ops in self._name_to_op_to_origin.items()}
 
     def reasons(self) -> dict[str, str]:
-        """Built-in reasons of ops still in the list the reason was written for."""
+        """Built-in reasons of ops still in the list the reason was written for, and of
+        held float32 ops that are still in no list."""
+        listed = {op for op_to_origin in self._name_to_op_to_origin.values() for op in op_to_origin}
         return {
             op: reason
             for name, op_to_reason in self._builtin.name_to_op_to_reason.items()
             for op, reason in sorted(op_to_reason.items())
-            if reason and op in self._name_to_op_to_origin[name]
+            if reason and (op not in listed if name == _HELD_SECTION else op in self._name_to_op_to_origin[name])
         }
 
     def user_added(self, lists: OpLists) -> dict[str, str]:
@@ -266,6 +273,12 @@ class _Draft:
         }
 
 
+def held_float32(target: str) -> frozenset[str]:
+    """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
+    _check_target(target)
+    return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
+
+
 def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, int, str]) -> str:
     """One line: who added the op last, both lists, where the other entry came from, what to do."""
     (old_list, _, old_source), (new_list, _, new_source) = sorted((first, second), key=lambda entry: entry[1])
@@ -275,8 +288,8 @@ def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, i
         message += f" ({old_list!r} from {old_source})"
     if not op:
         return message + "; remove the extra comma"
-    if new_source.startswith(_ENV_PREFIX) and old_list in _LIST_TO_ENV_NAMES and old_source != new_source:
-        hint = f"{_ENV_PREFIX}{_LIST_TO_ENV_NAMES[old_list][0]}_REMOVE={op}"
+    if new_source.startswith(ENV_PREFIX) and old_list in _LIST_TO_ENV_NAMES and old_source != new_source:
+        hint = f"{ENV_PREFIX}{_LIST_TO_ENV_NAMES[old_list][0]}_REMOVE={op}"
         return message + f"; remove it from one (to move it, also set {hint})"
     if old_source != new_source:
         return message + f"; remove it from one (to move it, also write {old_list}: {{remove: [{op}]}})"
@@ -339,14 +352,14 @@ def _read_builtin(path: Path, target: str) -> _BuiltinFile:
     shown = f"{path.parent.name}/{path.name}"
     data = _read_yaml(path, shown)
     _check_mapping(data, shown, "the file", _BUILTIN_KEYS)
-    missing = [key for key in _BUILTIN_KEYS if key not in data]
+    missing = [key for key in _BUILTIN_KEYS if key not in data and key != _HELD_SECTION]
     if missing:
         raise ListsError(f"{shown}: missing keys {', '.join(missing)}; restore the file from the repository")
     if data["target"] != target:
         raise ListsError(f"{shown}: target is {data['target']!r}, expected {target!r}; restore the file")
     name_to_op_to_reason: dict[str, Mapping[str, str | None]] = {}
-    for name in _LIST_NAMES:
-        section = data[name]
+    for name in (*_LIST_NAMES, _HELD_SECTION):
+        section = data.get(name, {"ops": {}})
         _check_mapping(section, shown, repr(name), _BUILTIN_LIST_KEYS)
         ops = section.get("ops") or {}
         _check_mapping(ops, shown, f"{name}.ops", None)
@@ -355,6 +368,9 @@ def _read_builtin(path: Path, target: str) -> _BuiltinFile:
                 message = f"{name}.ops entry {op!r}: {reason!r} must map an op name to a reason or nothing"
                 raise ListsError(f"{shown}: {message}")
         name_to_op_to_reason[name] = MappingProxyType(dict(ops))
+    for name in _LIST_NAMES:
+        for op in sorted(name_to_op_to_reason[name].keys() & name_to_op_to_reason[_HELD_SECTION].keys()):
+            raise ListsError(f"{shown}: op {op!r} is in both {name!r} and {_HELD_SECTION!r}; restore the file")
     return _BuiltinFile(shown, MappingProxyType(name_to_op_to_reason))
 
 

@@ -35,6 +35,11 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   ``StatelessWhile`` are clear, so their ``T`` elements can be painted while the body
   and cond signatures stay float32 ("cond function argument #3 type ... is not
   compatible"). The oracle must show what AMP did, not that the verifier refused it.
+* grappler is given the lists ``amp_rewrite`` uses by default: the ops of the
+  ``float32`` section of ``lists/<target>.yaml`` (taken off grappler's infer list,
+  ``amp_rewrite.lists``) are removed from its infer list for the run through
+  ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE``, after any value the
+  caller set, unless the caller's ``..._INFERLIST_ADD`` names them.
 * Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
   keeps ``library``); the meta-optimizer then also runs AMP on each reachable
   function body as a separate item (spec §1.2) and returns the rewritten library.
@@ -43,8 +48,10 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorflow.core.framework import types_pb2
@@ -56,7 +63,7 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 
-from amp_rewrite import functions, support
+from amp_rewrite import functions, lists, support
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.graph_io import parse_tensor_name
 
@@ -141,6 +148,32 @@ def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes]) -> None:
                 del node.attr["shape"]
 
 
+_INFER_ADD, _INFER_REMOVE = (f"{lists.ENV_PREFIX}INFERLIST_{action}" for action in ("ADD", "REMOVE"))
+
+
+def grappler_environ(target: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` plus the edit that gives grappler our default lists: the ops we hold
+    float32 (``lists.held_float32``) off its infer list, unless ``environ`` adds them."""
+    held = sorted(lists.held_float32(target) - set(environ.get(_INFER_ADD, "").split(",")))
+    if not held:
+        return dict(environ)
+    return {**environ, _INFER_REMOVE: ",".join(filter(None, (environ.get(_INFER_REMOVE), *held)))}
+
+
+@contextlib.contextmanager
+def _held_float32_removed(target: str) -> Iterator[None]:
+    """os.environ as ``grappler_environ`` makes it, while grappler runs."""
+    old = os.environ.get(_INFER_REMOVE)
+    os.environ.update(grappler_environ(target, os.environ))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_INFER_REMOVE, None)
+        else:
+            os.environ[_INFER_REMOVE] = old
+
+
 def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = ()) -> GraphDef:
     """Return the GraphDef TensorFlow's grappler AMP pass makes of ``graph_def``.
 
@@ -159,9 +192,10 @@ def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (
     meta_graph.collection_def["train_op"].node_list.value.extend(fetch_names)
     cluster = _virtual_cluster(target)
     try:
-        output = tf_optimizer.OptimizeGraph(
-            _config(target), meta_graph, verbose=False, cluster=cluster, strip_default_attributes=False
-        )
+        with _held_float32_removed(target):
+            output = tf_optimizer.OptimizeGraph(
+                _config(target), meta_graph, verbose=False, cluster=cluster, strip_default_attributes=False
+            )
     except Exception as error:  # TF errors and pybind11 errors share no narrower base
         raise RuntimeError(f"grappler failed on the graph for {target}: {error}") from error
     finally:

@@ -113,6 +113,8 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
         return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
     colour = ctx.lists.colour(op)
     if colour is None:
+        if op in ctx.lists.reasons:  # in the float32 section of the built-in file
+            return Reason("slower-converted", f"op {op}: {ctx.lists.reasons[op]}")
         return Reason("unlisted", f"op {op} is in no list")
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
         return Reason("no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}")

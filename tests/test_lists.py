@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from amp_rewrite.errors import ListsError
-from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
+from amp_rewrite import lists as lists_module
+from amp_rewrite.lists import ENV_PREFIX as P
+from amp_rewrite.lists import TARGETS, Colour, OpLists, held_float32, load_lists
+from amp_rewrite.reference import grappler_environ
 
 ROOT = Path(__file__).resolve().parent.parent
-P = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 LISTS = ("allow", "deny", "infer", "clear")
 # Registered TensorFlow ops that are in no built-in list: safe to add without a warning.
 FREE_OPS = ("Cumsum", "Cumprod")
@@ -59,10 +61,13 @@ def write(tmp_path: Path, text: str, name: str = "my.yaml") -> Path:
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_builtin_lists_equal_grappler_dump(target, grappler_lists):
-    """lists/<target>.yaml holds exactly what the installed TensorFlow's pass uses."""
+    """lists/<target>.yaml holds exactly what the installed TensorFlow's pass uses, less
+    the ops of its float32 section, which grappler has on its infer list."""
     ours = load_lists(target, environ={})
     for name in LISTS:
         theirs = frozenset(grappler_lists[target][name])
+        if name == "infer":
+            theirs -= held_float32(target)
         assert getattr(ours, name) == theirs, (
             f"{target} {name}: only in YAML {sorted(getattr(ours, name) - theirs)}, "
             f"only in grappler {sorted(theirs - getattr(ours, name))}; re-run tools/dump_grappler_lists.py"
@@ -70,13 +75,36 @@ def test_builtin_lists_equal_grappler_dump(target, grappler_lists):
 
 
 @pytest.mark.parametrize(
-    ("target", "sizes"),
-    [("float16", {"allow": 39, "deny": 9, "infer": 43, "clear": 110}),
-     ("bfloat16", {"allow": 14, "deny": 7, "infer": 48, "clear": 111})],
+    ("target", "sizes", "held"),
+    [("float16", {"allow": 39, "deny": 9, "infer": 43, "clear": 110}, 0),
+     ("bfloat16", {"allow": 14, "deny": 7, "infer": 40, "clear": 111}, 8)],
 )
-def test_builtin_sizes_are_tf_2_21(target, sizes):
-    """Sizes as TF 2.21 builds them (spec §3)."""
+def test_builtin_sizes_are_tf_2_21(target, sizes, held):
+    """Sizes as TF 2.21 builds them (spec §3), infer less the ops we hold float32."""
     assert {name: len(ops) for name, ops in lists_of(load_lists(target, environ={})).items()} == sizes
+    assert len(held_float32(target)) == held
+
+
+def test_held_float32_ops_are_in_no_list_with_a_reason():
+    """bfloat16's float32 section: grappler's infer ops that run slower converted on a CPU
+    are in no list and say why; an overlay or variable can still list them."""
+    bf16 = load_lists("bfloat16", environ={})
+    assert {"Erfc", "Erf", "Elu", "Selu"} <= held_float32("bfloat16")
+    for op in held_float32("bfloat16"):
+        assert bf16.colour(op) is None
+        assert "bfloat16 kernel takes" in bf16.reasons[op]
+    put_back = load_lists("bfloat16", environ={P + "INFERLIST_ADD": "Erfc"})
+    assert put_back.colour("Erfc") is Colour.INFER and "Erfc" not in put_back.reasons
+    assert load_lists("bfloat16", environ={P + "DENYLIST_ADD": "Elu"}).colour("Elu") is Colour.DENY
+
+
+def test_builtin_file_holding_a_listed_op_is_refused(tmp_path, monkeypatch):
+    """An op in the float32 section and in a list is a broken file, named with the fix."""
+    text = (ROOT / "lists" / "bfloat16.yaml").read_text(encoding="utf-8")
+    (tmp_path / "bfloat16.yaml").write_text(text.replace("    Selu: its", "    Mul: its"), encoding="utf-8")
+    monkeypatch.setattr(lists_module, "_BUILTIN_DIRS", (tmp_path,))
+    with pytest.raises(ListsError, match=r"bfloat16.yaml: op 'Mul' is in both 'infer' and 'float32'; restore"):
+        load_lists("bfloat16", environ={})
 
 
 def test_colour_reads_the_lists():
@@ -349,6 +377,9 @@ LIVE_CASES = [
     ("float16", {"ALLOWLIST_ADD": "Exp"}),
     ("bfloat16", {"ALLOWLIST_ADD": "Cumsum,", "DENYLIST_ADD": "Cumprod,"}),
     ("bfloat16", {"LEVEL": "UNSAFE_FORCE_ALL"}),
+    ("bfloat16", {"INFERLIST_ADD": "Erfc", "DENYLIST_ADD": "Elu", "GRAYLIST_ADD": "Selu",
+                  "INFERLIST_REMOVE": "Add"}),
+    ("bfloat16", {"CLEARLIST_ADD": "Erf", "INFERLIST_REMOVE": "Erfc"}),
 ]
 
 
@@ -357,7 +388,7 @@ def test_env_semantics_match_grappler(target, env, dump_tool, grappler_lists):
     """With the same variables, grappler builds the same lists, or fails where we raise."""
     environ = {P + key: value for key, value in env.items()}
     try:
-        theirs = dump_tool.dump_lists(target, environ)
+        theirs = dump_tool.dump_lists(target, grappler_environ(target, environ))
     except RuntimeError:  # grappler refused the lists and wrote no dump
         theirs = None
     with warnings.catch_warnings():

@@ -8,6 +8,7 @@ from tensorflow.core.framework import types_pb2
 
 import amp_rewrite
 from amp_rewrite import GraphError, rewrite_graph_def
+from conftest import check_against_grappler, dtype_of, graph_def_of
 
 
 def _chain():
@@ -185,3 +186,31 @@ def test_quantized_allowlisted_op_is_removed_like_grappler(monkeypatch, target):
     qmm_node = _node(rewrites.ours, "qmm")
     assert qmm_node.attr["Toutput"].type == types_pb2.DT_QINT32
     assert _node(rewrites.ours, "allow1").attr["T"].type != types_pb2.DT_FLOAT
+
+
+def _gelu_between_matmuls():
+    """MatMul mm1 -> Erfc gelu -> Mul scale -> MatMul mm2 -> Identity fetch: GELU's shape."""
+    x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="input")
+    mm1 = tf.raw_ops.MatMul(a=x, b=x, name="mm1")
+    gelu = tf.raw_ops.Erfc(x=mm1, name="gelu")
+    scale = tf.raw_ops.Mul(x=gelu, y=mm1, name="scale")
+    tf.identity(tf.raw_ops.MatMul(a=scale, b=x, name="mm2"), name="fetch")
+
+
+def test_ops_slower_in_bfloat16_stay_float32_with_the_reason(monkeypatch):
+    """bfloat16 keeps Erfc (lists/bfloat16.yaml's float32 section) float32 and says why,
+    while grappler, given the same lists, agrees; its own infer list would convert Erfc,
+    and putting Erfc back on the infer list makes ours do so too."""
+    graph_def = graph_def_of(_gelu_between_matmuls)
+    rewrites = check_against_grappler(graph_def, "bfloat16", ["fetch"])
+    assert dtype_of(rewrites.ours, "gelu") == types_pb2.DT_FLOAT
+    assert dtype_of(rewrites.ours, "scale") == types_pb2.DT_BFLOAT16
+    decision = rewrites.report.decision("gelu")
+    assert decision.rule == "slower-converted" and "takes 4.8-5.0x float32's time" in decision.reason
+    # grappler's own lists: no edit of ours, Erfc converted.
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_ADD", "Erfc")
+    put_back = check_against_grappler(graph_def, "bfloat16", ["fetch"])
+    assert dtype_of(put_back.ours, "gelu") == types_pb2.DT_BFLOAT16
+    # float16 (GPU) lists have no float32 section.
+    monkeypatch.delenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_ADD")
+    assert dtype_of(check_against_grappler(graph_def, "float16", ["fetch"]).ours, "gelu") == types_pb2.DT_HALF

@@ -1,0 +1,130 @@
+"""Which elementwise ops run slower in bfloat16 than in float32 on this CPU (``make bench``).
+
+Grappler's bfloat16 infer list converts every elementwise op between two converted ones,
+but on a CPU only convolutions and matmuls have oneDNN bfloat16 kernels: the rest are
+Eigen kernels that widen each element to float32 and narrow the result again, and for
+transcendental functions and activation gradients that costs more than the halved memory
+traffic saves. This tool times each elementwise op of the bfloat16 infer list, and the ops
+of the ``float32`` section of ``lists/bfloat16.yaml`` (taken off that list for this reason),
+in float32 and bfloat16 on two tensor sizes (a BERT-base FFN activation and a ResNet50
+stage-3 feature map), as ratios in the same run, and prints a markdown table.
+
+An op belongs in the ``float32`` section when its bfloat16 kernel takes at least
+``SLOW_RATIO`` times float32's at both sizes: then keeping it float32, even with a cast
+on each side (a cast costs about half of a float32 multiply), is faster. The tool marks
+where the YAML and this CPU disagree; it exits 0 either way (the lists are not per-CPU).
+
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_ops.py
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import tensorflow as tf
+from tensorflow.python.ops import gen_math_ops, gen_nn_ops
+
+from amp_rewrite.lists import held_float32, load_lists
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_pass  # tools/ is not a package
+
+SLOW_RATIO = 1.85
+SHAPES = ((8, 128, 3072), (32, 28, 28, 512))
+TIMED_RUNS = 15
+
+# Op name -> the op applied to two same-shaped tensors x, y (unary ops use x only;
+# inputs are made valid where the op needs it: log of |x| + 1, ...).
+Kernel = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+OPS: dict[str, Kernel] = {
+    "Add": lambda x, y: gen_math_ops.add(x, y),
+    "AddV2": lambda x, y: x + y,
+    "BiasAdd": lambda x, y: tf.nn.bias_add(x, y[(0,) * (len(y.shape) - 1)]),
+    "Elu": lambda x, y: tf.nn.elu(x),
+    "EluGrad": lambda x, y: gen_nn_ops.elu_grad(x, y),
+    "Erf": lambda x, y: tf.math.erf(x),
+    "Erfc": lambda x, y: tf.math.erfc(x),
+    "Inv": lambda x, y: gen_math_ops.inv(x),
+    "LeakyRelu": lambda x, y: tf.nn.leaky_relu(x),
+    "LeakyReluGrad": lambda x, y: gen_nn_ops.leaky_relu_grad(x, y),
+    "Log": lambda x, y: tf.math.log(tf.abs(x) + 1),
+    "Log1p": lambda x, y: tf.math.log1p(tf.abs(x)),
+    "LogSoftmax": lambda x, y: tf.nn.log_softmax(x),
+    "Mean": lambda x, y: tf.reduce_mean(x, -1),
+    "Mul": lambda x, y: x * y,
+    "RealDiv": lambda x, y: x / (tf.abs(y) + 1),
+    "Reciprocal": lambda x, y: tf.math.reciprocal(x),
+    "Rsqrt": lambda x, y: tf.math.rsqrt(tf.abs(x) + 1),
+    "Selu": lambda x, y: tf.nn.selu(x),
+    "SeluGrad": lambda x, y: gen_nn_ops.selu_grad(x, y),
+    "Sigmoid": lambda x, y: tf.math.sigmoid(x),
+    "SigmoidGrad": lambda x, y: gen_math_ops.sigmoid_grad(x, y),
+    "Softmax": lambda x, y: tf.nn.softmax(x),
+    "Softplus": lambda x, y: tf.math.softplus(x),
+    "SoftplusGrad": lambda x, y: gen_nn_ops.softplus_grad(x, y),
+    "Softsign": lambda x, y: tf.nn.softsign(x),
+    "SoftsignGrad": lambda x, y: gen_nn_ops.softsign_grad(x, y),
+    "Sqrt": lambda x, y: tf.sqrt(tf.abs(x)),
+    "Square": lambda x, y: tf.square(x),
+    "SquaredDifference": lambda x, y: tf.math.squared_difference(x, y),
+    "Sub": lambda x, y: x - y,
+    "Sum": lambda x, y: tf.reduce_sum(x, -1),
+    "Tanh": lambda x, y: tf.math.tanh(x),
+    "TanhGrad": lambda x, y: gen_math_ops.tanh_grad(x, y),
+}
+
+
+def median_ms(kernel: Kernel, x: tf.Tensor, y: tf.Tensor) -> float:
+    function = tf.function(kernel, autograph=False)
+    for _ in range(3):
+        function(x, y)
+    times = []
+    for _ in range(TIMED_RUNS):
+        start = time.perf_counter()
+        function(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def ratios(shape: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+    """Op -> (float32 ms, bfloat16 ms) on tensors of ``shape``, plus the float32->bfloat16 Cast."""
+    x32, y32 = tf.random.normal(shape, seed=1), tf.random.normal(shape, seed=2)
+    x16, y16 = tf.cast(x32, tf.bfloat16), tf.cast(y32, tf.bfloat16)
+    times = {name: (median_ms(kernel, x32, y32), median_ms(kernel, x16, y16)) for name, kernel in OPS.items()}
+    cast = median_ms(lambda x, y: tf.cast(x, tf.bfloat16), x32, y32)
+    times["Cast float32->bfloat16"] = (cast, cast)
+    return times
+
+
+def main() -> int:
+    held = held_float32("bfloat16")
+    infer = load_lists("bfloat16", environ={}).infer
+    missing = sorted((held | infer) - OPS.keys())
+    print(bench_pass.machine_line())
+    print(f"Median of {TIMED_RUNS} calls, ms; ratio = bfloat16 / float32 time; shapes {' and '.join(map(str, SHAPES))}.")
+    print(f"Held float32 = in the float32 section of lists/bfloat16.yaml; slow = ratio >= {SLOW_RATIO} at both sizes.\n")
+    per_shape = [ratios(shape) for shape in SHAPES]
+    header = " | ".join(f"{shape} f32 ms | bf16 ms | ratio" for shape in SHAPES)
+    print(f"| op | {header} | slow | held float32 |")
+    print("|---|" + "---:|---:|---:|" * len(SHAPES) + "---|---|")
+    disagree = []
+    for name in sorted(per_shape[0], key=lambda op: -per_shape[0][op][1] / per_shape[0][op][0]):
+        cells = " | ".join(f"{t[name][0]:.2f} | {t[name][1]:.2f} | {t[name][1] / t[name][0]:.2f}" for t in per_shape)
+        if name not in OPS:
+            print(f"| {name} | {cells} | | |")
+            continue
+        slow = all(t[name][1] / t[name][0] >= SLOW_RATIO for t in per_shape)
+        if slow != (name in held):
+            disagree.append(name)
+        print(f"| {name} | {cells} | {'yes' if slow else 'no'} | {'yes' if name in held else 'no'} |")
+    if missing:
+        print(f"\nNot timed (no elementwise form here): {', '.join(missing)}")
+    print(f"\nThis CPU and lists/bfloat16.yaml disagree on: {', '.join(disagree) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
