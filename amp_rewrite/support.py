@@ -43,17 +43,14 @@ def resolve_op_def(
     return op_def
 
 
-def fill_default_attrs(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> None:
-    """Add the attrs a serialized graph left out because they held their default value.
+def default_attrs(op: str, op_def: op_def_pb2.OpDef) -> tuple:
+    """(name, AttrValue) for each attr of ``op_def`` that has a default value.
 
     SavedModels and ``tf.io.write_graph`` strip default-valued attrs (e.g. ``Reshape``'s
-    ``Tshape``); a missing type attr would otherwise be read as no dtype at all.
+    ``Tshape``); the pass adds them back to its working copy, since a missing type attr
+    would otherwise be read as no dtype at all.
     """
-    attrs = node_def.attr
-    registered = registered_op_def(node_def.op) is op_def
-    for name, default in _registered_defaults(node_def.op) if registered else _defaults_of(op_def):
-        if name not in attrs:
-            attrs[name].CopyFrom(default)
+    return _registered_defaults(op) if registered_op_def(op) is op_def else _defaults_of(op_def)
 
 
 def _defaults_of(op_def: op_def_pb2.OpDef) -> tuple:
