@@ -16,7 +16,6 @@ from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.errors import GraphError
 from amp_rewrite import graph_io
 from amp_rewrite.graph_io import tensor_name
-from amp_rewrite.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
 KIND_TO_TARGET = {types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
@@ -49,20 +48,28 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy)."""
     types, target = ctx.types, ctx.target_dtype
     nodes = types.nodes
+    allow, float32 = painting.allow, ctx.float32
+    # Only an edge with an ALLOW end can need a cast: visit the nodes of ALLOW vertices
+    # and their producers, in graph order (which names and orders the casts).
+    touched = set()
+    fanins = types.graph._pred
+    for vertex in allow:
+        touched.add(vertex.node)
+        touched.update(producer.node for producer in fanins.get(vertex, ()))
     converted = added = to_target = 0
-    for name in list(nodes):
+    for name in [name for name in nodes if name in touched]:
         node_types = types.types[name]
-        float_attrs = [a for a in node_types.attrs if ctx.is_float32(Vertex(name, a))]
-        if not float_attrs:
+        float_vertices = [vertex for vertex in types.vertices[name] if vertex in float32]
+        if not float_vertices:
             continue
         node_def = types.node_def(name)
         by_port: dict[int, list] = {}
         for dst, keyed in nodes._succ[name].items():
             for key, data in keyed.items():
                 by_port.setdefault(data["src_port"], []).append((dst, key, data))
-        for attr in float_attrs:
-            vertex = Vertex(name, attr)
-            src_allow = vertex in painting.allow
+        for vertex in float_vertices:
+            attr = vertex.attr
+            src_allow = vertex in allow
             if src_allow:
                 if not attr.name:
                     raise GraphError(
@@ -78,7 +85,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             for port in node_types.output_ports(attr):
                 cast_name = None
                 for dst, key, data in by_port.get(port, ()):
-                    dst_allow = types.input_vertex(dst, data["dst_port"]) in painting.allow
+                    dst_allow = types.input_vertex(dst, data["dst_port"]) in allow
                     if dst_allow == src_allow:
                         continue
                     if cast_name is None:

@@ -84,6 +84,8 @@ class PaintContext:
 
     def __post_init__(self) -> None:
         self.ops: dict[str, str] = {name: node_def.op for name, node_def in self.types.node_defs.items()}
+        # Read once, before the rewrite: casts change dtypes only after colouring.
+        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
 
     def is_clear(self, vertex: Vertex) -> bool:
         if vertex in self.boundary:
@@ -97,11 +99,8 @@ class PaintContext:
         return vertex.node in self.processed
 
     def is_float32(self, vertex: Vertex) -> bool:
-        """Float32 before the rewrite (memoised: casts change dtypes only after colouring)."""
-        float32 = self._cache.get(vertex)
-        if float32 is None:
-            float32 = self._cache[vertex] = self.types.dtype(vertex) == DT_FLOAT
-        return float32
+        """Float32 before the rewrite."""
+        return vertex in self.float32
 
     def op_allows_target(self, vertex: Vertex) -> bool:
         """SupportsF16DataType: the op definition admits the target dtype."""

@@ -16,7 +16,7 @@ from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, Decision, ItemStats, Report, dtype_name
-from amp_rewrite.typegraph import Vertex
+from amp_rewrite.typegraph import TypeAttr, Vertex
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,10 @@ def rewrite_graph_def(
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     op_lists = load_lists(target, lists)
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
-    functions.check_calls(graph_def)
-    names = functions.reachable_functions(graph_def)
-    links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
+        functions.check_calls(graph_def)
+        names = functions.reachable_functions(graph_def)
+        links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
         output, stats, decisions = _rewrite_items(graph_def, target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None))
         report = Report(target, stats, decisions)
@@ -332,18 +332,31 @@ def _joined_tensor_lists(
 
 
 def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, list[Decision]]:
-    """Steps 7-8: each float32 vertex's reason, then types and casts, then a GraphDef."""
+    """Steps 7-8: each float32 vertex's decision, then types and casts, then a GraphDef."""
     ctx = item.ctx
-    types = ctx.types
-    float32 = [v for v in types.graph.nodes if v.attr.name and ctx.is_float32(v)]
-    reasons = {v: (ctx.op(v), explain(ctx, painting, item.skipped, v)) for v in float32}
+    # Decisions first: explain() reads the graph as painted, before any dtype changes. A
+    # float32 vertex ends as the target exactly when it is ALLOW (step 7 converts those).
+    target, ops, allow = dtype_name(ctx.target_dtype), ctx.ops, painting.allow
+    attr_names: dict[TypeAttr, str] = {}
+    decisions = []
+    for v in ctx.float32:
+        attr = v.attr
+        if not attr.name:
+            continue
+        attr_name = attr_names.get(attr)
+        if attr_name is None:
+            attr_name = attr_names[attr] = str(attr)
+        rule, text, source = explain(ctx, painting, item.skipped, v)
+        # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
+        decisions.append(_new_tuple(Decision, (
+            function, v.node, ops[v.node], attr_name, "float32", target if v in allow else "float32", rule, text, source
+        )))
     # 7. Types and casts, the one mutation (of the working copy).
-    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
-    # 8. Back to a GraphDef, with the item's counts and decisions.
-    decisions = [
-        Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), *reason)
-        for v, (op, reason) in reasons.items()
-    ]
+    stats = casts.change_types_and_insert_casts(ctx, painting) if allow else casts.CastStats(0, 0, 0)
+    # 8. Back to a GraphDef, with the item's counts.
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)
-    return graph_io.to_graph_def(types.nodes), item_stats, decisions
+    return graph_io.to_graph_def(ctx.types.nodes), item_stats, decisions
+
+
+_new_tuple = tuple.__new__
