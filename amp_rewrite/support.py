@@ -11,7 +11,12 @@ from __future__ import annotations
 import functools
 from typing import Mapping
 
-from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2
+from tensorflow.core.framework import (
+    attr_value_pb2,
+    function_pb2,
+    node_def_pb2,
+    op_def_pb2,
+)
 from tensorflow.python.framework import kernels, op_def_registry
 
 from amp_rewrite.errors import GraphError
@@ -132,6 +137,33 @@ def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], devi
         for name in _constrained_attrs(node_def.op)
     )
     return _has_kernel(node_def.op, device_type, label, relevant, attrs)
+
+
+def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, device_type: str) -> bool:
+    """``has_kernel`` for ``node_def`` with its type attr ``attr`` set to ``dtype``.
+
+    Same answer and cache entry as ``has_kernel`` on a changed copy of the attrs, but the
+    attrs are copied only when the cache misses: the pass asks once per float32 vertex.
+    """
+    attrs = node_def.attr
+    label = attrs["_kernel"].s.decode() if "_kernel" in attrs else ""
+    changed = _type_value_bytes(dtype)  # an AttrValue holds one value: setting .type replaces it
+    relevant = tuple(
+        changed if name == attr else attrs[name].SerializeToString(deterministic=True) if name in attrs else None
+        for name in _constrained_attrs(node_def.op)
+    )
+    cache_key = (node_def.op, device_type, label, relevant)
+    found = _KERNEL_CACHE.get(cache_key)
+    if found is None:
+        changed_attrs = dict(attrs)
+        changed_attrs[attr] = attr_value_pb2.AttrValue(type=dtype)
+        found = _KERNEL_CACHE[cache_key] = _find_kernel(node_def.op, device_type, label, changed_attrs)
+    return found
+
+
+@functools.cache
+def _type_value_bytes(dtype: int) -> bytes:
+    return attr_value_pb2.AttrValue(type=dtype).SerializeToString(deterministic=True)
 
 
 def _has_kernel(op: str, device_type: str, label: str, key: tuple, attrs: Mapping[str, object]) -> bool:
