@@ -8,6 +8,7 @@ ALLOW or DENY gets a one-line reason naming the list, pass and neighbour that de
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -80,7 +81,7 @@ class PaintContext:
     list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
 
     def __post_init__(self) -> None:
         self.ops: dict[str, str] = {name: node_def.op for name, node_def in self.types.node_defs.items()}
@@ -109,21 +110,23 @@ class PaintContext:
 
     def has_target_kernel(self, vertex: Vertex) -> bool:
         """SupportsF16: op definition and a registered kernel for the changed node."""
-        key = ("kernel", vertex)
-        if key not in self._cache:
+        found = self._cache.get(vertex)
+        if found is None:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
-            self._cache[key] = self.op_allows_target(vertex) and (vertex in self.boundary or self._kernel_check(vertex))
-        return self._cache[key]
+            found = self._cache[vertex] = self.op_allows_target(vertex) and (
+                vertex in self.boundary or self._kernel_check(vertex)
+            )
+        return found
 
     def _kernel_check(self, vertex: Vertex) -> bool:
         node_def = self.types.node_def(vertex.node)
+        if vertex.attr.index < 0:
+            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target_dtype,
+                                                self.kernel_device[vertex.node])
         attrs = dict(node_def.attr)
         changed = type(attrs[vertex.attr.name])()
         changed.CopyFrom(attrs[vertex.attr.name])
-        if vertex.attr.index < 0:
-            changed.type = self.target_dtype
-        else:
-            changed.list.type[vertex.attr.index] = self.target_dtype
+        changed.list.type[vertex.attr.index] = self.target_dtype
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 
@@ -160,16 +163,30 @@ def _reach(
     while stack:
         vertex = stack.pop()
         order.append(vertex)
-        neighbours: Iterable[Vertex] = ()
-        if inputs:
-            neighbours = pred[vertex]
-        if outputs:
-            neighbours = list(neighbours) + list(succ[vertex]) if inputs else succ[vertex]
+        if inputs and outputs:
+            neighbours: Iterable[Vertex] = itertools.chain(pred[vertex], succ[vertex])
+        else:
+            neighbours = pred[vertex] if inputs else succ[vertex]
         for other in neighbours:
             if other not in seen and enter(other):
                 seen.add(other)
                 stack.append(other)
     return order
+
+
+def _closure(
+    neighbours: Mapping[Vertex, Iterable[Vertex]], roots: Iterable[Vertex], enter: Callable[[Vertex], bool]
+) -> set[Vertex]:
+    """The roots and every vertex ``enter`` accepts that a path of accepted vertices joins
+    to one: the union of ``_reach`` from each root, for an ``enter`` that does not change."""
+    found = set(roots)
+    stack = list(found)
+    while stack:
+        for other in neighbours[stack.pop()]:
+            if other not in found and enter(other):
+                found.add(other)
+                stack.append(other)
+    return found
 
 
 def _vertices(ctx: PaintContext) -> Iterator[Vertex]:
@@ -209,7 +226,9 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
     deny: dict[Vertex, Reason] = {}
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
     functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
-    for node in ctx.types.nodes:
+    for node, op in ctx.ops.items():
+        if "TensorList" not in op:
+            continue  # tensor_list_float_vertex would say None
         root = Vertex(node, handle)
         if node not in ctx.processed or root not in ctx.types.graph:
             continue
@@ -308,64 +327,59 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         return {}
     graph = ctx.types.graph
     lists = ctx.lists
-    upstream: set[Vertex] = set()
-    ops, stoppers = ctx.ops, lists.deny | lists.infer
-    for root in _vertices(ctx):
-        if ops[root.node] not in stoppers:
-            continue
-        upstream.update(
-            # Pinned loop values are clear ops all the same: deny passes through them.
-            _reach(graph, root, lambda v: v not in upstream and (ctx.is_clear(v) or ops[v.node] in lists.clear),
-                   inputs=True, outputs=False)
-        )
+    ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
+    # Pinned loop values are clear ops all the same: deny passes through them.
+    upstream = _closure(graph._pred, (v for v in _vertices(ctx) if ops[v.node] in stoppers),
+                        lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    ops = ctx.ops
     roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
     roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]  # cross_function: deny from across a boundary
     for root in roots:
         op = ctx.op(root)
         if root in denied and root not in ctx.deny_seeds:
             continue
+        propagated = None  # one Reason for every vertex this root denies
         for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
-                added[vertex] = (
-                    Reason("deny-list", f"op {op} is on the deny list") if vertex == root
-                    else Reason("deny-propagation", f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
-                )
+                if vertex == root:
+                    added[vertex] = Reason("deny-list", f"op {op} is on the deny list")
+                    continue
+                if propagated is None:
+                    propagated = Reason("deny-propagation",
+                                        f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
+                added[vertex] = propagated
     return added
 
 
 def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
     """Pass 3: clear/infer vertices both downstream and upstream of allowlist ops."""
     graph, lists = ctx.types.graph, ctx.lists
-
-    def roots() -> Iterator[Vertex]:
-        # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-        ops, processed, allowed, seeds = ctx.ops, ctx.processed, lists.allow, ctx.seeds
-        return (v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in allowed or v in seeds))
-
-    downstream: set[Vertex] = set()
+    ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
+    # Seeds (cross_function) count as allow ops: across the boundary they meet one.
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in ctx.seeds)]
 
     def enter_downstream(v: Vertex) -> bool:
-        op = ctx.op(v)
+        op = ops[v.node]
         return (
-            v not in downstream and op not in lists.allow and v not in deny and ctx.is_processed(v)
-            and (ctx.is_clear(v) or op in lists.infer) and ctx.is_float32(v) and ctx.has_target_kernel(v)
+            op not in lists.allow and v not in deny and v.node in processed
+            and (ctx.is_clear(v) or op in lists.infer) and v in float32 and ctx.has_target_kernel(v)
         )
 
-    for root in roots():
-        downstream.update(_reach(graph, root, enter_downstream, inputs=False, outputs=True))
+    downstream = _closure(graph._succ, roots, enter_downstream)
     upstream: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
-    for root in roots():
+    for root in roots:
         if root in upstream:
             continue
+        between = None  # one Reason for every vertex found from this root
         for vertex in _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True, outputs=False):
             upstream.add(vertex)
             if vertex not in allow and vertex not in added:
-                added[vertex] = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
+                if between is None:
+                    between = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
+                added[vertex] = between
     return added
 
 
@@ -399,20 +413,26 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
 
+    processed, float32 = ctx.processed, ctx.float32
+
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and ctx.is_processed(v) and ctx.is_clear(v)
-            and ctx.is_float32(v) and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
+            v not in painted and v not in deny and v.node in processed and ctx.is_clear(v)
+            and v in float32 and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
         )
 
     for root in _vertices(ctx):
-        if not ctx.is_processed(root) or root in used or root not in painted:
+        if root not in painted or root in used or root.node not in processed:
             continue
+        spread = None  # one Reason for every vertex found from this root
         for vertex in _reach(graph, root, enter, inputs=True, outputs=True):
             used.add(vertex)
             if vertex not in painted:
                 painted.add(vertex)
-                added[vertex] = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops", root.node)
+                if spread is None:
+                    spread = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops",
+                                    root.node)
+                added[vertex] = spread
     return added
 
 
@@ -439,8 +459,8 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
     allow = set(allow)
     reasons: dict[Vertex, Reason] = {}
     t = TypeAttr("T")
-    for node in ctx.types.nodes:
-        if ctx.types.node_def(node).op != "NextIteration":
+    for node, op in ctx.ops.items():
+        if op != "NextIteration":
             continue
         merges = []
         for consumer, _ in ctx.types.data_consumers(node, 0):
@@ -468,9 +488,11 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     """A float32-producing Cast whose consumers are all ALLOW produces the target directly."""
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
-    for node in ctx.types.nodes:
+    for node, op in ctx.ops.items():
+        if op != "Cast":
+            continue
         vertex = Vertex(node, dst)
-        if ctx.types.node_def(node).op != "Cast" or not ctx.is_float32(vertex):
+        if not ctx.is_float32(vertex):
             continue
         consumers = [ctx.types.input_vertex(c, port) for c, port in ctx.types.data_consumers(node, 0)]
         if consumers and all(c in allow for c in consumers):
