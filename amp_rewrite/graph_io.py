@@ -130,14 +130,29 @@ def add_node(graph: nx.MultiDiGraph, node_def) -> None:
     """Add ``node_def`` (a new node, e.g. a Cast) with an edge for each of its inputs."""
     graph.add_node(node_def.name, node_def=node_def)
     for position, tensor in enumerate(node_def.input):
-        ref = parse_tensor_name(tensor, consumer=node_def.name)
-        graph.add_edge(ref.node, node_def.name, position, src_port=ref.port, dst_port=position, tensor=tensor)
+        producer, port = parse_tensor_name(tensor, consumer=node_def.name)
+        if producer not in graph._succ:
+            raise GraphError(f"node '{node_def.name}': input '{tensor}' names a node that is not in the graph")
+        _add_edge(graph, producer, node_def.name, position, port, tensor)
 
 
 def replace_input(graph: nx.MultiDiGraph, consumer: str, position: int, producer: str, port: int) -> None:
     """Feed input ``position`` of ``consumer`` from ``producer:port`` instead (a data input)."""
-    old = next(src for src, keyed in graph._pred[consumer].items() if position in keyed)
-    graph.remove_edge(old, consumer, position)
+    in_edges = graph._pred[consumer]
+    old = next(src for src, keyed in in_edges.items() if position in keyed)
+    keyed = in_edges[old]
+    del keyed[position]
+    if not keyed:
+        del graph._succ[old][consumer], in_edges[old]
     tensor = producer if port == 0 else f"{producer}:{port}"
-    graph.add_edge(producer, consumer, position, src_port=port, dst_port=position, tensor=tensor)
-    graph.nodes[consumer]["node_def"].input[position] = tensor
+    _add_edge(graph, producer, consumer, position, port, tensor)
+    graph._node[consumer]["node_def"].input[position] = tensor
+
+
+def _add_edge(graph: nx.MultiDiGraph, producer: str, consumer: str, position: int, port: int, tensor: str) -> None:
+    """``graph.add_edge(producer, consumer, position, ...)`` for existing nodes, as networkx
+    fills its dicts (one key dict shared by both maps), without its checks."""
+    keyed = graph._pred[consumer].get(producer)
+    if keyed is None:
+        keyed = graph._succ[producer][consumer] = graph._pred[consumer][producer] = {}
+    keyed[position] = {"src_port": port, "dst_port": position, "tensor": tensor}
