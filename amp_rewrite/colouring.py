@@ -84,7 +84,7 @@ class PaintContext:
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
 
     def __post_init__(self) -> None:
-        self.ops: dict[str, str] = {name: node_def.op for name, node_def in self.types.node_defs.items()}
+        self.ops: dict[str, str] = self.types.ops
         # Read once, before the rewrite: casts change dtypes only after colouring.
         self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
 

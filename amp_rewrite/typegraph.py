@@ -67,14 +67,18 @@ class NodeTypes:
         return self._attr_to_outputs.get(attr, ())
 
     @functools.cached_property
+    def _attr_to_slot(self) -> dict[TypeAttr, int]:
+        return {attr: slot for slot, attr in enumerate(self.attrs)}
+
+    @functools.cached_property
     def input_slots(self) -> tuple[int, ...]:
         """Per data input port, the position of its attr in ``attrs``."""
-        return tuple(self.attrs.index(attr) for attr in self.inputs)
+        return tuple(map(self._attr_to_slot.__getitem__, self.inputs))
 
     @functools.cached_property
     def output_slots(self) -> tuple[int, ...]:
         """Per output port, the position of its attr in ``attrs``."""
-        return tuple(self.attrs.index(attr) for attr in self.outputs)
+        return tuple(map(self._attr_to_slot.__getitem__, self.outputs))
 
 
 def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef) -> list[TypeAttr]:
@@ -187,6 +191,7 @@ class TypeGraph:
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
     vertices: dict[str, tuple[Vertex, ...]]     # node name -> its vertices, in ``NodeTypes.attrs`` order
+    ops: dict[str, str]                         # node name -> op
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
@@ -200,8 +205,22 @@ class TypeGraph:
         for name, vertices in self.vertices.items():
             if not vertices:
                 continue
-            node_def = self.node_defs[name]
-            found.extend(vertex for vertex in vertices if dtype_of(node_def, vertex.attr) == dtype)
+            attrs = self.node_defs[name].attr
+            for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
+                attr_name, index, fixed = vertex.attr
+                if not attr_name:
+                    vertex_dtype = fixed
+                else:
+                    value = attrs.get(attr_name)
+                    if value is None:
+                        continue
+                    if index < 0:
+                        vertex_dtype = value.type
+                    else:
+                        listed = value.list.type
+                        vertex_dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
+                if vertex_dtype == dtype:
+                    found.append(vertex)
         return found
 
     def input_vertex(self, node: str, port: int) -> Vertex:
@@ -234,12 +253,14 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
     node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
+    ops: dict[str, str] = {}
     layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
     shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
     new_vertex = tuple.__new__
     for name, node_def in node_defs.items():
         attrs = node_def.attr
-        layout_key = (node_def.op, frozenset(attrs))
+        op = ops[name] = node_def.op
+        layout_key = (op, frozenset(attrs))
         layout = layouts.get(layout_key)
         if layout is None:
             layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
@@ -288,4 +309,4 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
                     succ[u][v] = pred[v][u] = {"ports": [(out_port, in_port)]}
                 else:
                     edge["ports"].append((out_port, in_port))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices)
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops)
