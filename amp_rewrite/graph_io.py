@@ -11,7 +11,8 @@ consumer's input list, carries
 
 so that ``to_graph_def(to_networkx(g)) == g`` byte for byte. A NodeDef's ``input`` list
 always reads the same as its in-edges: change edges only through ``add_node`` and
-``replace_input``, which keep both in step.
+``replace_input``, which keep both in step. The NodeDefs live in one working GraphDef,
+``graph.graph["graph_def"]``, that ``take_graph_def`` hands back without copying them.
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ class TensorRef(NamedTuple):
 
 def parse_tensor_name(tensor: str, *, consumer: str = "") -> TensorRef:
     """Parses ``"x"``, ``"x:1"`` or ``"^x"``; a malformed name raises ``GraphError``."""
-    where = f"node '{consumer}': " if consumer else ""
     if tensor.startswith("^"):
         name, port = tensor[1:], CONTROL
     else:
@@ -48,14 +48,18 @@ def parse_tensor_name(tensor: str, *, consumer: str = "") -> TensorRef:
         elif port_text.isdigit():
             port = int(port_text)
         else:
-            raise GraphError(
-                f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'"
-            )
+            raise _malformed(tensor, consumer)
     if not name or name.startswith("^"):
-        raise GraphError(
-            f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'"
-        )
-    return TensorRef(name, port)
+        raise _malformed(tensor, consumer)
+    return _new_tuple(TensorRef, (name, port))  # TensorRef(name, port) without its Python-level __new__
+
+
+_new_tuple = tuple.__new__
+
+
+def _malformed(tensor: str, consumer: str) -> GraphError:
+    where = f"node '{consumer}': " if consumer else ""
+    return GraphError(f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'")
 
 
 def tensor_name(node: str, port: int) -> str:
@@ -75,6 +79,7 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
     graph = nx.MultiDiGraph(
         versions=working.versions if working.HasField("versions") else None,
         library=working.library if working.HasField("library") else None,
+        graph_def=working,
     )
     node_defs = working.node
     names = [node_def.name for node_def in node_defs]
@@ -124,6 +129,26 @@ def to_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
             getattr(graph_def, field).CopyFrom(graph.graph[field])
     graph_def.node.extend(data["node_def"] for _, data in graph.nodes(data=True))
     return graph_def
+
+
+def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
+    """``to_graph_def(graph)`` without copying every node: the working GraphDef itself, with
+    the nodes added since ``to_networkx`` appended. The graph must not be used afterwards.
+
+    Falls back to ``to_graph_def`` when the graph's first nodes, versions or library are
+    no longer the working GraphDef's own (a node was removed or replaced, say).
+    """
+    working = graph.graph.pop("graph_def", None)
+    node_defs = [data["node_def"] for data in graph._node.values()]
+    if working is None or len(node_defs) < len(working.node) or any(
+        mine is not theirs for mine, theirs in zip(node_defs, working.node)
+    ) or any(
+        graph.graph[field] is not (getattr(working, field) if working.HasField(field) else None)
+        for field in ("versions", "library")
+    ):
+        return to_graph_def(graph)
+    working.node.extend(node_defs[len(working.node):])
+    return working
 
 
 def add_node(graph: nx.MultiDiGraph, node_def) -> None:

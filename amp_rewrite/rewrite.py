@@ -55,9 +55,11 @@ def find_processed_nodes(
     """
     wanted = TARGET_DEVICE[target]
     preserved = set(fetches)
+    keeps = lists.keeps if lists.keep_nodes else None
+    device_to_kind: dict[str, str | None] = {}  # a graph has few device strings; None: another device type
     processed: dict[str, str] = {}
     skipped: dict[str, str] = {}
-    for name, data in nodes.nodes(data=True):
+    for name, data in nodes._node.items():
         node_def = data["node_def"]
         if name in preserved:
             skipped[name] = "fetched: its outputs keep their dtype"
@@ -65,21 +67,25 @@ def find_processed_nodes(
             skipped[name] = "a graph input (feed): keeps its dtype"
         elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
             skipped[name] = "marked _grappler_do_not_remove"
-        elif lists.keeps(name):
+        elif keeps is not None and keeps(name):
             skipped[name] = "matches keep_nodes in the lists"
         else:
-            kind = device_type(node_def.device) if node_def.device else wanted
-            if kind is not None and wanted.lower() in kind.lower():
+            device = node_def.device
+            if device not in device_to_kind:
+                kind = device_type(device) if device else wanted
+                device_to_kind[device] = kind if kind is not None and wanted.lower() in kind.lower() else None
+            kind = device_to_kind[device]
+            if kind is not None:
                 processed[name] = kind
             else:
-                skipped[name] = f"placed on '{node_def.device}', not a {wanted} device"
+                skipped[name] = f"placed on '{device}', not a {wanted} device"
     return processed, skipped
 
 
 def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Iterable[str]) -> None:
     """FusedBatchNorm(Grad) → V2 with ``U=float32`` so ``T`` can change alone (spec §2.1 step 5)."""
     for name in processed:
-        node_def = nodes.nodes[name]["node_def"]
+        node_def = nodes._node[name]["node_def"]
         if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad"):
             node_def.op += "V2"
             node_def.attr["U"].type = types_pb2.DT_FLOAT
@@ -92,9 +98,9 @@ def loop_values(types: typegraph.TypeGraph) -> Iterable[Vertex]:
     value while the body and cond keep float32 signatures: an invalid graph (TF 2.21).
     We keep those values float32 unless ``cross_function`` changes the bodies with them.
     """
-    for name, node_def in types.node_defs.items():
-        if node_def.op in ("While", "StatelessWhile"):
-            for index in range(len(node_def.attr["T"].list.type)):
+    for name, op in types.ops.items():
+        if op in ("While", "StatelessWhile"):
+            for index in range(len(types.node_defs[name].attr["T"].list.type)):
                 yield Vertex(name, typegraph.TypeAttr("T", index))
 
 
@@ -356,7 +362,7 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
     # 8. Back to a GraphDef, with the item's counts.
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)
-    return graph_io.to_graph_def(ctx.types.nodes), item_stats, decisions
+    return graph_io.take_graph_def(ctx.types.nodes), item_stats, decisions  # the item is done with its graph
 
 
 _new_tuple = tuple.__new__
