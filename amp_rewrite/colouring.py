@@ -132,15 +132,15 @@ class PaintContext:
 
     def reads_ref_variable(self, node: str) -> bool:
         """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
-        op = self.types.node_def(node).op
+        op = self.ops[node]
         if op not in ("Identity", "Enter"):
             return False
         producer = self.types.data_producer(node, 0)
-        if producer is None or producer[0] not in self.types.node_defs:
+        if producer is None or producer[0] not in self.ops:
             return False  # no input, or a Cast the final pass inserted (never on a ref edge)
         source = producer[0]
         if op == "Identity":
-            return self.types.node_def(source).op in ("Variable", "VariableV2")
+            return self.ops[source] in ("Variable", "VariableV2")
         return self.reads_ref_variable(source)
 
 
@@ -334,7 +334,8 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
     roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
-    roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]  # cross_function: deny from across a boundary
+    if ctx.deny_seeds:  # cross_function: deny from across a boundary
+        roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
     for root in roots:
         op = ctx.op(root)
         if root in denied and root not in ctx.deny_seeds:
@@ -370,16 +371,25 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
     downstream = _closure(graph._succ, roots, enter_downstream)
     upstream: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
+    fanins = graph._pred
     for root in roots:
         if root in upstream:
             continue
+        # _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True), inlined
+        # (one call per allow vertex): marking at push time is the same test as its ``seen``.
         between = None  # one Reason for every vertex found from this root
-        for vertex in _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True, outputs=False):
-            upstream.add(vertex)
+        upstream.add(root)
+        stack = [root]
+        while stack:
+            vertex = stack.pop()
             if vertex not in allow and vertex not in added:
                 if between is None:
                     between = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
                 added[vertex] = between
+            for other in fanins[vertex]:
+                if other not in upstream and other in downstream:
+                    upstream.add(other)
+                    stack.append(other)
     return added
 
 
@@ -421,11 +431,16 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
             and v in float32 and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
         )
 
+    fanins, fanouts = graph._pred, graph._succ
     for root in _vertices(ctx):
         if root not in painted or root in used or root.node not in processed:
             continue
+        # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow
+        # vertex): what this walk paints is all in ``seen``, so ``enter`` answers as before it.
         spread = None  # one Reason for every vertex found from this root
-        for vertex in _reach(graph, root, enter, inputs=True, outputs=True):
+        seen, stack = {root}, [root]
+        while stack:
+            vertex = stack.pop()
             used.add(vertex)
             if vertex not in painted:
                 painted.add(vertex)
@@ -433,6 +448,10 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
                     spread = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops",
                                     root.node)
                 added[vertex] = spread
+            for other in itertools.chain(fanins[vertex], fanouts[vertex]):
+                if other not in seen and enter(other):
+                    seen.add(other)
+                    stack.append(other)
     return added
 
 

@@ -148,10 +148,14 @@ def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, 
     attrs = node_def.attr
     label = attrs["_kernel"].s.decode() if "_kernel" in attrs else ""
     changed = _type_value_bytes(dtype)  # an AttrValue holds one value: setting .type replaces it
-    relevant = tuple(
-        changed if name == attr else attrs[name].SerializeToString(deterministic=True) if name in attrs else None
-        for name in _constrained_attrs(node_def.op)
-    )
+    constrained = _constrained_attrs(node_def.op)
+    if constrained == (attr,):  # the usual case: kernels constrain only the attr that changes
+        relevant: tuple = (changed,)
+    else:
+        relevant = tuple(
+            changed if name == attr else attrs[name].SerializeToString(deterministic=True) if name in attrs else None
+            for name in constrained
+        )
     cache_key = (node_def.op, device_type, label, relevant)
     found = _KERNEL_CACHE.get(cache_key)
     if found is None:
