@@ -96,11 +96,15 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
         in_edges = pred[name]
         seen_control = False
         for position, tensor in enumerate(node_def.input):
-            # Most inputs are a bare node name: skip the parser for them (a third of the time).
-            if ":" in tensor or tensor[:1] in ("^", ""):
-                producer, port = parse_tensor_name(tensor, consumer=name)
-            else:
+            # Most inputs are "name" or "name:port": only the others go through the parser.
+            if ":" not in tensor and tensor[:1] not in ("^", ""):
                 producer, port = tensor, 0
+            else:
+                producer, _, port_text = tensor.rpartition(":")
+                if port_text.isdigit() and producer and tensor[0] != "^":
+                    port = int(port_text)
+                else:
+                    producer, port = parse_tensor_name(tensor, consumer=name)
             keyed = in_edges.get(producer)
             if keyed is None:
                 out_edges = succ.get(producer)

@@ -106,14 +106,13 @@ def loop_values(types: typegraph.TypeGraph) -> Iterable[Vertex]:
 
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
     """Why one vertex has its final colour."""
-    if vertex in painting.allow or vertex in painting.deny:
-        return painting.reasons[vertex]
-    if vertex.node in skipped:
+    if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
         return Reason("not-processed", skipped[vertex.node])
-    if vertex in painting.reasons:
-        return painting.reasons[vertex]
+    reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one
+    if reason is not None:
+        return reason
     op = ctx.op(vertex)
-    if vertex in ctx.pinned:
+    if ctx.pinned and vertex in ctx.pinned:
         return Reason("loop-value", "loop value of a functional While whose body and cond keep float32 signatures")
     if not painting.allow:
         return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
@@ -343,6 +342,7 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
     # Decisions first: explain() reads the graph as painted, before any dtype changes. A
     # float32 vertex ends as the target exactly when it is ALLOW (step 7 converts those).
     target, ops, allow = dtype_name(ctx.target_dtype), ctx.ops, painting.allow
+    reasons, skipped = painting.reasons, item.skipped
     attr_names: dict[TypeAttr, str] = {}
     decisions = []
     for v in ctx.float32:
@@ -352,7 +352,9 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
         attr_name = attr_names.get(attr)
         if attr_name is None:
             attr_name = attr_names[attr] = str(attr)
-        rule, text, source = explain(ctx, painting, item.skipped, v)
+        # explain() would find the painting's reason first unless the node was skipped.
+        reason = reasons.get(v) if v.node not in skipped else None
+        rule, text, source = reason if reason is not None else explain(ctx, painting, skipped, v)
         # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
         decisions.append(_new_tuple(Decision, (
             function, v.node, ops[v.node], attr_name, "float32", target if v in allow else "float32", rule, text, source

@@ -129,6 +129,10 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
 
 
+_REGISTERED_LAYOUTS: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
+_REGISTERED_NODE_TYPES: dict[tuple, NodeTypes] = {}
+
+
 @dataclass(frozen=True)
 class _AttrLayout:
     """What nodes of one op with one set of attr names share: the op definition, the
@@ -254,8 +258,10 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     types: dict[str, NodeTypes] = {}
     node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
     ops: dict[str, str] = {}
-    layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
-    shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
+    # Nodes with the same op and attr shape share port maps. Without library functions
+    # every op is a registered one, and what they share holds for any graph: kept.
+    layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
+    shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
     new_vertex = tuple.__new__
     for name, node_def in node_defs.items():
         attrs = node_def.attr
