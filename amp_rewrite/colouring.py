@@ -89,9 +89,10 @@ class PaintContext:
         self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
 
     def is_clear(self, vertex: Vertex) -> bool:
-        if vertex in self.boundary:
+        # Both sets are usually empty; testing that first saves hashing the vertex.
+        if self.boundary and vertex in self.boundary:
             return True
-        return self.op(vertex) in self.lists.clear and vertex not in self.pinned
+        return self.ops[vertex.node] in self.lists.clear and not (self.pinned and vertex in self.pinned)
 
     def op(self, vertex: Vertex) -> str:
         return self.ops[vertex.node]
@@ -114,7 +115,7 @@ class PaintContext:
         if found is None:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
             found = self._cache[vertex] = self.op_allows_target(vertex) and (
-                vertex in self.boundary or self._kernel_check(vertex)
+                bool(self.boundary) and vertex in self.boundary or self._kernel_check(vertex)
             )
         return found
 

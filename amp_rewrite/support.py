@@ -147,9 +147,11 @@ def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, 
     """
     attrs = node_def.attr
     label = attrs["_kernel"].s.decode() if "_kernel" in attrs else ""
-    changed = _type_value_bytes(dtype)  # an AttrValue holds one value: setting .type replaces it
     constrained = _constrained_attrs(node_def.op)
-    if constrained == (attr,):  # the usual case: kernels constrain only the attr that changes
+    if constrained == (attr,) and not label:  # the usual case: the answer depends on the op only
+        return _has_kernel_for_type(node_def.op, attr, dtype, device_type)
+    changed = _type_value_bytes(dtype)  # an AttrValue holds one value: setting .type replaces it
+    if constrained == (attr,):
         relevant: tuple = (changed,)
     else:
         relevant = tuple(
@@ -163,6 +165,13 @@ def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, 
         changed_attrs[attr] = attr_value_pb2.AttrValue(type=dtype)
         found = _KERNEL_CACHE[cache_key] = _find_kernel(node_def.op, device_type, label, changed_attrs)
     return found
+
+
+@functools.cache
+def _has_kernel_for_type(op: str, attr: str, dtype: int, device_type: str) -> bool:
+    """``has_kernel_with_type`` for an unlabelled node of an op whose kernels constrain only ``attr``."""
+    changed = attr_value_pb2.AttrValue(type=dtype)
+    return _has_kernel(op, device_type, "", (_type_value_bytes(dtype),), {attr: changed})
 
 
 @functools.cache
