@@ -8,6 +8,7 @@ ALLOW or DENY gets a one-line reason naming the list, pass and neighbour that de
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -80,15 +81,18 @@ class PaintContext:
     list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
 
     def __post_init__(self) -> None:
-        self.ops: dict[str, str] = {name: node_def.op for name, node_def in self.types.node_defs.items()}
+        self.ops: dict[str, str] = self.types.ops
+        # Read once, before the rewrite: casts change dtypes only after colouring.
+        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
 
     def is_clear(self, vertex: Vertex) -> bool:
-        if vertex in self.boundary:
+        # Both sets are usually empty; testing that first saves hashing the vertex.
+        if self.boundary and vertex in self.boundary:
             return True
-        return self.op(vertex) in self.lists.clear and vertex not in self.pinned
+        return self.ops[vertex.node] in self.lists.clear and not (self.pinned and vertex in self.pinned)
 
     def op(self, vertex: Vertex) -> str:
         return self.ops[vertex.node]
@@ -97,11 +101,8 @@ class PaintContext:
         return vertex.node in self.processed
 
     def is_float32(self, vertex: Vertex) -> bool:
-        """Float32 before the rewrite (memoised: casts change dtypes only after colouring)."""
-        float32 = self._cache.get(vertex)
-        if float32 is None:
-            float32 = self._cache[vertex] = self.types.dtype(vertex) == DT_FLOAT
-        return float32
+        """Float32 before the rewrite."""
+        return vertex in self.float32
 
     def op_allows_target(self, vertex: Vertex) -> bool:
         """SupportsF16DataType: the op definition admits the target dtype."""
@@ -110,35 +111,37 @@ class PaintContext:
 
     def has_target_kernel(self, vertex: Vertex) -> bool:
         """SupportsF16: op definition and a registered kernel for the changed node."""
-        key = ("kernel", vertex)
-        if key not in self._cache:
+        found = self._cache.get(vertex)
+        if found is None:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
-            self._cache[key] = self.op_allows_target(vertex) and (vertex in self.boundary or self._kernel_check(vertex))
-        return self._cache[key]
+            found = self._cache[vertex] = self.op_allows_target(vertex) and (
+                bool(self.boundary) and vertex in self.boundary or self._kernel_check(vertex)
+            )
+        return found
 
     def _kernel_check(self, vertex: Vertex) -> bool:
         node_def = self.types.node_def(vertex.node)
+        if vertex.attr.index < 0:
+            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target_dtype,
+                                                self.kernel_device[vertex.node])
         attrs = dict(node_def.attr)
         changed = type(attrs[vertex.attr.name])()
         changed.CopyFrom(attrs[vertex.attr.name])
-        if vertex.attr.index < 0:
-            changed.type = self.target_dtype
-        else:
-            changed.list.type[vertex.attr.index] = self.target_dtype
+        changed.list.type[vertex.attr.index] = self.target_dtype
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 
     def reads_ref_variable(self, node: str) -> bool:
         """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
-        op = self.types.node_def(node).op
+        op = self.ops[node]
         if op not in ("Identity", "Enter"):
             return False
         producer = self.types.data_producer(node, 0)
-        if producer is None or producer[0] not in self.types.node_defs:
+        if producer is None or producer[0] not in self.ops:
             return False  # no input, or a Cast the final pass inserted (never on a ref edge)
         source = producer[0]
         if op == "Identity":
-            return self.types.node_def(source).op in ("Variable", "VariableV2")
+            return self.ops[source] in ("Variable", "VariableV2")
         return self.reads_ref_variable(source)
 
 
@@ -161,16 +164,30 @@ def _reach(
     while stack:
         vertex = stack.pop()
         order.append(vertex)
-        neighbours: Iterable[Vertex] = ()
-        if inputs:
-            neighbours = pred[vertex]
-        if outputs:
-            neighbours = list(neighbours) + list(succ[vertex]) if inputs else succ[vertex]
+        if inputs and outputs:
+            neighbours: Iterable[Vertex] = itertools.chain(pred[vertex], succ[vertex])
+        else:
+            neighbours = pred[vertex] if inputs else succ[vertex]
         for other in neighbours:
             if other not in seen and enter(other):
                 seen.add(other)
                 stack.append(other)
     return order
+
+
+def _closure(
+    neighbours: Mapping[Vertex, Iterable[Vertex]], roots: Iterable[Vertex], enter: Callable[[Vertex], bool]
+) -> set[Vertex]:
+    """The roots and every vertex ``enter`` accepts that a path of accepted vertices joins
+    to one: the union of ``_reach`` from each root, for an ``enter`` that does not change."""
+    found = set(roots)
+    stack = list(found)
+    while stack:
+        for other in neighbours[stack.pop()]:
+            if other not in found and enter(other):
+                found.add(other)
+                stack.append(other)
+    return found
 
 
 def _vertices(ctx: PaintContext) -> Iterator[Vertex]:
@@ -210,7 +227,9 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
     deny: dict[Vertex, Reason] = {}
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
     functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
-    for node in ctx.types.nodes:
+    for node, op in ctx.ops.items():
+        if "TensorList" not in op:
+            continue  # tensor_list_float_vertex would say None
         root = Vertex(node, handle)
         if node not in ctx.processed or root not in ctx.types.graph:
             continue
@@ -309,64 +328,69 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         return {}
     graph = ctx.types.graph
     lists = ctx.lists
-    upstream: set[Vertex] = set()
-    ops, stoppers = ctx.ops, lists.deny | lists.infer
-    for root in _vertices(ctx):
-        if ops[root.node] not in stoppers:
-            continue
-        upstream.update(
-            # Pinned loop values are clear ops all the same: deny passes through them.
-            _reach(graph, root, lambda v: v not in upstream and (ctx.is_clear(v) or ops[v.node] in lists.clear),
-                   inputs=True, outputs=False)
-        )
+    ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
+    # Pinned loop values are clear ops all the same: deny passes through them.
+    upstream = _closure(graph._pred, (v for v in _vertices(ctx) if ops[v.node] in stoppers),
+                        lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    ops = ctx.ops
     roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
-    roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]  # cross_function: deny from across a boundary
+    if ctx.deny_seeds:  # cross_function: deny from across a boundary
+        roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
     for root in roots:
         op = ctx.op(root)
         if root in denied and root not in ctx.deny_seeds:
             continue
+        propagated = None  # one Reason for every vertex this root denies
         for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
-                added[vertex] = (
-                    Reason("deny-list", f"op {op} is on the deny list") if vertex == root
-                    else Reason("deny-propagation", f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
-                )
+                if vertex == root:
+                    added[vertex] = Reason("deny-list", f"op {op} is on the deny list")
+                    continue
+                if propagated is None:
+                    propagated = Reason("deny-propagation",
+                                        f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
+                added[vertex] = propagated
     return added
 
 
 def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
     """Pass 3: clear/infer vertices both downstream and upstream of allowlist ops."""
     graph, lists = ctx.types.graph, ctx.lists
-
-    def roots() -> Iterator[Vertex]:
-        # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-        ops, processed, allowed, seeds = ctx.ops, ctx.processed, lists.allow, ctx.seeds
-        return (v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in allowed or v in seeds))
-
-    downstream: set[Vertex] = set()
+    ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
+    # Seeds (cross_function) count as allow ops: across the boundary they meet one.
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in ctx.seeds)]
 
     def enter_downstream(v: Vertex) -> bool:
-        op = ctx.op(v)
+        op = ops[v.node]
         return (
-            v not in downstream and op not in lists.allow and v not in deny and ctx.is_processed(v)
-            and (ctx.is_clear(v) or op in lists.infer) and ctx.is_float32(v) and ctx.has_target_kernel(v)
+            op not in lists.allow and v not in deny and v.node in processed
+            and (ctx.is_clear(v) or op in lists.infer) and v in float32 and ctx.has_target_kernel(v)
         )
 
-    for root in roots():
-        downstream.update(_reach(graph, root, enter_downstream, inputs=False, outputs=True))
+    downstream = _closure(graph._succ, roots, enter_downstream)
     upstream: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
-    for root in roots():
+    fanins = graph._pred
+    for root in roots:
         if root in upstream:
             continue
-        for vertex in _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True, outputs=False):
-            upstream.add(vertex)
+        # _reach(graph, root, lambda v: v not in upstream and v in downstream, inputs=True), inlined
+        # (one call per allow vertex): marking at push time is the same test as its ``seen``.
+        between = None  # one Reason for every vertex found from this root
+        upstream.add(root)
+        stack = [root]
+        while stack:
+            vertex = stack.pop()
             if vertex not in allow and vertex not in added:
-                added[vertex] = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
+                if between is None:
+                    between = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
+                added[vertex] = between
+            for other in fanins[vertex]:
+                if other not in upstream and other in downstream:
+                    upstream.add(other)
+                    stack.append(other)
     return added
 
 
@@ -400,20 +424,35 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
 
+    processed, float32 = ctx.processed, ctx.float32
+
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and ctx.is_processed(v) and ctx.is_clear(v)
-            and ctx.is_float32(v) and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
+            v not in painted and v not in deny and v.node in processed and ctx.is_clear(v)
+            and v in float32 and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
         )
 
+    fanins, fanouts = graph._pred, graph._succ
     for root in _vertices(ctx):
-        if not ctx.is_processed(root) or root in used or root not in painted:
+        if root not in painted or root in used or root.node not in processed:
             continue
-        for vertex in _reach(graph, root, enter, inputs=True, outputs=True):
+        # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow
+        # vertex): what this walk paints is all in ``seen``, so ``enter`` answers as before it.
+        spread = None  # one Reason for every vertex found from this root
+        seen, stack = {root}, [root]
+        while stack:
+            vertex = stack.pop()
             used.add(vertex)
             if vertex not in painted:
                 painted.add(vertex)
-                added[vertex] = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops", root.node)
+                if spread is None:
+                    spread = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops",
+                                    root.node)
+                added[vertex] = spread
+            for other in itertools.chain(fanins[vertex], fanouts[vertex]):
+                if other not in seen and enter(other):
+                    seen.add(other)
+                    stack.append(other)
     return added
 
 
@@ -440,8 +479,8 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
     allow = set(allow)
     reasons: dict[Vertex, Reason] = {}
     t = TypeAttr("T")
-    for node in ctx.types.nodes:
-        if ctx.types.node_def(node).op != "NextIteration":
+    for node, op in ctx.ops.items():
+        if op != "NextIteration":
             continue
         merges = []
         for consumer, _ in ctx.types.data_consumers(node, 0):
@@ -469,9 +508,11 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     """A float32-producing Cast whose consumers are all ALLOW produces the target directly."""
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
-    for node in ctx.types.nodes:
+    for node, op in ctx.ops.items():
+        if op != "Cast":
+            continue
         vertex = Vertex(node, dst)
-        if ctx.types.node_def(node).op != "Cast" or not ctx.is_float32(vertex):
+        if not ctx.is_float32(vertex):
             continue
         consumers = [ctx.types.input_vertex(c, port) for c, port in ctx.types.data_consumers(node, 0)]
         if consumers and all(c in allow for c in consumers):

@@ -16,7 +16,7 @@ from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, Decision, ItemStats, Report, dtype_name
-from amp_rewrite.typegraph import Vertex
+from amp_rewrite.typegraph import TypeAttr, Vertex
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,11 @@ def find_processed_nodes(
     """
     wanted = TARGET_DEVICE[target]
     preserved = set(fetches)
+    keeps = lists.keeps if lists.keep_nodes else None
+    device_to_kind: dict[str, str | None] = {}  # a graph has few device strings; None: another device type
     processed: dict[str, str] = {}
     skipped: dict[str, str] = {}
-    for name, data in nodes.nodes(data=True):
+    for name, data in nodes._node.items():
         node_def = data["node_def"]
         if name in preserved:
             skipped[name] = "fetched: its outputs keep their dtype"
@@ -65,21 +67,25 @@ def find_processed_nodes(
             skipped[name] = "a graph input (feed): keeps its dtype"
         elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
             skipped[name] = "marked _grappler_do_not_remove"
-        elif lists.keeps(name):
+        elif keeps is not None and keeps(name):
             skipped[name] = "matches keep_nodes in the lists"
         else:
-            kind = device_type(node_def.device) if node_def.device else wanted
-            if kind is not None and wanted.lower() in kind.lower():
+            device = node_def.device
+            if device not in device_to_kind:
+                kind = device_type(device) if device else wanted
+                device_to_kind[device] = kind if kind is not None and wanted.lower() in kind.lower() else None
+            kind = device_to_kind[device]
+            if kind is not None:
                 processed[name] = kind
             else:
-                skipped[name] = f"placed on '{node_def.device}', not a {wanted} device"
+                skipped[name] = f"placed on '{device}', not a {wanted} device"
     return processed, skipped
 
 
 def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Iterable[str]) -> None:
     """FusedBatchNorm(Grad) → V2 with ``U=float32`` so ``T`` can change alone (spec §2.1 step 5)."""
     for name in processed:
-        node_def = nodes.nodes[name]["node_def"]
+        node_def = nodes._node[name]["node_def"]
         if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad"):
             node_def.op += "V2"
             node_def.attr["U"].type = types_pb2.DT_FLOAT
@@ -92,22 +98,21 @@ def loop_values(types: typegraph.TypeGraph) -> Iterable[Vertex]:
     value while the body and cond keep float32 signatures: an invalid graph (TF 2.21).
     We keep those values float32 unless ``cross_function`` changes the bodies with them.
     """
-    for name, node_def in types.node_defs.items():
-        if node_def.op in ("While", "StatelessWhile"):
-            for index in range(len(node_def.attr["T"].list.type)):
+    for name, op in types.ops.items():
+        if op in ("While", "StatelessWhile"):
+            for index in range(len(types.node_defs[name].attr["T"].list.type)):
                 yield Vertex(name, typegraph.TypeAttr("T", index))
 
 
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
     """Why one vertex has its final colour."""
-    if vertex in painting.allow or vertex in painting.deny:
-        return painting.reasons[vertex]
-    if vertex.node in skipped:
+    if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
         return Reason("not-processed", skipped[vertex.node])
-    if vertex in painting.reasons:
-        return painting.reasons[vertex]
+    reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one
+    if reason is not None:
+        return reason
     op = ctx.op(vertex)
-    if vertex in ctx.pinned:
+    if ctx.pinned and vertex in ctx.pinned:
         return Reason("loop-value", "loop value of a functional While whose body and cond keep float32 signatures")
     if not painting.allow:
         return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
@@ -162,10 +167,10 @@ def rewrite_graph_def(
         raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
     op_lists = load_lists(target, lists)
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
-    functions.check_calls(graph_def)
-    names = functions.reachable_functions(graph_def)
-    links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
+        functions.check_calls(graph_def)
+        names = functions.reachable_functions(graph_def)
+        links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
         output, stats, decisions = _rewrite_items(graph_def, target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None))
         report = Report(target, stats, decisions)
@@ -334,18 +339,34 @@ def _joined_tensor_lists(
 
 
 def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, list[Decision]]:
-    """Steps 7-8: each float32 vertex's reason, then types and casts, then a GraphDef."""
+    """Steps 7-8: each float32 vertex's decision, then types and casts, then a GraphDef."""
     ctx = item.ctx
-    types = ctx.types
-    float32 = [v for v in types.graph.nodes if v.attr.name and ctx.is_float32(v)]
-    reasons = {v: (ctx.op(v), explain(ctx, painting, item.skipped, v)) for v in float32}
+    # Decisions first: explain() reads the graph as painted, before any dtype changes. A
+    # float32 vertex ends as the target exactly when it is ALLOW (step 7 converts those).
+    target, ops, allow = dtype_name(ctx.target_dtype), ctx.ops, painting.allow
+    reasons, skipped = painting.reasons, item.skipped
+    attr_names: dict[TypeAttr, str] = {}
+    decisions = []
+    for v in ctx.float32:
+        attr = v.attr
+        if not attr.name:
+            continue
+        attr_name = attr_names.get(attr)
+        if attr_name is None:
+            attr_name = attr_names[attr] = str(attr)
+        # explain() would find the painting's reason first unless the node was skipped.
+        reason = reasons.get(v) if v.node not in skipped else None
+        rule, text, source = reason if reason is not None else explain(ctx, painting, skipped, v)
+        # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
+        decisions.append(_new_tuple(Decision, (
+            function, v.node, ops[v.node], attr_name, "float32", target if v in allow else "float32", rule, text, source
+        )))
     # 7. Types and casts, the one mutation (of the working copy).
-    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
-    # 8. Back to a GraphDef, with the item's counts and decisions.
-    decisions = [
-        Decision(function, v.node, op, str(v.attr), "float32", dtype_name(types.dtype(v)), *reason)
-        for v, (op, reason) in reasons.items()
-    ]
+    stats = casts.change_types_and_insert_casts(ctx, painting) if allow else casts.CastStats(0, 0, 0)
+    # 8. Back to a GraphDef, with the item's counts.
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)
-    return graph_io.to_graph_def(types.nodes), item_stats, decisions
+    return graph_io.take_graph_def(ctx.types.nodes), item_stats, decisions  # the item is done with its graph
+
+
+_new_tuple = tuple.__new__

@@ -11,7 +11,12 @@ from __future__ import annotations
 import functools
 from typing import Mapping
 
-from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2
+from tensorflow.core.framework import (
+    attr_value_pb2,
+    function_pb2,
+    node_def_pb2,
+    op_def_pb2,
+)
 from tensorflow.python.framework import kernels, op_def_registry
 
 from amp_rewrite.errors import GraphError
@@ -43,17 +48,14 @@ def resolve_op_def(
     return op_def
 
 
-def fill_default_attrs(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> None:
-    """Add the attrs a serialized graph left out because they held their default value.
+def default_attrs(op: str, op_def: op_def_pb2.OpDef) -> tuple:
+    """(name, AttrValue) for each attr of ``op_def`` that has a default value.
 
     SavedModels and ``tf.io.write_graph`` strip default-valued attrs (e.g. ``Reshape``'s
-    ``Tshape``); a missing type attr would otherwise be read as no dtype at all.
+    ``Tshape``); the pass adds them back to its working copy, since a missing type attr
+    would otherwise be read as no dtype at all.
     """
-    attrs = node_def.attr
-    registered = registered_op_def(node_def.op) is op_def
-    for name, default in _registered_defaults(node_def.op) if registered else _defaults_of(op_def):
-        if name not in attrs:
-            attrs[name].CopyFrom(default)
+    return _registered_defaults(op) if registered_op_def(op) is op_def else _defaults_of(op_def)
 
 
 def _defaults_of(op_def: op_def_pb2.OpDef) -> tuple:
@@ -135,6 +137,46 @@ def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], devi
         for name in _constrained_attrs(node_def.op)
     )
     return _has_kernel(node_def.op, device_type, label, relevant, attrs)
+
+
+def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, device_type: str) -> bool:
+    """``has_kernel`` for ``node_def`` with its type attr ``attr`` set to ``dtype``.
+
+    Same answer and cache entry as ``has_kernel`` on a changed copy of the attrs, but the
+    attrs are copied only when the cache misses: the pass asks once per float32 vertex.
+    """
+    attrs = node_def.attr
+    label = attrs["_kernel"].s.decode() if "_kernel" in attrs else ""
+    constrained = _constrained_attrs(node_def.op)
+    if constrained == (attr,) and not label:  # the usual case: the answer depends on the op only
+        return _has_kernel_for_type(node_def.op, attr, dtype, device_type)
+    changed = _type_value_bytes(dtype)  # an AttrValue holds one value: setting .type replaces it
+    if constrained == (attr,):
+        relevant: tuple = (changed,)
+    else:
+        relevant = tuple(
+            changed if name == attr else attrs[name].SerializeToString(deterministic=True) if name in attrs else None
+            for name in constrained
+        )
+    cache_key = (node_def.op, device_type, label, relevant)
+    found = _KERNEL_CACHE.get(cache_key)
+    if found is None:
+        changed_attrs = dict(attrs)
+        changed_attrs[attr] = attr_value_pb2.AttrValue(type=dtype)
+        found = _KERNEL_CACHE[cache_key] = _find_kernel(node_def.op, device_type, label, changed_attrs)
+    return found
+
+
+@functools.cache
+def _has_kernel_for_type(op: str, attr: str, dtype: int, device_type: str) -> bool:
+    """``has_kernel_with_type`` for an unlabelled node of an op whose kernels constrain only ``attr``."""
+    changed = attr_value_pb2.AttrValue(type=dtype)
+    return _has_kernel(op, device_type, "", (_type_value_bytes(dtype),), {attr: changed})
+
+
+@functools.cache
+def _type_value_bytes(dtype: int) -> bytes:
+    return attr_value_pb2.AttrValue(type=dtype).SerializeToString(deterministic=True)
 
 
 def _has_kernel(op: str, device_type: str, label: str, key: tuple, attrs: Mapping[str, object]) -> bool:

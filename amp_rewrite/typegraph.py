@@ -10,11 +10,17 @@ records the (output port, input port) pairs it stands for.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
 import networkx as nx
-from tensorflow.core.framework import node_def_pb2, op_def_pb2, types_pb2
+from tensorflow.core.framework import (
+    attr_value_pb2,
+    node_def_pb2,
+    op_def_pb2,
+    types_pb2,
+)
 
 from amp_rewrite import support
 from amp_rewrite.errors import GraphError
@@ -59,6 +65,20 @@ class NodeTypes:
 
     def output_ports(self, attr: TypeAttr) -> tuple[int, ...]:
         return self._attr_to_outputs.get(attr, ())
+
+    @functools.cached_property
+    def _attr_to_slot(self) -> dict[TypeAttr, int]:
+        return {attr: slot for slot, attr in enumerate(self.attrs)}
+
+    @functools.cached_property
+    def input_slots(self) -> tuple[int, ...]:
+        """Per data input port, the position of its attr in ``attrs``."""
+        return tuple(map(self._attr_to_slot.__getitem__, self.inputs))
+
+    @functools.cached_property
+    def output_slots(self) -> tuple[int, ...]:
+        """Per output port, the position of its attr in ``attrs``."""
+        return tuple(map(self._attr_to_slot.__getitem__, self.outputs))
 
 
 def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef) -> list[TypeAttr]:
@@ -109,14 +129,28 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
 
 
-def _shape_key(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> tuple:
-    """What ``node_types`` depends on: the op, its attr names, and its list lengths and counts."""
-    attrs = node_def.attr
-    counts = tuple(
-        len(attrs[name].list.type) if is_list else attrs[name].i
-        for name, is_list in _counted_attrs(op_def) if name in attrs
-    )
-    return node_def.op, tuple(sorted(attrs)), counts
+_REGISTERED_LAYOUTS: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
+_REGISTERED_NODE_TYPES: dict[tuple, NodeTypes] = {}
+
+
+@dataclass(frozen=True)
+class _AttrLayout:
+    """What nodes of one op with one set of attr names share: the op definition, the
+    defaults they lack, and the attrs whose values change their ports or vertices."""
+
+    op_def: op_def_pb2.OpDef
+    defaults: tuple[tuple[str, attr_value_pb2.AttrValue], ...]  # missing attrs with a default
+    counted: tuple[tuple[str, bool], ...]  # present after defaults: (name, is a type list)
+
+
+def _attr_layout(
+    node_def: node_def_pb2.NodeDef, names: frozenset[str], functions: Mapping[str, op_def_pb2.OpDef]
+) -> _AttrLayout:
+    op_def = support.resolve_op_def(node_def, functions)
+    defaults = tuple((name, value) for name, value in support.default_attrs(node_def.op, op_def) if name not in names)
+    filled = names.union(name for name, _ in defaults)
+    counted = tuple((name, is_list) for name, is_list in _counted_attrs(op_def) if name in filled)
+    return _AttrLayout(op_def, defaults, counted)
 
 
 def _counted_attrs(op_def: op_def_pb2.OpDef) -> tuple[tuple[str, bool], ...]:
@@ -160,6 +194,8 @@ class TypeGraph:
     nodes: nx.MultiDiGraph             # the node graph it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
+    vertices: dict[str, tuple[Vertex, ...]]     # node name -> its vertices, in ``NodeTypes.attrs`` order
+    ops: dict[str, str]                         # node name -> op
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
@@ -167,8 +203,32 @@ class TypeGraph:
     def dtype(self, vertex: Vertex) -> int:
         return dtype_of(self.node_def(vertex.node), vertex.attr)
 
+    def vertices_of_dtype(self, dtype: int) -> list[Vertex]:
+        """The vertices whose dtype is ``dtype`` now, in graph order."""
+        found = []
+        for name, vertices in self.vertices.items():
+            if not vertices:
+                continue
+            attrs = self.node_defs[name].attr
+            for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
+                attr_name, index, fixed = vertex.attr
+                if not attr_name:
+                    vertex_dtype = fixed
+                else:
+                    value = attrs.get(attr_name)
+                    if value is None:
+                        continue
+                    if index < 0:
+                        vertex_dtype = value.type
+                    else:
+                        listed = value.list.type
+                        vertex_dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
+                if vertex_dtype == dtype:
+                    found.append(vertex)
+        return found
+
     def input_vertex(self, node: str, port: int) -> Vertex:
-        return Vertex(node, self.types[node].inputs[port])
+        return self.vertices[node][self.types[node].input_slots[port]]
 
     def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
         """(consumer, input port) for every data edge out of ``node:port``."""
@@ -186,42 +246,73 @@ class TypeGraph:
 
 
 def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
-    """Builds the vertex graph; bad op references or port counts raise ``GraphError``."""
+    """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
+
+    Fills in the working copy's missing default attrs first (the caller's graph is
+    untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
+    ``N``, an ``IdentityN``'s list length), and networkx's adjacency dicts are filled
+    the way ``add_nodes_from``/``add_edges_from`` do, without their per-item checks.
+    """
     functions = support.library_op_defs(nodes.graph["library"])
+    node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
-    node_defs = {name: data["node_def"] for name, data in nodes.nodes(data=True)}
-    graph = nx.DiGraph()
-    edges: dict[tuple[Vertex, Vertex], list[tuple[int, int]]] = {}
-    shared: dict[tuple, NodeTypes] = {}  # nodes with the same op and attr shape share port maps
+    node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
+    ops: dict[str, str] = {}
+    # Nodes with the same op and attr shape share port maps. Without library functions
+    # every op is a registered one, and what they share holds for any graph: kept.
+    layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
+    shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
+    new_vertex = tuple.__new__
     for name, node_def in node_defs.items():
+        attrs = node_def.attr
+        op = ops[name] = node_def.op
+        layout_key = (op, frozenset(attrs))
+        layout = layouts.get(layout_key)
+        if layout is None:
+            layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
+        for attr_name, default in layout.defaults:
+            attrs[attr_name].CopyFrom(default)
         inputs = node_def.input  # data inputs first, then "^control" ones
         num_inputs = len(inputs)
         while num_inputs and inputs[num_inputs - 1].startswith("^"):
             num_inputs -= 1
-        op_def = support.resolve_op_def(node_def, functions)
-        support.fill_default_attrs(node_def, op_def)  # the working copy; the caller's graph is untouched
-        key = _shape_key(node_def, op_def)
-        if key not in shared:
-            shared[key] = node_types(node_def, op_def, num_inputs)
-        elif len(shared[key].inputs) != num_inputs:
-            node_types(node_def, shared[key].op_def, num_inputs)  # raises the port-count error
-        types[name] = shared[key]
-    vertices = {name: {attr: Vertex(name, attr) for attr in types[name].attrs} for name in node_defs}
-    graph.add_nodes_from(v for by_attr in vertices.values() for v in by_attr.values())
-    for dst, node_def in node_defs.items():
-        dst_vertices, dst_inputs = vertices[dst], types[dst].inputs
-        for src, keyed in nodes._pred[dst].items():
-            outputs, src_vertices = types[src].outputs, vertices[src]
+        key = (layout_key, tuple(
+            len(attrs[attr_name].list.type) if is_list else attrs[attr_name].i for attr_name, is_list in layout.counted
+        )) if layout.counted else layout_key
+        node_types_ = shared.get(key)
+        if node_types_ is None:
+            node_types_ = shared[key] = node_types(node_def, layout.op_def, num_inputs)
+        elif len(node_types_.inputs) != num_inputs:
+            node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
+        types[name] = node_types_
+        node_vertices[name] = tuple([new_vertex(Vertex, (name, attr)) for attr in node_types_.attrs])
+    graph = nx.DiGraph()
+    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
+    for vertices in node_vertices.values():
+        for vertex in vertices:
+            vertex_data[vertex] = {}
+            succ[vertex] = {}
+            pred[vertex] = {}
+    for dst, in_edges in nodes._pred.items():
+        if not in_edges:
+            continue
+        dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
+        for src, keyed in in_edges.items():
+            src_vertices, src_slots = node_vertices[src], types[src].output_slots
             for data in keyed.values():
-                out_port, in_port = data["src_port"], data["dst_port"]
+                out_port = data["src_port"]
                 if out_port < 0:
                     continue
-                if out_port >= len(outputs):
+                if out_port >= len(src_slots):
                     raise GraphError(
                         f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
-                        f" which has {len(outputs)} output(s)"
+                        f" which has {len(src_slots)} output(s)"
                     )
-                key = (src_vertices[outputs[out_port]], dst_vertices[dst_inputs[in_port]])
-                edges.setdefault(key, []).append((out_port, in_port))
-    graph.add_edges_from((u, v, {"ports": ports}) for (u, v), ports in edges.items())
-    return TypeGraph(graph, nodes, types, node_defs)
+                in_port = data["dst_port"]
+                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[in_port]]
+                edge = succ[u].get(v)
+                if edge is None:
+                    succ[u][v] = pred[v][u] = {"ports": [(out_port, in_port)]}
+                else:
+                    edge["ports"].append((out_port, in_port))
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops)

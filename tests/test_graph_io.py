@@ -3,10 +3,19 @@ from __future__ import annotations
 
 import pytest
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from amp_rewrite import GraphError
-from amp_rewrite.graph_io import CONTROL, TensorRef, parse_tensor_name, to_graph_def, to_networkx
+from amp_rewrite.graph_io import (
+    CONTROL,
+    TensorRef,
+    add_node,
+    parse_tensor_name,
+    replace_input,
+    take_graph_def,
+    to_graph_def,
+    to_networkx,
+)
 
 
 def _graph_with_control_edges() -> graph_pb2.GraphDef:
@@ -29,6 +38,31 @@ def test_round_trip_is_byte_identical():
     round_tripped = to_graph_def(to_networkx(graph_def))
     assert round_tripped == graph_def
     assert round_tripped.SerializeToString(deterministic=True) == graph_def.SerializeToString(deterministic=True)
+
+
+def test_take_graph_def_equals_to_graph_def_after_edits():
+    """take_graph_def hands back the working copy with added nodes appended: same as to_graph_def."""
+    graph_def = _graph_with_control_edges()
+    graph = to_networkx(graph_def)
+    add_node(graph, node_def_pb2.NodeDef(name="y2", op="Identity", input=["split:1"]))
+    replace_input(graph, "cat", 1, "y2", 0)
+    expected = to_graph_def(graph)
+    taken = take_graph_def(graph)
+    assert taken.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    assert [n.name for n in taken.node][-1] == "y2" and taken.node[-2].input[1] == "y2"
+    assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
+
+
+def test_take_graph_def_copies_when_a_node_was_replaced():
+    graph_def = _graph_with_control_edges()
+    graph = to_networkx(graph_def)
+    replacement = node_def_pb2.NodeDef()
+    replacement.CopyFrom(graph.nodes["gate"]["node_def"])
+    replacement.device = "/device:CPU:0"
+    graph.nodes["gate"]["node_def"] = replacement
+    taken = take_graph_def(graph)
+    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
+    assert next(n for n in taken.node if n.name == "gate").device == "/device:CPU:0"
 
 
 def test_edges_carry_ports_and_control_flag():
