@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import html.parser
+import re
 import importlib.util
 import shutil
 import sys
@@ -332,3 +333,11 @@ def test_report_filters_rows_as_you_type_in_chromium(rewrite, dumped, tmp_path):
 
         screenshot = page.screenshot(tmp_path / "report.png", full_page=True)
     assert screenshot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_every_rule_the_pass_gives_has_a_meaning_in_the_report():
+    """report.html explains each rule in words: no Reason rule in the package lacks one."""
+    rules = {rule for path in (ROOT / "amp_rewrite").glob("*.py")
+             for rule in re.findall(r'Reason\(\s*"([a-z0-9-]+)"', path.read_text(encoding="utf-8"))}
+    assert {"allow-list", "slower-converted", "unlisted"} <= rules
+    assert rules - dump.RULE_TO_MEANING.keys() == set()
