@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import html
 import html.parser
-import re
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
