@@ -265,11 +265,6 @@ class Outcome:
     def median_s(self) -> float:
         return statistics.median(self.seconds)
 
-    @property
-    def spread(self) -> float:
-        """(slowest - fastest) / median of the timed runs: the noise a difference must beat."""
-        return (max(self.seconds) - min(self.seconds)) / self.median_s
-
 
 def plan_jobs(settings: Settings, workdir: Path) -> list[Job]:
     jobs = []
@@ -695,15 +690,18 @@ def render_ops(settings: Settings, outcomes: Sequence[Outcome]) -> list[str]:
 
 
 def _compare(ours: Outcome, other: Outcome, other_name: str) -> str:
-    """"ours ≥ X: yes/no", by how much, and whether the difference beats the noise (the
-    spread of either variant's runs); where ours is slower, what the op counts suggest."""
-    gain = other.median_s / ours.median_s - 1  # > 0: ours is faster
+    """"ours ≥ X: yes/no", by how much (median of the per-round ratios: both ran in the
+    same rounds), and in how many rounds ours was faster; a slower median is only noise
+    when ours still won some rounds. Where ours is slower, what the op counts suggest."""
+    ratios = [theirs / mine for mine, theirs in zip(ours.seconds, other.seconds)]
+    gain = statistics.median(ratios) - 1  # > 0: ours is faster
+    rounds = f"faster in {sum(r > 1 for r in ratios)} of {len(ratios)} rounds"
     if gain >= 0:
-        return f"ours ≥ {other_name}: yes ({gain:+.1%})"
-    if -gain <= max(ours.spread, other.spread):
-        verdict = f"ours ≥ {other_name}: no, but within the run-to-run spread ({gain:+.1%})"
+        return f"ours ≥ {other_name}: yes ({gain:+.1%}, {rounds})"
+    if any(r > 1 for r in ratios):
+        verdict = f"ours ≥ {other_name}: no, but within the run-to-run noise ({gain:+.1%}, {rounds})"
     else:
-        verdict = f"ours ≥ {other_name}: **no** ({gain:+.1%})"
+        verdict = f"ours ≥ {other_name}: **no** ({gain:+.1%}, {rounds})"
     return f"{verdict} — {_suspects(ours, other, other_name)}"
 
 
@@ -800,7 +798,8 @@ METHOD_NOTE = (
     " peak RSS is the variant's whole process (TensorFlow, model build, tracing, runs)."
 )
 VERDICTS_HEADING = (
-    "Ours against the others (a difference inside the slowest-to-fastest spread of either variant's runs is noise):"
+    "Ours against the others (median of the per-round time ratios; a slower median is noise when ours still won"
+    " some rounds):"
 )
 OPS_HEADING = (
     "What ran per step (partition graphs of the first call, after TensorFlow's runtime optimizations;"
