@@ -86,7 +86,7 @@ class PaintContext:
     def __post_init__(self) -> None:
         self.ops: dict[str, str] = self.types.ops
         # Read once, before the rewrite: casts change dtypes only after colouring.
-        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
+        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
 
     def is_clear(self, vertex: Vertex) -> bool:
         # Both sets are usually empty; testing that first saves hashing the vertex.
@@ -295,7 +295,9 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
     allow: dict[Vertex, Reason] = {}
     forceable: dict[str, bool] = {}
     ops, processed = ctx.ops, ctx.processed
-    for vertex in _vertices(ctx):
+    # Every vertex, not only the graph's: one of another dtype still makes the allow set
+    # non-empty, and with it which later passes run and how the rest is explained.
+    for vertex in itertools.chain.from_iterable(ctx.types.vertices.values()):
         if vertex.node not in processed:
             continue
         op = ops[vertex.node]

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 GRAPH_INPUTS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # The device type each target converts on (spec §1.5): float16 → NVIDIA GPUs, bfloat16 → CPUs.
 TARGET_DEVICE = {"float16": "GPU", "bfloat16": "CPU"}
+# The vertices colouring works on: float32 ones, and the variant ones TensorList handles
+# pass through. The others can neither be painted nor lead to one that can.
+PAINTED_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_VARIANT})
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,7 @@ def _prepare(
     # 4. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
     upgrade_batch_norm_ops(nodes, processed)
     # 5. The (node, type attribute) vertex graph.
-    types = typegraph.build_type_graph(nodes)
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, linked - handles,

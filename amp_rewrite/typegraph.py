@@ -196,36 +196,13 @@ class TypeGraph:
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
     vertices: dict[str, tuple[Vertex, ...]]     # node name -> its vertices, in ``NodeTypes.attrs`` order
     ops: dict[str, str]                         # node name -> op
+    float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
 
     def dtype(self, vertex: Vertex) -> int:
         return dtype_of(self.node_def(vertex.node), vertex.attr)
-
-    def vertices_of_dtype(self, dtype: int) -> list[Vertex]:
-        """The vertices whose dtype is ``dtype`` now, in graph order."""
-        found = []
-        for name, vertices in self.vertices.items():
-            if not vertices:
-                continue
-            attrs = self.node_defs[name].attr
-            for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
-                attr_name, index, fixed = vertex.attr
-                if not attr_name:
-                    vertex_dtype = fixed
-                else:
-                    value = attrs.get(attr_name)
-                    if value is None:
-                        continue
-                    if index < 0:
-                        vertex_dtype = value.type
-                    else:
-                        listed = value.list.type
-                        vertex_dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
-                if vertex_dtype == dtype:
-                    found.append(vertex)
-        return found
 
     def input_vertex(self, node: str, port: int) -> Vertex:
         return self.vertices[node][self.types[node].input_slots[port]]
@@ -245,8 +222,14 @@ class TypeGraph:
         return None
 
 
-def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
+def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
+
+    ``dtypes``: the dtypes whose vertices (and the edges between them) make up ``graph``;
+    None for all. An edge joins two vertices of one dtype, its tensor's, so leaving a
+    dtype out leaves out whole components: colouring, which paints only float32 vertices
+    and follows TensorList handles (variant), never reaches them. ``vertices`` always
+    lists every vertex.
 
     Fills in the working copy's missing default attrs first (the caller's graph is
     untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
@@ -257,7 +240,11 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
     node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
+    graph_vertices: dict[str, list[Vertex | None]] = {}  # the same, None where not in ``graph``
+    float32: list[Vertex] = []
     ops: dict[str, str] = {}
+    graph = nx.DiGraph()
+    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
     # Nodes with the same op and attr shape share port maps. Without library functions
     # every op is a registered one, and what they share holds for any graph: kept.
     layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
@@ -285,20 +272,34 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
         elif len(node_types_.inputs) != num_inputs:
             node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
         types[name] = node_types_
-        node_vertices[name] = tuple([new_vertex(Vertex, (name, attr)) for attr in node_types_.attrs])
-    graph = nx.DiGraph()
-    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
-    for vertices in node_vertices.values():
-        for vertex in vertices:
-            vertex_data[vertex] = {}
-            succ[vertex] = {}
-            pred[vertex] = {}
+        vertices = node_vertices[name] = tuple([new_vertex(Vertex, (name, attr)) for attr in node_types_.attrs])
+        in_graph = graph_vertices[name] = []
+        for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
+            attr_name, index, dtype = vertex.attr
+            if attr_name:
+                value = attrs.get(attr_name)
+                if value is None:
+                    dtype = types_pb2.DT_INVALID
+                elif index < 0:
+                    dtype = value.type
+                else:
+                    listed = value.list.type
+                    dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
+            if dtype == types_pb2.DT_FLOAT:
+                float32.append(vertex)
+            if dtypes is None or dtype in dtypes:
+                vertex_data[vertex] = {}
+                succ[vertex] = {}
+                pred[vertex] = {}
+                in_graph.append(vertex)
+            else:
+                in_graph.append(None)
     for dst, in_edges in nodes._pred.items():
         if not in_edges:
             continue
-        dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
+        dst_vertices, dst_slots = graph_vertices[dst], types[dst].input_slots
         for src, keyed in in_edges.items():
-            src_vertices, src_slots = node_vertices[src], types[src].output_slots
+            src_vertices, src_slots = graph_vertices[src], types[src].output_slots
             for data in keyed.values():
                 out_port = data["src_port"]
                 if out_port < 0:
@@ -310,9 +311,11 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
                     )
                 in_port = data["dst_port"]
                 u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[in_port]]
+                if u is None or v is None:
+                    continue
                 edge = succ[u].get(v)
                 if edge is None:
                     succ[u][v] = pred[v][u] = {"ports": [(out_port, in_port)]}
                 else:
                     edge["ports"].append((out_port, in_port))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops)
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, tuple(float32))
