@@ -74,6 +74,8 @@ def reachable_functions(graph_def: graph_pb2.GraphDef) -> list[str]:
     gradients; minus what ``XlaLaunch`` compiles, parametrized and tf.data functions.
     """
     library = {f.signature.name: f for f in graph_def.library.function}
+    if not library:  # nothing to reach: skip reading every node's attrs
+        return []
     gradients = {g.function_name: g.gradient_func for g in graph_def.library.gradient}
 
     def closure(start: Iterable[str]) -> set[str]:
