@@ -82,6 +82,7 @@ class PaintContext:
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
+    _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
 
     def __post_init__(self) -> None:
         self.ops: dict[str, str] = self.types.ops
@@ -113,10 +114,28 @@ class PaintContext:
         """SupportsF16: op definition and a registered kernel for the changed node."""
         found = self._cache.get(vertex)
         if found is None:
+            found = self._cache[vertex] = self._has_target_kernel(vertex)
+        return found
+
+    def _has_target_kernel(self, vertex: Vertex) -> bool:
+        if self.boundary and vertex in self.boundary:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
-            found = self._cache[vertex] = self.op_allows_target(vertex) and (
-                bool(self.boundary) and vertex in self.boundary or self._kernel_check(vertex)
-            )
+            return self.op_allows_target(vertex)
+        node, attr = vertex
+        attrs = self.types.node_defs[node].attr
+        op = self.ops[node]
+        others = None if "_kernel" in attrs else support.kernel_inputs(op, attr.name, attr.index >= 0)
+        if others is None:
+            return self.op_allows_target(vertex) and self._kernel_check(vertex)
+        # Unlabelled nodes of one op, device and other constrained types share the answer.
+        values = [attrs.get(name) for name in others]
+        if any(value is None for value in values):
+            return self.op_allows_target(vertex) and self._kernel_check(vertex)
+        key = (op, attr.name, attr.fixed, self.kernel_device.get(node),
+               tuple(v.type or v.SerializeToString(deterministic=True) for v in values))
+        found = self._by_op.get(key)
+        if found is None:
+            found = self._by_op[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
         return found
 
     def _kernel_check(self, vertex: Vertex) -> bool:
