@@ -157,7 +157,13 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
 
 def add_node(graph: nx.MultiDiGraph, node_def) -> None:
     """Add ``node_def`` (a new node, e.g. a Cast) with an edge for each of its inputs."""
-    graph.add_node(node_def.name, node_def=node_def)
+    name = node_def.name
+    if name in graph._node:
+        graph._node[name]["node_def"] = node_def
+    else:  # graph.add_node(name, node_def=node_def), as networkx fills its dicts
+        graph._node[name] = {"node_def": node_def}
+        graph._succ[name] = {}
+        graph._pred[name] = {}
     for position, tensor in enumerate(node_def.input):
         producer, port = parse_tensor_name(tensor, consumer=node_def.name)
         if producer not in graph._succ:
