@@ -128,11 +128,12 @@ class PaintContext:
         if others is None:
             return self.op_allows_target(vertex) and self._kernel_check(vertex)
         # Unlabelled nodes of one op, device and other constrained types share the answer.
-        values = [attrs.get(name) for name in others]
-        if any(value is None for value in values):
-            return self.op_allows_target(vertex) and self._kernel_check(vertex)
-        key = (op, attr.name, attr.fixed, self.kernel_device.get(node),
-               tuple(v.type or v.SerializeToString(deterministic=True) for v in values))
+        key = (op, attr.name, attr.fixed, self.kernel_device.get(node))
+        for name in others:
+            value = attrs.get(name)
+            if value is None:  # the kernel check reports the missing attr
+                return self.op_allows_target(vertex) and self._kernel_check(vertex)
+            key += (value.type or value.SerializeToString(deterministic=True),)
         found = self._by_op.get(key)
         if found is None:
             found = self._by_op[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
@@ -560,7 +561,7 @@ def paint(ctx: PaintContext) -> Painting:
     for cluster in clusters:
         for writer, reader in tensor_list_implicit_edges(ctx, cluster):
             if not graph.has_edge(writer, reader):
-                graph.add_edge(writer, reader, ports=[], implicit=True)
+                graph.add_edge(writer, reader, implicit=True)
     # 1. Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(

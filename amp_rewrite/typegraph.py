@@ -4,8 +4,8 @@ A node such as ``FusedBatchNormV3`` has several independent dtypes (``T`` and ``
 ``IdentityN`` one per list element, so the unit of painting is not a node but a
 *vertex*: a node together with one type attribute, one element of a ``list(type)``
 attribute, or one fixed dtype of its op definition (e.g. an ``int32`` shape input).
-An edge joins the producer's output vertex to the consumer's input vertex; each edge
-records the (output port, input port) pairs it stands for.
+An edge joins the producer's output vertex to the consumer's input vertex, once however
+many tensors join them (the node graph has the ports).
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
 class TypeGraph:
     """Vertices and edges for colouring, over a node graph from ``graph_io``."""
 
-    graph: nx.DiGraph                  # Vertex -> Vertex; edge attr "ports": [(out, in)]
+    graph: nx.DiGraph                  # Vertex -> Vertex, no attrs (ports: see ``nodes``)
     nodes: nx.MultiDiGraph             # the node graph it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
@@ -250,6 +250,7 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
     layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
     shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
     new_vertex = tuple.__new__
+    keep_all, dt_float, dt_invalid = dtypes is None, types_pb2.DT_FLOAT, types_pb2.DT_INVALID
     for name, node_def in node_defs.items():
         attrs = node_def.attr
         op = ops[name] = node_def.op
@@ -257,8 +258,9 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
         layout = layouts.get(layout_key)
         if layout is None:
             layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
-        for attr_name, default in layout.defaults:
-            attrs[attr_name].CopyFrom(default)
+        if layout.defaults:
+            for attr_name, default in layout.defaults:
+                attrs[attr_name].CopyFrom(default)
         inputs = node_def.input  # data inputs first, then "^control" ones
         num_inputs = len(inputs)
         while num_inputs and inputs[num_inputs - 1].startswith("^"):
@@ -272,28 +274,31 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
         elif len(node_types_.inputs) != num_inputs:
             node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
         types[name] = node_types_
-        vertices = node_vertices[name] = tuple([new_vertex(Vertex, (name, attr)) for attr in node_types_.attrs])
-        in_graph = graph_vertices[name] = []
-        for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
-            attr_name, index, dtype = vertex.attr
+        vertices, in_graph = [], []
+        for attr in node_types_.attrs:
+            vertex = new_vertex(Vertex, (name, attr))
+            vertices.append(vertex)
+            attr_name, index, dtype = attr  # dtype_of, inlined: it runs once per vertex
             if attr_name:
                 value = attrs.get(attr_name)
                 if value is None:
-                    dtype = types_pb2.DT_INVALID
+                    dtype = dt_invalid
                 elif index < 0:
                     dtype = value.type
                 else:
                     listed = value.list.type
-                    dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
-            if dtype == types_pb2.DT_FLOAT:
+                    dtype = listed[index] if index < len(listed) else dt_invalid
+            if dtype == dt_float:
                 float32.append(vertex)
-            if dtypes is None or dtype in dtypes:
+            if keep_all or dtype in dtypes:
                 vertex_data[vertex] = {}
                 succ[vertex] = {}
                 pred[vertex] = {}
                 in_graph.append(vertex)
             else:
                 in_graph.append(None)
+        node_vertices[name] = tuple(vertices)
+        graph_vertices[name] = in_graph
     for dst, in_edges in nodes._pred.items():
         if not in_edges:
             continue
@@ -309,13 +314,10 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
                         f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
                         f" which has {len(src_slots)} output(s)"
                     )
-                in_port = data["dst_port"]
-                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[in_port]]
+                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[data["dst_port"]]]
                 if u is None or v is None:
                     continue
-                edge = succ[u].get(v)
-                if edge is None:
-                    succ[u][v] = pred[v][u] = {"ports": [(out_port, in_port)]}
-                else:
-                    edge["ports"].append((out_port, in_port))
+                out_edges = succ[u]
+                if v not in out_edges:
+                    out_edges[v] = pred[v][u] = {}
     return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, tuple(float32))
