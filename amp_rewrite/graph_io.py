@@ -81,19 +81,20 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
         library=working.library if working.HasField("library") else None,
         graph_def=working,
     )
+    node_data, succ, pred = graph._node, graph._succ, graph._pred
     node_defs = working.node
-    names = [node_def.name for node_def in node_defs]
-    graph._node.update(zip(names, ({"node_def": node_def} for node_def in node_defs)))
-    if len(graph._node) != len(names):
+    for node_def in node_defs:
+        name = node_def.name
+        node_data[name] = {"node_def": node_def}
+        succ[name] = {}
+        pred[name] = {}
+    if len(node_data) != len(node_defs):
         seen: set[str] = set()
-        duplicate = next(name for name in names if name in seen or seen.add(name))
-        graph._node.clear()
+        duplicate = next(name for name in (node_def.name for node_def in node_defs) if name in seen or seen.add(name))
+        node_data.clear()
         raise GraphError(f"duplicate node name '{duplicate}'; node names must be unique")
-    succ, pred = graph._succ, graph._pred
-    succ.update((name, {}) for name in names)
-    pred.update((name, {}) for name in names)
-    for name, node_def in zip(names, node_defs):
-        in_edges = pred[name]
+    for name, in_edges in pred.items():
+        node_def = node_data[name]["node_def"]
         seen_control = False
         for position, tensor in enumerate(node_def.input):
             # Most inputs are "name" or "name:port": only the others go through the parser.
