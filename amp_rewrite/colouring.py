@@ -313,21 +313,26 @@ def match_tensor_list_colours(
 def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
     """Pass 1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
     allow: dict[Vertex, Reason] = {}
-    forceable: dict[str, bool] = {}
-    ops, processed = ctx.ops, ctx.processed
+    op_to_reason: dict[str, Reason | None] = {}  # None: the op's vertices stay unpainted here
+    ops, processed, lists = ctx.ops, ctx.processed, ctx.lists
     # Every vertex, not only the graph's: one of another dtype still makes the allow set
     # non-empty, and with it which later passes run and how the rest is explained.
-    for vertex in itertools.chain.from_iterable(ctx.types.vertices.values()):
-        if vertex.node not in processed:
+    for node, vertices in ctx.types.vertices.items():
+        if node not in processed:
             continue
-        op = ops[vertex.node]
-        if op in ctx.lists.allow:
-            allow[vertex] = Reason("allow-list", f"op {op} is on the allow list")
-        elif ctx.lists.force_all:
-            if vertex.node not in forceable:
-                forceable[vertex.node] = _can_force(ctx.types.node_def(vertex.node).op)
-            if forceable[vertex.node]:
-                allow[vertex] = Reason("force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+        op = ops[node]
+        if op in op_to_reason:
+            reason = op_to_reason[op]
+        elif op in lists.allow:
+            reason = op_to_reason[op] = Reason("allow-list", f"op {op} is on the allow list")
+        elif lists.force_all and _can_force(op):
+            reason = op_to_reason[op] = Reason(
+                "force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+        else:
+            reason = op_to_reason[op] = None
+        if reason is not None:
+            for vertex in vertices:
+                allow[vertex] = reason
     return allow
 
 
@@ -352,11 +357,16 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     lists = ctx.lists
     ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
     # Pinned loop values are clear ops all the same: deny passes through them.
-    upstream = _closure(graph._pred, (v for v in _vertices(ctx) if ops[v.node] in stoppers),
-                        lambda v: ops[v.node] in clear or ctx.is_clear(v))
-    added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
+    stopper_vertices, roots = [], []  # roots: the deny ops' vertices
+    for v in _vertices(ctx):
+        op = ops[v.node]
+        if op in stoppers:
+            stopper_vertices.append(v)
+            if op in lists.deny and v not in denied:
+                roots.append(v)
+    upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
+    added: dict[Vertex, Reason] = {}
     if ctx.deny_seeds:  # cross_function: deny from across a boundary
         roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
     for root in roots:
