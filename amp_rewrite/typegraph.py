@@ -317,7 +317,5 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
                 u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[data["dst_port"]]]
                 if u is None or v is None:
                     continue
-                out_edges = succ[u]
-                if v not in out_edges:
-                    out_edges[v] = pred[v][u] = {}
+                succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
     return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, tuple(float32))
