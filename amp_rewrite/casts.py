@@ -32,7 +32,7 @@ class CastStats:
 
 def _cast_name(nodes, src: str, port: int, kind: str) -> str:
     index = 0
-    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes:
+    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes._node:
         index += 1
     return f"{src}-{port}-{kind}-{index}-{SUFFIX}"
 
