@@ -16,6 +16,7 @@ always reads the same as its in-edges: change edges only through ``add_node`` an
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import networkx as nx
@@ -146,7 +147,7 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     working = graph.graph.pop("graph_def", None)
     node_defs = [data["node_def"] for data in graph._node.values()]
     if working is None or len(node_defs) < len(working.node) or any(
-        mine is not theirs for mine, theirs in zip(node_defs, working.node)
+        map(operator.is_not, node_defs, working.node)
     ) or any(
         graph.graph[field] is not (getattr(working, field) if working.HasField(field) else None)
         for field in ("versions", "library")
