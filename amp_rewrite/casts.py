@@ -17,6 +17,7 @@ from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.errors import GraphError
 from amp_rewrite import graph_io
 from amp_rewrite.graph_io import tensor_name
+from amp_rewrite.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
 KIND_TO_TARGET = {types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
@@ -32,7 +33,7 @@ class CastStats:
 
 def _cast_name(nodes, src: str, port: int, kind: str) -> str:
     index = 0
-    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes:
+    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes._node:
         index += 1
     return f"{src}-{port}-{kind}-{index}-{SUFFIX}"
 
@@ -62,9 +63,19 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     converted = added = to_target = 0
     by_port: dict[int, list] = {}
     by_port_node = None  # the node ``by_port`` lists the out-edges of
+    # Only ALLOW vertices and the producers of ALLOW vertices change or get a cast. When
+    # ALLOW vertices are few (float16), listing those producers first is cheaper than
+    # testing every other vertex's consumers; when many (bfloat16), it costs more.
+    feeds_allow: set[Vertex] | None = None
+    if 3 * len(allow) < len(ctx.float32):
+        feeds_allow, fanins = set(), types.graph._pred
+        for vertex in allow:
+            feeds_allow.update(fanins.get(vertex, ()))
     for vertex in ctx.float32:  # graph order: nodes in order, each node's vertices in order
-        name, attr = vertex
         src_allow = vertex in allow
+        if not src_allow and feeds_allow is not None and vertex not in feeds_allow:
+            continue
+        name, attr = vertex
         if src_allow:
             node_def = types.node_def(name)
             if not attr.name:

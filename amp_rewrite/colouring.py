@@ -82,11 +82,12 @@ class PaintContext:
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
+    _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
 
     def __post_init__(self) -> None:
         self.ops: dict[str, str] = self.types.ops
         # Read once, before the rewrite: casts change dtypes only after colouring.
-        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.vertices_of_dtype(DT_FLOAT))  # in graph order
+        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
 
     def is_clear(self, vertex: Vertex) -> bool:
         # Both sets are usually empty; testing that first saves hashing the vertex.
@@ -113,10 +114,29 @@ class PaintContext:
         """SupportsF16: op definition and a registered kernel for the changed node."""
         found = self._cache.get(vertex)
         if found is None:
+            found = self._cache[vertex] = self._has_target_kernel(vertex)
+        return found
+
+    def _has_target_kernel(self, vertex: Vertex) -> bool:
+        if self.boundary and vertex in self.boundary:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
-            found = self._cache[vertex] = self.op_allows_target(vertex) and (
-                bool(self.boundary) and vertex in self.boundary or self._kernel_check(vertex)
-            )
+            return self.op_allows_target(vertex)
+        node, attr = vertex
+        attrs = self.types.node_defs[node].attr
+        op = self.ops[node]
+        others = None if "_kernel" in attrs else support.kernel_inputs(op, attr.name, attr.index >= 0)
+        if others is None:
+            return self.op_allows_target(vertex) and self._kernel_check(vertex)
+        # Unlabelled nodes of one op, device and other constrained types share the answer.
+        key = (op, attr.name, attr.fixed, self.kernel_device.get(node))
+        for name in others:
+            value = attrs.get(name)
+            if value is None:  # the kernel check reports the missing attr
+                return self.op_allows_target(vertex) and self._kernel_check(vertex)
+            key += (value.type or value.SerializeToString(deterministic=True),)
+        found = self._by_op.get(key)
+        if found is None:
+            found = self._by_op[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
         return found
 
     def _kernel_check(self, vertex: Vertex) -> bool:
@@ -293,19 +313,26 @@ def match_tensor_list_colours(
 def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
     """Pass 1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
     allow: dict[Vertex, Reason] = {}
-    forceable: dict[str, bool] = {}
-    ops, processed = ctx.ops, ctx.processed
-    for vertex in _vertices(ctx):
-        if vertex.node not in processed:
+    op_to_reason: dict[str, Reason | None] = {}  # None: the op's vertices stay unpainted here
+    ops, processed, lists = ctx.ops, ctx.processed, ctx.lists
+    # Every vertex, not only the graph's: one of another dtype still makes the allow set
+    # non-empty, and with it which later passes run and how the rest is explained.
+    for node, vertices in ctx.types.vertices.items():
+        if node not in processed:
             continue
-        op = ops[vertex.node]
-        if op in ctx.lists.allow:
-            allow[vertex] = Reason("allow-list", f"op {op} is on the allow list")
-        elif ctx.lists.force_all:
-            if vertex.node not in forceable:
-                forceable[vertex.node] = _can_force(ctx.types.node_def(vertex.node).op)
-            if forceable[vertex.node]:
-                allow[vertex] = Reason("force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+        op = ops[node]
+        if op in op_to_reason:
+            reason = op_to_reason[op]
+        elif op in lists.allow:
+            reason = op_to_reason[op] = Reason("allow-list", f"op {op} is on the allow list")
+        elif lists.force_all and _can_force(op):
+            reason = op_to_reason[op] = Reason(
+                "force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+        else:
+            reason = op_to_reason[op] = None
+        if reason is not None:
+            for vertex in vertices:
+                allow[vertex] = reason
     return allow
 
 
@@ -330,11 +357,16 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     lists = ctx.lists
     ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
     # Pinned loop values are clear ops all the same: deny passes through them.
-    upstream = _closure(graph._pred, (v for v in _vertices(ctx) if ops[v.node] in stoppers),
-                        lambda v: ops[v.node] in clear or ctx.is_clear(v))
-    added: dict[Vertex, Reason] = {}
     denied = set(deny)
-    roots = [v for v in _vertices(ctx) if ops[v.node] in lists.deny and v not in denied]
+    stopper_vertices, roots = [], []  # roots: the deny ops' vertices
+    for v in _vertices(ctx):
+        op = ops[v.node]
+        if op in stoppers:
+            stopper_vertices.append(v)
+            if op in lists.deny and v not in denied:
+                roots.append(v)
+    upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
+    added: dict[Vertex, Reason] = {}
     if ctx.deny_seeds:  # cross_function: deny from across a boundary
         roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
     for root in roots:
@@ -539,7 +571,7 @@ def paint(ctx: PaintContext) -> Painting:
     for cluster in clusters:
         for writer, reader in tensor_list_implicit_edges(ctx, cluster):
             if not graph.has_edge(writer, reader):
-                graph.add_edge(writer, reader, ports=[], implicit=True)
+                graph.add_edge(writer, reader, implicit=True)
     # 1. Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(

@@ -55,6 +55,9 @@ def _may_call(op: str) -> bool:
     return op_def is None or any(a.type in ("func", "list(func)") for a in op_def.attr)
 
 
+_OPS_WITHOUT_CALLS: set[str] = set()  # registered ops without a func attr, as met
+
+
 def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) -> Iterable[str]:
     for node in nodes:
         if node.op in names:
@@ -74,6 +77,8 @@ def reachable_functions(graph_def: graph_pb2.GraphDef) -> list[str]:
     gradients; minus what ``XlaLaunch`` compiles, parametrized and tf.data functions.
     """
     library = {f.signature.name: f for f in graph_def.library.function}
+    if not library:  # nothing to reach: skip reading every node's attrs
+        return []
     gradients = {g.function_name: g.gradient_func for g in graph_def.library.gradient}
 
     def closure(start: Iterable[str]) -> set[str]:
@@ -128,7 +133,11 @@ def check_calls(graph_def: graph_pb2.GraphDef) -> None:
 
     def check(nodes: Iterable[node_def_pb2.NodeDef], where: str) -> None:
         for node in nodes:
-            if not _may_call(node.op):
+            op = node.op
+            if op in _OPS_WITHOUT_CALLS:  # a set test: most nodes stop here
+                continue
+            if not _may_call(op):
+                _OPS_WITHOUT_CALLS.add(op)
                 continue
             for attr_name, value in node.attr.items():
                 called = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]

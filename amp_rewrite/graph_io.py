@@ -16,6 +16,7 @@ always reads the same as its in-edges: change edges only through ``add_node`` an
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import networkx as nx
@@ -81,19 +82,20 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
         library=working.library if working.HasField("library") else None,
         graph_def=working,
     )
+    node_data, succ, pred = graph._node, graph._succ, graph._pred
     node_defs = working.node
-    names = [node_def.name for node_def in node_defs]
-    graph._node.update(zip(names, ({"node_def": node_def} for node_def in node_defs)))
-    if len(graph._node) != len(names):
+    for node_def in node_defs:
+        name = node_def.name
+        node_data[name] = {"node_def": node_def}
+        succ[name] = {}
+        pred[name] = {}
+    if len(node_data) != len(node_defs):
         seen: set[str] = set()
-        duplicate = next(name for name in names if name in seen or seen.add(name))
-        graph._node.clear()
+        duplicate = next(name for name in (node_def.name for node_def in node_defs) if name in seen or seen.add(name))
+        node_data.clear()
         raise GraphError(f"duplicate node name '{duplicate}'; node names must be unique")
-    succ, pred = graph._succ, graph._pred
-    succ.update((name, {}) for name in names)
-    pred.update((name, {}) for name in names)
-    for name, node_def in zip(names, node_defs):
-        in_edges = pred[name]
+    for name, in_edges in pred.items():
+        node_def = node_data[name]["node_def"]
         seen_control = False
         for position, tensor in enumerate(node_def.input):
             # Most inputs are "name" or "name:port": only the others go through the parser.
@@ -145,7 +147,7 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     working = graph.graph.pop("graph_def", None)
     node_defs = [data["node_def"] for data in graph._node.values()]
     if working is None or len(node_defs) < len(working.node) or any(
-        mine is not theirs for mine, theirs in zip(node_defs, working.node)
+        map(operator.is_not, node_defs, working.node)
     ) or any(
         graph.graph[field] is not (getattr(working, field) if working.HasField(field) else None)
         for field in ("versions", "library")
@@ -157,7 +159,13 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
 
 def add_node(graph: nx.MultiDiGraph, node_def) -> None:
     """Add ``node_def`` (a new node, e.g. a Cast) with an edge for each of its inputs."""
-    graph.add_node(node_def.name, node_def=node_def)
+    name = node_def.name
+    if name in graph._node:
+        graph._node[name]["node_def"] = node_def
+    else:  # graph.add_node(name, node_def=node_def), as networkx fills its dicts
+        graph._node[name] = {"node_def": node_def}
+        graph._succ[name] = {}
+        graph._pred[name] = {}
     for position, tensor in enumerate(node_def.input):
         producer, port = parse_tensor_name(tensor, consumer=node_def.name)
         if producer not in graph._succ:

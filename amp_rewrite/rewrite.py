@@ -5,6 +5,7 @@ import contextlib
 import gc
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 GRAPH_INPUTS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 # The device type each target converts on (spec §1.5): float16 → NVIDIA GPUs, bfloat16 → CPUs.
 TARGET_DEVICE = {"float16": "GPU", "bfloat16": "CPU"}
+# The vertices colouring works on: float32 ones, and the variant ones TensorList handles
+# pass through. The others can neither be painted nor lead to one that can.
+PAINTED_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_VARIANT})
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,11 @@ def find_processed_nodes(
     return processed, skipped
 
 
-def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Iterable[str]) -> None:
+def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Collection[str]) -> None:
     """FusedBatchNorm(Grad) → V2 with ``U=float32`` so ``T`` can change alone (spec §2.1 step 5)."""
-    for name in processed:
-        node_def = nodes._node[name]["node_def"]
-        if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad"):
+    for name, data in nodes._node.items():
+        node_def = data["node_def"]
+        if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad") and name in processed:
             node_def.op += "V2"
             node_def.attr["U"].type = types_pb2.DT_FLOAT
 
@@ -248,7 +252,7 @@ def _prepare(
     # 4. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
     upgrade_batch_norm_ops(nodes, processed)
     # 5. The (node, type attribute) vertex graph.
-    types = typegraph.build_type_graph(nodes)
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, linked - handles,
@@ -348,18 +352,18 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
     attr_names: dict[TypeAttr, str] = {}
     decisions = []
     for v in ctx.float32:
-        attr = v.attr
+        node, attr = v
         if not attr.name:
             continue
         attr_name = attr_names.get(attr)
         if attr_name is None:
             attr_name = attr_names[attr] = str(attr)
         # explain() would find the painting's reason first unless the node was skipped.
-        reason = reasons.get(v) if v.node not in skipped else None
+        reason = reasons.get(v) if node not in skipped else None
         rule, text, source = reason if reason is not None else explain(ctx, painting, skipped, v)
         # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
         decisions.append(_new_tuple(Decision, (
-            function, v.node, ops[v.node], attr_name, "float32", target if v in allow else "float32", rule, text, source
+            function, node, ops[node], attr_name, "float32", target if v in allow else "float32", rule, text, source
         )))
     # 7. Types and casts, the one mutation (of the working copy).
     stats = casts.change_types_and_insert_casts(ctx, painting) if allow else casts.CastStats(0, 0, 0)

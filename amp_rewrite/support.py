@@ -139,6 +139,25 @@ def has_kernel(node_def: node_def_pb2.NodeDef, attrs: Mapping[str, object], devi
     return _has_kernel(node_def.op, device_type, label, relevant, attrs)
 
 
+@functools.cache
+def kernel_inputs(op: str, attr: str, listed: bool) -> tuple[str, ...] | None:
+    """What ``has_kernel_with_type`` for ``attr`` of an unlabelled ``op`` node reads besides
+    the op: the other type attrs its kernels constrain, whose values decide with the op.
+
+    None when it reads more: a constrained attr that is not a type, or the rest of the
+    changed list (``listed``: the attr is a ``list(type)`` one its kernels constrain).
+    """
+    constrained = _constrained_attrs(op)
+    if not constrained:
+        return ()
+    op_def = registered_op_def(op)
+    if op_def is None or listed and attr in constrained:
+        return None
+    kinds = {a.name: a.type for a in op_def.attr}
+    others = tuple(name for name in constrained if name != attr)
+    return others if all(kinds.get(name) == "type" for name in others) else None
+
+
 def has_kernel_with_type(node_def: node_def_pb2.NodeDef, attr: str, dtype: int, device_type: str) -> bool:
     """``has_kernel`` for ``node_def`` with its type attr ``attr`` set to ``dtype``.
 

@@ -4,8 +4,8 @@ A node such as ``FusedBatchNormV3`` has several independent dtypes (``T`` and ``
 ``IdentityN`` one per list element, so the unit of painting is not a node but a
 *vertex*: a node together with one type attribute, one element of a ``list(type)``
 attribute, or one fixed dtype of its op definition (e.g. an ``int32`` shape input).
-An edge joins the producer's output vertex to the consumer's input vertex; each edge
-records the (output port, input port) pairs it stands for.
+An edge joins the producer's output vertex to the consumer's input vertex, once however
+many tensors join them (the node graph has the ports).
 """
 from __future__ import annotations
 
@@ -190,42 +190,19 @@ def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
 class TypeGraph:
     """Vertices and edges for colouring, over a node graph from ``graph_io``."""
 
-    graph: nx.DiGraph                  # Vertex -> Vertex; edge attr "ports": [(out, in)]
+    graph: nx.DiGraph                  # Vertex -> Vertex, no attrs (ports: see ``nodes``)
     nodes: nx.MultiDiGraph             # the node graph it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
     vertices: dict[str, tuple[Vertex, ...]]     # node name -> its vertices, in ``NodeTypes.attrs`` order
     ops: dict[str, str]                         # node name -> op
+    float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
 
     def dtype(self, vertex: Vertex) -> int:
         return dtype_of(self.node_def(vertex.node), vertex.attr)
-
-    def vertices_of_dtype(self, dtype: int) -> list[Vertex]:
-        """The vertices whose dtype is ``dtype`` now, in graph order."""
-        found = []
-        for name, vertices in self.vertices.items():
-            if not vertices:
-                continue
-            attrs = self.node_defs[name].attr
-            for vertex in vertices:  # dtype_of, inlined: it runs once per vertex
-                attr_name, index, fixed = vertex.attr
-                if not attr_name:
-                    vertex_dtype = fixed
-                else:
-                    value = attrs.get(attr_name)
-                    if value is None:
-                        continue
-                    if index < 0:
-                        vertex_dtype = value.type
-                    else:
-                        listed = value.list.type
-                        vertex_dtype = listed[index] if index < len(listed) else types_pb2.DT_INVALID
-                if vertex_dtype == dtype:
-                    found.append(vertex)
-        return found
 
     def input_vertex(self, node: str, port: int) -> Vertex:
         return self.vertices[node][self.types[node].input_slots[port]]
@@ -245,8 +222,14 @@ class TypeGraph:
         return None
 
 
-def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
+def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
+
+    ``dtypes``: the dtypes whose vertices (and the edges between them) make up ``graph``;
+    None for all. An edge joins two vertices of one dtype, its tensor's, so leaving a
+    dtype out leaves out whole components: colouring, which paints only float32 vertices
+    and follows TensorList handles (variant), never reaches them. ``vertices`` always
+    lists every vertex.
 
     Fills in the working copy's missing default attrs first (the caller's graph is
     untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
@@ -257,12 +240,17 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
     node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
+    graph_vertices: dict[str, list[Vertex | None]] = {}  # the same, None where not in ``graph``
+    float32: list[Vertex] = []
     ops: dict[str, str] = {}
+    graph = nx.DiGraph()
+    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
     # Nodes with the same op and attr shape share port maps. Without library functions
     # every op is a registered one, and what they share holds for any graph: kept.
     layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
     shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
     new_vertex = tuple.__new__
+    keep_all, dt_float, dt_invalid = dtypes is None, types_pb2.DT_FLOAT, types_pb2.DT_INVALID
     for name, node_def in node_defs.items():
         attrs = node_def.attr
         op = ops[name] = node_def.op
@@ -270,8 +258,9 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
         layout = layouts.get(layout_key)
         if layout is None:
             layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
-        for attr_name, default in layout.defaults:
-            attrs[attr_name].CopyFrom(default)
+        if layout.defaults:
+            for attr_name, default in layout.defaults:
+                attrs[attr_name].CopyFrom(default)
         inputs = node_def.input  # data inputs first, then "^control" ones
         num_inputs = len(inputs)
         while num_inputs and inputs[num_inputs - 1].startswith("^"):
@@ -285,20 +274,37 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
         elif len(node_types_.inputs) != num_inputs:
             node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
         types[name] = node_types_
-        node_vertices[name] = tuple([new_vertex(Vertex, (name, attr)) for attr in node_types_.attrs])
-    graph = nx.DiGraph()
-    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
-    for vertices in node_vertices.values():
-        for vertex in vertices:
-            vertex_data[vertex] = {}
-            succ[vertex] = {}
-            pred[vertex] = {}
+        vertices, in_graph = [], []
+        for attr in node_types_.attrs:
+            vertex = new_vertex(Vertex, (name, attr))
+            vertices.append(vertex)
+            attr_name, index, dtype = attr  # dtype_of, inlined: it runs once per vertex
+            if attr_name:
+                value = attrs.get(attr_name)
+                if value is None:
+                    dtype = dt_invalid
+                elif index < 0:
+                    dtype = value.type
+                else:
+                    listed = value.list.type
+                    dtype = listed[index] if index < len(listed) else dt_invalid
+            if dtype == dt_float:
+                float32.append(vertex)
+            if keep_all or dtype in dtypes:
+                vertex_data[vertex] = {}
+                succ[vertex] = {}
+                pred[vertex] = {}
+                in_graph.append(vertex)
+            else:
+                in_graph.append(None)
+        node_vertices[name] = tuple(vertices)
+        graph_vertices[name] = in_graph
     for dst, in_edges in nodes._pred.items():
         if not in_edges:
             continue
-        dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
+        dst_vertices, dst_slots = graph_vertices[dst], types[dst].input_slots
         for src, keyed in in_edges.items():
-            src_vertices, src_slots = node_vertices[src], types[src].output_slots
+            src_vertices, src_slots = graph_vertices[src], types[src].output_slots
             for data in keyed.values():
                 out_port = data["src_port"]
                 if out_port < 0:
@@ -308,11 +314,8 @@ def build_type_graph(nodes: nx.MultiDiGraph) -> TypeGraph:
                         f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
                         f" which has {len(src_slots)} output(s)"
                     )
-                in_port = data["dst_port"]
-                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[in_port]]
-                edge = succ[u].get(v)
-                if edge is None:
-                    succ[u][v] = pred[v][u] = {"ports": [(out_port, in_port)]}
-                else:
-                    edge["ports"].append((out_port, in_port))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops)
+                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[data["dst_port"]]]
+                if u is None or v is None:
+                    continue
+                succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, tuple(float32))
