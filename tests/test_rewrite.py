@@ -206,7 +206,7 @@ def test_ops_slower_in_bfloat16_stay_float32_with_the_reason(monkeypatch):
     assert dtype_of(rewrites.ours, "gelu") == types_pb2.DT_FLOAT
     assert dtype_of(rewrites.ours, "scale") == types_pb2.DT_BFLOAT16
     decision = rewrites.report.decision("gelu")
-    assert decision.rule == "slower-converted" and "takes 4.8-5.0x float32's time" in decision.reason
+    assert decision.rule == "slower-converted" and "takes 4.6-5.0x float32's time" in decision.reason
     # grappler's own lists: no edit of ours, Erfc converted.
     monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_ADD", "Erfc")
     put_back = check_against_grappler(graph_def, "bfloat16", ["fetch"])
