@@ -129,6 +129,18 @@ def _seed_api_step(model: Any, opt: Any, poison: tf.Variable) -> Callable:
     return step
 
 
+def _quadratic_step(opt: Any, w: Any, poison: tf.Variable) -> Callable:
+    """One seed-API step on the loss sum(w * w) * poison."""
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
+        opt.apply_gradients(list(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w])))
+
+    return step
+
+
 def _keras_minimize_callable_step(model: keras.Model, opt: optimizers.LossScaleOptimizer,
                                   poison: tf.Variable) -> Callable:
     x, y = _regression_data()
@@ -368,13 +380,7 @@ def _growth_steps_keras_like(variable: Callable, make_optimizer: Callable) -> Ca
         opt = optimizers.wrap_optimizer(make_optimizer(), loss_scale)
         poison = tf.Variable(1.0)
 
-        @tf.function
-        def step() -> None:
-            with tf.GradientTape() as tape:
-                scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-            opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
-
-        return _scales_after(step, poison, poisons, lambda: opt.loss_scale)
+        return _scales_after(_quadratic_step(opt, w, poison), poison, poisons, lambda: opt.loss_scale)
 
     return run
 
@@ -440,12 +446,7 @@ def test_fixed_scale_still_skips_bad_steps(family):
         opt = optimizers.wrap_optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), 128)
     poison = tf.Variable(1.0)
 
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-        grads = opt.get_unscaled_gradients(tape.gradient(scaled, [w]))
-        opt.apply_gradients(list(zip(grads, [w])))
+    step = _quadratic_step(opt, w, poison)
 
     step()
     np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6)
@@ -573,11 +574,7 @@ def test_tf_keras_checkpoint_restores_scale_and_counter(tmp_path):
     opt = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(0.01), _growth_3())
     poison = tf.Variable(1.0)
 
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+    step = _quadratic_step(opt, w, poison)
 
     assert _scales_after(step, poison, [1, INF, 1], lambda: opt.loss_scale) == [64, 32, 32]
     assert int(opt.dynamic_counter.numpy()) == 1
@@ -743,11 +740,7 @@ def test_keras_scale_never_drops_below_one_nor_overflows():
     opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.01), "dynamic")
     poison = tf.Variable(INF)
 
-    @tf.function
-    def step() -> None:
-        with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * poison)
-        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+    step = _quadratic_step(opt, w, poison)
 
     scales = _scales_after(step, poison, [INF] * 20 + [1.0], lambda: opt.loss_scale)
     assert scales[14:] == [1.0] * 7 and min(scales) == 1.0, scales
