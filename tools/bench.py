@@ -514,6 +514,8 @@ class Child:
         environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
         if job.device == "cpu":
             environment["CUDA_VISIBLE_DEVICES"] = "-1"  # a GPU host still measures the CPU
+        else:  # a group's children share the GPU: none may take all of its memory up front
+            environment["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
         with self.log.open("w", encoding="utf-8") as log:
             self.process = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--child", spec], env=environment, cwd=REPO,
