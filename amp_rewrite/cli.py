@@ -145,10 +145,11 @@ def _summary_lines(report: Report) -> list[str]:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     model, result, lists = _rewrite(args)
+    given = None
     if args.inputs:
         from amp_rewrite.validate import check_inputs
 
-        check_inputs(model, args.inputs)  # a bad file is an error before anything is written
+        given = check_inputs(model, args.inputs)  # a bad file is an error before anything is written
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
     _say(args, *_summary_lines(result.report), f"Wrote {destination}")
     if args.dump:
@@ -158,9 +159,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         runs = max(args.validate, 1)
         if model.kind == "savedmodel":
-            errors = validate.validate_saved_models(model.path, destination, runs, args.inputs)
+            errors = validate.validate_saved_models(model.path, destination, runs, given)
         else:
-            errors = validate.validate_graph_defs(model, result.graph_def, runs, args.inputs)
+            errors = validate.validate_graph_defs(model, result.graph_def, runs, given)
         tolerance = validate.TOLERANCE[args.target]
         failed = [e for e in errors if not e.ok(args.target)]
         _say(args, f"Validation ({runs} run(s); tolerance {tolerance:g} of each output's scale):")

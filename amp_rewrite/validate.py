@@ -44,9 +44,7 @@ def _sample(spec_shape: list[int | None], dtype: tf.DType, rng: np.random.Genera
     raise ModelError(f"cannot make random inputs of dtype {dtype.name}; pass real data with --inputs FILE.npz")
 
 
-def load_inputs(path: Path | None) -> Mapping[str, np.ndarray] | None:
-    if path is None:
-        return None
+def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
     try:
         with np.load(path) as data:
             return {key: data[key] for key in data.files}
@@ -54,8 +52,9 @@ def load_inputs(path: Path | None) -> Mapping[str, np.ndarray] | None:
         raise ModelError(f"{path}: cannot read inputs ({error}); pass an .npz file saved with numpy.savez") from None
 
 
-def check_inputs(model: Model, path: Path) -> None:
-    """Before anything is written: ``path`` loads and has an array for every input."""
+def check_inputs(model: Model, path: Path) -> Mapping[str, np.ndarray]:
+    """Before anything is written: ``path`` loads and has an array for every input.
+    Returns the arrays, for ``validate_saved_models`` / ``validate_graph_defs``."""
     given = load_inputs(path)
     if model.kind == "savedmodel":
         for key, signature in sorted(model.saved_model.meta_graphs[0].signature_def.items()):
@@ -66,6 +65,7 @@ def check_inputs(model: Model, path: Path) -> None:
         missing = sorted({n.name for n in model.graph_def.node if n.op == "Placeholder"} - set(given))
         if missing:
             raise ModelError(f"{path}: no array for placeholder(s) {', '.join(missing)}")
+    return given
 
 
 def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> OutputError:
@@ -75,10 +75,12 @@ def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> Out
     return OutputError(signature, output, diff, diff / scale if scale > 0 else (0.0 if diff == 0 else np.inf))
 
 
-def validate_saved_models(source: Path, destination: Path, runs: int, inputs: Path | None = None) -> list[OutputError]:
-    """Worst error per (signature, output) over ``runs`` random batches (or the given inputs)."""
+def validate_saved_models(
+    source: Path, destination: Path, runs: int, given: Mapping[str, np.ndarray] | None = None
+) -> list[OutputError]:
+    """Worst error per (signature, output) over ``runs`` random batches, or one run on
+    ``given`` (``check_inputs``' arrays)."""
     old_model, new_model = tf.saved_model.load(str(source)), tf.saved_model.load(str(destination))
-    given = load_inputs(inputs)
     rng = np.random.default_rng(0)
     worst: dict[tuple[str, str], OutputError] = {}
     for key in sorted(old_model.signatures):
@@ -86,9 +88,6 @@ def validate_saved_models(source: Path, destination: Path, runs: int, inputs: Pa
         specs = old_fn.structured_input_signature[1]
         for _ in range(1 if given is not None else runs):
             if given is not None:
-                missing = sorted(set(specs) - set(given))
-                if missing:
-                    raise ModelError(f"{inputs}: no array for input(s) {', '.join(missing)} of signature '{key}'")
                 feed = {name: tf.constant(given[name]) for name in specs}
             else:
                 feed = {name: tf.constant(_sample(spec.shape.as_list(), spec.dtype, rng)) for name, spec in specs.items()}
@@ -101,11 +100,12 @@ def validate_saved_models(source: Path, destination: Path, runs: int, inputs: Pa
     return list(worst.values())
 
 
-def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, runs: int, inputs: Path | None = None) -> list[OutputError]:
+def validate_graph_defs(
+    model: Model, rewritten: graph_pb2.GraphDef, runs: int, given: Mapping[str, np.ndarray] | None = None
+) -> list[OutputError]:
     """The same for a GraphDef file: placeholders fed, ``model.fetches`` compared."""
     if not model.fetches:
         raise ModelError(f"{model.path}: --validate needs the outputs to compare; name them with --fetch")
-    given = load_inputs(inputs)
     placeholders = [n for n in model.graph_def.node if n.op == "Placeholder"]
     rng = np.random.default_rng(0)
     worst: dict[str, OutputError] = {}
@@ -113,8 +113,6 @@ def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, runs: int, 
         feed = {}
         for node in placeholders:
             if given is not None:
-                if node.name not in given:
-                    raise ModelError(f"{inputs}: no array for placeholder '{node.name}'")
                 feed[f"{node.name}:0"] = given[node.name]
             else:
                 shape = [None if d.size < 0 else d.size for d in node.attr["shape"].shape.dim]
