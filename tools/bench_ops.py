@@ -19,9 +19,7 @@ Run it on a quiet machine: under load the bfloat16 kernels suffer more than floa
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import bench_pass  # tools/ is not a package
 
 SHAPES = ((8, 128, 3072), (32, 28, 28, 512))
 TIMED_RUNS = 15
+WARMUP_RUNS = 3
 CAST = "Cast float32->bfloat16"
 
 # Op name -> the op applied to two same-shaped tensors x, y (unary ops use x only;
@@ -80,14 +79,8 @@ OPS: dict[str, Kernel] = {
 
 def median_ms(kernel: Kernel, x: tf.Tensor, y: tf.Tensor) -> float:
     function = tf.function(kernel, autograph=False)
-    for _ in range(3):
-        function(x, y)
-    times = []
-    for _ in range(TIMED_RUNS):
-        start = time.perf_counter()
-        function(x, y)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    (seconds,) = bench_pass.median_seconds(lambda: function(x, y), timed=TIMED_RUNS, warmup=WARMUP_RUNS)
+    return seconds * 1e3
 
 
 def times_ms(shape: tuple[int, ...]) -> dict[str, tuple[float, float]]:
@@ -111,7 +104,7 @@ def main() -> int:
     infer = load_lists("bfloat16", environ={}).infer
     missing = sorted((held | infer) - OPS.keys())
     print(bench_pass.machine_line())
-    print(f"Median of {TIMED_RUNS} calls, ms; ratio = bfloat16 / float32 time; shapes {' and '.join(map(str, SHAPES))}.")
+    print(f"Median of {TIMED_RUNS} calls after {WARMUP_RUNS} warm-up, ms; ratio = bfloat16 / float32 time; shapes {' and '.join(map(str, SHAPES))}.")
     print("Pays to hold = at both sizes, bfloat16 time > float32 time + 2 casts;"
           " held float32 = in the float32 section of lists/bfloat16.yaml.\n")
     per_shape = [times_ms(shape) for shape in SHAPES]

@@ -41,15 +41,17 @@ GRAPHS = (
 LOW_PRECISION_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
 
-def median_seconds(*runs: Callable[[], object]) -> tuple[float, ...]:
-    """Median wall time of each of ``runs``: ``WARMUP_RUNS`` untimed calls of each, then
-    ``TIMED_RUNS`` rounds that call each once, in turn, so a change in the machine's load
+def median_seconds(
+    *runs: Callable[[], object], timed: int = TIMED_RUNS, warmup: int = WARMUP_RUNS
+) -> tuple[float, ...]:
+    """Median wall time of each of ``runs``: ``warmup`` untimed calls of each, then
+    ``timed`` rounds that call each once, in turn, so a change in the machine's load
     falls on all of them alike."""
     for run in runs:
-        for _ in range(WARMUP_RUNS):
+        for _ in range(warmup):
             run()
     times: list[list[float]] = [[] for _ in runs]
-    for _ in range(TIMED_RUNS):
+    for _ in range(timed):
         for run, run_times in zip(runs, times):
             start = time.perf_counter()
             run()
