@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
+import numpy as np
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_util
 
 from amp_rewrite import support
 from amp_rewrite.errors import GraphError
@@ -58,6 +60,15 @@ def calls_functions(op: str) -> bool:
     """A registered op with a function attribute (While, If, Case, MapDataset, ...)."""
     op_def = support.registered_op_def(op)
     return op_def is not None and any(a.type in ("func", "list(func)") for a in op_def.attr)
+# Deny ops that are safe where their argument cannot be positive: exp and expm1 map
+# (-inf, 0] into (0, 1] and (-1, 0], so nothing overflows, and the absolute error stays
+# within a rounding step. There they act as infer ops (GELU's gradient exp(-x^2), a
+# stable softmax's exp(x - max(x))).
+BOUNDED_WHEN_NONPOSITIVE = frozenset({"Exp", "Expm1"})
+# Ops whose output is never negative.
+NONNEGATIVE_OPS = frozenset(
+    {"Abs", "Exp", "Relu", "Relu6", "Sigmoid", "Softmax", "Softplus", "Sqrt", "Square", "SquaredDifference"}
+)
 VARIABLE_OPS = frozenset(
     {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
      "_ReadVariablesOp"}
@@ -88,6 +99,11 @@ class PaintContext:
         self.ops: dict[str, str] = self.types.ops
         # Read once, before the rewrite: casts change dtypes only after colouring.
         self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
+        # Deny nodes that act as infer ones: node -> why their argument is <= 0.
+        self.bounded: dict[str, str] = nonpositive_arguments(self.types, self.lists.deny & BOUNDED_WHEN_NONPOSITIVE)
+
+    def is_infer(self, node: str) -> bool:
+        return self.ops[node] in self.lists.infer or node in self.bounded
 
     def is_clear(self, vertex: Vertex) -> bool:
         # Both sets are usually empty; testing that first saves hashing the vertex.
@@ -163,6 +179,55 @@ class PaintContext:
         if op == "Identity":
             return self.ops[source] in ("Variable", "VariableV2")
         return self.reads_ref_variable(source)
+
+
+def nonpositive_arguments(types: TypeGraph, ops: Iterable[str]) -> dict[str, str]:
+    """Nodes of ``ops`` whose argument cannot be positive -> how that shows in the graph.
+
+    Three shapes qualify: ``-f(x)`` for an op ``f`` in ``NONNEGATIVE_OPS``; ``c * f(x)``
+    with a constant ``c`` that has no positive element; ``x - max(x)``.
+    """
+    ops = frozenset(ops)
+    found: dict[str, str] = {}
+    if not ops:
+        return found
+    for node, op in types.ops.items():
+        if op not in ops:
+            continue
+        producer = types.data_producer(node, 0)
+        if producer is None:
+            continue
+        argument = producer[0]
+        how = _nonpositive(types, argument)
+        if how:
+            found[node] = f"its argument '{argument}' is {how} <= 0"
+    return found
+
+
+def _nonpositive(types: TypeGraph, node: str) -> str:
+    """How ``node``'s output 0 is never positive, or "" when the graph does not show it."""
+    op = types.ops[node]
+    inputs = [types.data_producer(node, port) for port in range(len(types.types[node].inputs))]
+    if None in inputs:
+        return ""
+    producers = [types.ops[src] for src, _ in inputs]
+    if op == "Neg" and producers[0] in NONNEGATIVE_OPS:
+        return f"-{producers[0]}(...)"
+    if op == "Mul":
+        for factor, other in ((0, 1), (1, 0)):
+            if producers[factor] in NONNEGATIVE_OPS and _nonpositive_constant(types, inputs[other][0]):
+                return f"{producers[factor]}(...) times a non-positive constant"
+    if op == "Sub" and producers[1] == "Max" and types.data_producer(inputs[1][0], 0) == inputs[0]:
+        return "x - max(x)"
+    return ""
+
+
+def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
+    node_def = types.node_def(node)
+    if node_def.op != "Const" or "value" not in node_def.attr:
+        return False
+    values = tensor_util.MakeNdarray(node_def.attr["value"].tensor)
+    return values.dtype.kind == "f" and bool(np.all(values <= 0))
 
 
 @dataclass(frozen=True)
@@ -363,7 +428,7 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         op = ops[v.node]
         if op in stoppers:
             stopper_vertices.append(v)
-            if op in lists.deny and v not in denied:
+            if op in lists.deny and v not in denied and v.node not in ctx.bounded:
                 roots.append(v)
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
@@ -398,7 +463,7 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
         op = ops[v.node]
         return (
             op not in lists.allow and v not in deny and v.node in processed
-            and (ctx.is_clear(v) or op in lists.infer) and v in float32 and ctx.has_target_kernel(v)
+            and (ctx.is_clear(v) or ctx.is_infer(v.node)) and v in float32 and ctx.has_target_kernel(v)
         )
 
     downstream = _closure(graph._succ, roots, enter_downstream)
@@ -431,12 +496,12 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
 
     One sweep in vertex order, so a vertex added here can qualify a later one.
     """
-    graph, lists = ctx.types.graph, ctx.lists
+    graph = ctx.types.graph
     added: dict[Vertex, Reason] = {}
-    ops, processed, infer = ctx.ops, ctx.processed, lists.infer
+    processed = ctx.processed
     for vertex in _vertices(ctx):
         if (
-            vertex.node not in processed or ops[vertex.node] not in infer or vertex in deny or vertex in allow
+            vertex.node not in processed or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
             or vertex in added or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
         ):
             continue
@@ -615,4 +680,9 @@ def paint(ctx: PaintContext) -> Painting:
     found = retarget_existing_casts(ctx, allow)
     note("10 existing casts", found)
     allow |= found.keys()
+    for vertex in allow:
+        if vertex.node in ctx.bounded:  # a deny op converted: say why
+            rule, text, source = reasons[vertex]
+            reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.op(vertex)} acts as infer: {ctx.bounded[vertex.node]}",
+                                     source)
     return Painting(frozenset(allow), frozenset(deny), reasons, tuple(clusters))

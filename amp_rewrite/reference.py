@@ -40,6 +40,11 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   ``amp_rewrite.lists``) are removed from its infer list for the run through
   ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE``, after any value the
   caller set, unless the caller's ``..._INFERLIST_ADD`` names them.
+* Our colouring treats a deny-listed ``Exp``/``Expm1`` whose argument the graph shows
+  to be non-positive as an infer op (``amp_rewrite.colouring.nonpositive_arguments``).
+  grappler's lists are per op, so for the run each such node of the main graph becomes
+  a ``Tanh`` (an infer op on both targets, with the same signature and kernels), and
+  gets its op back in the result.
 * Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
   keeps ``library``); the meta-optimizer then also runs AMP on each reachable
   function body as a separate item (spec §1.2) and returns the rewritten library.
@@ -63,8 +68,8 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 
-from amp_rewrite import functions, lists, support
-from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite import colouring, functions, graph_io, lists, support, typegraph
+from amp_rewrite.errors import AmpRewriteError, GraphError
 from amp_rewrite.graph_io import parse_tensor_name
 
 TARGET_TO_OPTIMIZER = {
@@ -78,6 +83,7 @@ CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
 GPU_ENVIRONMENT = {"architecture": "8.0", "cuda": "12050", "cudnn": "90300"}
 _NO_FETCH_NODE = "amp_rewrite_reference_no_fetch"
 _PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+_INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp/Expm1
 # "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6); the id is not compared.
 _CAST_NAME = re.compile(
     r"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastToFp16|CastToBf16|CastToFp32)-\d+-AutoMixedPrecision$"
@@ -104,8 +110,23 @@ def _config(target: str) -> ConfigProto:
     return config
 
 
-def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[GraphDef, list[str], dict[str, bytes]]:
-    """Copy ``graph_def`` into the form grappler's item builder accepts.
+def _bounded_nodes(graph_def: GraphDef, target: str) -> dict[str, str]:
+    """Main-graph nodes our colouring treats as infer ops though their op is denied -> op."""
+    candidates = lists.load_lists(target).deny & colouring.BOUNDED_WHEN_NONPOSITIVE
+    if not any(node.op in candidates for node in graph_def.node):
+        return {}
+    try:
+        types = typegraph.build_type_graph(graph_io.to_networkx(graph_def))
+    except GraphError:
+        return {}  # grappler judges a graph we refuse on its own
+    return {node: types.ops[node] for node in colouring.nonpositive_arguments(types, candidates)}
+
+
+def _prepare_item_graph(
+    graph_def: GraphDef, fetches: Sequence[str], bounded: Mapping[str, str]
+) -> tuple[GraphDef, list[str], dict[str, bytes]]:
+    """Copy ``graph_def`` into the form grappler's item builder accepts, with the
+    ``bounded`` nodes' op changed to the stand-in.
 
     Returns the copy, the fetch node names and, per placeholder whose shape was
     made concrete, the serialized original ``shape`` attr (b"" if it had none).
@@ -114,6 +135,8 @@ def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[Gr
     item_graph.CopyFrom(graph_def)
     name_to_shape: dict[str, bytes] = {}
     for node in item_graph.node:
+        if node.name in bounded:
+            node.op = _INFER_STAND_IN
         if node.op not in _PLACEHOLDER_OPS:
             continue
         if "shape" not in node.attr:
@@ -133,13 +156,15 @@ def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[Gr
     return item_graph, fetch_names, name_to_shape
 
 
-def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes]) -> None:
+def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes], bounded: Mapping[str, str]) -> None:
     """Undo ``_prepare_item_graph`` on grappler's output, in place."""
     kept = [node for node in output.node if node.name != _NO_FETCH_NODE]
     if len(kept) != len(output.node):
         del output.node[:]
         output.node.extend(kept)
     for node in output.node:
+        if node.name in bounded:
+            node.op = bounded[node.name]
         if node.name in name_to_shape:
             original = name_to_shape[node.name]
             if original:
@@ -174,11 +199,16 @@ def _held_float32_removed(target: str) -> Iterator[None]:
             os.environ[_INFER_REMOVE] = old
 
 
-def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = ()) -> GraphDef:
+def run_grappler(
+    graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (), our_lists: bool = True
+) -> GraphDef:
     """Return the GraphDef TensorFlow's grappler AMP pass makes of ``graph_def``.
 
     ``target`` is "float16" (CUDA mode on a virtual 8.0 GPU) or "bfloat16" (oneDNN
     mode on a CPU); ``fetches`` are node or tensor names grappler must preserve.
+    ``our_lists``: give grappler the lists we colour with (held float32 ops, bounded
+    ``Exp`` nodes; see the module's notes), as the conformance tests need; False runs
+    grappler exactly as a TensorFlow user gets it, as the pass-time benchmarks need.
     Raises ValueError for an unknown target and RuntimeError, with grappler's
     message, when grappler rejects the graph or the pass fails. The input is not
     modified. With TF_ENABLE_ONEDNN_OPTS=0 the bfloat16 optimizer does not exist
@@ -186,13 +216,14 @@ def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (
     """
     if target not in TARGET_TO_OPTIMIZER:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
-    item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
+    bounded = _bounded_nodes(graph_def, target) if our_lists else {}
+    item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches, bounded)
     meta_graph = MetaGraphDef()
     meta_graph.graph_def.CopyFrom(item_graph)
     meta_graph.collection_def["train_op"].node_list.value.extend(fetch_names)
     cluster = _virtual_cluster(target)
     try:
-        with _held_float32_removed(target):
+        with _held_float32_removed(target) if our_lists else contextlib.nullcontext():
             output = tf_optimizer.OptimizeGraph(
                 _config(target), meta_graph, verbose=False, cluster=cluster, strip_default_attributes=False
             )
@@ -200,7 +231,7 @@ def run_grappler(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (
         raise RuntimeError(f"grappler failed on the graph for {target}: {error}") from error
     finally:
         cluster.Shutdown()
-    _restore(output, name_to_shape)
+    _restore(output, name_to_shape, bounded)
     return output
 
 

@@ -120,7 +120,7 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
         return Reason("loop-value", "loop value of a functional While whose body and cond keep float32 signatures")
     if not painting.allow:
         return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
-    colour = ctx.lists.colour(op)
+    colour = Colour.INFER if vertex.node in ctx.bounded else ctx.lists.colour(op)
     if colour is None:
         if op in ctx.lists.reasons:  # in the float32 section of the built-in file
             return Reason("slower-converted", f"op {op}: {ctx.lists.reasons[op]}")
@@ -128,7 +128,8 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
         return Reason("no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}")
     if colour is Colour.INFER:
-        return Reason("infer-isolated", "infer op neither between allow ops nor directly after one")
+        bounded = f" (deny op {op} acting as infer: {ctx.bounded[vertex.node]})" if vertex.node in ctx.bounded else ""
+        return Reason("infer-isolated", f"infer op neither between allow ops nor directly after one{bounded}")
     return Reason("clear-isolated", "clear op not connected to an allow op through clear ops")
 
 

@@ -8,7 +8,8 @@ from tensorflow.core.framework import types_pb2
 
 import amp_rewrite
 from amp_rewrite import GraphError, rewrite_graph_def
-from conftest import check_against_grappler, dtype_of, graph_def_of
+from amp_rewrite.reference import run_grappler
+from conftest import assert_numerics_match, check_against_grappler, dtype_of, graph_def_of
 
 
 def _chain():
@@ -214,3 +215,63 @@ def test_ops_slower_in_bfloat16_stay_float32_with_the_reason(monkeypatch):
     # float16 (GPU) lists have no float32 section.
     monkeypatch.delenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_ADD")
     assert dtype_of(check_against_grappler(graph_def, "float16", ["fetch"]).ours, "gelu") == types_pb2.DT_HALF
+
+
+def _bounded_exp(argument: str):
+    """input -> MatMul mm1 -> <argument> -> Exp bump -> Mul scale (by mm1) -> MatMul mm2 -> fetch.
+
+    ``argument`` builds Exp's argument from mm1: shapes where the graph shows it is never
+    positive (GELU's and erf's gradient exp(-x^2), a stable softmax's exp(x - max x)) and
+    look-alikes where it may be positive.
+    """
+    def build():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 8], name="input")
+        mm1 = tf.raw_ops.MatMul(a=x, b=x, name="mm1")
+        arguments = {
+            "-square": lambda: tf.raw_ops.Neg(x=tf.raw_ops.Square(x=mm1, name="square"), name="arg"),
+            "-abs": lambda: tf.raw_ops.Neg(x=tf.raw_ops.Abs(x=mm1, name="abs"), name="arg"),
+            "relu*-0.5": lambda: tf.raw_ops.Mul(x=tf.raw_ops.Relu(features=mm1), y=tf.constant(-0.5), name="arg"),
+            "x-max(x)": lambda: tf.raw_ops.Sub(
+                x=mm1, y=tf.raw_ops.Max(input=mm1, axis=tf.constant([1]), keep_dims=True, name="max"), name="arg"),
+            "-tanh": lambda: tf.raw_ops.Neg(x=tf.raw_ops.Tanh(x=mm1, name="tanh"), name="arg"),
+            "relu*0.5": lambda: tf.raw_ops.Mul(x=tf.raw_ops.Relu(features=mm1), y=tf.constant(0.5), name="arg"),
+            "x-max(y)": lambda: tf.raw_ops.Sub(
+                x=mm1, y=tf.raw_ops.Max(input=x, axis=tf.constant([1]), keep_dims=True, name="max"), name="arg"),
+            "x": lambda: tf.raw_ops.Identity(input=mm1, name="arg"),
+        }
+        bump = tf.raw_ops.Exp(x=arguments[argument](), name="bump")
+        scale = tf.raw_ops.Mul(x=bump, y=mm1, name="scale")
+        tf.identity(tf.raw_ops.MatMul(a=scale, b=x, name="mm2"), name="fetch")
+    return graph_def_of(build)
+
+
+@pytest.mark.parametrize("target, argument", [
+    ("bfloat16", "-square"),  # Square is in no float16 list: the path from mm1 would break there
+    *((target, argument) for target in ("float16", "bfloat16") for argument in ("-abs", "relu*-0.5", "x-max(x)")),
+])
+def test_exp_of_a_nonpositive_argument_is_an_infer_op(target, argument):
+    """exp maps (-inf, 0] into (0, 1]: nothing to overflow, so a deny-listed Exp whose
+    argument the graph shows to be <= 0 converts like an infer op, and the values feeding
+    and leaving it need no casts. grappler, told the same (the oracle swaps such a node
+    for an infer op), agrees; with its own per-op lists it keeps Exp float32."""
+    graph_def = _bounded_exp(argument)
+    rewrites = check_against_grappler(graph_def, target, ["fetch"])
+    low = dtype_of(rewrites.ours, "mm1")
+    assert low != types_pb2.DT_FLOAT
+    assert dtype_of(rewrites.ours, "bump") == dtype_of(rewrites.ours, "scale") == low
+    casts = {n.name for n in rewrites.ours.node if n.op == "Cast"}
+    assert not casts & {*_node(rewrites.ours, "bump").input, *_node(rewrites.ours, "scale").input}
+    decision = rewrites.report.decision("bump")
+    assert "deny op Exp acts as infer: its argument 'arg' is" in decision.reason
+    plain = run_grappler(graph_def, target=target, fetches=["fetch"], our_lists=False)
+    assert dtype_of(plain, "bump") == types_pb2.DT_FLOAT
+    feeds = {"input": np.random.default_rng(0).uniform(-1, 1, (8, 8)).astype(np.float32)}
+    assert_numerics_match(rewrites, ["fetch"], feeds)
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+@pytest.mark.parametrize("argument", ["-tanh", "relu*0.5", "x-max(y)", "x"])
+def test_exp_of_an_argument_that_may_be_positive_stays_denied(target, argument):
+    rewrites = check_against_grappler(_bounded_exp(argument), target, ["fetch"])
+    assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
+    assert rewrites.report.decision("bump").rule == "deny-list"
