@@ -185,7 +185,8 @@ def nonpositive_arguments(types: TypeGraph, ops: Iterable[str]) -> dict[str, str
     """Nodes of ``ops`` whose argument cannot be positive -> how that shows in the graph.
 
     Three shapes qualify: ``-f(x)`` for an op ``f`` in ``NONNEGATIVE_OPS``; ``c * f(x)``
-    with a constant ``c`` that has no positive element; ``x - max(x)``.
+    with a constant ``c`` that has no positive element; ``x - max(x)``, the max kept
+    with its reduced dimensions.
     """
     ops = frozenset(ops)
     found: dict[str, str] = {}
@@ -217,7 +218,10 @@ def _nonpositive(types: TypeGraph, node: str) -> str:
         for factor, other in ((0, 1), (1, 0)):
             if producers[factor] in NONNEGATIVE_OPS and _nonpositive_constant(types, inputs[other][0]):
                 return f"{producers[factor]}(...) times a non-positive constant"
-    if op == "Sub" and producers[1] == "Max" and types.data_producer(inputs[1][0], 0) == inputs[0]:
+    if (
+        op == "Sub" and producers[1] == "Max" and types.data_producer(inputs[1][0], 0) == inputs[0]
+        and types.node_def(inputs[1][0]).attr["keep_dims"].b  # else max(x) broadcasts along other axes
+    ):
         return "x - max(x)"
     return ""
 
@@ -680,9 +684,9 @@ def paint(ctx: PaintContext) -> Painting:
     found = retarget_existing_casts(ctx, allow)
     note("10 existing casts", found)
     allow |= found.keys()
-    for vertex in allow:
-        if vertex.node in ctx.bounded:  # a deny op converted: say why
-            rule, text, source = reasons[vertex]
-            reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.op(vertex)} acts as infer: {ctx.bounded[vertex.node]}",
-                                     source)
+    for node, why in ctx.bounded.items():  # deny ops converted: say why
+        for vertex in ctx.types.vertices[node]:
+            if vertex in allow:
+                rule, text, source = reasons[vertex]
+                reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
     return Painting(frozenset(allow), frozenset(deny), reasons, tuple(clusters))

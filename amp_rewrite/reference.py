@@ -42,9 +42,9 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   caller set, unless the caller's ``..._INFERLIST_ADD`` names them.
 * Our colouring treats a deny-listed ``Exp``/``Expm1`` whose argument the graph shows
   to be non-positive as an infer op (``amp_rewrite.colouring.nonpositive_arguments``).
-  grappler's lists are per op, so for the run each such node of the main graph becomes
-  a ``Tanh`` (an infer op on both targets, with the same signature and kernels), and
-  gets its op back in the result.
+  grappler's lists are per op, so for the run each such node (main graph and function
+  bodies) becomes a ``Tanh``, an infer op on both targets with the same signature and
+  kernels, and gets its op back in the result.
 * Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
   keeps ``library``); the meta-optimizer then also runs AMP on each reachable
   function body as a separate item (spec §1.2) and returns the rewritten library.
@@ -110,23 +110,45 @@ def _config(target: str) -> ConfigProto:
     return config
 
 
-def _bounded_nodes(graph_def: GraphDef, target: str) -> dict[str, str]:
-    """Main-graph nodes our colouring treats as infer ops though their op is denied -> op."""
+def _stand_in_for_bounded(graph: GraphDef, target: str) -> dict[tuple[str, str], str]:
+    """Give the stand-in op, in place, to every node our colouring treats as an infer op
+    though its op is denied (a bounded ``Exp``), in the main graph and each function body.
+
+    Returns (function name, "" for the main graph; node name) -> the node's op.
+    """
     candidates = lists.load_lists(target).deny & colouring.BOUNDED_WHEN_NONPOSITIVE
-    if not any(node.op in candidates for node in graph_def.node):
-        return {}
-    try:
-        types = typegraph.build_type_graph(graph_io.to_networkx(graph_def))
-    except GraphError:
-        return {}  # grappler judges a graph we refuse on its own
-    return {node: types.ops[node] for node in colouring.nonpositive_arguments(types, candidates)}
+    op_defs = support.library_op_defs(graph.library)
+    items = [("", graph.node, lambda: graph)] + [
+        (f.signature.name, f.node_def, lambda f=f: functions.body_graph_def(f, op_defs)) for f in graph.library.function
+    ]
+    swapped: dict[tuple[str, str], str] = {}
+    for item, node_defs, as_graph in items:
+        if not any(node_def.op in candidates for node_def in node_defs):
+            continue
+        try:
+            types = typegraph.build_type_graph(graph_io.to_networkx(as_graph()))
+            bounded = colouring.nonpositive_arguments(types, candidates)
+        except GraphError:
+            continue  # grappler judges a graph we refuse on its own
+        for node_def in node_defs:
+            if node_def.name in bounded:
+                swapped[(item, node_def.name)] = node_def.op
+                node_def.op = _INFER_STAND_IN
+    return swapped
 
 
-def _prepare_item_graph(
-    graph_def: GraphDef, fetches: Sequence[str], bounded: Mapping[str, str]
-) -> tuple[GraphDef, list[str], dict[str, bytes]]:
-    """Copy ``graph_def`` into the form grappler's item builder accepts, with the
-    ``bounded`` nodes' op changed to the stand-in.
+def _swap_back(output: GraphDef, swapped: Mapping[tuple[str, str], str]) -> None:
+    """Undo ``_stand_in_for_bounded`` on grappler's output, in place."""
+    if not swapped:
+        return
+    items = [("", output.node)] + [(f.signature.name, f.node_def) for f in output.library.function]
+    for item, node_defs in items:
+        for node_def in node_defs:
+            node_def.op = swapped.get((item, node_def.name), node_def.op)
+
+
+def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[GraphDef, list[str], dict[str, bytes]]:
+    """Copy ``graph_def`` into the form grappler's item builder accepts.
 
     Returns the copy, the fetch node names and, per placeholder whose shape was
     made concrete, the serialized original ``shape`` attr (b"" if it had none).
@@ -135,8 +157,6 @@ def _prepare_item_graph(
     item_graph.CopyFrom(graph_def)
     name_to_shape: dict[str, bytes] = {}
     for node in item_graph.node:
-        if node.name in bounded:
-            node.op = _INFER_STAND_IN
         if node.op not in _PLACEHOLDER_OPS:
             continue
         if "shape" not in node.attr:
@@ -156,15 +176,13 @@ def _prepare_item_graph(
     return item_graph, fetch_names, name_to_shape
 
 
-def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes], bounded: Mapping[str, str]) -> None:
+def _restore(output: GraphDef, name_to_shape: Mapping[str, bytes]) -> None:
     """Undo ``_prepare_item_graph`` on grappler's output, in place."""
     kept = [node for node in output.node if node.name != _NO_FETCH_NODE]
     if len(kept) != len(output.node):
         del output.node[:]
         output.node.extend(kept)
     for node in output.node:
-        if node.name in bounded:
-            node.op = bounded[node.name]
         if node.name in name_to_shape:
             original = name_to_shape[node.name]
             if original:
@@ -216,8 +234,8 @@ def run_grappler(
     """
     if target not in TARGET_TO_OPTIMIZER:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
-    bounded = _bounded_nodes(graph_def, target) if our_lists else {}
-    item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches, bounded)
+    item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
+    swapped = _stand_in_for_bounded(item_graph, target) if our_lists else {}
     meta_graph = MetaGraphDef()
     meta_graph.graph_def.CopyFrom(item_graph)
     meta_graph.collection_def["train_op"].node_list.value.extend(fetch_names)
@@ -231,7 +249,8 @@ def run_grappler(
         raise RuntimeError(f"grappler failed on the graph for {target}: {error}") from error
     finally:
         cluster.Shutdown()
-    _restore(output, name_to_shape, bounded)
+    _restore(output, name_to_shape)
+    _swap_back(output, swapped)
     return output
 
 

@@ -745,3 +745,26 @@ def test_compare_rewrites_reports_a_function_body_difference() -> None:
     agreement = compare_rewrites(graph_def, ours, grappler)
     assert not agreement.ok
     assert agreement.library_mismatches == (f"function '{body}': our signature differs from the original's",)
+
+
+@tf.function
+def _gaussian(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """exp(-h^2) between two matmuls: a deny op whose argument is never positive."""
+    h = tf.matmul(x, w, name="allow1")
+    return tf.matmul(tf.exp(-tf.square(h, name="square"), name="bump") * h, w, name="allow2")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bounded_exp_in_a_function_body(target: str) -> None:
+    """A function body's Exp(-Square) acts as an infer op as in the main graph, and the
+    oracle tells grappler so inside the body too: they agree. On float16 Square is in no
+    list, so the path from allow1 breaks and the bump stays float32 there."""
+    graph_def, fetches = _traced(lambda x, w: _gaussian(x, w) + 1.0)
+    rewrites = check_against_grappler(graph_def, target, _nodes(fetches))
+    body = _function_named(graph_def, "__inference__gaussian")
+    if target == "bfloat16":
+        assert_colours(rewrites, lowered=["allow1", "square", "bump", "mul", "allow2"], function=body)
+    else:
+        assert_colours(rewrites, lowered=["allow1", "allow2"], kept=["square", "bump"], function=body)
+    _assert_functions_compared(rewrites, "__inference__gaussian")
+    assert_numerics_match(rewrites, fetches, _feeds())

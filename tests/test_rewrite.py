@@ -237,6 +237,8 @@ def _bounded_exp(argument: str):
             "relu*0.5": lambda: tf.raw_ops.Mul(x=tf.raw_ops.Relu(features=mm1), y=tf.constant(0.5), name="arg"),
             "x-max(y)": lambda: tf.raw_ops.Sub(
                 x=mm1, y=tf.raw_ops.Max(input=x, axis=tf.constant([1]), keep_dims=True, name="max"), name="arg"),
+            "x-max(x) without keep_dims": lambda: tf.raw_ops.Sub(  # [8, 8] - [8] subtracts row maxima from columns
+                x=mm1, y=tf.raw_ops.Max(input=mm1, axis=tf.constant([1]), keep_dims=False, name="max"), name="arg"),
             "x": lambda: tf.raw_ops.Identity(input=mm1, name="arg"),
         }
         bump = tf.raw_ops.Exp(x=arguments[argument](), name="bump")
@@ -270,7 +272,7 @@ def test_exp_of_a_nonpositive_argument_is_an_infer_op(target, argument):
 
 
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])
-@pytest.mark.parametrize("argument", ["-tanh", "relu*0.5", "x-max(y)", "x"])
+@pytest.mark.parametrize("argument", ["-tanh", "relu*0.5", "x-max(y)", "x-max(x) without keep_dims", "x"])
 def test_exp_of_an_argument_that_may_be_positive_stays_denied(target, argument):
     rewrites = check_against_grappler(_bounded_exp(argument), target, ["fetch"])
     assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
