@@ -386,7 +386,7 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
     ops, processed, lists = ctx.ops, ctx.processed, ctx.lists
     # Every vertex, not only the graph's: one of another dtype still makes the allow set
     # non-empty, and with it which later passes run and how the rest is explained.
-    for node, vertices in ctx.types.vertices.items():
+    for node in ctx.types.vertices:
         if node not in processed:
             continue
         op = ops[node]
@@ -400,7 +400,7 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
         else:
             reason = op_to_reason[op] = None
         if reason is not None:
-            for vertex in vertices:
+            for vertex in ctx.types.node_vertices(node):
                 allow[vertex] = reason
     return allow
 

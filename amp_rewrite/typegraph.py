@@ -194,7 +194,9 @@ class TypeGraph:
     nodes: nx.MultiDiGraph             # the node graph it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
-    vertices: dict[str, tuple[Vertex, ...]]     # node name -> its vertices, in ``NodeTypes.attrs`` order
+    # node name -> its vertices in ``NodeTypes.attrs`` order, None for those not in ``graph``
+    # (``node_vertices`` makes them): most are never asked for.
+    vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]                         # node name -> op
     float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
 
@@ -204,8 +206,16 @@ class TypeGraph:
     def dtype(self, vertex: Vertex) -> int:
         return dtype_of(self.node_def(vertex.node), vertex.attr)
 
+    def node_vertices(self, node: str) -> tuple[Vertex, ...]:
+        """Every vertex of ``node``, in ``NodeTypes.attrs`` order."""
+        return tuple(self._vertex(node, slot) for slot in range(len(self.vertices[node])))
+
     def input_vertex(self, node: str, port: int) -> Vertex:
-        return self.vertices[node][self.types[node].input_slots[port]]
+        return self._vertex(node, self.types[node].input_slots[port])
+
+    def _vertex(self, node: str, slot: int) -> Vertex:
+        vertex = self.vertices[node][slot]
+        return vertex if vertex is not None else Vertex(node, self.types[node].attrs[slot])
 
     def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
         """(consumer, input port) for every data edge out of ``node:port``."""
@@ -228,8 +238,8 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
     ``dtypes``: the dtypes whose vertices (and the edges between them) make up ``graph``;
     None for all. An edge joins two vertices of one dtype, its tensor's, so leaving a
     dtype out leaves out whole components: colouring, which paints only float32 vertices
-    and follows TensorList handles (variant), never reaches them. ``vertices`` always
-    lists every vertex.
+    and follows TensorList handles (variant), never reaches them. ``float32`` lists the
+    float32 vertices of ``graph``, so ``dtypes`` should hold DT_FLOAT.
 
     Fills in the working copy's missing default attrs first (the caller's graph is
     untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
@@ -239,8 +249,7 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
     functions = support.library_op_defs(nodes.graph["library"])
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
-    node_vertices: dict[str, tuple[Vertex, ...]] = {}  # in ``NodeTypes.attrs`` order
-    graph_vertices: dict[str, list[Vertex | None]] = {}  # the same, None where not in ``graph``
+    node_vertices: dict[str, list[Vertex | None]] = {}  # in ``NodeTypes.attrs`` order, None where not in ``graph``
     float32: list[Vertex] = []
     ops: dict[str, str] = {}
     graph = nx.DiGraph()
@@ -274,10 +283,8 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
         elif len(node_types_.inputs) != num_inputs:
             node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
         types[name] = node_types_
-        vertices, in_graph = [], []
+        vertices: list[Vertex | None] = []
         for attr in node_types_.attrs:
-            vertex = new_vertex(Vertex, (name, attr))
-            vertices.append(vertex)
             attr_name, index, dtype = attr  # dtype_of, inlined: it runs once per vertex
             if attr_name:
                 value = attrs.get(attr_name)
@@ -288,23 +295,23 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
                 else:
                     listed = value.list.type
                     dtype = listed[index] if index < len(listed) else dt_invalid
-            if dtype == dt_float:
-                float32.append(vertex)
             if keep_all or dtype in dtypes:
+                vertex = new_vertex(Vertex, (name, attr))
                 vertex_data[vertex] = {}
                 succ[vertex] = {}
                 pred[vertex] = {}
-                in_graph.append(vertex)
+                if dtype == dt_float:
+                    float32.append(vertex)
+                vertices.append(vertex)
             else:
-                in_graph.append(None)
-        node_vertices[name] = tuple(vertices)
-        graph_vertices[name] = in_graph
+                vertices.append(None)
+        node_vertices[name] = vertices
     for dst, in_edges in nodes._pred.items():
         if not in_edges:
             continue
-        dst_vertices, dst_slots = graph_vertices[dst], types[dst].input_slots
+        dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
         for src, keyed in in_edges.items():
-            src_vertices, src_slots = graph_vertices[src], types[src].output_slots
+            src_vertices, src_slots = node_vertices[src], types[src].output_slots
             for data in keyed.values():
                 out_port = data["src_port"]
                 if out_port < 0:
