@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
-from typing import NamedTuple
+import functools
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from tensorflow.core.framework import types_pb2
+
+if TYPE_CHECKING:
+    from amp_rewrite.colouring import Reason
+    from amp_rewrite.typegraph import Vertex
 
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph
@@ -50,12 +56,51 @@ class ItemStats:
 
 
 @dataclass(frozen=True)
+class PendingDecisions:
+    """What one item's decisions are made from, kept until they are first asked for: a
+    large graph has thousands of float32 vertices, and most callers want only the graph."""
+
+    function: str
+    target: str                          # the target's dtype name, e.g. "float16"
+    vertices: Iterable[Vertex]           # the float32 vertices, in graph order
+    ops: Mapping[str, str]               # node -> op
+    converted: Collection[Vertex]        # the vertices that became the target
+    reasons: Mapping[Vertex, Reason]     # a reason for every float32 vertex with a type attr
+
+    def decisions(self) -> Iterator[Decision]:
+        attr_names: dict[object, str] = {}
+        for vertex in self.vertices:
+            node, attr = vertex
+            if not attr.name:  # a fixed float32 port: no attr to report
+                continue
+            attr_name = attr_names.get(attr)
+            if attr_name is None:
+                attr_name = attr_names[attr] = str(attr)
+            rule, text, source = self.reasons[vertex]
+            after = self.target if vertex in self.converted else "float32"
+            # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
+            yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,
+                                        source))
+
+
+_new_tuple = tuple.__new__
+
+
+@dataclass(frozen=True)
 class Report:
-    """Counts per item (grappler's definitions) plus the per-vertex decisions."""
+    """Counts per item (grappler's definitions) plus the per-vertex decisions.
+
+    The decisions are made from ``pending`` when first read; reports compare by counts.
+    """
 
     target: str
     items: tuple[ItemStats, ...]
-    decisions: tuple[Decision, ...]
+    pending: tuple[PendingDecisions, ...] = field(default=(), repr=False, compare=False)
+
+    @functools.cached_property
+    def decisions(self) -> tuple[Decision, ...]:
+        """One per float32 vertex, item by item in graph order; made on first use."""
+        return tuple(decision for item in self.pending for decision in item.decisions())
 
     def _total(self, field: str, function: str | None) -> int:
         return sum(getattr(i, field) for i in self.items if function is None or i.function == function)

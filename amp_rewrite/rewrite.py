@@ -16,8 +16,8 @@ from amp_rewrite import boundaries, casts, colouring, functions, graph_io, suppo
 from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
-from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, Decision, ItemStats, Report, dtype_name
-from amp_rewrite.typegraph import TypeAttr, Vertex
+from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
+from amp_rewrite.typegraph import Vertex
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def rewrite_graph_def(
 def _rewrite_items(
     graph_def: graph_pb2.GraphDef, target: str, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
-) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[Decision, ...]]:
+) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     total = 2 * (len(names) + 1)
     library = {f.signature.name: f for f in graph_def.library.function}
     # Steps 2-5 for every item: the main graph, then each function body.
@@ -214,7 +214,7 @@ def _rewrite_items(
             position = next(i for i, f in enumerate(output.library.function) if f.signature.name == name)
             output.library.function[position].CopyFrom(rewritten)
         stats.append(item_stats)
-        decisions.extend(item_decisions)
+        decisions.append(item_decisions)
         progress(len(items) + len(stats), total)
     return output, tuple(stats), tuple(decisions)
 
@@ -343,35 +343,22 @@ def _joined_tensor_lists(
     return [sorted(vertices, key=str) for vertices in joined.values()]
 
 
-def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, list[Decision]]:
-    """Steps 7-8: each float32 vertex's decision, then types and casts, then a GraphDef."""
+def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, PendingDecisions]:
+    """Steps 7-8: each float32 vertex's reason, then types and casts, then a GraphDef."""
     ctx = item.ctx
-    # Decisions first: explain() reads the graph as painted, before any dtype changes. A
+    # Reasons first: explain() reads the graph as painted, before any dtype changes. A
     # float32 vertex ends as the target exactly when it is ALLOW (step 7 converts those).
-    target, ops, allow = dtype_name(ctx.target_dtype), ctx.ops, painting.allow
     reasons, skipped = painting.reasons, item.skipped
-    attr_names: dict[TypeAttr, str] = {}
-    decisions = []
-    for v in ctx.float32:
-        node, attr = v
-        if not attr.name:
-            continue
-        attr_name = attr_names.get(attr)
-        if attr_name is None:
-            attr_name = attr_names[attr] = str(attr)
-        # explain() would find the painting's reason first unless the node was skipped.
-        reason = reasons.get(v) if node not in skipped else None
-        rule, text, source = reason if reason is not None else explain(ctx, painting, skipped, v)
-        # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
-        decisions.append(_new_tuple(Decision, (
-            function, node, ops[node], attr_name, "float32", target if v in allow else "float32", rule, text, source
-        )))
+    explained = {  # explain() would find the painting's reason first unless the node was skipped
+        v: explain(ctx, painting, skipped, v) for v in ctx.float32
+        if v.attr.name and (v.node in skipped or v not in reasons)
+    }
+    decisions = PendingDecisions(function, dtype_name(ctx.target_dtype), ctx.float32, ctx.ops, painting.allow,
+                                 {**reasons, **explained})
     # 7. Types and casts, the one mutation (of the working copy).
-    stats = casts.change_types_and_insert_casts(ctx, painting) if allow else casts.CastStats(0, 0, 0)
+    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
     # 8. Back to a GraphDef, with the item's counts.
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
                            stats.casts_to_target)
     return graph_io.take_graph_def(ctx.types.nodes), item_stats, decisions  # the item is done with its graph
 
-
-_new_tuple = tuple.__new__
