@@ -685,7 +685,7 @@ def paint(ctx: PaintContext) -> Painting:
     note("10 existing casts", found)
     allow |= found.keys()
     for node, why in ctx.bounded.items():  # deny ops converted: say why
-        for vertex in ctx.types.vertices[node]:
+        for vertex in ctx.types.node_vertices(node):
             if vertex in allow:
                 rule, text, source = reasons[vertex]
                 reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)

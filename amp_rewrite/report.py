@@ -86,21 +86,29 @@ class PendingDecisions:
 _new_tuple = tuple.__new__
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Report:
     """Counts per item (grappler's definitions) plus the per-vertex decisions.
 
-    The decisions are made from ``pending`` when first read; reports compare by counts.
+    The decisions are made from ``pending`` when first read; reports compare by target,
+    counts and decisions.
     """
 
     target: str
     items: tuple[ItemStats, ...]
-    pending: tuple[PendingDecisions, ...] = field(default=(), repr=False, compare=False)
+    pending: tuple[PendingDecisions, ...] = field(default=(), repr=False)
 
     @functools.cached_property
     def decisions(self) -> tuple[Decision, ...]:
         """One per float32 vertex, item by item in graph order; made on first use."""
         return tuple(decision for item in self.pending for decision in item.decisions())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Report):
+            return NotImplemented
+        return (self.target, self.items, self.decisions) == (other.target, other.items, other.decisions)
+
+    __hash__ = None  # type: ignore[assignment]  # decisions are compared, not hashed
 
     def _total(self, field: str, function: str | None) -> int:
         return sum(getattr(i, field) for i in self.items if function is None or i.function == function)

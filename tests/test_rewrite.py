@@ -1,6 +1,9 @@
 """rewrite_graph_def as a user meets it: arguments, bad input, the block list, the report."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,6 +12,7 @@ from tensorflow.core.framework import types_pb2
 import amp_rewrite
 from amp_rewrite import GraphError, rewrite_graph_def
 from amp_rewrite.reference import run_grappler
+from amp_rewrite.report import Report
 from conftest import assert_numerics_match, check_against_grappler, dtype_of, graph_def_of
 
 
@@ -63,6 +67,14 @@ def test_output_is_deterministic_and_input_untouched():
     second = rewrite_graph_def(graph_def, fetches=["fetch"]).graph_def.SerializeToString(deterministic=True)
     assert first == second
     assert graph_def.SerializeToString(deterministic=True) == before
+
+
+def test_reports_compare_by_their_decisions():
+    """Decisions are made when first read; equality still looks at them, not only at counts."""
+    first, second = (rewrite_graph_def(_chain(), fetches=["fetch"]).report for _ in range(2))
+    assert first == second and first.decisions == second.decisions
+    assert first != Report(first.target, first.items)  # the same counts, no decisions
+    assert pickle.loads(pickle.dumps(first)) == first == copy.deepcopy(first)
 
 
 def test_rewriting_twice_changes_nothing_more():
