@@ -100,7 +100,7 @@ class PaintContext:
         # Read once, before the rewrite: casts change dtypes only after colouring.
         self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
         # Deny nodes that act as infer ones: node -> why their argument is <= 0.
-        self.bounded: dict[str, str] = nonpositive_arguments(self.types, self.lists.deny & BOUNDED_WHEN_NONPOSITIVE)
+        self.bounded: dict[str, str] = nonpositive_arguments(self.types, bounded_ops(self.lists))
 
     def is_infer(self, node: str) -> bool:
         return self.ops[node] in self.lists.infer or node in self.bounded
@@ -179,6 +179,12 @@ class PaintContext:
         if op == "Identity":
             return self.ops[source] in ("Variable", "VariableV2")
         return self.reads_ref_variable(source)
+
+
+def bounded_ops(lists: OpLists) -> frozenset[str]:
+    """The deny ops that act as infer ops where their argument is never positive; none
+    under TREAT_INFER_AS_DENY, which denies infer ops too."""
+    return frozenset() if lists.infer_as_deny else lists.deny & BOUNDED_WHEN_NONPOSITIVE
 
 
 def nonpositive_arguments(types: TypeGraph, ops: Iterable[str]) -> dict[str, str]:

@@ -207,6 +207,7 @@ def _lists_yaml(lists: OpLists) -> str:
         "target": lists.target,
         "sources": list(lists.sources),
         "force_all": lists.force_all,
+        "infer_as_deny": lists.infer_as_deny,
         "keep_nodes": list(lists.keep_nodes),
         **{colour.value: sorted(getattr(lists, colour.value)) for colour in Colour},
     }

@@ -28,6 +28,8 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
    ``TENSOR_CORES_ONLY`` empties float16's infer, deny and clear lists before step 3, so
    only allow edits count; ``TREAT_INFER_AS_DENY`` moves infer into deny after step 3;
    ``UNSAFE_FORCE_ALL`` sets ``force_all`` for float16 and is refused for bfloat16.
+   ``infer_as_deny`` records ``TREAT_INFER_AS_DENY``, so that ops acting as infer ops
+   only in some graphs (``colouring.bounded_ops``) are denied too.
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ class OpLists:
     clear: frozenset[str]
     keep_nodes: tuple[str, ...] = ()
     force_all: bool = False
+    infer_as_deny: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
     sources: tuple[str, ...] = ()
     _op_to_colour: Mapping[str, Colour] = field(init=False, repr=False, compare=False)
@@ -129,13 +132,14 @@ class OpLists:
     def __reduce__(self) -> tuple[type[OpLists], tuple[object, ...]]:
         # Rebuild through __init__ (mappingproxy cannot be pickled), so copy and pickle work.
         lists = tuple(getattr(self, name) for name in _LIST_NAMES)
-        return OpLists, (self.target, *lists, self.keep_nodes, self.force_all, dict(self.reasons), self.sources)
+        return OpLists, (self.target, *lists, self.keep_nodes, self.force_all, self.infer_as_deny, dict(self.reasons),
+                         self.sources)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={len(getattr(self, name))} ops" for name in _LIST_NAMES)
         return (
             f"OpLists(target={self.target!r}, {sizes}, keep_nodes={self.keep_nodes!r}, "
-            f"force_all={self.force_all!r}, sources={self.sources!r})"
+            f"force_all={self.force_all!r}, infer_as_deny={self.infer_as_deny!r}, sources={self.sources!r})"
         )
 
 
@@ -197,6 +201,7 @@ def load_lists(
         **draft.final_lists(),
         keep_nodes=keep_nodes,
         force_all=level == "UNSAFE_FORCE_ALL",
+        infer_as_deny=level == "TREAT_INFER_AS_DENY",
         reasons=draft.reasons(),
         sources=tuple(sources),
     )

@@ -116,7 +116,7 @@ def _stand_in_for_bounded(graph: GraphDef, target: str) -> dict[tuple[str, str],
 
     Returns (function name, "" for the main graph; node name) -> the node's op.
     """
-    candidates = lists.load_lists(target).deny & colouring.BOUNDED_WHEN_NONPOSITIVE
+    candidates = colouring.bounded_ops(lists.load_lists(target))
     op_defs = support.library_op_defs(graph.library)
     items = [("", graph.node, lambda: graph)] + [
         (f.signature.name, f.node_def, lambda f=f: functions.body_graph_def(f, op_defs)) for f in graph.library.function

@@ -289,3 +289,13 @@ def test_exp_of_an_argument_that_may_be_positive_stays_denied(target, argument):
     rewrites = check_against_grappler(_bounded_exp(argument), target, ["fetch"])
     assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
     assert rewrites.report.decision("bump").rule == "deny-list"
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_treat_infer_as_deny_denies_a_bounded_exp_too(target, monkeypatch):
+    """The level denies infer ops, so an Exp that would act as one stays a deny op; grappler
+    agrees (the oracle gives it no stand-in then)."""
+    monkeypatch.setenv("TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL", "TREAT_INFER_AS_DENY")
+    rewrites = check_against_grappler(_bounded_exp("-abs"), target, ["fetch"])
+    assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
+    assert rewrites.report.decision("bump").rule == "deny-list"
