@@ -40,7 +40,7 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   ``amp_rewrite.lists``) are removed from its infer list for the run through
   ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE``, after any value the
   caller set, unless the caller's ``..._INFERLIST_ADD`` names them.
-* Our colouring treats a deny-listed ``Exp``/``Expm1`` whose argument the graph shows
+* Our colouring treats a deny-listed ``Exp`` whose argument the graph shows
   to be non-positive as an infer op (``amp_rewrite.colouring.nonpositive_arguments``).
   grappler's lists are per op, so for the run each such node (main graph and function
   bodies) becomes a ``Tanh``, an infer op on both targets with the same signature and
@@ -83,7 +83,7 @@ CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
 GPU_ENVIRONMENT = {"architecture": "8.0", "cuda": "12050", "cudnn": "90300"}
 _NO_FETCH_NODE = "amp_rewrite_reference_no_fetch"
 _PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
-_INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp/Expm1
+_INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp
 # "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6); the id is not compared.
 _CAST_NAME = re.compile(
     r"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastToFp16|CastToBf16|CastToFp32)-\d+-AutoMixedPrecision$"

@@ -4,9 +4,11 @@ Grappler's bfloat16 infer list converts every elementwise op between two convert
 but on a CPU only convolutions and matmuls have oneDNN bfloat16 kernels: the rest are
 Eigen kernels that widen each element to float32 and narrow the result again, and for
 transcendental functions and activation gradients that costs more than the halved memory
-traffic saves. This tool times each elementwise op of the bfloat16 infer list, and the ops
+traffic saves. This tool times each elementwise op of the bfloat16 infer list, the ops
 of the ``float32`` section of ``lists/bfloat16.yaml`` (taken off that list for this reason),
-in float32 and bfloat16 on two tensor sizes (a BERT-base FFN activation and a ResNet50
+and ``Exp`` and ``Expm1``, deny ops that are safe where their argument is never positive
+(whether converting them pays decides which ``colouring.bounded_ops`` converts there), in
+float32 and bfloat16 on two tensor sizes (a BERT-base FFN activation and a ResNet50
 stage-3 feature map), as ratios in the same run, and prints a markdown table.
 
 An op belongs in the ``float32`` section when, at both sizes, its bfloat16 kernel takes
@@ -26,6 +28,7 @@ from pathlib import Path
 import tensorflow as tf
 from tensorflow.python.ops import gen_math_ops, gen_nn_ops
 
+from amp_rewrite.colouring import bounded_ops
 from amp_rewrite.lists import held_float32, load_lists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +50,8 @@ OPS: dict[str, Kernel] = {
     "EluGrad": lambda x, y: gen_nn_ops.elu_grad(x, y),
     "Erf": lambda x, y: tf.math.erf(x),
     "Erfc": lambda x, y: tf.math.erfc(x),
+    "Exp": lambda x, y: tf.exp(x),
+    "Expm1": lambda x, y: tf.math.expm1(x),
     "Inv": lambda x, y: gen_math_ops.inv(x),
     "LeakyRelu": lambda x, y: tf.nn.leaky_relu(x),
     "LeakyReluGrad": lambda x, y: gen_nn_ops.leaky_relu_grad(x, y),
@@ -100,16 +105,17 @@ def pays_to_hold(times: dict[str, tuple[float, float]], op: str) -> bool:
 
 
 def main() -> int:
-    held = held_float32("bfloat16")
-    infer = load_lists("bfloat16", environ={}).infer
-    missing = sorted((held | infer) - OPS.keys())
+    lists = load_lists("bfloat16", environ={})
+    # Kept float32: held ops, and deny ops that stay denied even with a bounded argument.
+    kept = held_float32("bfloat16") | ((lists.deny & OPS.keys()) - bounded_ops(lists))
+    missing = sorted((held_float32("bfloat16") | lists.infer | bounded_ops(lists)) - OPS.keys())
     print(bench_pass.machine_line())
     print(f"Median of {TIMED_RUNS} calls after {WARMUP_RUNS} warm-up, ms; ratio = bfloat16 / float32 time; shapes {' and '.join(map(str, SHAPES))}.")
-    print("Pays to hold = at both sizes, bfloat16 time > float32 time + 2 casts;"
-          " held float32 = in the float32 section of lists/bfloat16.yaml.\n")
+    print("Pays to hold = at both sizes, bfloat16 time > float32 time + 2 casts; kept float32 = in the"
+          " float32 section of lists/bfloat16.yaml, or a deny op the bounded-argument rule leaves denied.\n")
     per_shape = [times_ms(shape) for shape in SHAPES]
     header = " | ".join(f"{shape} f32 ms | bf16 ms | ratio" for shape in SHAPES)
-    print(f"| op | {header} | pays to hold | held float32 |")
+    print(f"| op | {header} | pays to hold | kept float32 |")
     print("|---|" + "---:|---:|---:|" * len(SHAPES) + "---|---|")
     disagree = []
     for name in sorted(per_shape[0], key=lambda op: -per_shape[0][op][1] / per_shape[0][op][0]):
@@ -118,9 +124,9 @@ def main() -> int:
             print(f"| {name} | {cells} | | |")
             continue
         pays = all(pays_to_hold(t, name) for t in per_shape)
-        if pays != (name in held):
+        if pays != (name in kept):
             disagree.append(name)
-        print(f"| {name} | {cells} | {'yes' if pays else 'no'} | {'yes' if name in held else 'no'} |")
+        print(f"| {name} | {cells} | {'yes' if pays else 'no'} | {'yes' if name in kept else 'no'} |")
     if missing:
         print(f"\nNot timed (no elementwise form here): {', '.join(missing)}")
     print(f"\nThis CPU and lists/bfloat16.yaml disagree on: {', '.join(disagree) or 'nothing'}")
