@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
 import numpy as np
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from amp_rewrite import support
@@ -228,10 +228,15 @@ def _nonpositive(types: TypeGraph, node: str) -> str:
                 return f"{producers[factor]}(...) times a non-positive constant"
     if (
         op == "Sub" and producers[1] == "Max" and types.data_producer(inputs[1][0], 0) == inputs[0]
-        and types.node_def(inputs[1][0]).attr["keep_dims"].b  # else max(x) broadcasts along other axes
+        and _keeps_dims(types.node_def(inputs[1][0]))  # else max(x) broadcasts along other axes
     ):
         return "x - max(x)"
     return ""
+
+
+def _keeps_dims(node_def: node_def_pb2.NodeDef) -> bool:
+    value = node_def.attr.get("keep_dims")
+    return value is not None and value.b
 
 
 def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
