@@ -20,7 +20,7 @@ from tensorflow.python.framework import tensor_util
 
 from amp_rewrite import support
 from amp_rewrite.errors import GraphError
-from amp_rewrite.lists import OpLists
+from amp_rewrite.lists import Colour, OpLists
 from amp_rewrite.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,12 @@ class PaintContext:
         # Deny nodes that act as infer ones: node -> why their argument is <= 0.
         self.bounded: dict[str, str] = nonpositive_arguments(self.types, bounded_ops(self.lists))
 
+    def colour(self, node: str) -> Colour | None:
+        """The node's list, as the passes read it: a bounded deny op is an infer op."""
+        return Colour.INFER if node in self.bounded else self.lists.colour(self.ops[node])
+
     def is_infer(self, node: str) -> bool:
+        """``colour(node) is Colour.INFER``, for the hot loops."""
         return self.ops[node] in self.lists.infer or node in self.bounded
 
     def is_clear(self, vertex: Vertex) -> bool:
@@ -189,14 +194,13 @@ def bounded_ops(lists: OpLists) -> frozenset[str]:
     return frozenset() if lists.infer_as_deny else lists.deny & BOUNDED_WHEN_NONPOSITIVE
 
 
-def nonpositive_arguments(types: TypeGraph, ops: Iterable[str]) -> dict[str, str]:
+def nonpositive_arguments(types: TypeGraph, ops: frozenset[str]) -> dict[str, str]:
     """Nodes of ``ops`` whose argument cannot be positive -> how that shows in the graph.
 
     Three shapes qualify: ``-f(x)`` for an op ``f`` in ``NONNEGATIVE_OPS``; ``c * f(x)``
     with a constant ``c`` that has no positive element; ``x - max(x)``, the max kept
     with its reduced dimensions.
     """
-    ops = frozenset(ops)
     found: dict[str, str] = {}
     if not ops:
         return found
@@ -216,6 +220,8 @@ def nonpositive_arguments(types: TypeGraph, ops: Iterable[str]) -> dict[str, str
 def _nonpositive(types: TypeGraph, node: str) -> str:
     """How ``node``'s output 0 is never positive, or "" when the graph does not show it."""
     op = types.ops[node]
+    if op not in ("Neg", "Mul", "Sub"):
+        return ""
     inputs = [types.data_producer(node, port) for port in range(len(types.types[node].inputs))]
     if None in inputs:
         return ""
@@ -445,7 +451,7 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
         op = ops[v.node]
         if op in stoppers:
             stopper_vertices.append(v)
-            if op in lists.deny and v not in denied and v.node not in ctx.bounded:
+            if v not in denied and ctx.colour(v.node) is Colour.DENY:
                 roots.append(v)
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}

@@ -120,7 +120,7 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
         return Reason("loop-value", "loop value of a functional While whose body and cond keep float32 signatures")
     if not painting.allow:
         return Reason("no-allow-ops", "no allow-list op in the graph, so nothing is converted")
-    colour = Colour.INFER if vertex.node in ctx.bounded else ctx.lists.colour(op)
+    colour = ctx.colour(vertex.node)
     if colour is None:
         if op in ctx.lists.reasons:  # in the float32 section of the built-in file
             return Reason("slower-converted", f"op {op}: {ctx.lists.reasons[op]}")

@@ -105,10 +105,10 @@ def pays_to_hold(times: dict[str, tuple[float, float]], op: str) -> bool:
 
 
 def main() -> int:
-    lists = load_lists("bfloat16", environ={})
+    lists, held = load_lists("bfloat16", environ={}), held_float32("bfloat16")
     # Kept float32: held ops, and deny ops that stay denied even with a bounded argument.
-    kept = held_float32("bfloat16") | ((lists.deny & OPS.keys()) - bounded_ops(lists))
-    missing = sorted((held_float32("bfloat16") | lists.infer | bounded_ops(lists)) - OPS.keys())
+    kept = held | ((lists.deny & OPS.keys()) - bounded_ops(lists))
+    missing = sorted((held | lists.infer | bounded_ops(lists)) - OPS.keys())
     print(bench_pass.machine_line())
     print(f"Median of {TIMED_RUNS} calls after {WARMUP_RUNS} warm-up, ms; ratio = bfloat16 / float32 time; shapes {' and '.join(map(str, SHAPES))}.")
     print("Pays to hold = at both sizes, bfloat16 time > float32 time + 2 casts; kept float32 = in the"
