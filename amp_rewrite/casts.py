@@ -16,7 +16,6 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.errors import GraphError
 from amp_rewrite import graph_io
-from amp_rewrite.graph_io import tensor_name
 from amp_rewrite.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
@@ -60,7 +59,8 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     types, target = ctx.types, ctx.target_dtype
     nodes, consumers_of = types.nodes, types.graph._succ
     allow = painting.allow
-    converted = added = to_target = 0
+    converted = added = to_target_counted = 0
+    vertices, slots = types.vertices, types.types
     by_port: dict[int, list] = {}
     by_port_node = None  # the node ``by_port`` lists the out-edges of
     # Only ALLOW vertices and the producers of ALLOW vertices change or get a cast. When
@@ -97,25 +97,21 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
         if by_port_node != name:  # the node's out-edges before its first cast
             by_port_node, by_port = name, {}
             for dst, keyed in nodes._succ[name].items():
-                for key, data in keyed.items():
-                    by_port.setdefault(data["src_port"], []).append((dst, key, data))
+                for position, data in keyed.items():
+                    by_port.setdefault(data["src_port"], []).append((dst, position))
         for port in types.types[name].output_ports(attr):
-            cast_name = None
-            for dst, key, data in by_port.get(port, ()):
-                dst_allow = types.input_vertex(dst, data["dst_port"]) in allow
-                if dst_allow == src_allow:
-                    continue
-                if cast_name is None:
-                    to_f16 = dst_allow
-                    kind = KIND_TO_TARGET[target] if to_f16 else KIND_TO_FP32
-                    cast_name = _cast_name(nodes, name, port, kind)
-                    src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_f16 else (target, types_pb2.DT_FLOAT)
-                    cast = _cast_node(cast_name, node_def, src_dtype, dst_dtype)
-                    cast.input.append(tensor_name(name, port))
-                    graph_io.add_node(nodes, cast)
-                    added += 1
-                    if to_f16 and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
-                            and not ctx.reads_ref_variable(name):
-                        to_target += 1
-                graph_io.replace_input(nodes, dst, data["dst_port"], cast_name, 0)
-    return CastStats(converted, added, to_target)
+            # Consumers whose colour differs: a dtype vertex of another dtype (None) is never ALLOW.
+            moved = [(dst, position) for dst, position in by_port.get(port, ())
+                     if (vertices[dst][slots[dst].input_slots[position]] in allow) is not src_allow]
+            if not moved:
+                continue
+            to_target = not src_allow
+            kind = KIND_TO_TARGET[target] if to_target else KIND_TO_FP32
+            src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_target else (target, types_pb2.DT_FLOAT)
+            graph_io.insert_node(nodes, _cast_node(_cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype),
+                                 name, port, moved)
+            added += 1
+            if to_target and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
+                    and not ctx.reads_ref_variable(name):
+                to_target_counted += 1
+    return CastStats(converted, added, to_target_counted)

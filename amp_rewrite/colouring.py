@@ -145,18 +145,19 @@ class PaintContext:
             # A boundary vertex is a call's or function's own dtype, not a kernel's.
             return self.op_allows_target(vertex)
         node, attr = vertex
-        attrs = self.types.node_defs[node].attr
         op = self.ops[node]
-        others = None if "_kernel" in attrs else support.kernel_inputs(op, attr.name, attr.index >= 0)
+        others = None if node in self.types.labelled else support.kernel_inputs(op, attr.name, attr.index >= 0)
         if others is None:
             return self.op_allows_target(vertex) and self._kernel_check(vertex)
         # Unlabelled nodes of one op, device and other constrained types share the answer.
-        key = (op, attr.name, attr.fixed, self.kernel_device.get(node))
-        for name in others:
-            value = attrs.get(name)
-            if value is None:  # the kernel check reports the missing attr
-                return self.op_allows_target(vertex) and self._kernel_check(vertex)
-            key += (value.type or value.SerializeToString(deterministic=True),)
+        key = (op, attr, self.kernel_device.get(node))
+        if others:
+            attrs = self.types.node_defs[node].attr
+            for name in others:
+                value = attrs.get(name)
+                if value is None:  # the kernel check reports the missing attr
+                    return self.op_allows_target(vertex) and self._kernel_check(vertex)
+                key += (value.type or value.SerializeToString(deterministic=True),)
         found = self._by_op.get(key)
         if found is None:
             found = self._by_op[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
@@ -482,11 +483,16 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
     roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in ctx.seeds)]
 
+    allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
+    is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
+
     def enter_downstream(v: Vertex) -> bool:
-        op = ops[v.node]
+        node = v.node
+        op = ops[node]
         return (
-            op not in lists.allow and v not in deny and v.node in processed
-            and (ctx.is_clear(v) or ctx.is_infer(v.node)) and v in float32 and ctx.has_target_kernel(v)
+            op not in allow_ops and v not in deny and node in processed
+            and (op in infer_ops or node in bounded or is_clear(v))  # ctx.is_infer(node), inlined
+            and v in float32 and has_target_kernel(v)
         )
 
     downstream = _closure(graph._succ, roots, enter_downstream)
@@ -546,10 +552,12 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
 
     processed, float32 = ctx.processed, ctx.float32
 
+    is_clear, has_target_kernel, reads_ref_variable = ctx.is_clear, ctx.has_target_kernel, ctx.reads_ref_variable
+
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and v.node in processed and ctx.is_clear(v)
-            and v in float32 and ctx.has_target_kernel(v) and not ctx.reads_ref_variable(v.node)
+            v not in painted and v not in deny and v.node in processed and is_clear(v)
+            and v in float32 and has_target_kernel(v) and not reads_ref_variable(v.node)
         )
 
     fanins, fanouts = graph._pred, graph._succ

@@ -10,14 +10,14 @@ consumer's input list, carries
 * ``tensor``: the input string exactly as written (``"x"``, ``"x:0"``, ``"^x"``),
 
 so that ``to_graph_def(to_networkx(g)) == g`` byte for byte. A NodeDef's ``input`` list
-always reads the same as its in-edges: change edges only through ``add_node`` and
-``replace_input``, which keep both in step. The NodeDefs live in one working GraphDef,
+always reads the same as its in-edges: change edges only through ``insert_node``, which
+keeps both in step. The NodeDefs live in one working GraphDef,
 ``graph.graph["graph_def"]``, that ``take_graph_def`` hands back without copying them.
 """
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import networkx as nx
 from tensorflow.core.framework import graph_pb2
@@ -157,39 +157,32 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     return working
 
 
-def add_node(graph: nx.MultiDiGraph, node_def) -> None:
-    """Add ``node_def`` (a new node, e.g. a Cast) with an edge for each of its inputs."""
-    name = node_def.name
-    if name in graph._node:
-        graph._node[name]["node_def"] = node_def
-    else:  # graph.add_node(name, node_def=node_def), as networkx fills its dicts
-        graph._node[name] = {"node_def": node_def}
-        graph._succ[name] = {}
-        graph._pred[name] = {}
-    for position, tensor in enumerate(node_def.input):
-        producer, port = parse_tensor_name(tensor, consumer=node_def.name)
-        if producer not in graph._succ:
-            raise GraphError(f"node '{node_def.name}': input '{tensor}' names a node that is not in the graph")
-        _add_edge(graph, producer, node_def.name, position, port, tensor)
+def insert_node(
+    graph: nx.MultiDiGraph, node_def, producer: str, port: int, consumers: Iterable[tuple[str, int]]
+) -> None:
+    """Adds ``node_def``, a new node with no inputs yet, fed by ``producer:port``, and
+    moves each (consumer, input position) in ``consumers``, a data input that reads
+    ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
 
-
-def replace_input(graph: nx.MultiDiGraph, consumer: str, position: int, producer: str, port: int) -> None:
-    """Feed input ``position`` of ``consumer`` from ``producer:port`` instead (a data input)."""
-    in_edges = graph._pred[consumer]
-    old = next(src for src, keyed in in_edges.items() if position in keyed)
-    keyed = in_edges[old]
-    del keyed[position]
-    if not keyed:
-        del graph._succ[old][consumer], in_edges[old]
-    tensor = producer if port == 0 else f"{producer}:{port}"
-    _add_edge(graph, producer, consumer, position, port, tensor)
-    graph._node[consumer]["node_def"].input[position] = tensor
-
-
-def _add_edge(graph: nx.MultiDiGraph, producer: str, consumer: str, position: int, port: int, tensor: str) -> None:
-    """``graph.add_edge(producer, consumer, position, ...)`` for existing nodes, as networkx
-    fills its dicts (one key dict shared by both maps), without its checks."""
-    keyed = graph._pred[consumer].get(producer)
-    if keyed is None:
-        keyed = graph._succ[producer][consumer] = graph._pred[consumer][producer] = {}
-    keyed[position] = {"src_port": port, "dst_port": position, "tensor": tensor}
+    Fills networkx's dicts as ``add_node``/``add_edge``/``remove_edge`` would, without
+    their checks, and keeps every NodeDef's inputs reading the same as its edges.
+    """
+    name, node_data, succ, pred = node_def.name, graph._node, graph._succ, graph._pred
+    assert name not in node_data, f"node '{name}' is already in the graph"
+    tensor = tensor_name(producer, port)
+    node_def.input.append(tensor)
+    node_data[name] = {"node_def": node_def}
+    keyed = succ[producer][name] = {0: {"src_port": port, "dst_port": 0, "tensor": tensor}}
+    out_edges = succ[name] = {}
+    pred[name] = {producer: keyed}
+    for consumer, position in consumers:
+        in_edges = pred[consumer]
+        old = in_edges[producer]
+        del old[position]
+        if not old:
+            del in_edges[producer], succ[producer][consumer]
+        keyed = out_edges.get(consumer)
+        if keyed is None:
+            keyed = out_edges[consumer] = in_edges[name] = {}
+        keyed[position] = {"src_port": 0, "dst_port": position, "tensor": name}
+        node_data[consumer]["node_def"].input[position] = name

@@ -105,10 +105,7 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     """Port → type-attribute maps for a node, validated against its op definition."""
     inputs = [a for arg in op_def.input_arg for a in _arg_type_attrs(node_def, arg)]
     if len(inputs) != num_data_inputs:
-        raise GraphError(
-            f"node '{node_def.name}' ({node_def.op}): expected {len(inputs)} data input(s),"
-            f" got {num_data_inputs}; fix the node's inputs"
-        )
+        raise _port_count_error(node_def, len(inputs))
     outputs = [a for arg in op_def.output_arg for a in _arg_type_attrs(node_def, arg)]
     attrs = dict.fromkeys(inputs + outputs)
     attr_defs = {a.name: a for a in op_def.attr}
@@ -129,6 +126,21 @@ def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_dat
     return NodeTypes(op_def, tuple(inputs), tuple(outputs), tuple(attrs))
 
 
+def _data_inputs(node_def: node_def_pb2.NodeDef) -> int:
+    inputs = node_def.input  # data inputs first, then "^control" ones
+    count = len(inputs)
+    while count and inputs[count - 1].startswith("^"):
+        count -= 1
+    return count
+
+
+def _port_count_error(node_def: node_def_pb2.NodeDef, expected: int) -> GraphError:
+    return GraphError(
+        f"node '{node_def.name}' ({node_def.op}): expected {expected} data input(s),"
+        f" got {_data_inputs(node_def)}; fix the node's inputs"
+    )
+
+
 _REGISTERED_LAYOUTS: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
 _REGISTERED_NODE_TYPES: dict[tuple, NodeTypes] = {}
 
@@ -141,6 +153,7 @@ class _AttrLayout:
     op_def: op_def_pb2.OpDef
     defaults: tuple[tuple[str, attr_value_pb2.AttrValue], ...]  # missing attrs with a default
     counted: tuple[tuple[str, bool], ...]  # present after defaults: (name, is a type list)
+    labelled: bool  # has a "_kernel" label: its own kernels, not its op's usual ones
 
 
 def _attr_layout(
@@ -150,7 +163,7 @@ def _attr_layout(
     defaults = tuple((name, value) for name, value in support.default_attrs(node_def.op, op_def) if name not in names)
     filled = names.union(name for name, _ in defaults)
     counted = tuple((name, is_list) for name, is_list in _counted_attrs(op_def) if name in filled)
-    return _AttrLayout(op_def, defaults, counted)
+    return _AttrLayout(op_def, defaults, counted, "_kernel" in names)
 
 
 def _counted_attrs(op_def: op_def_pb2.OpDef) -> tuple[tuple[str, bool], ...]:
@@ -198,6 +211,7 @@ class TypeGraph:
     # (``node_vertices`` makes them): most are never asked for.
     vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]                         # node name -> op
+    labelled: frozenset[str]                    # nodes with a "_kernel" label attr
     float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
@@ -252,6 +266,7 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
     node_vertices: dict[str, list[Vertex | None]] = {}  # in ``NodeTypes.attrs`` order, None where not in ``graph``
     float32: list[Vertex] = []
     ops: dict[str, str] = {}
+    labelled: set[str] = set()
     graph = nx.DiGraph()
     vertex_data, succ, pred = graph._node, graph._succ, graph._pred
     # Nodes with the same op and attr shape share port maps. Without library functions
@@ -267,21 +282,17 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
         layout = layouts.get(layout_key)
         if layout is None:
             layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
+        if layout.labelled:
+            labelled.add(name)
         if layout.defaults:
             for attr_name, default in layout.defaults:
                 attrs[attr_name].CopyFrom(default)
-        inputs = node_def.input  # data inputs first, then "^control" ones
-        num_inputs = len(inputs)
-        while num_inputs and inputs[num_inputs - 1].startswith("^"):
-            num_inputs -= 1
         key = (layout_key, tuple(
             len(attrs[attr_name].list.type) if is_list else attrs[attr_name].i for attr_name, is_list in layout.counted
         )) if layout.counted else layout_key
         node_types_ = shared.get(key)
-        if node_types_ is None:
-            node_types_ = shared[key] = node_types(node_def, layout.op_def, num_inputs)
-        elif len(node_types_.inputs) != num_inputs:
-            node_types(node_def, layout.op_def, num_inputs)  # raises the port-count error
+        if node_types_ is None:  # the other nodes' port counts are checked with their edges
+            node_types_ = shared[key] = node_types(node_def, layout.op_def, _data_inputs(node_def))
         types[name] = node_types_
         vertices: list[Vertex | None] = []
         for attr in node_types_.attrs:
@@ -307,22 +318,28 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
                 vertices.append(None)
         node_vertices[name] = vertices
     for dst, in_edges in nodes._pred.items():
-        if not in_edges:
-            continue
         dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
+        data_inputs = 0
         for src, keyed in in_edges.items():
             src_vertices, src_slots = node_vertices[src], types[src].output_slots
             for data in keyed.values():
                 out_port = data["src_port"]
                 if out_port < 0:
                     continue
+                data_inputs += 1
                 if out_port >= len(src_slots):
                     raise GraphError(
                         f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
                         f" which has {len(src_slots)} output(s)"
                     )
-                u, v = src_vertices[src_slots[out_port]], dst_vertices[dst_slots[data["dst_port"]]]
+                try:
+                    v = dst_vertices[dst_slots[data["dst_port"]]]
+                except IndexError:  # more data inputs than the op has
+                    raise _port_count_error(node_defs[dst], len(dst_slots)) from None
+                u = src_vertices[src_slots[out_port]]
                 if u is None or v is None:
                     continue
                 succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, tuple(float32))
+        if data_inputs != len(dst_slots):
+            raise _port_count_error(node_defs[dst], len(dst_slots))
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, frozenset(labelled), tuple(float32))

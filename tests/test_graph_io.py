@@ -9,9 +9,8 @@ from amp_rewrite import GraphError
 from amp_rewrite.graph_io import (
     CONTROL,
     TensorRef,
-    add_node,
+    insert_node,
     parse_tensor_name,
-    replace_input,
     take_graph_def,
     to_graph_def,
     to_networkx,
@@ -44,13 +43,27 @@ def test_take_graph_def_equals_to_graph_def_after_edits():
     """take_graph_def hands back the working copy with added nodes appended: same as to_graph_def."""
     graph_def = _graph_with_control_edges()
     graph = to_networkx(graph_def)
-    add_node(graph, node_def_pb2.NodeDef(name="y2", op="Identity", input=["split:1"]))
-    replace_input(graph, "cat", 1, "y2", 0)
+    insert_node(graph, node_def_pb2.NodeDef(name="a2", op="Identity"), "split", 0, [("cat", 0), ("cat", 2)])
     expected = to_graph_def(graph)
     taken = take_graph_def(graph)
     assert taken.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
-    assert [n.name for n in taken.node][-1] == "y2" and taken.node[-2].input[1] == "y2"
+    assert taken.node[-1].name == "a2" and list(taken.node[-1].input) == ["split:0"]
+    assert list(taken.node[-2].input) == ["a2", "y", "a2", "cat/axis"]
     assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
+
+
+def test_insert_node_moves_inputs_and_edges_together():
+    """The inserted node's edges and its readers' inputs agree, and the graph reads as a
+    freshly built one: same edges, same ports, same spellings."""
+    graph = to_networkx(_graph_with_control_edges())
+    insert_node(graph, node_def_pb2.NodeDef(name="s1", op="Identity"), "split", 1, [("y", 0)])
+    assert not graph.has_edge("split", "y") and graph.has_edge("split", "s1") and graph.has_edge("s1", "y")
+    rebuilt = to_networkx(to_graph_def(graph))
+    def edges(g):
+        return sorted((u, v, k, d["src_port"], d["tensor"]) for u, v, k, d in g.edges(keys=True, data=True))
+    assert edges(graph) == edges(rebuilt)
+    assert list(graph.pred["cat"]) == list(rebuilt.pred["cat"])  # still split, y, cat/axis; "split" loses no key
+    assert graph.nodes["s1"]["node_def"].input == ["split:1"] and graph.nodes["y"]["node_def"].input == ["s1", "^gate"]
 
 
 def test_take_graph_def_copies_when_a_node_was_replaced():

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
 import amp_rewrite
-from amp_rewrite import GraphError, rewrite_graph_def
+from amp_rewrite import GraphError, rewrite_graph_def, typegraph
 from amp_rewrite.reference import run_grappler
 from amp_rewrite.report import Report
 from conftest import assert_numerics_match, check_against_grappler, dtype_of, graph_def_of
@@ -122,12 +122,22 @@ def test_node_on_another_device_type_is_not_painted():
         (lambda g: _node(g, "clr1").input.__setitem__(0, "allow1:x"), "node 'clr1': malformed input 'allow1:x'"),
         (lambda g: _node(g, "clr1").input.__setitem__(0, "allow1:3"), "names output 3 of 'allow1'"),
         (lambda g: setattr(_node(g, "clr1"), "op", "NoSuchOp"), "op 'NoSuchOp' is neither registered"),
-        (lambda g: _node(g, "clr1").input.append("allow1"), "expected 1 data input"),
+        (lambda g: _node(g, "clr1").input.append("allow1"), "node 'clr1' \\(Relu\\): expected 1 data input\\(s\\), got 2"),
+        (lambda g: _node(g, "allow1").input.insert(1, "input"), "node 'allow1' \\(MatMul\\): expected 2 data input\\(s\\), got 3"),
+        (lambda g: _node(g, "clr1").input.pop(), "node 'clr1' \\(Relu\\): expected 1 data input\\(s\\), got 0"),
+        (lambda g: _node(g, "clr1").input.__setitem__(0, "^allow1"), "node 'clr1' \\(Relu\\): expected 1 .* got 0"),
         (lambda g: g.node.add().CopyFrom(_node(g, "clr1")), "duplicate node name 'clr1'"),
         (lambda g: _node(g, "clr1").attr["bogus"].CopyFrom(_node(g, "clr1").attr["T"]), "attribute 'bogus'"),
     ],
 )
-def test_bad_graphs_raise_one_clear_error_naming_the_node(mutate, message):
+@pytest.mark.parametrize("cached", [False, True], ids=["first-of-its-op", "op-seen-before"])
+def test_bad_graphs_raise_one_clear_error_naming_the_node(mutate, message, cached, monkeypatch):
+    """Nodes of an op seen before share its port map and have their port counts checked
+    with their edges instead: both ways give the same error."""
+    monkeypatch.setattr(typegraph, "_REGISTERED_LAYOUTS", {})
+    monkeypatch.setattr(typegraph, "_REGISTERED_NODE_TYPES", {})
+    if cached:
+        rewrite_graph_def(_chain(), fetches=["fetch"])
     graph_def = _chain()
     mutate(graph_def)
     before = graph_def.SerializeToString(deterministic=True)
@@ -299,3 +309,23 @@ def test_treat_infer_as_deny_denies_a_bounded_exp_too(target, monkeypatch):
     rewrites = check_against_grappler(_bounded_exp("-abs"), target, ["fetch"])
     assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
     assert rewrites.report.decision("bump").rule == "deny-list"
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_a_kernel_label_decides_alone_like_grappler(target):
+    """A ``_kernel`` label picks kernels of its own: a labelled Relu with no such kernel
+    stays float32 between two MatMuls, while an unlabelled one of the same op converts."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        first = tf.raw_ops.MatMul(a=x, b=x, name="first")
+        plain = tf.raw_ops.Relu(features=first, name="plain")
+        labelled = tf.raw_ops.Relu(features=plain, name="labelled")
+        tf.identity(tf.raw_ops.MatMul(a=labelled, b=x, name="second"), name="fetch")
+    graph_def = graph.as_graph_def()
+    _node(graph_def, "labelled").attr["_kernel"].s = b"no_such_label"
+    rewrites = check_against_grappler(graph_def, target, ["fetch"])
+    float32 = types_pb2.DT_FLOAT
+    assert dtype_of(rewrites.ours, "plain") != float32
+    assert dtype_of(rewrites.ours, "labelled") == float32
+    assert rewrites.report.decision("labelled").rule == "no-kernel"
