@@ -37,8 +37,8 @@ def _cast_name(nodes, src: str, port: int, kind: str) -> str:
     return f"{src}-{port}-{kind}-{index}-{SUFFIX}"
 
 
-def _cast_node(name: str, src_def: node_def_pb2.NodeDef, src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
-    cast = node_def_pb2.NodeDef()
+def _cast_node(nodes, name: str, src_def: node_def_pb2.NodeDef, src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
+    cast = graph_io.new_node_def(nodes)
     cast.CopyFrom(_cast_template(src_dtype, dst_dtype))  # one copy instead of three attr map entries
     cast.name = name
     cast.device = src_def.device
@@ -108,7 +108,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             to_target = not src_allow
             kind = KIND_TO_TARGET[target] if to_target else KIND_TO_FP32
             src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_target else (target, types_pb2.DT_FLOAT)
-            graph_io.insert_node(nodes, _cast_node(_cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype),
+            graph_io.insert_node(nodes, _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype),
                                  name, port, moved)
             added += 1
             if to_target and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \

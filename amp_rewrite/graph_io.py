@@ -20,7 +20,7 @@ import operator
 from typing import Iterable, NamedTuple
 
 import networkx as nx
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from amp_rewrite.errors import GraphError
 
@@ -139,10 +139,12 @@ def to_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
 
 def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     """``to_graph_def(graph)`` without copying every node: the working GraphDef itself, with
-    the nodes added since ``to_networkx`` appended. The graph must not be used afterwards.
+    the nodes added since ``to_networkx`` appended (those from ``new_node_def`` are there
+    already). The graph must not be used afterwards.
 
     Falls back to ``to_graph_def`` when the graph's first nodes, versions or library are
-    no longer the working GraphDef's own (a node was removed or replaced, say).
+    no longer the working GraphDef's own (a node was removed or replaced, or one from
+    ``new_node_def`` never inserted, say).
     """
     working = graph.graph.pop("graph_def", None)
     node_defs = [data["node_def"] for data in graph._node.values()]
@@ -157,10 +159,17 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
     return working
 
 
+def new_node_def(graph: nx.MultiDiGraph) -> node_def_pb2.NodeDef:
+    """An empty NodeDef for ``insert_node``, made inside the working GraphDef so that
+    ``take_graph_def`` hands it back without a copy."""
+    working = graph.graph.get("graph_def")
+    return working.node.add() if working is not None else node_def_pb2.NodeDef()
+
+
 def insert_node(
     graph: nx.MultiDiGraph, node_def, producer: str, port: int, consumers: Iterable[tuple[str, int]]
 ) -> None:
-    """Adds ``node_def``, a new node with no inputs yet, fed by ``producer:port``, and
+    """Adds ``node_def`` (from ``new_node_def``), a new node with no inputs yet, fed by ``producer:port``, and
     moves each (consumer, input position) in ``consumers``, a data input that reads
     ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
 

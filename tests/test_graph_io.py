@@ -10,6 +10,7 @@ from amp_rewrite.graph_io import (
     CONTROL,
     TensorRef,
     insert_node,
+    new_node_def,
     parse_tensor_name,
     take_graph_def,
     to_graph_def,
@@ -44,12 +45,23 @@ def test_take_graph_def_equals_to_graph_def_after_edits():
     graph_def = _graph_with_control_edges()
     graph = to_networkx(graph_def)
     insert_node(graph, node_def_pb2.NodeDef(name="a2", op="Identity"), "split", 0, [("cat", 0), ("cat", 2)])
+    made_inside = new_node_def(graph)
+    made_inside.MergeFrom(node_def_pb2.NodeDef(name="b2", op="Identity"))
+    insert_node(graph, made_inside, "split", 1, [("y", 0)])
     expected = to_graph_def(graph)
     taken = take_graph_def(graph)
     assert taken.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
-    assert taken.node[-1].name == "a2" and list(taken.node[-1].input) == ["split:0"]
-    assert list(taken.node[-2].input) == ["a2", "y", "a2", "cat/axis"]
+    assert [n.name for n in taken.node][-2:] == ["a2", "b2"] and list(taken.node[-2].input) == ["split:0"]
+    assert list(next(n for n in taken.node if n.name == "cat").input) == ["a2", "y", "a2", "cat/axis"]
     assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
+
+
+def test_take_graph_def_leaves_out_a_made_node_never_inserted():
+    graph = to_networkx(_graph_with_control_edges())
+    new_node_def(graph).name = "stray"
+    taken = take_graph_def(graph)
+    assert "stray" not in [n.name for n in taken.node]
+    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
 
 
 def test_insert_node_moves_inputs_and_edges_together():
