@@ -60,7 +60,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
     nodes, consumers_of = types.nodes, types.graph._succ
     allow = painting.allow
     converted = added = to_target_counted = 0
-    vertices, slots = types.vertices, types.types
+    vertices, node_types = types.vertices, types.types
     by_port: dict[int, list] = {}
     by_port_node = None  # the node ``by_port`` lists the out-edges of
     # Only ALLOW vertices and the producers of ALLOW vertices change or get a cast. When
@@ -99,10 +99,10 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             for dst, keyed in nodes._succ[name].items():
                 for position, data in keyed.items():
                     by_port.setdefault(data["src_port"], []).append((dst, position))
-        for port in types.types[name].output_ports(attr):
+        for port in node_types[name].output_ports(attr):
             # Consumers whose colour differs: a dtype vertex of another dtype (None) is never ALLOW.
             moved = [(dst, position) for dst, position in by_port.get(port, ())
-                     if (vertices[dst][slots[dst].input_slots[position]] in allow) is not src_allow]
+                     if (vertices[dst][node_types[dst].input_slots[position]] in allow) is not src_allow]
             if not moved:
                 continue
             to_target = not src_allow

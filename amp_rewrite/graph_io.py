@@ -167,10 +167,11 @@ def new_node_def(graph: nx.MultiDiGraph) -> node_def_pb2.NodeDef:
 
 
 def insert_node(
-    graph: nx.MultiDiGraph, node_def, producer: str, port: int, consumers: Iterable[tuple[str, int]]
+    graph: nx.MultiDiGraph, node_def: node_def_pb2.NodeDef, producer: str, port: int,
+    consumers: Iterable[tuple[str, int]],
 ) -> None:
-    """Adds ``node_def`` (from ``new_node_def``), a new node with no inputs yet, fed by ``producer:port``, and
-    moves each (consumer, input position) in ``consumers``, a data input that reads
+    """Adds ``node_def`` (from ``new_node_def``, no inputs yet) fed by ``producer:port``,
+    and moves each (consumer, input position) in ``consumers``, a data input that reads
     ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
 
     Fills networkx's dicts as ``add_node``/``add_edge``/``remove_edge`` would, without

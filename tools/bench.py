@@ -121,7 +121,7 @@ class Sizes:
 
 FULL = Sizes(image_size=224, resnet_batch=32, resnet_train_batch=16, bert_layers=12, bert_seq=128,
              bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522, bert_batch=8, bert_train_batch=8,
-             runs=5, warmup=2, pass_runs=5, child_timeout=1800)
+             runs=5, warmup=2, pass_runs=9, child_timeout=1800)
 QUICK = Sizes(image_size=64, resnet_batch=2, resnet_train_batch=2, bert_layers=2, bert_seq=32,
               bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=1000, bert_batch=2, bert_train_batch=2,
               runs=2, warmup=1, pass_runs=1, child_timeout=300)
