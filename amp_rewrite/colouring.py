@@ -288,14 +288,18 @@ def _closure(
     neighbours: Mapping[Vertex, Iterable[Vertex]], roots: Iterable[Vertex], enter: Callable[[Vertex], bool]
 ) -> set[Vertex]:
     """The roots and every vertex ``enter`` accepts that a path of accepted vertices joins
-    to one: the union of ``_reach`` from each root, for an ``enter`` that does not change."""
+    to one: the union of ``_reach`` from each root, for an ``enter`` that does not change
+    (so each vertex is asked once)."""
     found = set(roots)
+    asked = set(found)
     stack = list(found)
     while stack:
         for other in neighbours[stack.pop()]:
-            if other not in found and enter(other):
-                found.add(other)
-                stack.append(other)
+            if other not in asked:
+                asked.add(other)
+                if enter(other):
+                    found.add(other)
+                    stack.append(other)
     return found
 
 
@@ -561,13 +565,17 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
         )
 
     fanins, fanouts = graph._pred, graph._succ
+    # Once ``enter`` says no, it says no for good: the vertex is painted or can never be
+    # entered; one it lets in is painted by that walk. So each vertex is asked once, over
+    # all the walks.
+    asked: set[Vertex] = set()
     for root in _vertices(ctx):
         if root not in painted or root in used or root.node not in processed:
             continue
-        # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow
-        # vertex): what this walk paints is all in ``seen``, so ``enter`` answers as before it.
+        # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow vertex).
         spread = None  # one Reason for every vertex found from this root
-        seen, stack = {root}, [root]
+        asked.add(root)
+        stack = [root]
         while stack:
             vertex = stack.pop()
             used.add(vertex)
@@ -578,9 +586,10 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
                                     root.node)
                 added[vertex] = spread
             for other in itertools.chain(fanins[vertex], fanouts[vertex]):
-                if other not in seen and enter(other):
-                    seen.add(other)
-                    stack.append(other)
+                if other not in asked:
+                    asked.add(other)
+                    if enter(other):
+                        stack.append(other)
     return added
 
 
