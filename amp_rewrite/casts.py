@@ -100,7 +100,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 for position, data in keyed.items():
                     by_port.setdefault(data["src_port"], []).append((dst, position))
         for port in node_types[name].output_ports(attr):
-            # Consumers whose colour differs: a dtype vertex of another dtype (None) is never ALLOW.
+            # Readers whose colour differs (an input of another dtype has no vertex: None, never ALLOW).
             moved = [(dst, position) for dst, position in by_port.get(port, ())
                      if (vertices[dst][node_types[dst].input_slots[position]] in allow) is not src_allow]
             if not moved:
@@ -108,8 +108,8 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             to_target = not src_allow
             kind = KIND_TO_TARGET[target] if to_target else KIND_TO_FP32
             src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_target else (target, types_pb2.DT_FLOAT)
-            graph_io.insert_node(nodes, _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype),
-                                 name, port, moved)
+            cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype)
+            graph_io.insert_node(nodes, cast, name, port, moved)
             added += 1
             if to_target and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
                     and not ctx.reads_ref_variable(name):
