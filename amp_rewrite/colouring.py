@@ -449,7 +449,6 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     graph = ctx.types.graph
     lists = ctx.lists
     ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
-    # Pinned loop values are clear ops all the same: deny passes through them.
     denied = set(deny)
     stopper_vertices, roots = [], []  # roots: the deny ops' vertices
     for v in _vertices(ctx):
@@ -458,6 +457,7 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
             stopper_vertices.append(v)
             if v not in denied and ctx.colour(v.node) is Colour.DENY:
                 roots.append(v)
+    # Pinned loop values are clear ops all the same: deny passes through them.
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
     if ctx.deny_seeds:  # cross_function: deny from across a boundary
@@ -555,7 +555,6 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     added: dict[Vertex, Reason] = {}
 
     processed, float32 = ctx.processed, ctx.float32
-
     is_clear, has_target_kernel, reads_ref_variable = ctx.is_clear, ctx.has_target_kernel, ctx.reads_ref_variable
 
     def enter(v: Vertex) -> bool:
