@@ -9,7 +9,7 @@ signature, so every caller stays valid.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
@@ -53,9 +53,6 @@ def _may_call(op: str) -> bool:
     """Whether a registered op has a func attr; unregistered ops (library functions) may."""
     op_def = support.registered_op_def(op)
     return op_def is None or any(a.type in ("func", "list(func)") for a in op_def.attr)
-
-
-_OPS_WITHOUT_CALLS: set[str] = set()  # registered ops without a func attr, as met
 
 
 def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) -> Iterable[str]:
@@ -131,13 +128,13 @@ def check_calls(graph_def: graph_pb2.GraphDef) -> None:
     """
     library = {f.signature.name: f for f in graph_def.library.function}
 
-    def check(nodes: Iterable[node_def_pb2.NodeDef], where: str) -> None:
+    def check(nodes: Sequence[node_def_pb2.NodeDef], where: str) -> None:
+        # Most graphs call nothing: their few distinct ops say so without a walk over the nodes.
+        calling = {op for op in {node.op for node in nodes} if _may_call(op)}
+        if not calling:
+            return
         for node in nodes:
-            op = node.op
-            if op in _OPS_WITHOUT_CALLS:  # a set test: most nodes stop here
-                continue
-            if not _may_call(op):
-                _OPS_WITHOUT_CALLS.add(op)
+            if node.op not in calling:
                 continue
             for attr_name, value in node.attr.items():
                 called = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]

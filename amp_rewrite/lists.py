@@ -80,6 +80,11 @@ _BUILTIN_DIRS = (
     Path(__file__).resolve().parent.parent / "lists",
     Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
 )
+# Every variable the lists read: with none set, the built-in lists are used as they are.
+_VARIABLES = (_LEVEL_VAR, *(
+    f"{ENV_PREFIX}{env_name}_{action}" for env_names in _LIST_TO_ENV_NAMES.values() for env_name in env_names
+    for action in ("ADD", "REMOVE")
+))
 # TensorFlow upper-cases with ASCII rules only (str_util::Uppercase).
 _ASCII_UPPER = str.maketrans(string.ascii_lowercase, string.ascii_uppercase)
 
@@ -163,8 +168,22 @@ def load_lists(
             )
         return overlay
     environ = os.environ if environ is None else environ
-    # 1. Built-in file.
     builtin_path = _find_builtin(target)
+    if overlay is None and not any(environ.get(var) for var in _VARIABLES):
+        return _builtin_lists(builtin_path, target)
+    return _build(target, builtin_path, overlay, environ)
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_lists(builtin_path: Path, target: str) -> OpLists:
+    """The lists with no overlay and no variable set: the same for every call, built once."""
+    return _build(target, builtin_path, None, {})
+
+
+def _build(
+    target: str, builtin_path: Path, overlay: str | os.PathLike[str] | None, environ: Mapping[str, str]
+) -> OpLists:
+    # 1. Built-in file.
     draft = _Draft(_read_builtin(builtin_path, target))
     sources = [str(builtin_path)]
     keep_nodes: tuple[str, ...] = ()
@@ -309,7 +328,7 @@ def _read_level(environ: Mapping[str, str], target: str) -> str:
     if level not in _LEVELS:
         warnings.warn(
             f"{_LEVEL_VAR}={raw!r} is not one of {', '.join(_LEVELS)}; TensorFlow ignores it and so does amp_rewrite",
-            stacklevel=3,
+            stacklevel=4,  # the caller of load_lists
         )
         return ""
     if level == "UNSAFE_FORCE_ALL" and target == "bfloat16":
@@ -331,7 +350,7 @@ def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
         warnings.warn(
             f"ops not in TensorFlow's op registry (typo, or a custom op library not loaded?): {shown}; "
             "they only match nodes whose op has exactly that name",
-            stacklevel=3,
+            stacklevel=4,  # the caller of load_lists
         )
 
 

@@ -264,6 +264,21 @@ ENV_NAME_TO_LIST = {
 }
 
 
+
+def test_builtin_lists_are_built_once_and_any_variable_builds_them_anew(monkeypatch):
+    """With no overlay and no variable set every call returns the same lists; any of
+    TensorFlow's variables, from ``environ`` or from ``os.environ``, is read again."""
+    first = load_lists("float16", environ={})
+    assert load_lists("float16", environ={}) is first
+    variables = [P + "LEVEL"] + [f"{P}{name}_{action}" for name in ENV_NAME_TO_LIST for action in ("ADD", "REMOVE")]
+    for var in variables:
+        value = "TREAT_INFER_AS_DENY" if var.endswith("LEVEL") else "Cumsum"
+        assert var in load_lists("float16", environ={var: value}).sources, var
+    monkeypatch.setenv(P + "ALLOWLIST_ADD", "Cumsum")
+    assert load_lists("float16").colour("Cumsum") is Colour.ALLOW
+    monkeypatch.delenv(P + "ALLOWLIST_ADD")
+    assert load_lists("float16") is first
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("env_name", ENV_NAME_TO_LIST)
 def test_env_add_and_remove(target, env_name):
