@@ -158,6 +158,8 @@ def load_lists(
 
     An ``OpLists`` overlay is taken as already loaded and returned unchanged.
     ``environ`` defaults to ``os.environ``. Raises ListsError for any invalid input.
+    With no overlay and none of the variables set, every call returns the same lists
+    (``OpLists`` is immutable): the pass loads them on each rewrite.
     """
     _check_target(target)
     if isinstance(overlay, OpLists):
@@ -174,7 +176,7 @@ def load_lists(
     return _build(target, builtin_path, overlay, environ)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _builtin_lists(builtin_path: Path, target: str) -> OpLists:
     """The lists with no overlay and no variable set: the same for every call, built once."""
     return _build(target, builtin_path, None, {})
@@ -183,6 +185,8 @@ def _builtin_lists(builtin_path: Path, target: str) -> OpLists:
 def _build(
     target: str, builtin_path: Path, overlay: str | os.PathLike[str] | None, environ: Mapping[str, str]
 ) -> OpLists:
+    """Steps 1-4 of the module doc; warns about ops an overlay or variable adds that
+    TensorFlow has not registered."""
     # 1. Built-in file.
     draft = _Draft(_read_builtin(builtin_path, target))
     sources = [str(builtin_path)]

@@ -679,7 +679,6 @@ def test_call_to_missing_function_is_refused() -> None:
     _assert_graph_error(graph_def, r"function 'missing_fn'")
 
 
-
 def test_call_to_missing_function_inside_a_function_is_refused() -> None:
     """The same inside a library function: the error names the caller's function too."""
     graph_def, _ = _traced(lambda x, w: _inner(x, w))
@@ -688,6 +687,7 @@ def test_call_to_missing_function_inside_a_function_is_refused() -> None:
     _assert_graph_error(
         graph_def, rf"function 'missing_fn' called by node 'stray_call' in function '{function.signature.name}'"
     )
+
 
 def test_while_body_signature_mismatch_is_refused() -> None:
     """A While whose body takes other types than the loop's ``T`` is malformed: GraphError

@@ -264,7 +264,6 @@ ENV_NAME_TO_LIST = {
 }
 
 
-
 def test_builtin_lists_are_built_once_and_any_variable_builds_them_anew(monkeypatch):
     """With no overlay and no variable set every call returns the same lists; any of
     TensorFlow's variables, from ``environ`` or from ``os.environ``, is read again."""
@@ -278,6 +277,7 @@ def test_builtin_lists_are_built_once_and_any_variable_builds_them_anew(monkeypa
     assert load_lists("float16").colour("Cumsum") is Colour.ALLOW
     monkeypatch.delenv(P + "ALLOWLIST_ADD")
     assert load_lists("float16") is first
+
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("env_name", ENV_NAME_TO_LIST)
