@@ -60,6 +60,8 @@ def calls_functions(op: str) -> bool:
     """A registered op with a function attribute (While, If, Case, MapDataset, ...)."""
     op_def = support.registered_op_def(op)
     return op_def is not None and any(a.type in ("func", "list(func)") for a in op_def.attr)
+
+
 # Deny ops that are safe where their argument cannot be positive: exp maps (-inf, 0] into
 # (0, 1], so nothing overflows and the absolute error stays within a rounding step. There
 # they act as infer ops (GELU's gradient exp(-x^2), a stable softmax's exp(x - max(x))).

@@ -80,11 +80,13 @@ _BUILTIN_DIRS = (
     Path(__file__).resolve().parent.parent / "lists",
     Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
 )
+# (list, action, variable) in the order TensorFlow applies them.
+_LIST_VARIABLES = tuple(
+    (name, action, f"{ENV_PREFIX}{env_name}_{action.upper()}")
+    for name, env_names in _LIST_TO_ENV_NAMES.items() for env_name in env_names for action in ("add", "remove")
+)
 # Every variable the lists read: with none set, the built-in lists are used as they are.
-_VARIABLES = (_LEVEL_VAR, *(
-    f"{ENV_PREFIX}{env_name}_{action}" for env_names in _LIST_TO_ENV_NAMES.values() for env_name in env_names
-    for action in ("ADD", "REMOVE")
-))
+_VARIABLES = (_LEVEL_VAR, *(var for _, _, var in _LIST_VARIABLES))
 # TensorFlow upper-cases with ASCII rules only (str_util::Uppercase).
 _ASCII_UPPER = str.maketrans(string.ascii_lowercase, string.ascii_uppercase)
 
@@ -203,17 +205,12 @@ def _build(
         draft.empty(("deny", "infer", "clear"))
     if level:
         sources.append(_LEVEL_VAR)
-    for name, env_names in _LIST_TO_ENV_NAMES.items():
-        if tensor_cores_only and name != "allow":
-            continue
-        for env_name in env_names:
-            for action in ("add", "remove"):
-                var = f"{ENV_PREFIX}{env_name}_{action.upper()}"
-                value = environ.get(var, "")
-                if value:
-                    sources.append(var)
-                    # str_util::Split keeps empty pieces; an empty value adds nothing.
-                    draft.apply({name: {action: tuple(value.split(","))}}, var)
+    for name, action, var in _LIST_VARIABLES:
+        value = environ.get(var, "")
+        if value and not (tensor_cores_only and name != "allow"):
+            sources.append(var)
+            # str_util::Split keeps empty pieces; an empty value adds nothing.
+            draft.apply({name: {action: tuple(value.split(","))}}, var)
     if level == "TREAT_INFER_AS_DENY":
         draft.merge("infer", into="deny")
     # 4. No op in two lists.

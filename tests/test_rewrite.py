@@ -315,14 +315,14 @@ def test_treat_infer_as_deny_denies_a_bounded_exp_too(target, monkeypatch):
 def test_a_kernel_label_decides_alone_like_grappler(target):
     """A ``_kernel`` label picks kernels of its own: a labelled Relu with no such kernel
     stays float32 between two MatMuls, while an unlabelled one of the same op converts."""
-    graph = tf.Graph()
-    with graph.as_default():
+    def build():
         x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
         first = tf.raw_ops.MatMul(a=x, b=x, name="first")
         plain = tf.raw_ops.Relu(features=first, name="plain")
         labelled = tf.raw_ops.Relu(features=plain, name="labelled")
         tf.identity(tf.raw_ops.MatMul(a=labelled, b=x, name="second"), name="fetch")
-    graph_def = graph.as_graph_def()
+
+    graph_def = graph_def_of(build)
     _node(graph_def, "labelled").attr["_kernel"].s = b"no_such_label"
     rewrites = check_against_grappler(graph_def, target, ["fetch"])
     float32 = types_pb2.DT_FLOAT
