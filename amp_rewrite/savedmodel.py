@@ -40,7 +40,7 @@ class Model:
     path: Path
     kind: str  # "savedmodel" | "graphdef"
     graph_def: graph_pb2.GraphDef
-    fetches: tuple[str, ...]            # nodes whose outputs must keep their dtype
+    fetches: tuple[str, ...]            # tensors ("node" or "node:port") whose nodes keep their dtypes
     entry_functions: tuple[str, ...]    # functions a loader or server calls by name
     saved_model: saved_model_pb2.SavedModel | None = None
     text: bool = False                  # read from text format (.pbtxt)
@@ -73,11 +73,11 @@ def read_model(path: str | os.PathLike, fetches: Iterable[str] = ()) -> Model:
         raise ModelError(f"{path}: expected a SavedModel directory or a GraphDef file ending in .pb or .pbtxt")
     graph_def = _parse(path, graph_pb2.GraphDef())
     names = {node.name for node in graph_def.node}
-    fetch_nodes = tuple(parse_tensor_name(f).node for f in fetches)
-    missing = [f for f in fetch_nodes if f not in names]
+    fetches = tuple(dict.fromkeys(fetches))
+    missing = [f for f in fetches if parse_tensor_name(f).node not in names]
     if missing:
         raise ModelError(f"{path}: --fetch {', '.join(missing)}: no such node in the graph")
-    return Model(path, "graphdef", graph_def, fetch_nodes, (), text=path.suffix == ".pbtxt")
+    return Model(path, "graphdef", graph_def, fetches, (), text=path.suffix == ".pbtxt")
 
 
 def _read_saved_model(path: Path) -> Model:

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from amp_rewrite.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.savedmodel import Model, ModelError
 
 # An output's largest error, as a fraction of its largest float32 magnitude, still accepted.
@@ -132,4 +133,4 @@ def _run(graph_def: graph_pb2.GraphDef, fetches: tuple[str, ...], feed: Mapping[
     config = tf.compat.v1.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     with tf.compat.v1.Session(graph=graph, config=config) as session:
-        return session.run([f"{name}:0" for name in fetches], feed_dict=feed)
+        return session.run([tensor_name(*parse_tensor_name(name)) for name in fetches], feed_dict=feed)

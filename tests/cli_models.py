@@ -94,6 +94,19 @@ def overflow_graph_def() -> graph_pb2.GraphDef:
     return graph.get_concrete_function().graph.as_graph_def()
 
 
+def two_output_graph_def() -> graph_pb2.GraphDef:
+    """``pair`` = split(x @ w) into two float outputs: ``pair:0`` overflows float16 (its
+    columns of w are 1e4), ``pair:1`` does not. The MatMul converts, ``pair`` is fetched."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 16], name="x")
+        w = np.concatenate([np.full((16, 8), 1e4, np.float32),
+                            np.random.default_rng(0).uniform(-0.1, 0.1, (16, 8)).astype(np.float32)], axis=1)
+        product = tf.raw_ops.MatMul(a=x, b=tf.constant(w), name="allow1")
+        tf.raw_ops.Split(axis=tf.constant(1), value=product, num_split=2, name="pair")
+    return graph.as_graph_def()
+
+
 def write_graph_def(graph_def: graph_pb2.GraphDef, path: Path) -> Path:
     """``path`` as a binary (.pb) or text (.pbtxt) GraphDef."""
     if path.suffix == ".pbtxt":

@@ -30,7 +30,7 @@ from amp_rewrite import cli, savedmodel
 
 from cli_models import (
     ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,
-    overflow_graph_def, save_module, write_graph_def,
+    overflow_graph_def, save_module, two_output_graph_def, write_graph_def,
 )
 
 TARGETS = ("float16", "bfloat16")
@@ -305,6 +305,17 @@ def test_validate_fails_when_overlay_allows_an_overflowing_exp(workspace: Path, 
     run = run_cli("convert", graph_files["overflow"], workspace / "overflow-allowed.pb", "--lists", overlay, *common)
     assert "validation failed for 1 output(s)" in error_line(run, code=1)
     assert any(l.split()[:2] == ["FAIL", f"graph/{OVERFLOW_FETCH}:"] for l in run.out.splitlines()), run.out
+
+
+def test_validate_compares_the_fetched_output_port(workspace: Path) -> None:
+    """--fetch pair:1 validates output 1 of pair; output 0 overflows float16 and fails."""
+    source = write_graph_def(two_output_graph_def(), workspace / "two_outputs.pb")
+    second = run_cli("convert", source, workspace / "port1.pb", "--fetch", "pair:1", "--validate", 2)
+    assert_ok(second)
+    assert any(l.split()[:2] == ["ok", "graph/pair:1:"] for l in second.out.splitlines()), second.out
+    first = run_cli("convert", source, workspace / "port0.pb", "--fetch", "pair:0", "--validate", 2)
+    assert "validation failed for 1 output(s)" in error_line(first, code=1)
+    assert any(l.split()[:2] == ["FAIL", "graph/pair:0:"] for l in first.out.splitlines()), first.out
 
 
 def test_inputs_npz_feeds_every_signature(workspace: Path, saved_models: Paths) -> None:
