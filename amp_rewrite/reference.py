@@ -67,6 +67,7 @@ from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, Nam
 from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
+from tensorflow.python.util import _pywrap_utils
 
 from amp_rewrite import colouring, functions, graph_io, lists, support, typegraph
 from amp_rewrite.errors import AmpRewriteError, GraphError
@@ -81,6 +82,9 @@ CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
 # A fast-fp16 GPU with recent CUDA/cuDNN, so that every version-gated Fp16 list
 # entry (BatchMatMul*, Conv3D*, Depthwise*) is on (spec §1.4, §3.1).
 GPU_ENVIRONMENT = {"architecture": "8.0", "cuda": "12050", "cudnn": "90300"}
+# Set to 1, the oracle acts as on a CPU without AVX512F, where TensorFlow's bfloat16 pass
+# cannot run: lets a machine that has it test what such a machine does.
+SIMULATE_NO_AVX512F = "AMP_REWRITE_SIMULATE_NO_AVX512F"
 _NO_FETCH_NODE = "amp_rewrite_reference_no_fetch"
 _PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 _INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp
@@ -88,6 +92,29 @@ _INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp
 _CAST_NAME = re.compile(
     r"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastToFp16|CastToBf16|CastToFp32)-\d+-AutoMixedPrecision$"
 )
+
+
+class GrapplerUnavailable(RuntimeError):
+    """TensorFlow's pass for the target cannot run on this machine (see ``unavailable_reason``)."""
+
+
+def unavailable_reason(target: str) -> str | None:
+    """Why grappler's pass for ``target`` cannot answer on this machine, or None if it can.
+
+    The float16 pass runs on any CPU (the GPU is virtual). TensorFlow's oneDNN bfloat16
+    pass returns the graph unchanged on a CPU without AVX512F
+    (``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``) and does not exist with
+    ``TF_ENABLE_ONEDNN_OPTS=0``; an oracle must not read that as "nothing to convert".
+    """
+    if target != "bfloat16":
+        return None
+    if os.environ.get(SIMULATE_NO_AVX512F, "") not in ("", "0"):
+        return f"grappler's bfloat16 pass needs a CPU with AVX512F; {SIMULATE_NO_AVX512F} says to act as on a CPU with none"
+    if not _pywrap_utils.IsDataTypeSupportedByOneDNNOnThisCPU(types_pb2.DT_BFLOAT16):
+        return "grappler's bfloat16 pass needs a CPU with AVX512F; this CPU has none"
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "") == "0":
+        return "grappler's bfloat16 pass is off with TF_ENABLE_ONEDNN_OPTS=0; unset it"
+    return None
 
 
 def _virtual_cluster(target: str) -> Cluster:
@@ -227,13 +254,16 @@ def run_grappler(
     ``our_lists``: give grappler the lists we colour with (held float32 ops, bounded
     ``Exp`` nodes; see the module's notes), as the conformance tests need; False runs
     grappler exactly as a TensorFlow user gets it, as the pass-time benchmarks need.
-    Raises ValueError for an unknown target and RuntimeError, with grappler's
-    message, when grappler rejects the graph or the pass fails. The input is not
-    modified. With TF_ENABLE_ONEDNN_OPTS=0 the bfloat16 optimizer does not exist
-    and the graph comes back unchanged (spec §4).
+    Raises ValueError for an unknown target, ``GrapplerUnavailable`` when the pass
+    cannot run on this machine (``unavailable_reason``), and RuntimeError, with
+    grappler's message, when grappler rejects the graph or the pass fails. The input
+    is not modified.
     """
     if target not in TARGET_TO_OPTIMIZER:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    reason = unavailable_reason(target)
+    if reason is not None:
+        raise GrapplerUnavailable(reason)
     item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
     swapped = _stand_in_for_bounded(item_graph, target) if our_lists else {}
     meta_graph = MetaGraphDef()

@@ -394,6 +394,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     library = f", {len(functions)} library functions" if functions else ""
     print(f"{subject.title}: {len(subject.graph_def.node):,} nodes{library}, fetches {', '.join(subject.fetches)}\n")
     targets = TARGETS if args.target == "both" else (args.target,)
+    from amp_rewrite.reference import unavailable_reason
+
+    for target in targets:
+        if unavailable_reason(target) is not None:
+            print(f"error: {unavailable_reason(target)}", file=sys.stderr)
+            return 2
     try:
         ok = compare(subject, targets, cross_function=args.cross_function, entry_functions=args.entry_function)
     except (amp_rewrite.AmpRewriteError, RuntimeError) as error:

@@ -96,10 +96,15 @@ def dump_lists(target: str, environ: Mapping[str, str] | None = None) -> dict[st
 
     ``environ`` replaces the TF_AUTO_MIXED_PRECISION_* variables for the run (other
     variables are untouched), so list edits can be compared with TensorFlow itself.
-    Raises RuntimeError if the pass wrote no dump (it exits early or failed).
+    Raises ``GrapplerUnavailable`` where the pass cannot run on this machine and
+    RuntimeError if the pass wrote no dump (it refused the variables or failed).
     """
     if target not in TARGET_TO_OPTIMIZER:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    from amp_rewrite.reference import GrapplerUnavailable, unavailable_reason
+
+    if unavailable_reason(target) is not None:
+        raise GrapplerUnavailable(unavailable_reason(target))
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.grappler import tf_optimizer
 
@@ -143,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.targets) - set(TARGET_TO_OPTIMIZER))
     if unknown:
         parser.error(f"unknown target(s) {unknown}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    from amp_rewrite.reference import GrapplerUnavailable
+
     for target in args.targets or list(TARGET_TO_OPTIMIZER):
-        name_to_ops = dump_lists(target)
+        try:
+            name_to_ops = dump_lists(target)
+        except GrapplerUnavailable as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         (_print_yaml_ops if args.yaml else _print_plain)(target, name_to_ops)
     return 0
 
