@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench fuzz clean
+.PHONY: install test demo bench fuzz matrix clean
 
 # Re-install only when the package metadata changes.
 $(STAMP): setup.py
@@ -15,8 +15,9 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# -rs: every skip says why (the only skips are properties that need live grappler).
 test: install
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs tests
 
 demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
@@ -34,5 +35,9 @@ bench: install
 fuzz: install
 	AMP_FUZZ_EXAMPLES=2000 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests/test_fuzz.py -k random_graphs
 
+# The whole suite once per supported TensorFlow release, each in a fresh venv under .matrix/ (long).
+matrix: install
+	$(PY) tools/matrix.py
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .matrix *.egg-info .pytest_cache

@@ -24,7 +24,8 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
-from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, function_body, run_grappler
+import recorded_grappler
+from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, function_body
 
 TARGETS = ("float16", "bfloat16")
 TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
@@ -66,7 +67,7 @@ def check_against_grappler(graph_def: GraphDef, target: str, fetches: Sequence[s
     before = graph_def.SerializeToString(deterministic=True)
     result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=tuple(fetches))
     assert graph_def.SerializeToString(deterministic=True) == before, "rewrite_graph_def modified its input GraphDef"
-    grappler = run_grappler(graph_def, target=target, fetches=fetches)
+    grappler = recorded_grappler.rewrite(graph_def, target=target, fetches=fetches)
     agreement = compare_rewrites(graph_def, result.graph_def, grappler)
     assert agreement.ok, f"amp_rewrite and grappler disagree for target={target}:\n{agreement.explain()}"
     return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary(), result.report)
@@ -224,3 +225,31 @@ def assert_numerics_match(
         np.testing.assert_allclose(
             got, want, rtol=tolerance, atol=tolerance * scale, err_msg=f"{name} ({rewrites.target})"
         )
+
+
+# --------------------------------------------------------------------------------------
+# Grappler's recorded answers (tests/recorded_grappler.py)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In a recording run (tools/record_grappler.py) a green suite writes the answers it asked for."""
+    if recorded_grappler.recording() and exitstatus == 0:
+        count = recorded_grappler.write_recording()
+        session.config._amp_recorded = count  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """How many comparisons with grappler ran per target, and how many live grappler confirmed."""
+    recorded = getattr(config, "_amp_recorded", None)
+    if recorded is not None:
+        terminalreporter.write_line(f"grappler answers: recorded {recorded} into {recorded_grappler.ANSWERS.name}")
+        return
+    counts = recorded_grappler.comparisons
+    if not counts:
+        return
+    terminalreporter.write_sep("-", f"comparisons with grappler ({recorded_grappler.recorded_by()})")
+    for target in TARGETS:
+        total, live = counts[(target, "recorded")], counts[(target, "live")]
+        why = recorded_grappler.live_unavailable(target)
+        checked = f"{live} of them also asked live" + ("" if why is None else f" ({why})")
+        terminalreporter.write_line(f"{target}: {total} recorded answers compared; {checked}")

@@ -27,7 +27,8 @@ import amp_rewrite
 from amp_rewrite import functions
 from amp_rewrite.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
 from amp_rewrite.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
-from amp_rewrite.reference import compare_rewrites, run_grappler
+import recorded_grappler
+from amp_rewrite.reference import compare_rewrites
 
 TARGETS = amp_rewrite.TARGETS
 TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
@@ -63,7 +64,7 @@ class Case:
 
     def grappler(self, target: str) -> GraphDef:
         if target not in self._grappler:
-            self._grappler[target] = run_grappler(self.model.graph_def, target=target, fetches=self.model.fetches)
+            self._grappler[target] = recorded_grappler.rewrite(self.model.graph_def, target=target, fetches=self.model.fetches)
         return self._grappler[target]
 
 

@@ -37,7 +37,8 @@ from tensorflow.python.framework import function as tf1_function
 import amp_rewrite
 from amp_rewrite.loops import build_loop_graph
 from amp_rewrite.models import run_model_graph
-from amp_rewrite.reference import compare_rewrites, function_body, run_grappler, vertex_dtypes
+import recorded_grappler
+from amp_rewrite.reference import compare_rewrites, function_body, vertex_dtypes
 
 raw = tf.raw_ops
 FLOAT = tf.float32
@@ -596,7 +597,7 @@ def _loop_between_matmuls(stateful: bool) -> Callable[[tf.Tensor, tf.Tensor], tf
 def _rewrite_loop_graph(graph_def: GraphDef, target: str, fetches: list[str]) -> Rewrites:
     """Ours and grappler's rewrites of a graph whose only intended difference is a loop value."""
     result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=tuple(fetches))
-    grappler = run_grappler(graph_def, target=target, fetches=fetches)
+    grappler = recorded_grappler.rewrite(graph_def, target=target, fetches=fetches)
     agreement = compare_rewrites(graph_def, result.graph_def, grappler)
     return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary(), result.report)
 
@@ -737,7 +738,7 @@ def test_compare_rewrites_reports_a_function_body_difference() -> None:
     """A vertex changed inside one function body, or a changed signature, makes the
     agreement fail and is reported under that function's name."""
     graph_def, fetches = _traced(_loop_and_branch)
-    grappler = run_grappler(graph_def, target="float16", fetches=_nodes(fetches))
+    grappler = recorded_grappler.rewrite(graph_def, target="float16", fetches=_nodes(fetches))
     body = _function_named(graph_def, "loop_body")
     ours = GraphDef()
     ours.CopyFrom(grappler)

@@ -31,6 +31,7 @@ from conftest import (
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
+import recorded_grappler
 from amp_rewrite.lists import held_float32
 from amp_rewrite.reference import compare_rewrites, run_grappler, vertex_dtypes
 
@@ -827,7 +828,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
     """grappler re-sorts nodes, writes "x" for "x:0" and numbers casts; none of it is a
     difference."""
     original = _build_simple()
-    grappler = run_grappler(original, target="float16", fetches=["fetch"])
+    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
     ours = GraphDef()
     ours.CopyFrom(grappler)
     ours.node.sort(key=lambda node: node.name, reverse=True)
@@ -842,7 +843,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
 def test_compare_rewrites_reports_vertex_and_cast_differences() -> None:
     """A vertex with another dtype and a cast feeding other consumers are both reported."""
     original = _build_simple()
-    grappler = run_grappler(original, target="float16", fetches=["fetch"])
+    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
     ours = GraphDef()
     ours.CopyFrom(grappler)
     clr3 = next(node for node in ours.node if node.name == "clr3")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
-import importlib.util
 import pickle
 import warnings
 from pathlib import Path
@@ -18,6 +17,7 @@ from amp_rewrite.errors import ListsError
 from amp_rewrite import lists as lists_module
 from amp_rewrite.lists import ENV_PREFIX as P
 from amp_rewrite.lists import TARGETS, Colour, OpLists, held_float32, load_lists
+import recorded_grappler
 from amp_rewrite.reference import grappler_environ
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,22 +28,10 @@ FREE_OPS = ("Cumsum", "Cumprod")
 MEMBER = {"allow": "MatMul", "deny": "Exp", "infer": "Add", "clear": "Relu"}
 
 
-def _load_dump_tool():
-    spec = importlib.util.spec_from_file_location("dump_grappler_lists", ROOT / "tools" / "dump_grappler_lists.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def dump_tool():
-    return _load_dump_tool()
-
-
-@pytest.fixture(scope="module")
-def grappler_lists(dump_tool):
+def grappler_lists():
     """The lists TensorFlow's grappler pass builds for each target, with no variables set."""
-    return {target: dump_tool.dump_lists(target) for target in TARGETS}
+    return {target: recorded_grappler.lists(target) for target in TARGETS}
 
 
 def lists_of(op_lists: OpLists) -> dict[str, frozenset[str]]:
@@ -399,12 +387,12 @@ LIVE_CASES = [
 
 
 @pytest.mark.parametrize(("target", "env"), LIVE_CASES)
-def test_env_semantics_match_grappler(target, env, dump_tool, grappler_lists):
+def test_env_semantics_match_grappler(target, env):
     """With the same variables, grappler builds the same lists, or fails where we raise."""
     environ = {P + key: value for key, value in env.items()}
     try:
-        theirs = dump_tool.dump_lists(target, grappler_environ(target, environ))
-    except RuntimeError:  # grappler refused the lists and wrote no dump
+        theirs = recorded_grappler.lists(target, grappler_environ(target, environ))
+    except recorded_grappler.ListsRefused:  # grappler refused the lists and wrote no dump
         theirs = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ' Cumprod' is reported as unknown; not under test here

@@ -18,7 +18,8 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite.models import LEARNING_RATE, MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
-from amp_rewrite.reference import compare_rewrites, run_grappler
+import recorded_grappler
+from amp_rewrite.reference import compare_rewrites
 
 TARGETS = amp_rewrite.TARGETS
 CASES = [(name, training) for name in MODEL_NAMES for training in (False, True)]
@@ -61,7 +62,7 @@ class Case:
 
     def grappler(self, target: str) -> GraphDef:
         if target not in self._target_to_grappler:
-            self._target_to_grappler[target] = run_grappler(
+            self._target_to_grappler[target] = recorded_grappler.rewrite(
                 self.model.graph_def, target=target, fetches=self.model.fetches
             )
         return self._target_to_grappler[target]
