@@ -31,6 +31,11 @@ from amp_rewrite.rewrite import rewrite_graph_def
 log = logging.getLogger(__name__)
 
 MIN_COMPUTE_CAPABILITY = (7, 0)
+# The first TensorFlow release whose XLA compiles the FunctionDef registered under a
+# jit_compile=True function's name when it is called on its own; older ones compile the
+# body as traced (it still works for one called from another function, as Keras' steps
+# are), so there the rewrite warns (tools/matrix.py, tests/test_live.py).
+XLA_REWRITE_MIN_TENSORFLOW = (2, 18)
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -207,6 +212,18 @@ def _on_new_function(concrete_function: Any) -> None:
         _warned_policy = True
         warnings.warn("amp_rewrite: a mixed precision Keras policy was set after enabling the graph rewrite;"
                       " the two must not be combined", stacklevel=2)
-    name = concrete_function.function_def.signature.name
+    function_def = concrete_function.function_def
+    name = function_def.signature.name
+    if function_def.attr["_XlaMustCompile"].b and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
+        warnings.warn(
+            f"amp_rewrite: TensorFlow {tf.__version__} compiles a jit_compile=True function called on its own from"
+            f" the body as traced, so {name} may run in float32; use TensorFlow"
+            f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
     rewrite_registered_function(name, library, settings)
+
+
+def tensorflow_version() -> tuple[int, int]:
+    """The installed TensorFlow's (major, minor)."""
+    major, minor = tf.__version__.split(".")[:2]
+    return int(major), int(minor)

@@ -1,0 +1,102 @@
+"""Run the whole test suite once per supported TensorFlow release, each in a fresh venv.
+
+For every release it creates ``.matrix/tf-<release>/`` anew, installs
+``tensorflow==<release>.*`` and the matching ``tf-keras`` with the package and its test
+extras, runs ``pytest tests`` there, and at the end prints one table row per release:
+the exact versions installed, passed/failed/skipped/errors and the time. The releases
+run one after the other (the suite takes both cores). Exit status 0 only if every
+release passed with no failure and no error.
+
+    .venv/bin/python tools/matrix.py [RELEASE ...]     # default: RELEASES
+    make matrix
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Exactly the releases setup.py admits (tensorflow>=2.16,<2.22).
+RELEASES = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+@dataclass(frozen=True)
+class Row:
+    release: str
+    versions: str  # "tensorflow 2.16.2, keras 3.15.1, tf_keras 2.16.0", or why not installed
+    counts: dict[str, int]
+    seconds: float
+
+    @property
+    def green(self) -> bool:
+        return bool(self.counts.get("passed")) and not self.counts.get("failed") and not self.counts.get("error")
+
+
+def run_release(release: str, log_dir: Path) -> Row:
+    venv = ROOT / ".matrix" / f"tf-{release}"
+    shutil.rmtree(venv, ignore_errors=True)
+    python = venv / "bin" / "python"
+    log = log_dir / f"tf-{release}.log"
+    start = time.monotonic()
+    with log.open("w") as out:
+        install = [
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"],
+            [str(python), "-m", "pip", "install", "-q", f"tensorflow=={release}.*", f"tf-keras=={release}.*",
+             "-e", f"{ROOT}[test]"],
+        ]
+        for command in install:
+            if subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT) != 0:
+                return Row(release, f"install failed (see {log})", {}, time.monotonic() - start)
+        versions = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' "
+             "for p in ('tensorflow', 'keras', 'tf_keras')))"],
+            capture_output=True, text=True, cwd=ROOT,
+        ).stdout.strip()
+        environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        test = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "tests"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=environ)
+        out.write(test.stdout)
+    summary = test.stdout.strip().splitlines()[-1] if test.stdout.strip() else ""
+    counts = {("error" if kind.startswith("error") else kind): int(n) for n, kind in _COUNT.findall(summary)}
+    return Row(release, versions, counts, time.monotonic() - start)
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| TensorFlow | installed | passed | failed | errors | skipped | minutes |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        c = row.counts
+        lines.append(f"| {row.release} | {row.versions} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
+                     f"{c.get('error', 0)} | {c.get('skipped', 0)} | {row.seconds / 60:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    releases = argv or list(RELEASES)
+    unknown = sorted(set(releases) - set(RELEASES))
+    if unknown:
+        print(f"error: {', '.join(unknown)} not supported; setup.py admits {', '.join(RELEASES)}", file=sys.stderr)
+        return 2
+    log_dir = ROOT / ".matrix"
+    log_dir.mkdir(exist_ok=True)
+    rows = []
+    for release in releases:
+        print(f"TensorFlow {release}: installing and testing (log: .matrix/tf-{release}.log)", flush=True)
+        rows.append(run_release(release, log_dir))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(f"\nmake matrix, {datetime.date.today().isoformat()}, Python {sys.version.split()[0]}:\n")
+    print(table(rows))
+    return 0 if all(row.green for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
