@@ -337,7 +337,7 @@ def test_report_filters_rows_as_you_type_in_chromium(rewrite, dumped, tmp_path):
 
 def test_every_rule_the_pass_gives_has_a_meaning_in_the_report():
     """report.html explains each rule in words: no Reason rule in the package lacks one."""
-    rules = {rule for path in (ROOT / "amp_rewrite").glob("*.py")
+    rules = {rule for path in (ROOT / "amp_rewrite").rglob("*.py")
              for rule in re.findall(r'Reason\(\s*"([a-z0-9-]+)"', path.read_text(encoding="utf-8"))}
     assert {"allow-list", "slower-converted", "unlisted"} <= rules
     assert rules - dump.RULE_TO_MEANING.keys() == set()
