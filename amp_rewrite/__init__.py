@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
+from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
     from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists

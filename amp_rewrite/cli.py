@@ -27,7 +27,7 @@ if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
 from amp_rewrite import functions, support  # noqa: E402
-from amp_rewrite.errors import AmpRewriteError  # noqa: E402
+from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.lists import TARGETS  # noqa: E402
 from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402
 from amp_rewrite.rewrite import RewriteResult  # noqa: E402

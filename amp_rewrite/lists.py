@@ -48,7 +48,7 @@ from types import MappingProxyType
 
 import yaml
 
-from amp_rewrite.errors import AmpRewriteError, ListsError
+from amp_rewrite.core.errors import AmpRewriteError, ListsError
 
 TARGETS: tuple[str, ...] = ("float16", "bfloat16")
 

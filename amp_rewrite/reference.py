@@ -69,7 +69,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 
 from amp_rewrite import colouring, functions, graph_io, lists, support, typegraph
-from amp_rewrite.errors import AmpRewriteError, GraphError
+from amp_rewrite.core.errors import AmpRewriteError, GraphError
 from amp_rewrite.graph_io import parse_tensor_name
 
 TARGET_TO_OPTIMIZER = {

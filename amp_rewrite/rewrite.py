@@ -14,7 +14,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import boundaries, casts, colouring, functions, graph_io, support, typegraph
 from amp_rewrite.colouring import PaintContext, Painting, Reason
-from amp_rewrite.errors import GraphError
+from amp_rewrite.core.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
 from amp_rewrite.typegraph import Vertex

@@ -23,7 +23,7 @@ from tensorflow.core.framework import (
 )
 
 from amp_rewrite import support
-from amp_rewrite.errors import GraphError
+from amp_rewrite.core.errors import GraphError
 
 
 class TypeAttr(NamedTuple):
