@@ -302,7 +302,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     """The shortest data path from the deny op that decided to the node, in the rewritten item."""
     import networkx as nx
 
-    from amp_rewrite.graph_io import to_networkx
+    from amp_rewrite.core.graph_io import to_networkx
 
     graph_def = result.graph_def
     if function:

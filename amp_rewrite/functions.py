@@ -15,7 +15,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 
 from amp_rewrite import support
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.graph_io import CONTROL, parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
 
 RETVAL_SUFFIX = "_RetVal"
 

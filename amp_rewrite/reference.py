@@ -68,9 +68,10 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 
-from amp_rewrite import colouring, functions, graph_io, lists, support, typegraph
+from amp_rewrite import colouring, functions, lists, support, typegraph
+from amp_rewrite.core import graph_io
 from amp_rewrite.core.errors import AmpRewriteError, GraphError
-from amp_rewrite.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import parse_tensor_name
 
 TARGET_TO_OPTIMIZER = {
     "float16": "auto_mixed_precision",

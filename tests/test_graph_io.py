@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from amp_rewrite import GraphError
-from amp_rewrite.graph_io import (
+from amp_rewrite.core.graph_io import (
     CONTROL,
     TensorRef,
     insert_node,
