@@ -26,7 +26,8 @@ from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite import functions, support  # noqa: E402
+from amp_rewrite import functions  # noqa: E402
+from amp_rewrite.core import support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.lists import TARGETS  # noqa: E402
 from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
-from amp_rewrite import support
+from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.lists import Colour, OpLists
 from amp_rewrite.typegraph import TypeAttr, TypeGraph, Vertex

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
-from amp_rewrite import support
+from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
 

@@ -40,7 +40,7 @@ from amp_rewrite.models import (
     _trace_training_step,
 )
 from amp_rewrite.report import MAIN_GRAPH
-from amp_rewrite.support import library_op_defs
+from amp_rewrite.core.support import library_op_defs
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
 LOOP_OPS = frozenset({"While", "StatelessWhile"})

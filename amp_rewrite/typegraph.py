@@ -22,7 +22,7 @@ from tensorflow.core.framework import (
     types_pb2,
 )
 
-from amp_rewrite import support
+from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 
 
