@@ -23,7 +23,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 
 from amp_rewrite.functions import RETVAL_SUFFIX
 from amp_rewrite.report import MAIN_GRAPH
-from amp_rewrite.typegraph import TypeAttr, Vertex
+from amp_rewrite.core.typegraph import TypeAttr, Vertex
 
 Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name
 

@@ -16,7 +16,7 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core import graph_io
-from amp_rewrite.typegraph import Vertex
+from amp_rewrite.core.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
 KIND_TO_TARGET = {types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}

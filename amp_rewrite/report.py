@@ -11,7 +11,7 @@ from tensorflow.core.framework import types_pb2
 
 if TYPE_CHECKING:
     from amp_rewrite.colouring import Reason
-    from amp_rewrite.typegraph import Vertex
+    from amp_rewrite.core.typegraph import Vertex
 
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph

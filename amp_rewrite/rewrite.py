@@ -12,13 +12,13 @@ from typing import Callable, Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite import boundaries, casts, colouring, functions, typegraph
-from amp_rewrite.core import graph_io, support
+from amp_rewrite import boundaries, casts, colouring, functions
+from amp_rewrite.core import graph_io, support, typegraph
 from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
-from amp_rewrite.typegraph import Vertex
+from amp_rewrite.core.typegraph import Vertex
 
 log = logging.getLogger(__name__)
 
