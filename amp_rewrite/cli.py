@@ -29,10 +29,10 @@ if os.path.basename(sys.argv[0]) == "amp-rewrite":
 from amp_rewrite import functions  # noqa: E402
 from amp_rewrite.core import support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.lists import TARGETS  # noqa: E402
+from amp_rewrite.core.lists import TARGETS  # noqa: E402
 from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402
 from amp_rewrite.rewrite import RewriteResult  # noqa: E402
-from amp_rewrite.lists import OpLists  # noqa: E402
+from amp_rewrite.core.lists import OpLists  # noqa: E402
 from amp_rewrite.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2

@@ -20,7 +20,7 @@ from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.lists import Colour, OpLists
+from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from amp_rewrite import boundaries, casts, colouring, functions
 from amp_rewrite.core import graph_io, support, typegraph
 from amp_rewrite.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
+from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
 from amp_rewrite.core.typegraph import Vertex
 

@@ -77,7 +77,7 @@ _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slo
 _BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
 _BUILTIN_DIRS = (
-    Path(__file__).resolve().parent.parent / "lists",
+    Path(__file__).resolve().parents[2] / "lists",
     Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
 )
 # (list, action, variable) in the order TensorFlow applies them.
