@@ -26,8 +26,7 @@ from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite import functions  # noqa: E402
-from amp_rewrite.core import support  # noqa: E402
+from amp_rewrite.core import functions, support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.core.lists import TARGETS  # noqa: E402
 from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402

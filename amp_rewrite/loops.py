@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
-from amp_rewrite.functions import body_graph_def
+from amp_rewrite.core.functions import body_graph_def
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.models import (
     NUM_CLASSES,

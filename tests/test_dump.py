@@ -21,8 +21,8 @@ from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2
 
 import amp_rewrite
-from amp_rewrite import dump, functions
-from amp_rewrite.core import support
+from amp_rewrite import dump
+from amp_rewrite.core import functions, support
 from amp_rewrite.report import MAIN_GRAPH
 
 from conftest import graph_def_of
