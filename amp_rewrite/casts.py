@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
-from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
+from amp_rewrite.core.colouring import VARIABLE_OPS, PaintContext, Painting
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core import graph_io
 from amp_rewrite.core.typegraph import Vertex

@@ -68,8 +68,7 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 
-from amp_rewrite import colouring
-from amp_rewrite.core import functions, graph_io, lists, support, typegraph
+from amp_rewrite.core import colouring, functions, graph_io, lists, support, typegraph
 from amp_rewrite.core.errors import AmpRewriteError, GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tensorflow.core.framework import types_pb2
 
 if TYPE_CHECKING:
-    from amp_rewrite.colouring import Reason
+    from amp_rewrite.core.colouring import Reason
     from amp_rewrite.core.typegraph import Vertex
 
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}

@@ -12,9 +12,9 @@ from typing import Callable, Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite import boundaries, casts, colouring
-from amp_rewrite.core import functions, graph_io, support, typegraph
-from amp_rewrite.colouring import PaintContext, Painting, Reason
+from amp_rewrite import boundaries, casts
+from amp_rewrite.core import colouring, functions, graph_io, support, typegraph
+from amp_rewrite.core.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
 from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
