@@ -24,8 +24,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
 from tensorflow.python.lib.io import tf_record
 
-from amp_rewrite import casts
-from amp_rewrite.core import functions, graph_io, support, typegraph
+from amp_rewrite.core import casts, functions, graph_io, support, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.report import MAIN_GRAPH, Decision, Report, dtype_name
 from amp_rewrite.rewrite import RewriteResult
