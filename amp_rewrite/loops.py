@@ -39,7 +39,7 @@ from amp_rewrite.models import (
     _number_custom_gradients,
     _trace_training_step,
 )
-from amp_rewrite.report import MAIN_GRAPH
+from amp_rewrite.core.report import MAIN_GRAPH
 from amp_rewrite.core.support import library_op_defs
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")

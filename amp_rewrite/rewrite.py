@@ -17,7 +17,7 @@ from amp_rewrite.core import casts, colouring, functions, graph_io, support, typ
 from amp_rewrite.core.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
-from amp_rewrite.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
+from amp_rewrite.core.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
 from amp_rewrite.core.typegraph import Vertex
 
 log = logging.getLogger(__name__)
