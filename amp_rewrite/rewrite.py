@@ -12,8 +12,7 @@ from typing import Callable, Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite import boundaries
-from amp_rewrite.core import casts, colouring, functions, graph_io, support, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, support, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
