@@ -30,7 +30,7 @@ from amp_rewrite.core import functions, support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.core.lists import TARGETS  # noqa: E402
 from amp_rewrite.core.report import MAIN_GRAPH, Report  # noqa: E402
-from amp_rewrite.rewrite import RewriteResult  # noqa: E402
+from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
 from amp_rewrite.core.lists import OpLists  # noqa: E402
 from amp_rewrite.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 

@@ -27,7 +27,7 @@ from tensorflow.python.lib.io import tf_record
 from amp_rewrite.core import casts, functions, graph_io, support, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.report import MAIN_GRAPH, Decision, Report, dtype_name
-from amp_rewrite.rewrite import RewriteResult
+from amp_rewrite.core.rewrite import RewriteResult
 
 log = logging.getLogger(__name__)
 

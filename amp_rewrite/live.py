@@ -26,7 +26,7 @@ from tensorflow.python.training.experimental import mixed_precision_global_state
 
 from amp_rewrite import optimizers
 from amp_rewrite.core.lists import TARGETS, OpLists, load_lists
-from amp_rewrite.rewrite import rewrite_graph_def
+from amp_rewrite.core.rewrite import rewrite_graph_def
 
 log = logging.getLogger(__name__)
 
