@@ -24,7 +24,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
-from amp_rewrite import optimizers
+from amp_rewrite.training import optimizers
 from amp_rewrite.core.lists import TARGETS, OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 
