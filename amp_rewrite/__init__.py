@@ -13,7 +13,7 @@ from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
     from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
-    from amp_rewrite.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
+    from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 
@@ -21,8 +21,8 @@ _NAME_TO_MODULE = {
     "TARGETS": "core.lists", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
     "Decision": "core.report", "Report": "core.report",
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
-    "enable_mixed_precision_graph_rewrite": "live", "disable_mixed_precision_graph_rewrite": "live",
-    "mixed_precision": "live",
+    "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
+    "mixed_precision": "training.live",
 }
 
 __all__ = [

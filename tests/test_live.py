@@ -32,8 +32,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite import live
-from amp_rewrite.training import optimizers
+from amp_rewrite.training import live, optimizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_TO_LOW = {"float16": "DT_HALF", "bfloat16": "DT_BFLOAT16"}
