@@ -32,7 +32,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from amp_rewrite.core.functions import body_graph_def
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.models import (
+from amp_rewrite.testing.models import (
     NUM_CLASSES,
     ModelGraph,
     _captured_variables,

@@ -54,7 +54,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite.models import PositionEmbedding
+from amp_rewrite.testing.models import PositionEmbedding
 from amp_rewrite.reference import run_grappler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

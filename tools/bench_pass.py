@@ -25,7 +25,7 @@ from pathlib import Path
 import tensorflow as tf
 
 import amp_rewrite
-from amp_rewrite.models import build_model_graph
+from amp_rewrite.testing.models import build_model_graph
 from amp_rewrite.reference import run_grappler
 
 WARMUP_RUNS = 1
