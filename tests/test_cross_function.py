@@ -25,7 +25,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite.core import functions
-from amp_rewrite.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
+from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
 from amp_rewrite.reference import compare_rewrites, run_grappler
 
