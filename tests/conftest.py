@@ -24,7 +24,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
-from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, function_body, run_grappler
+from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body, run_grappler
 
 TARGETS = ("float16", "bfloat16")
 TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}

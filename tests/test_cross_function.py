@@ -27,7 +27,7 @@ import amp_rewrite
 from amp_rewrite.core import functions
 from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
-from amp_rewrite.reference import compare_rewrites, run_grappler
+from amp_rewrite.testing.reference import compare_rewrites, run_grappler
 
 TARGETS = amp_rewrite.TARGETS
 TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}

@@ -37,7 +37,7 @@ from tensorflow.python.framework import function as tf1_function
 import amp_rewrite
 from amp_rewrite.testing.loops import build_loop_graph
 from amp_rewrite.testing.models import run_model_graph
-from amp_rewrite.reference import compare_rewrites, function_body, run_grappler, vertex_dtypes
+from amp_rewrite.testing.reference import compare_rewrites, function_body, run_grappler, vertex_dtypes
 
 raw = tf.raw_ops
 FLOAT = tf.float32

@@ -32,7 +32,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite.core.lists import held_float32
-from amp_rewrite.reference import compare_rewrites, run_grappler, vertex_dtypes
+from amp_rewrite.testing.reference import compare_rewrites, run_grappler, vertex_dtypes
 
 raw = tf.raw_ops
 FLOAT = tf.float32

@@ -18,7 +18,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite.testing.models import LEARNING_RATE, MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
-from amp_rewrite.reference import compare_rewrites, run_grappler
+from amp_rewrite.testing.reference import compare_rewrites, run_grappler
 
 TARGETS = amp_rewrite.TARGETS
 CASES = [(name, training) for name in MODEL_NAMES for training in (False, True)]

@@ -12,7 +12,7 @@ from tensorflow.core.framework import types_pb2
 import amp_rewrite
 from amp_rewrite import GraphError, rewrite_graph_def
 from amp_rewrite.core import typegraph
-from amp_rewrite.reference import run_grappler
+from amp_rewrite.testing.reference import run_grappler
 from amp_rewrite.core.report import Report
 from conftest import assert_numerics_match, check_against_grappler, dtype_of, graph_def_of
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import amp_rewrite
 from amp_rewrite.testing.models import build_model_graph
-from amp_rewrite.reference import run_grappler
+from amp_rewrite.testing.reference import run_grappler
 
 WARMUP_RUNS = 1
 TIMED_RUNS = 9

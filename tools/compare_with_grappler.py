@@ -91,7 +91,7 @@ with _stderr_lines():  # TensorFlow's import-time INFO chatter, now that level 0
     import amp_rewrite
     from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
     from amp_rewrite.testing.models import MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
-    from amp_rewrite.reference import Agreement, compare_rewrites, run_grappler
+    from amp_rewrite.testing.reference import Agreement, compare_rewrites, run_grappler
 
 
 def _median_seconds(run: Callable[[], T], runs: int) -> tuple[T, float]:
