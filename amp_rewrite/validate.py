@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from amp_rewrite.savedmodel import Model, ModelError
+from amp_rewrite.cli.savedmodel import Model, ModelError
 
 # An output's largest error, as a fraction of its largest float32 magnitude, still accepted.
 TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}

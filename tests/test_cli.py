@@ -26,8 +26,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 import amp_rewrite
-from amp_rewrite import savedmodel
-from amp_rewrite.cli import command as cli
+from amp_rewrite.cli import command as cli, savedmodel
 
 from cli_models import (
     ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,

@@ -32,7 +32,7 @@ from amp_rewrite.core.lists import TARGETS  # noqa: E402
 from amp_rewrite.core.report import MAIN_GRAPH, Report  # noqa: E402
 from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
 from amp_rewrite.core.lists import OpLists  # noqa: E402
-from amp_rewrite.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
+from amp_rewrite.cli.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
