@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model, result, lists = _rewrite(args)
     given = None
     if args.inputs:
-        from amp_rewrite.validate import check_inputs
+        from amp_rewrite.cli.validate import check_inputs
 
         given = check_inputs(model, args.inputs)  # a bad file is an error before anything is written
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
@@ -155,7 +155,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dump:
         _dump(model, result, lists, args.dump, args)
     if args.validate or args.inputs:
-        from amp_rewrite import validate
+        from amp_rewrite.cli import validate
 
         runs = max(args.validate, 1)
         if model.kind == "savedmodel":
