@@ -21,7 +21,7 @@ from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2
 
 import amp_rewrite
-from amp_rewrite import dump
+from amp_rewrite.cli import dump
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.report import MAIN_GRAPH
 

@@ -174,7 +174,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace) -> None:
-    from amp_rewrite.dump import write_dump
+    from amp_rewrite.cli.dump import write_dump
 
     write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}")
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
