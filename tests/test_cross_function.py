@@ -4,12 +4,12 @@ grappler paints every function body alone, so each call and loop boundary stays 
 with casts on both sides, inside loop bodies on every iteration (spec §2.7, §6). The
 cross-function mode links a call's (or loop's) dtypes with its callee's ``_Arg``/``_Retval``
 so a low-precision value can stay low precision across. Checked on the built-in loop
-graphs of :mod:`amp_rewrite.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
+graphs of :mod:`amp_rewrite.testing.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
 with a ``tf.cond`` and a nested ``tf.function``), for both targets:
 
 1. default mode still equals grappler in every function body and keeps every signature;
 2. cross mode runs fewer casts than grappler, in all and per loop iteration
-   (``amp_rewrite.loops.casts_per_iteration``);
+   (``amp_rewrite.testing.loops.casts_per_iteration``);
 3. cross mode's graph is well typed (every call/loop agrees with its callee's signature,
    it imports) and computes the float32 graph's numbers within the target's tolerance;
 4. a function named in ``entry_functions`` keeps its signature while private ones may

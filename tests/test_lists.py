@@ -1,4 +1,4 @@
-"""Tests for amp_rewrite.lists: the built-in lists, overlays, TensorFlow's variables.
+"""Tests for amp_rewrite.core.lists: the built-in lists, overlays, TensorFlow's variables.
 
 TensorFlow's own grappler pass is the reference: the built-in files and the
 variable semantics are compared with its paintbuckets dump (tools/dump_grappler_lists.py).

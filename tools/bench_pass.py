@@ -5,7 +5,7 @@ transformer's training step, each for float16 and bfloat16. Each pass runs once 
 warm up, then the two run in turn 9 times; the table shows the medians and the ratio ours/grappler as
 markdown, ready for the README, under a line naming the machine. Both passes are
 timed as a caller sees them: GraphDef in, rewritten GraphDef out (for grappler that
-includes building its virtual cluster and MetaGraphDef, see ``amp_rewrite.reference``).
+includes building its virtual cluster and MetaGraphDef, see ``amp_rewrite.testing.reference``).
 
 The goal is a ratio of at most 1.0x; above 3.0x the tool exits 1.
 

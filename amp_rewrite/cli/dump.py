@@ -50,7 +50,7 @@ CLASS_TO_STYLE = {
 _DENY_RULES = frozenset({"deny-list", "deny-propagation"})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
 
-# One line per rule of amp_rewrite.rewrite / amp_rewrite.colouring, for the report.
+# One line per rule of amp_rewrite.core.rewrite / amp_rewrite.core.colouring, for the report.
 RULE_TO_MEANING = {
     "allow-list": "op is on the allow list",
     "between-allow": "infer or clear op on a path between allow ops",

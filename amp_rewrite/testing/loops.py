@@ -1,6 +1,6 @@
 """Built-in graphs whose work runs inside library functions, and where their loop casts are.
 
-:mod:`amp_rewrite.models` traces its models inline; these keep the functions
+:mod:`amp_rewrite.testing.models` traces its models inline; these keep the functions
 ``tf.function`` makes, so function boundaries matter (spec §2.7, §6):
 
 * ``lstm``, ``gru``: a Keras 3 ``LSTM``/``GRU`` layer (sequence 8, features 16, units 32)
@@ -11,8 +11,8 @@
   value, then a ``tf.cond`` (an ``If`` with two branch functions), followed by a call of
   a nested ``tf.function`` (a ``StatefulPartitionedCall``).
 
-Each builds a :class:`~amp_rewrite.models.ModelGraph` (its GraphDef *has* a library) that
-:func:`~amp_rewrite.models.run_model_graph` runs on CPU. Function names carry
+Each builds a :class:`~amp_rewrite.testing.models.ModelGraph` (its GraphDef *has* a library) that
+:func:`~amp_rewrite.testing.models.run_model_graph` runs on CPU. Function names carry
 process-wide counters, so find functions by the nodes that call them, not by name.
 :func:`item_cast_counts` and :func:`casts_per_iteration` measure what a rewrite costs.
 """
