@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
-    from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
+    from amp_rewrite.core.lists import Colour, OpLists, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+    from amp_rewrite.core.target import TARGETS
 
 _NAME_TO_MODULE = {
-    "TARGETS": "core.lists", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
+    "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
     "Decision": "core.report", "Report": "core.report",
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",

@@ -24,12 +24,12 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
+from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
 from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body, run_grappler
 
-TARGETS = ("float16", "bfloat16")
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+TARGET_TO_DTYPE = {name: target.dtype for name, target in NAME_TO_TARGET.items()}
 # Relative tolerance of a mixed-precision result against float32 (11 vs 8 mantissa bits).
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+TARGET_TO_TOLERANCE = {name: target.tolerance for name, target in NAME_TO_TARGET.items()}
 _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 
 

@@ -33,10 +33,9 @@ from cli_models import (
     overflow_graph_def, save_module, write_graph_def,
 )
 
-TARGETS = ("float16", "bfloat16")
+from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+
 MODELS = ("keras", "module")
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # of each output's largest magnitude
 BIN = Path(sys.executable).parent
 UNKNOWN_DIM = 3
 

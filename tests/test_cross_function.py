@@ -29,10 +29,8 @@ from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
 from amp_rewrite.testing.reference import compare_rewrites, run_grappler
 
-TARGETS = amp_rewrite.TARGETS
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
-# Largest error of outputs (and the loss) vs float32, relative to the float32 magnitude.
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+
 # Relative L2 error of all weight updates of a training step together (as in test_models).
 TARGET_TO_UPDATE_TOLERANCE = {"float16": 5e-2, "bfloat16": 1.5e-1}
 # Graphs whose every loop must run strictly fewer casts per iteration than grappler's.

@@ -17,7 +17,8 @@ import pytest
 from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core import lists as lists_module
 from amp_rewrite.core.lists import ENV_PREFIX as P
-from amp_rewrite.core.lists import TARGETS, Colour, OpLists, held_float32, load_lists
+from amp_rewrite.core.lists import Colour, OpLists, held_float32, load_lists
+from amp_rewrite.core.target import TARGETS
 from amp_rewrite.testing.reference import grappler_environ
 
 ROOT = Path(__file__).resolve().parent.parent

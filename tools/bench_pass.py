@@ -31,7 +31,7 @@ from amp_rewrite.testing.reference import run_grappler
 WARMUP_RUNS = 1
 TIMED_RUNS = 9
 RATIO_LIMIT = 3.0
-TARGETS = ("float16", "bfloat16")
+TARGETS = amp_rewrite.TARGETS
 # (label, model, build arguments): training steps, the graphs where the pass costs most.
 GRAPHS = (
     ("ResNet50 training step, 224x224", "resnet50", {"image_size": 224}),

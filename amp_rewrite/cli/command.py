@@ -28,10 +28,10 @@ if os.path.basename(sys.argv[0]) == "amp-rewrite":
 
 from amp_rewrite.core import functions, support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.core.lists import TARGETS  # noqa: E402
 from amp_rewrite.core.report import MAIN_GRAPH, Report  # noqa: E402
 from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
 from amp_rewrite.core.lists import OpLists  # noqa: E402
+from amp_rewrite.core.target import TARGETS, lookup_target  # noqa: E402
 from amp_rewrite.cli.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
@@ -162,10 +162,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             errors = validate.validate_saved_models(model.path, destination, runs, given)
         else:
             errors = validate.validate_graph_defs(model, result.graph_def, runs, given)
-        tolerance = validate.TOLERANCE[args.target]
-        failed = [e for e in errors if not e.ok(args.target)]
-        _say(args, f"Validation ({runs} run(s); tolerance {tolerance:g} of each output's scale):")
-        _say(args, *[f"  {'FAIL' if not e.ok(args.target) else 'ok  '} {e.signature}/{e.output}: "
+        target = lookup_target(args.target)
+        failed = [e for e in errors if not e.ok(target)]
+        _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
+        _say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
                      f"max abs {e.max_abs:.3g}, max rel {e.max_rel:.3g}" for e in errors])
         if failed:
             print(f"amp-rewrite: validation failed for {len(failed)} output(s); see above", file=sys.stderr)
@@ -208,7 +208,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     print(_table(rows, ["function", "nodes", "converted", "casts", "kept float32 (top reasons)"]))
     print(report.summary())
-    if args.target == "float16":
+    if lookup_target(args.target).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
         if hints:
             print("\nTensor Core hints (converted ops with static dims that are not multiples of 8):")

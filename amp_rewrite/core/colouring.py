@@ -21,6 +21,7 @@ from tensorflow.python.framework import tensor_util
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import Colour, OpLists
+from amp_rewrite.core.target import Target
 from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class PaintContext:
 
     types: TypeGraph
     lists: OpLists
-    target_dtype: int
+    target: Target
     processed: frozenset[str]
     kernel_device: Mapping[str, str]  # processed node -> device type for the kernel check
     # cross_function=True only: call/boundary vertices that act as clear ops, and the
@@ -133,7 +134,7 @@ class PaintContext:
     def op_allows_target(self, vertex: Vertex) -> bool:
         """SupportsF16DataType: the op definition admits the target dtype."""
         attr = vertex.attr
-        return support.op_allows_dtype(self.op(vertex), attr.name, attr.fixed, self.target_dtype)
+        return support.op_allows_dtype(self.op(vertex), attr.name, attr.fixed, self.target.dtype)
 
     def has_target_kernel(self, vertex: Vertex) -> bool:
         """SupportsF16: op definition and a registered kernel for the changed node."""
@@ -168,12 +169,12 @@ class PaintContext:
     def _kernel_check(self, vertex: Vertex) -> bool:
         node_def = self.types.node_def(vertex.node)
         if vertex.attr.index < 0:
-            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target_dtype,
+            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target.dtype,
                                                 self.kernel_device[vertex.node])
         attrs = dict(node_def.attr)
         changed = type(attrs[vertex.attr.name])()
         changed.CopyFrom(attrs[vertex.attr.name])
-        changed.list.type[vertex.attr.index] = self.target_dtype
+        changed.list.type[vertex.attr.index] = self.target.dtype
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 

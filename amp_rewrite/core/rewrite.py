@@ -15,16 +15,15 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, support, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.core.lists import TARGETS, Colour, OpLists, load_lists
-from amp_rewrite.core.report import MAIN_GRAPH, TARGET_DTYPES, ItemStats, PendingDecisions, Report, dtype_name
+from amp_rewrite.core.lists import Colour, OpLists, load_lists
+from amp_rewrite.core.report import MAIN_GRAPH, ItemStats, PendingDecisions, Report
+from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.core.typegraph import Vertex
 
 log = logging.getLogger(__name__)
 
 # Grappler feeds every placeholder, and feeds are preserved: inputs keep their dtype.
 GRAPH_INPUTS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
-# The device type each target converts on (spec §1.5): float16 → NVIDIA GPUs, bfloat16 → CPUs.
-TARGET_DEVICE = {"float16": "GPU", "bfloat16": "CPU"}
 # The vertices colouring works on: float32 ones, and the variant ones TensorList handles
 # pass through. The others can neither be painted nor lead to one that can.
 PAINTED_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_VARIANT})
@@ -49,7 +48,7 @@ def device_type(device: str) -> str | None:
 
 
 def find_processed_nodes(
-    nodes: nx.MultiDiGraph, target: str, fetches: Iterable[str], lists: OpLists
+    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Nodes the pass may paint (→ kernel device type) and, for the others, why not.
 
@@ -57,7 +56,7 @@ def find_processed_nodes(
     (grappler's preserved set), nodes matching the lists' ``keep_nodes``, and nodes placed on another device
     type. An empty device means the target's device.
     """
-    wanted = TARGET_DEVICE[target]
+    wanted = target.device_type
     preserved = set(fetches)
     keeps = lists.keeps if lists.keep_nodes else None
     device_to_kind: dict[str, str | None] = {}  # a graph has few device strings; None: another device type
@@ -126,7 +125,7 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
             return Reason("slower-converted", f"op {op}: {ctx.lists.reasons[op]}")
         return Reason("unlisted", f"op {op} is in no list")
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
-        return Reason("no-kernel", f"no {ctx.lists.target} kernel for {op} on {ctx.kernel_device[vertex.node]}")
+        return Reason("no-kernel", f"no {ctx.target.name} kernel for {op} on {ctx.kernel_device[vertex.node]}")
     if colour is Colour.INFER:
         bounded = f" (deny op {op} acting as infer: {ctx.bounded[vertex.node]})" if vertex.node in ctx.bounded else ""
         return Reason("infer-isolated", f"infer op neither between allow ops nor directly after one{bounded}")
@@ -168,8 +167,7 @@ def rewrite_graph_def(
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
     ``progress(done, total)`` is called as items are prepared and finished.
     """
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {target!r}")
+    target = lookup_target(target)  # the one check of the user's string
     op_lists = load_lists(target, lists)
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
@@ -178,13 +176,13 @@ def rewrite_graph_def(
         links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
         output, stats, decisions = _rewrite_items(graph_def, target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None))
-        report = Report(target, stats, decisions)
+        report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
 def _rewrite_items(
-    graph_def: graph_pb2.GraphDef, target: str, fetch_nodes: tuple[str, ...], op_lists: OpLists,
+    graph_def: graph_pb2.GraphDef, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     total = 2 * (len(names) + 1)
@@ -239,7 +237,7 @@ class _Item:
 
 
 def _prepare(
-    graph_def: graph_pb2.GraphDef, target: str, fetches: tuple[str, ...], op_lists: OpLists,
+    graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
     links: boundaries.Links, function: str,
 ) -> _Item:
     """Steps 2-5 of grappler's pass on one item (spec §2.1); step 1, the lists, is the caller's."""
@@ -256,7 +254,7 @@ def _prepare(
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
-    ctx = PaintContext(types, op_lists, TARGET_DTYPES[target], frozenset(processed), processed, linked - handles,
+    ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
                        pinned=frozenset(loop_values(types)) - linked, list_links=handles)
     return _Item(graph_def, ctx, skipped)
 
@@ -353,7 +351,7 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
         v: explain(ctx, painting, skipped, v) for v in ctx.float32
         if v.attr.name and (v.node in skipped or v not in reasons)
     }
-    decisions = PendingDecisions(function, dtype_name(ctx.target_dtype), ctx.float32, ctx.ops, painting.allow,
+    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow,
                                  {**reasons, **explained})
     # 7. Types and casts, the one mutation (of the working copy).
     stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)

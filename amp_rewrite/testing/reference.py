@@ -71,11 +71,8 @@ from tensorflow.python.grappler.cluster import Cluster
 from amp_rewrite.core import colouring, functions, graph_io, lists, support, typegraph
 from amp_rewrite.core.errors import AmpRewriteError, GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.target import lookup_target
 
-TARGET_TO_OPTIMIZER = {
-    "float16": "auto_mixed_precision",
-    "bfloat16": "auto_mixed_precision_onednn_bfloat16",
-}
 GPU_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
 # A fast-fp16 GPU with recent CUDA/cuDNN, so that every version-gated Fp16 list
@@ -103,7 +100,7 @@ def _config(target: str) -> ConfigProto:
     """Only the AMP optimizer of ``target``, on graphs of any size, failing loudly, unverified."""
     config = ConfigProto()
     rewrite_options = config.graph_options.rewrite_options
-    rewrite_options.optimizers.append(TARGET_TO_OPTIMIZER[target])
+    rewrite_options.optimizers.append(lookup_target(target).grappler_optimizer)
     rewrite_options.min_graph_nodes = -1
     rewrite_options.fail_on_optimizer_errors = True
     rewrite_options.disable_tfg_optimizer = True
@@ -232,8 +229,7 @@ def run_grappler(
     modified. With TF_ENABLE_ONEDNN_OPTS=0 the bfloat16 optimizer does not exist
     and the graph comes back unchanged (spec §4).
     """
-    if target not in TARGET_TO_OPTIMIZER:
-        raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    lookup_target(target)  # an unknown one is refused before any work
     item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
     swapped = _stand_in_for_bounded(item_graph, target) if our_lists else {}
     meta_graph = MetaGraphDef()
