@@ -23,7 +23,7 @@ from tensorflow.core.framework import graph_pb2
 import amp_rewrite
 from amp_rewrite.cli import dump
 from amp_rewrite.core import functions, support
-from amp_rewrite.core.report import MAIN_GRAPH
+from amp_rewrite.core.program import MAIN_GRAPH
 
 from conftest import graph_def_of
 

@@ -26,9 +26,9 @@ from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite.core import functions, support  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.core.report import MAIN_GRAPH, Report  # noqa: E402
+from amp_rewrite.core.program import MAIN_GRAPH  # noqa: E402
+from amp_rewrite.core.report import Report  # noqa: E402
 from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
 from amp_rewrite.core.lists import OpLists  # noqa: E402
 from amp_rewrite.core.target import TARGETS, lookup_target  # noqa: E402
@@ -238,12 +238,11 @@ def _static_shapes(graph_def, function=None) -> dict[str, list[list[int]]]:
 def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
     """Converted matmul/conv ops whose static input dims are not multiples of 8."""
     converted = {(d.function, d.node) for d in result.report.decisions if d.converted}
-    library = {f.signature.name: f for f in result.graph_def.library.function}
-    op_defs = support.library_op_defs(result.graph_def.library)
+    program = result.program
     hints = []
     for item in sorted({function for function, _ in converted}):
-        graph_def = result.graph_def if item == MAIN_GRAPH else functions.body_graph_def(library[item], op_defs)
-        shapes = _static_shapes(graph_def, None if item == MAIN_GRAPH else library[item])
+        graph_def = program.item(item)
+        shapes = _static_shapes(graph_def, None if item == MAIN_GRAPH else program.library[item])
         for node in graph_def.node:
             if node.op not in TENSOR_CORE_OPS or (item, node.name) not in converted:
                 continue
@@ -304,11 +303,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
 
     from amp_rewrite.core.graph_io import to_networkx
 
-    graph_def = result.graph_def
-    if function:
-        library = {f.signature.name: f for f in graph_def.library.function}
-        graph_def = functions.body_graph_def(library[function], support.library_op_defs(graph_def.library))
-    graph = to_networkx(graph_def)
+    graph = to_networkx(result.program.item(function))
     try:
         path = nx.shortest_path(graph, source, node)
     except (nx.NetworkXNoPath, nx.NodeNotFound):

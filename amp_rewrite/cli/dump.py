@@ -24,9 +24,10 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
 from tensorflow.python.lib.io import tf_record
 
-from amp_rewrite.core import casts, functions, graph_io, support, typegraph
+from amp_rewrite.core import casts, graph_io, support, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
-from amp_rewrite.core.report import MAIN_GRAPH, Decision, Report, dtype_name
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.report import Decision, Report, dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def write_dump(
     function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
     for decision in result.report.decisions:
         function_to_decisions[decision.function].append(decision)
-    after_op_defs = support.library_op_defs(result.graph_def.library)
+    after_op_defs = result.program.op_defs
     function_to_classes = {
         item.function: _node_classes(item.after, function_to_decisions[item.function], lists) for item in items
     }
@@ -154,10 +155,7 @@ def write_dump(
 
 def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
     """The main graph and every function the report covers, in the report's order."""
-    before_library = {f.signature.name: f for f in original.library.function}
-    after_library = {f.signature.name: f for f in result.graph_def.library.function}
-    before_op_defs = support.library_op_defs(original.library)
-    after_op_defs = support.library_op_defs(result.graph_def.library)
+    before_program, after_program = program_of(original), result.program
     taken: set[str] = set()
     items = []
     for stats in result.report.items:
@@ -165,8 +163,7 @@ def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
         if name == MAIN_GRAPH:
             before, after = _without_library(original), _without_library(result.graph_def)
         else:
-            before = functions.body_graph_def(before_library[name], before_op_defs)
-            after = functions.body_graph_def(after_library[name], after_op_defs)
+            before, after = before_program.item(name), after_program.item(name)
         stem = _file_stem(name, taken)
         taken.add(stem.lower())
         items.append(_Item(name, stem, before, after))

@@ -22,7 +22,7 @@ from typing import Iterable
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core.functions import RETVAL_SUFFIX
-from amp_rewrite.core.report import MAIN_GRAPH
+from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.typegraph import TypeAttr, Vertex
 
 Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name

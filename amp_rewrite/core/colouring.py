@@ -342,7 +342,7 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
     clusters: list[TensorListCluster] = []
     deny: dict[Vertex, Reason] = {}
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
-    functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
+    functions = ctx.types.op_defs
     for node, op in ctx.ops.items():
         if "TensorList" not in op:
             continue  # tensor_list_float_vertex would say None

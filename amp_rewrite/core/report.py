@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from tensorflow.core.framework import types_pb2
 
+from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.target import NAME_TO_TARGET
 
 if TYPE_CHECKING:
     from amp_rewrite.core.colouring import Reason
     from amp_rewrite.core.typegraph import Vertex
 
-MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph
 
 
 _FLOAT_NAMES = {types_pb2.DT_FLOAT: "float32", **{target.dtype: name for name, target in NAME_TO_TARGET.items()}}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -12,11 +13,12 @@ from typing import Callable, Iterable
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, support, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting, Reason
 from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import Colour, OpLists, load_lists
-from amp_rewrite.core.report import MAIN_GRAPH, ItemStats, PendingDecisions, Report
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
+from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.core.typegraph import Vertex
 
@@ -33,6 +35,11 @@ PAINTED_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_VARIANT})
 class RewriteResult:
     graph_def: graph_pb2.GraphDef
     report: Report
+
+    @functools.cached_property
+    def program(self) -> Program:
+        """The rewritten graph's items, indexed once for all that read them (dump, command)."""
+        return program_of(self.graph_def)
 
 
 def device_type(device: str) -> str | None:
@@ -172,9 +179,10 @@ def rewrite_graph_def(
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
         functions.check_calls(graph_def)
+        program = program_of(graph_def)
         names = functions.reachable_functions(graph_def)
         links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
-        output, stats, decisions = _rewrite_items(graph_def, target, fetch_nodes, op_lists, names, links,
+        output, stats, decisions = _rewrite_items(program, target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None))
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
@@ -182,21 +190,18 @@ def rewrite_graph_def(
 
 
 def _rewrite_items(
-    graph_def: graph_pb2.GraphDef, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
+    program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     total = 2 * (len(names) + 1)
-    library = {f.signature.name: f for f in graph_def.library.function}
     # Steps 2-5 for every item: the main graph, then each function body.
-    items = {MAIN_GRAPH: _prepare(graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH)}
+    items = {MAIN_GRAPH: _prepare(program.graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH, program)}
     progress(1, total)
-    op_defs = support.library_op_defs(graph_def.library)
     for name in names:
         with _naming(name):
-            body = functions.body_graph_def(library[name], op_defs)
-            body.library.CopyFrom(graph_def.library)
-            preserved = set(functions.preserved_nodes(library[name], body)) - links.nodes(name)
-            items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name)
+            body = program.item(name)
+            preserved = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name)
+            items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name, program)
         progress(len(items), total)
     # Step 6: colouring, each item alone (grappler) or linked across boundaries.
     paintings = _paint_linked(items, links) if links.groups else {n: colouring.paint(i.ctx) for n, i in items.items()}
@@ -208,9 +213,9 @@ def _rewrite_items(
         if name == MAIN_GRAPH:
             output = graph
         else:
-            rewritten = functions.to_function_def(graph, library[name], op_defs)
-            position = next(i for i, f in enumerate(output.library.function) if f.signature.name == name)
-            output.library.function[position].CopyFrom(rewritten)
+            # The output's library is the input's, in the same order, until each function is put back.
+            rewritten = functions.to_function_def(graph, program.library[name], program.op_defs)
+            output.library.function[program.positions[name]].CopyFrom(rewritten)
         stats.append(item_stats)
         decisions.append(item_decisions)
         progress(len(items) + len(stats), total)
@@ -238,7 +243,7 @@ class _Item:
 
 def _prepare(
     graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
-    links: boundaries.Links, function: str,
+    links: boundaries.Links, function: str, program: Program,
 ) -> _Item:
     """Steps 2-5 of grappler's pass on one item (spec §2.1); step 1, the lists, is the caller's."""
     # 2. Working copy as a node graph; every fetch must exist.
@@ -251,7 +256,7 @@ def _prepare(
     # 4. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
     upgrade_batch_norm_ops(nodes, processed)
     # 5. The (node, type attribute) vertex graph.
-    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,

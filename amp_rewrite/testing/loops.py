@@ -30,8 +30,8 @@ import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
-from amp_rewrite.core.functions import body_graph_def
 from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.testing.models import (
     NUM_CLASSES,
     ModelGraph,
@@ -39,8 +39,6 @@ from amp_rewrite.testing.models import (
     _number_custom_gradients,
     _trace_training_step,
 )
-from amp_rewrite.core.report import MAIN_GRAPH
-from amp_rewrite.core.support import library_op_defs
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
@@ -90,12 +88,10 @@ class CastCount:
     run_time: int
 
 
-def item_cast_counts(graph_def: GraphDef) -> dict[str, CastCount]:
+def item_cast_counts(graph_def: GraphDef | Program) -> dict[str, CastCount]:
     """Casts per item: the main graph (``MAIN_GRAPH``), then each library function."""
-    op_defs = library_op_defs(graph_def.library)
-    bodies = {MAIN_GRAPH: graph_def}
-    bodies.update((f.signature.name, body_graph_def(f, op_defs)) for f in graph_def.library.function)
-    return {item: _cast_count(body) for item, body in bodies.items()}
+    program = graph_def if isinstance(graph_def, Program) else program_of(graph_def)
+    return {item: _cast_count(program.item(item)) for item in program.names}
 
 
 def _cast_count(graph_def: GraphDef) -> CastCount:
@@ -112,8 +108,9 @@ def casts_per_iteration(graph_def: GraphDef) -> dict[str, int]:
     call counts its callee, an ``If``/``Case`` its costliest branch (only one runs), a
     nested loop one iteration of its own.
     """
-    library = {f.signature.name: f for f in graph_def.library.function}
-    function_to_casts = {name: count.run_time for name, count in item_cast_counts(graph_def).items()}
+    program = program_of(graph_def)
+    library = program.library
+    function_to_casts = {name: count.run_time for name, count in item_cast_counts(program).items()}
     executed: dict[str, int] = {}
 
     def cost(name: str) -> int:
