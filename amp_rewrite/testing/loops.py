@@ -35,9 +35,9 @@ from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.testing.models import (
     NUM_CLASSES,
     ModelGraph,
-    _captured_variables,
-    _number_custom_gradients,
-    _trace_training_step,
+    captured_variables,
+    number_custom_gradients,
+    trace_training_step,
 )
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
@@ -61,8 +61,8 @@ def build_loop_graph(name: str, *, batch: int = 2, seed: int = 0) -> ModelGraph:
     graph_def = concrete.graph.as_graph_def()
     if not any(node.op in LOOP_OPS for node in graph_def.node):
         raise RuntimeError(f"loop graph {name!r} traced without a functional While; its loop was unrolled or inlined")
-    _number_custom_gradients(graph_def)
-    placeholder_to_variable = _captured_variables(concrete, variables)
+    number_custom_gradients(graph_def)
+    placeholder_to_variable = captured_variables(concrete, variables)
     trainable_ids = {id(variable) for variable in trainable}
     return ModelGraph(
         name=name,
@@ -162,7 +162,7 @@ def _recurrent_training_step(layer: Callable[[int], keras.layers.Layer], name: s
         x = rng.standard_normal((batch, spec["seq_len"], spec["features"]), dtype=np.float32)
         y = rng.integers(0, NUM_CLASSES, size=batch, dtype=np.int32)
         x_spec = tf.TensorSpec(x.shape, tf.float32, name="x")
-        concrete, variables = _trace_training_step(model, x_spec, tf.TensorSpec([batch], tf.int32, name="y"))
+        concrete, variables = trace_training_step(model, x_spec, tf.TensorSpec([batch], tf.int32, name="y"))
         return concrete, variables, list(model.trainable_variables), {"x:0": x, "y:0": y}
 
     return build
