@@ -30,6 +30,7 @@ from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.core.program import MAIN_GRAPH  # noqa: E402
 from amp_rewrite.core.report import Report  # noqa: E402
 from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
+from amp_rewrite.core.rules import Rule  # noqa: E402
 from amp_rewrite.core.lists import OpLists  # noqa: E402
 from amp_rewrite.core.target import TARGETS, lookup_target  # noqa: E402
 from amp_rewrite.cli.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
@@ -290,7 +291,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"{d.node} ({d.op}){where}, attribute {d.attr}: {d.before} -> {d.after}")
         print(f"  rule: {d.rule}")
         print(f"  why:  {d.reason}")
-        if d.rule == "deny-propagation" and d.source:
+        if d.rule == Rule.DENY_PROPAGATION.value and d.source:
             path = _deny_path(result, d.function, d.source, d.node)
             if path:
                 print(f"  path: {' -> '.join(path)}")

@@ -13,7 +13,7 @@ from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.target import NAME_TO_TARGET
 
 if TYPE_CHECKING:
-    from amp_rewrite.core.colouring import Reason
+    from amp_rewrite.core.rules import Reason
     from amp_rewrite.core.typegraph import Vertex
 
 
@@ -36,7 +36,7 @@ class Decision(NamedTuple):
     attr: str
     before: str
     after: str
-    rule: str    # short key of the list or pass that decided, e.g. "deny-propagation"
+    rule: str    # the value of the Rule that decided, e.g. "deny-propagation" (rules.Rule has its meaning)
     reason: str  # one line for people, naming the neighbour that decided where there is one
     source: str = ""  # that neighbour's node name (the deny op, the allow op, ...), if any
 
@@ -78,6 +78,7 @@ class PendingDecisions:
             if attr_name is None:
                 attr_name = attr_names[attr] = str(attr)
             rule, text, source = self.reasons[vertex]
+            rule = rule.value
             after = self.target if vertex in self.converted else "float32"
             # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
             yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,
