@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
@@ -234,4 +233,41 @@ def test_paint_returns_a_value_and_leaves_its_inputs_alone():
     ctx = context(build)
     first, second = colouring.paint(ctx), colouring.paint(ctx)
     assert isinstance(first, Painting) and first.allow == second.allow == t("allow1", "clr1")
-    assert np.array_equal(sorted(map(str, first.deny)), sorted(map(str, second.deny)))
+    assert first.deny == second.deny and first.reasons == second.reasons
+
+
+def _tensor_list() -> None:
+    """A list written with one MatMul's output and read back: reserve → set → get."""
+    a = tf.matmul(x(), x(), name="allow1")
+    handle = tf.raw_ops.TensorListReserve(element_shape=[2, 2], num_elements=1, element_dtype=tf.float32,
+                                          name="reserve")
+    handle = tf.raw_ops.TensorListSetItem(input_handle=handle, index=0, item=a, name="set")
+    tf.raw_ops.TensorListGetItem(input_handle=handle, index=0, element_shape=[2, 2], element_dtype=tf.float32,
+                                 name="get")
+
+
+def test_tensor_list_ops_joined_by_handles_form_one_cluster_that_shares_a_colour():
+    """Steps 7.0 and 7.3: TensorList ops joined by their handles form a cluster (safe: no
+    handle leaves the graph); once one member's element type is ALLOW all are, and one
+    DENY member makes them all DENY (spec §2.5)."""
+    ctx = context(_tensor_list)
+    clusters, unsafe = colouring.find_tensor_list_clusters(ctx)
+    assert unsafe == {}
+    assert {cluster.members for cluster in clusters} == {frozenset({"reserve", "set", "get"})}
+    element = {colouring.tensor_list_float_vertex(ctx, node) for node in ("reserve", "set", "get")}
+    set_element = colouring.tensor_list_float_vertex(ctx, "set")
+
+    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, {set_element}, set(), {})
+    assert allow == element and deny == set() and set(reasons) == element - {set_element}
+    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, set(element), {set_element}, {})
+    assert allow == set() and deny == element
+    assert {reason.rule for reason in reasons.values()} == {Rule.TENSOR_LIST}
+
+
+def test_tensor_list_cluster_with_an_unprocessed_member_is_denied():
+    """Step 7.0: a cluster with a member the pass may not touch is unsafe: its root's
+    element type is DENY."""
+    ctx = context(_tensor_list, unprocessed=["get"])
+    _, unsafe = colouring.find_tensor_list_clusters(ctx)
+    assert unsafe and {reason.rule for reason in unsafe.values()} == {Rule.TENSOR_LIST}
+    assert all("'get'" in reason.text for reason in unsafe.values())
