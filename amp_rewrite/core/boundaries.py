@@ -168,8 +168,7 @@ def paint_linked(contexts: Mapping[str, PaintContext], links: Links) -> dict[str
     while True:
         paintings = {}
         for name, ctx in contexts.items():
-            ctx.seeds, ctx.deny_seeds = frozenset(seeds[name]), frozenset(deny_seeds[name])
-            paintings[name] = colouring.paint(ctx)
+            paintings[name] = colouring.paint(ctx, frozenset(seeds[name]), frozenset(deny_seeds[name]))
         if list_groups is None:  # clusters depend on the graphs only, not on the seeds
             list_groups = _joined_tensor_lists(contexts, paintings, links)
 

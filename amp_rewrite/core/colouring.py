@@ -76,32 +76,36 @@ VARIABLE_OPS = frozenset(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class PaintContext:
-    """What the passes read: the vertex graph, the lists, and per-vertex support checks."""
+    """What the passes read: the vertex graph, the lists, and per-vertex support checks.
+
+    Frozen: a pass reads it and returns what it found. Only the kernel-check caches inside
+    fill up as the passes ask (the answers depend on the op and device alone).
+    """
 
     types: TypeGraph
     lists: OpLists
     target: Target
     processed: frozenset[str]
     kernel_device: Mapping[str, str]  # processed node -> device type for the kernel check
-    # cross_function=True only: call/boundary vertices that act as clear ops, and the
-    # ones already known to be converted on the other side of their boundary.
+    # cross_function=True only: call/boundary vertices that act as clear ops.
     boundary: frozenset[Vertex] = frozenset()
-    seeds: frozenset[Vertex] = frozenset()
-    deny_seeds: frozenset[Vertex] = frozenset()
     list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
     _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
+    ops: Mapping[str, str] = field(init=False, repr=False)  # node -> op
+    # Read once, before the rewrite: casts change dtypes only after colouring.
+    float32: Mapping[Vertex, None] = field(init=False, repr=False)  # the float32 vertices, in graph order
+    # Deny nodes that act as infer ones: node -> why their argument is <= 0.
+    bounded: Mapping[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.ops: dict[str, str] = self.types.ops
-        # Read once, before the rewrite: casts change dtypes only after colouring.
-        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
-        # Deny nodes that act as infer ones: node -> why their argument is <= 0.
-        self.bounded: dict[str, str] = nonpositive_arguments(self.types, bounded_ops(self.lists))
+        object.__setattr__(self, "ops", self.types.ops)
+        object.__setattr__(self, "float32", dict.fromkeys(self.types.float32))
+        object.__setattr__(self, "bounded", nonpositive_arguments(self.types, bounded_ops(self.lists)))
 
     def colour(self, node: str) -> Colour | None:
         """The node's list, as the passes read it: a bounded deny op is an infer op."""
@@ -444,10 +448,14 @@ def _can_force(op: str) -> bool:
     return not any(arg.is_ref for arg in list(op_def.input_arg) + list(op_def.output_arg))
 
 
-def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex, Reason]:
+def propagate_deny_forward(
+    ctx: PaintContext, deny: set[Vertex], deny_seeds: frozenset[Vertex] = frozenset()
+) -> dict[Vertex, Reason]:
     """Step 7.2: deny spreads from deny ops through clear/infer ops that lead to deny/infer ops.
 
-    Not restricted to processed nodes. Returns the newly denied vertices with reasons.
+    Not restricted to processed nodes. ``deny_seeds`` (``cross_function``) are roots too:
+    vertices whose value comes from a deny path across a function boundary. Returns the
+    newly denied vertices with reasons.
     """
     if ctx.lists.force_all:
         return {}
@@ -465,11 +473,11 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     # Pinned loop values are clear ops all the same: deny passes through them.
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
-    if ctx.deny_seeds:  # cross_function: deny from across a boundary
-        roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
+    if deny_seeds:  # cross_function: deny from across a boundary
+        roots += [v for v in _vertices(ctx) if v in deny_seeds]
     for root in roots:
         op = ctx.op(root)
-        if root in denied and root not in ctx.deny_seeds:
+        if root in denied and root not in deny_seeds:
             continue
         propagated = None  # one Reason for every vertex this root denies
         for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
@@ -485,12 +493,14 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     return added
 
 
-def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
+def add_clear_and_infer_between_allow(
+    ctx: PaintContext, allow: set[Vertex], deny: set[Vertex], seeds: frozenset[Vertex] = frozenset()
+) -> dict[Vertex, Reason]:
     """Step 7.4: clear/infer vertices both downstream and upstream of allowlist ops (grappler logs "pass 3")."""
     graph, lists = ctx.types.graph, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in ctx.seeds)]
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)]
 
     allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
     is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
@@ -663,9 +673,15 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     return added
 
 
-def paint(ctx: PaintContext) -> Painting:
+def paint(
+    ctx: PaintContext, seeds: frozenset[Vertex] = frozenset(), deny_seeds: frozenset[Vertex] = frozenset()
+) -> Painting:
     """Step 7 of the rewrite: grappler's colouring passes in order, 7.0-7.10 being spec
-    §2.3's passes 0-10, each one call logged at DEBUG; returns the painting."""
+    §2.3's passes 0-10, each one call logged at DEBUG; returns the painting.
+
+    ``seeds`` and ``deny_seeds`` (``cross_function`` only): vertices known to be converted,
+    or to carry a value from a deny path, on the other side of their function boundary.
+    """
     reasons: dict[Vertex, Reason] = {}
 
     def note(step: str, found: Mapping[Vertex, Reason]) -> None:
@@ -676,7 +692,7 @@ def paint(ctx: PaintContext) -> Painting:
     # 7.0 TensorList clusters; unsafe ones are denied; element edges writer -> reader.
     clusters, deny_found = find_tensor_list_clusters(ctx)
     deny_found.update((v, Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary"))
-                      for v in ctx.deny_seeds if v not in deny_found)
+                      for v in deny_seeds if v not in deny_found)
     note("7.0 tensor-list clusters", deny_found)
     deny = set(deny_found)
     graph = ctx.types.graph
@@ -688,7 +704,7 @@ def paint(ctx: PaintContext) -> Painting:
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(
         (v, Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary"))
-        for v in ctx.seeds if v not in allow_found
+        for v in seeds if v not in allow_found
     )
     note("7.1 allow list", allow_found)
     allow = set(allow_found)
@@ -696,7 +712,7 @@ def paint(ctx: PaintContext) -> Painting:
         log.info("No allowlist ops found, nothing to do")
         return Painting(frozenset(), frozenset(deny), reasons, tuple(clusters))
     # 7.2 Deny propagation through clear/infer.
-    deny_found = propagate_deny_forward(ctx, deny)
+    deny_found = propagate_deny_forward(ctx, deny, deny_seeds)
     note("7.2 deny propagation", deny_found)
     deny |= deny_found.keys()
     # 7.3 TensorList colour match.
@@ -704,7 +720,7 @@ def paint(ctx: PaintContext) -> Painting:
     log.debug("step 7.3 tensor-list colours: %d vertices", len(found))
     reasons.update(found)
     # 7.4 Clear/infer between allow ops.
-    found = add_clear_and_infer_between_allow(ctx, allow, deny)
+    found = add_clear_and_infer_between_allow(ctx, allow, deny, seeds)
     note("7.4 between allow", found)
     allow |= found.keys()
     # 7.5 Infer directly after allow.
