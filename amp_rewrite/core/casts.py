@@ -55,7 +55,7 @@ def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
 
 def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> CastStats:
     """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy)."""
-    types, target, to_target_kind = ctx.types, ctx.target.dtype, ctx.target.cast_kind
+    types, target_dtype, to_target_kind = ctx.types, ctx.target.dtype, ctx.target.cast_kind
     nodes, consumers_of = types.nodes, types.graph._succ
     allow = painting.allow
     converted = added = to_target_counted = 0
@@ -84,9 +84,9 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 )
             value = node_def.attr[attr.name]
             if attr.index < 0:
-                value.type = target
+                value.type = target_dtype
             else:
-                value.list.type[attr.index] = target
+                value.list.type[attr.index] = target_dtype
             converted += 1
         # A cast goes where a consumer's colour differs; most vertices have none.
         consumers = consumers_of[vertex]
@@ -106,7 +106,7 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 continue
             to_target = not src_allow
             kind = to_target_kind if to_target else CAST_TO_FLOAT32
-            src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_target else (target, types_pb2.DT_FLOAT)
+            src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target_dtype) if to_target else (target_dtype, types_pb2.DT_FLOAT)
             cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype)
             graph_io.insert_node(nodes, cast, name, port, moved)
             added += 1
