@@ -55,7 +55,7 @@ def _ret(function: function_pb2.FunctionDef, index: int) -> Vertex:
 
 
 def _call_groups(
-    item: str, node: node_def_pb2.NodeDef, library: dict[str, function_pb2.FunctionDef]
+    item: str, node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
 ) -> tuple[list[list[Slot]], set[str]]:
     """Slot groups for one functional node, and the functions it links."""
     def fn(attr: str) -> function_pb2.FunctionDef:
@@ -87,9 +87,12 @@ def _call_groups(
     return [], set()
 
 
-def find_links(graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str]) -> Links:
-    """The float32 slot groups that may change dtype together across function boundaries."""
-    library = {f.signature.name: f for f in graph_def.library.function}
+def find_links(
+    graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str],
+    library: Mapping[str, function_pb2.FunctionDef],
+) -> Links:
+    """The float32 slot groups that may change dtype together across function boundaries;
+    ``library``: ``graph_def``'s functions by name (``Program.library``)."""
     rewritten = set(rewritten)
     fixed = set(entry_functions) | {g.function_name for g in graph_def.library.gradient}
     fixed |= {g.gradient_func for g in graph_def.library.gradient}

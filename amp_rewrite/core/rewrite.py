@@ -93,10 +93,11 @@ def rewrite_graph_def(
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
-        functions.check_calls(graph_def)
         program = program_of(graph_def)
-        names = functions.reachable_functions(graph_def)
-        links = boundaries.find_links(graph_def, names, entry_functions) if cross_function else boundaries.Links(())
+        functions.check_calls(graph_def, program.library)
+        names = functions.reachable_functions(graph_def, program.library)
+        links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
+                 else boundaries.Links(()))
         output, stats, decisions = _rewrite_items(program, target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None))
         report = Report(target.name, stats, decisions)
