@@ -3,8 +3,9 @@
 Layers, lowest first: ``core`` (the pass), then ``training``, ``cli`` and ``testing``, which
 build on ``core`` and not on each other, then the package facade (``amp_rewrite/__init__.py``,
 ``__main__.py``). ``_quiet`` needs nothing and may be used by any layer. An import that
-points to a higher layer or to a sibling layer runs upward; the tool lists each one and
-exits 1 if there is any. Imports under ``if TYPE_CHECKING:`` and inside functions count too.
+points to a higher layer or to a sibling layer runs upward; the tool lists each one, and
+any import cycle, and exits 1 if there is either. Imports under ``if TYPE_CHECKING:`` and
+inside functions count too.
 
     python tools/import_graph.py [PACKAGE_DIR]
 """
@@ -82,7 +83,32 @@ def main() -> int:
         print("\n".join(by_layer[layer]))
     print("upward imports:", "none" if not upward else "")
     print("\n".join(upward))
-    return 1 if upward else 0
+    cycles = find_cycles({m: imports_of(p, m, modules) & modules for m, p in paths.items() if layer_of(m) != "facade"})
+    print("import cycles:", "none" if not cycles else "")
+    print("\n".join(f"  {' -> '.join(cycle)}" for cycle in cycles))
+    return 1 if upward or cycles else 0
+
+
+def find_cycles(module_to_imports: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge a depth-first walk finds (package ``__init__`` imports aside)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(module_to_imports.get(module, ())):
+            if other not in module_to_imports or other == module.rpartition(".")[0]:
+                continue
+            if state.get(other) == 1:
+                cycles.append(path[path.index(other):] + [other])
+            elif other not in state:
+                visit(other, path + [other])
+        state[module] = 2
+
+    for module in sorted(module_to_imports):
+        if module not in state:
+            visit(module, [module])
+    return cycles
 
 
 if __name__ == "__main__":
