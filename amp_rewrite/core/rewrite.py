@@ -68,7 +68,7 @@ def _gc_paused():
 def rewrite_graph_def(
     graph_def: graph_pb2.GraphDef,
     *,
-    target: str = "float16",
+    target: str | Target = "float16",
     fetches: Iterable[str] = (),
     lists: str | os.PathLike | OpLists | None = None,
     cross_function: bool = False,
@@ -77,7 +77,7 @@ def rewrite_graph_def(
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
-    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists).
+    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``.
     ``fetches``: node (or tensor) names whose outputs must keep their dtype.
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
