@@ -214,7 +214,7 @@ def test_explain_names_the_rule_of_each_vertex_no_pass_painted():
         tf.nn.relu(tf.sigmoid(a, name="unlisted1"), name="clr_isolated")
 
     ctx = context(build)
-    painting = colouring.paint(ctx)
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
     skipped = {name: "a graph input (feed): keeps its dtype" for name in ("x", "y")}
     rules = {v.node: colouring.explain(ctx, painting, skipped, v).rule for v in ctx.float32 if v.attr.name}
     assert rules["inf_isolated"] is Rule.INFER_ISOLATED
@@ -222,18 +222,6 @@ def test_explain_names_the_rule_of_each_vertex_no_pass_painted():
     assert rules["unlisted1"] is Rule.UNLISTED
     assert rules["x"] is Rule.NOT_PROCESSED
     assert rules["allow1"] is Rule.ALLOW_LIST and rules["deny1"] is Rule.DENY_LIST
-
-
-def test_paint_returns_a_value_and_leaves_its_inputs_alone():
-    """``paint`` returns a new Painting: running it twice on one context gives equal results."""
-    def build():
-        a = tf.matmul(x(), x(), name="allow1")
-        tf.nn.relu(a, name="clr1")
-
-    ctx = context(build)
-    first, second = colouring.paint(ctx), colouring.paint(ctx)
-    assert isinstance(first, Painting) and first.allow == second.allow == t("allow1", "clr1")
-    assert first.deny == second.deny and first.reasons == second.reasons
 
 
 def _tensor_list() -> None:
@@ -271,3 +259,21 @@ def test_tensor_list_cluster_with_an_unprocessed_member_is_denied():
     _, unsafe = colouring.find_tensor_list_clusters(ctx)
     assert unsafe and {reason.rule for reason in unsafe.values()} == {Rule.TENSOR_LIST}
     assert all("'get'" in reason.text for reason in unsafe.values())
+
+
+def test_paint_returns_a_value_and_leaves_its_inputs_alone():
+    """``paint`` changes nothing it is given: the TensorList edges are added before it (step
+    6), and painting one context twice gives equal paintings and the same graph."""
+    lists = OpLists(target="bfloat16", allow={"MatMul"}, deny=(), infer=(),
+                    clear={"TensorListReserve", "TensorListSetItem", "TensorListGetItem"})
+    ctx = context(_tensor_list, lists=lists)
+    tensor_lists = colouring.find_tensor_lists(ctx)
+    writer, reader = (colouring.tensor_list_float_vertex(ctx, node) for node in ("set", "get"))
+    assert tensor_lists.edges == ((writer, reader),)
+    typegraph.add_implicit_edges(ctx.types, tensor_lists.edges)
+    edges = set(ctx.types.graph.edges)
+    first, second = colouring.paint(ctx, tensor_lists), colouring.paint(ctx, tensor_lists)
+    assert isinstance(first, Painting) and first.allow == second.allow
+    assert t("allow1") | {writer, reader} <= first.allow  # the list carries allow1's output
+    assert first.deny == second.deny and first.reasons == second.reasons
+    assert set(ctx.types.graph.edges) == edges

@@ -151,7 +151,9 @@ def loop_values(types: TypeGraph) -> Iterator[Vertex]:
                 yield Vertex(name, typegraph.TypeAttr("T", index))
 
 
-def paint_linked(contexts: Mapping[str, PaintContext], links: Links) -> dict[str, Painting]:
+def paint_linked(
+    contexts: Mapping[str, PaintContext], tensor_lists: Mapping[str, colouring.TensorLists], links: Links
+) -> dict[str, Painting]:
     """Step 7 of the rewrite with ``cross_function``: paint, spread colours over linked groups, repeat.
 
     A group of linked values whose value comes from a DENY vertex on any side is denied
@@ -171,7 +173,7 @@ def paint_linked(contexts: Mapping[str, PaintContext], links: Links) -> dict[str
     while True:
         paintings = {}
         for name, ctx in contexts.items():
-            paintings[name] = colouring.paint(ctx, frozenset(seeds[name]), frozenset(deny_seeds[name]))
+            paintings[name] = colouring.paint(ctx, tensor_lists[name], frozenset(seeds[name]), frozenset(deny_seeds[name]))
         if list_groups is None:  # clusters depend on the graphs only, not on the seeds
             list_groups = _joined_tensor_lists(contexts, paintings, links)
 

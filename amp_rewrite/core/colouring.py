@@ -332,8 +332,27 @@ class TensorListCluster(NamedTuple):
     touches: frozenset[Vertex] = frozenset()  # cross_function only: e.g. a While's T[i]
 
 
+@dataclass(frozen=True)
+class TensorLists:
+    """What step 6 finds about an item's TensorLists (spec §2.1 step 7, §2.5) for colouring:
+    the clusters, the unsafe clusters' roots with why (step 7.0 denies them), and the
+    writer → reader element edges, which ``typegraph.add_implicit_edges`` adds to the graph."""
+
+    clusters: tuple[TensorListCluster, ...] = ()
+    unsafe: Mapping[Vertex, Reason] = field(default_factory=dict)
+    edges: tuple[tuple[Vertex, Vertex], ...] = ()
+
+
+def find_tensor_lists(ctx: PaintContext) -> TensorLists:
+    """The item's TensorList clusters, unsafe roots and implicit edges (``TensorLists``)."""
+    clusters, unsafe = find_tensor_list_clusters(ctx)
+    # A cluster is found from each of its members (as grappler does): one edge once, in order.
+    edges = tuple(dict.fromkeys(edge for cluster in clusters for edge in tensor_list_implicit_edges(ctx, cluster)))
+    return TensorLists(tuple(clusters), unsafe, edges)
+
+
 def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster], dict[Vertex, Reason]]:
-    """Step 7.0: float32 TensorList ops joined by their handles; unsafe clusters' roots are denied.
+    """Float32 TensorList ops joined by their handles, and the roots of unsafe clusters.
 
     A handle that reaches a function boundary makes the cluster unsafe, unless the
     boundary is linked (``cross_function``): then the cluster records it and continues
@@ -674,11 +693,14 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
 
 
 def paint(
-    ctx: PaintContext, seeds: frozenset[Vertex] = frozenset(), deny_seeds: frozenset[Vertex] = frozenset()
+    ctx: PaintContext, tensor_lists: TensorLists, seeds: frozenset[Vertex] = frozenset(),
+    deny_seeds: frozenset[Vertex] = frozenset(),
 ) -> Painting:
     """Step 7 of the rewrite: grappler's colouring passes in order, 7.0-7.10 being spec
-    §2.3's passes 0-10, each one call logged at DEBUG; returns the painting.
+    §2.3's passes 0-10, each one call logged at DEBUG; returns the painting and changes
+    nothing it is given.
 
+    ``tensor_lists``: ``find_tensor_lists(ctx)``, whose edges are already in the graph.
     ``seeds`` and ``deny_seeds`` (``cross_function`` only): vertices known to be converted,
     or to carry a value from a deny path, on the other side of their function boundary.
     """
@@ -689,17 +711,12 @@ def paint(
         for vertex, why in found.items():
             reasons.setdefault(vertex, why)
 
-    # 7.0 TensorList clusters; unsafe ones are denied; element edges writer -> reader.
-    clusters, deny_found = find_tensor_list_clusters(ctx)
+    # 7.0 The roots of unsafe TensorList clusters are denied.
+    clusters, deny_found = tensor_lists.clusters, dict(tensor_lists.unsafe)
     deny_found.update((v, Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary"))
                       for v in deny_seeds if v not in deny_found)
     note("7.0 tensor-list clusters", deny_found)
     deny = set(deny_found)
-    graph = ctx.types.graph
-    for cluster in clusters:
-        for writer, reader in tensor_list_implicit_edges(ctx, cluster):
-            if not graph.has_edge(writer, reader):
-                graph.add_edge(writer, reader, implicit=True)
     # 7.1 Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(

@@ -8,7 +8,9 @@ The steps, numbered alike here, in the code below and in its DEBUG log lines (th
 3.   ``graph_io.to_networkx``: the working copy of the item, the only graph changed.
 4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4).
 5.   ``preparation.upgrade_batch_norm_ops``: FusedBatchNorm(Grad) → V2 (spec §2.1 step 5).
-6.   ``typegraph.build_type_graph``: the (node, type attribute) vertex graph (spec §2.1 step 6, §2.2).
+6.   ``typegraph.build_type_graph``: the (node, type attribute) vertex graph (spec §2.1 step 6,
+     §2.2), and ``colouring.find_tensor_lists``: its TensorList clusters and the implicit
+     edges ``typegraph.add_implicit_edges`` adds (spec §2.1 step 7, §2.5).
 7.   ``colouring.paint``: grappler's colouring passes 7.0-7.10, spec §2.3's passes 0-10;
      with ``cross_function``, ``boundaries.paint_linked`` repeats it across function boundaries.
 8.   ``casts.change_types_and_insert_casts``: the painted dtypes and the casts (spec §2.6).
@@ -122,9 +124,10 @@ def _rewrite_items(
     # 7. Colouring: each item alone (grappler), or linked across function boundaries.
     log.debug("step 7 colouring: %d item(s)%s", len(items), ", linked" if links.groups else "")
     if links.groups:
-        paintings = boundaries.paint_linked({name: item.ctx for name, item in items.items()}, links)
+        paintings = boundaries.paint_linked({name: item.ctx for name, item in items.items()},
+                                            {name: item.tensor_lists for name, item in items.items()}, links)
     else:
-        paintings = {name: colouring.paint(item.ctx) for name, item in items.items()}
+        paintings = {name: colouring.paint(item.ctx, item.tensor_lists) for name, item in items.items()}
     output, stats, decisions = None, [], []
     for name, item in items.items():
         with _naming(name):
@@ -154,10 +157,11 @@ def _naming(function: str):
 
 @dataclass(frozen=True)
 class _Item:
-    """One item ready to paint: its working node graph, context and why nodes were skipped."""
+    """One item ready to paint: its working node graph, context, TensorLists and why nodes were skipped."""
 
     graph_def: graph_pb2.GraphDef
     ctx: PaintContext
+    tensor_lists: colouring.TensorLists
     skipped: dict[str, str]
 
 
@@ -178,15 +182,18 @@ def _prepare(
     # 5. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
     upgraded = preparation.upgrade_batch_norm_ops(nodes, processed)
     log.debug("%s: step 5 batch-norm upgrade: %d nodes", function or "main graph", upgraded)
-    # 6. The (node, type attribute) vertex graph, and what colouring reads besides.
+    # 6. The (node, type attribute) vertex graph, what colouring reads besides, and the
+    # TensorList clusters with their implicit element edges (spec §2.1 steps 6-7).
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
                        pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles)
-    log.debug("%s: step 6 type graph: %d vertices, %d float32", function or "main graph", len(types.graph),
-              len(ctx.float32))
-    return _Item(graph_def, ctx, skipped)
+    tensor_lists = colouring.find_tensor_lists(ctx)
+    typegraph.add_implicit_edges(types, tensor_lists.edges)
+    log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",
+              len(types.graph), len(ctx.float32), len(tensor_lists.clusters))
+    return _Item(graph_def, ctx, tensor_lists, skipped)
 
 
 def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, PendingDecisions]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 import networkx as nx
 from tensorflow.core.framework import (
@@ -245,6 +245,15 @@ class TypeGraph:
                 if data["dst_port"] == port and data["src_port"] >= 0:
                     return src, data["src_port"]
         return None
+
+
+def add_implicit_edges(types: TypeGraph, edges: Iterable[tuple[Vertex, Vertex]]) -> None:
+    """Adds edges no tensor makes, such as TensorList writer → reader element edges (spec
+    §2.2, §2.5), to ``types.graph``; an edge already there stays as it is."""
+    graph = types.graph
+    for source, destination in edges:
+        if not graph.has_edge(source, destination):
+            graph.add_edge(source, destination, implicit=True)
 
 
 def build_type_graph(
