@@ -9,20 +9,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
+from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
-    from amp_rewrite.lists import TARGETS, Colour, OpLists, load_lists
-    from amp_rewrite.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
-    from amp_rewrite.report import Decision, Report
-    from amp_rewrite.rewrite import RewriteResult, rewrite_graph_def
+    from amp_rewrite.core.lists import Colour, OpLists, load_lists
+    from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
+    from amp_rewrite.core.report import Decision, Report
+    from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+    from amp_rewrite.core.target import TARGETS
 
 _NAME_TO_MODULE = {
-    "TARGETS": "lists", "Colour": "lists", "OpLists": "lists", "load_lists": "lists",
-    "Decision": "report", "Report": "report",
-    "RewriteResult": "rewrite", "rewrite_graph_def": "rewrite",
-    "enable_mixed_precision_graph_rewrite": "live", "disable_mixed_precision_graph_rewrite": "live",
-    "mixed_precision": "live",
+    "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
+    "Decision": "core.report", "Report": "core.report",
+    "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
+    "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
+    "mixed_precision": "training.live",
 }
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 A conformance test builds a small float32 graph, then
 ``check_against_grappler`` rewrites it with ``amp_rewrite.rewrite_graph_def`` and
-with grappler itself (``amp_rewrite.reference.run_grappler``, spec §8) and
+with grappler itself (``amp_rewrite.testing.reference.run_grappler``, spec §8) and
 asserts both agree; ``assert_colours`` checks the spec's expectations on both
 results, and ``assert_numerics_match`` runs the original and our rewrite on CPU.
 
@@ -25,12 +25,12 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
-from amp_rewrite.reference import Agreement, compare_rewrites, count_amp_casts, function_body
+from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
+from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body
 
-TARGETS = ("float16", "bfloat16")
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
+TARGET_TO_DTYPE = {name: target.dtype for name, target in NAME_TO_TARGET.items()}
 # Relative tolerance of a mixed-precision result against float32 (11 vs 8 mantissa bits).
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+TARGET_TO_TOLERANCE = {name: target.tolerance for name, target in NAME_TO_TARGET.items()}
 _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 
 

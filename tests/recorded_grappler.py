@@ -38,8 +38,8 @@ import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.python.framework import op_def_registry
 
-from amp_rewrite.reference import GrapplerUnavailable, unavailable_reason
-from amp_rewrite.reference import run_grappler as _run_live
+from amp_rewrite.testing.reference import GrapplerUnavailable, unavailable_reason
+from amp_rewrite.testing.reference import run_grappler as _run_live
 
 ANSWERS = Path(__file__).with_name("grappler_answers.zip")
 # The TensorFlow release whose lists lists/*.yaml hold: answers come from it.
@@ -78,7 +78,7 @@ def live_unavailable(target: str) -> str | None:
 
 
 def rewrite(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (), our_lists: bool = True) -> GraphDef:
-    """What ``amp_rewrite.reference.run_grappler`` answers, from the recording or live."""
+    """What ``amp_rewrite.testing.reference.run_grappler`` answers, from the recording or live."""
     names = _canonical_names(graph_def)
     canonical = _canonical(graph_def, names)
     question = {

@@ -26,17 +26,16 @@ from tensorflow.core.framework import function_pb2, graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 import amp_rewrite
-from amp_rewrite import cli, savedmodel
+from amp_rewrite.cli import command as cli, savedmodel
 
 from cli_models import (
     ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,
     overflow_graph_def, save_module, two_output_graph_def, write_graph_def,
 )
 
-TARGETS = ("float16", "bfloat16")
+from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+
 MODELS = ("keras", "module")
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}  # of each output's largest magnitude
 BIN = Path(sys.executable).parent
 UNKNOWN_DIM = 3
 

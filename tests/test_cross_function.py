@@ -4,12 +4,12 @@ grappler paints every function body alone, so each call and loop boundary stays 
 with casts on both sides, inside loop bodies on every iteration (spec §2.7, §6). The
 cross-function mode links a call's (or loop's) dtypes with its callee's ``_Arg``/``_Retval``
 so a low-precision value can stay low precision across. Checked on the built-in loop
-graphs of :mod:`amp_rewrite.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
+graphs of :mod:`amp_rewrite.testing.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
 with a ``tf.cond`` and a nested ``tf.function``), for both targets:
 
 1. default mode still equals grappler in every function body and keeps every signature;
 2. cross mode runs fewer casts than grappler, in all and per loop iteration
-   (``amp_rewrite.loops.casts_per_iteration``);
+   (``amp_rewrite.testing.loops.casts_per_iteration``);
 3. cross mode's graph is well typed (every call/loop agrees with its callee's signature,
    it imports) and computes the float32 graph's numbers within the target's tolerance;
 4. a function named in ``entry_functions`` keeps its signature while private ones may
@@ -24,16 +24,14 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
-from amp_rewrite import functions
-from amp_rewrite.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
-from amp_rewrite.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
 import recorded_grappler
-from amp_rewrite.reference import compare_rewrites
+from amp_rewrite.core import functions
+from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
+from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
+from amp_rewrite.testing.reference import compare_rewrites
 
-TARGETS = amp_rewrite.TARGETS
-TARGET_TO_DTYPE = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
-# Largest error of outputs (and the loss) vs float32, relative to the float32 magnitude.
-TARGET_TO_TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+
 # Relative L2 error of all weight updates of a training step together (as in test_models).
 TARGET_TO_UPDATE_TOLERANCE = {"float16": 5e-2, "bfloat16": 1.5e-1}
 # Graphs whose every loop must run strictly fewer casts per iteration than grappler's.

@@ -35,10 +35,10 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.python.framework import function as tf1_function
 
 import amp_rewrite
-from amp_rewrite.loops import build_loop_graph
-from amp_rewrite.models import run_model_graph
 import recorded_grappler
-from amp_rewrite.reference import compare_rewrites, function_body, vertex_dtypes
+from amp_rewrite.testing.loops import build_loop_graph
+from amp_rewrite.testing.models import run_model_graph
+from amp_rewrite.testing.reference import compare_rewrites, function_body, vertex_dtypes
 
 raw = tf.raw_ops
 FLOAT = tf.float32

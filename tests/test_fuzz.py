@@ -42,7 +42,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
-from amp_rewrite.reference import Agreement, compare_rewrites, run_grappler
+from amp_rewrite.testing.reference import Agreement, compare_rewrites, run_grappler
 
 _LONG_RUN = int(os.environ.get("AMP_FUZZ_EXAMPLES", "0"))
 _SETTINGS = settings(

@@ -1,4 +1,4 @@
-"""GraphDef ⇄ networkx round trip and the tensor-name grammar (graph_io is the only parser)."""
+"""GraphDef ⇄ networkx and FunctionDef ⇄ body round trips, and the tensor-name grammar (graph_io is the only parser)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,9 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from amp_rewrite import GraphError
-from amp_rewrite.graph_io import (
+from amp_rewrite.core import functions
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.graph_io import (
     CONTROL,
     TensorRef,
     insert_node,
@@ -125,3 +127,48 @@ def test_duplicate_node_name_is_rejected():
     graph_def.node.add().CopyFrom(graph_def.node[0])
     with pytest.raises(GraphError, match="duplicate node name 'x'"):
         to_networkx(graph_def)
+
+
+def _library_graph_def() -> graph_pb2.GraphDef:
+    """A main graph calling ``outer``, which calls ``inner`` (tf.function, so the bodies use
+    FunctionDef's ``node:output_arg:index`` names): list outputs (Unpack, Split), a control
+    dependency, two outputs, and an argument read directly by a return value."""
+
+    @tf.function(autograph=False)
+    def inner(v):
+        parts = tf.unstack(v, num=2, axis=1)
+        return parts[1] * 2.0, parts[0]
+
+    @tf.function(autograph=False)
+    def outer(x, w):
+        a, b = tf.split(x, [1, 1], axis=1)
+        with tf.control_dependencies([a]):
+            c = tf.identity(b)
+        d, e = inner(tf.concat([c, a], axis=1))
+        return tf.matmul(d[:, None], w[:1]), e, w
+
+    @tf.function(autograph=False)
+    def main(x, w):
+        return outer(x, w)
+
+    spec = (tf.TensorSpec([3, 2], tf.float32), tf.TensorSpec([2, 4], tf.float32))
+    return main.get_concrete_function(*spec).graph.as_graph_def()
+
+
+def test_function_body_round_trip_is_exact():
+    """to_function_def(body_graph_def(f)) == f for every library function: output-arg names,
+    control inputs, ``ret`` and node order survive the body's ``node:port`` spelling."""
+    graph_def = _library_graph_def()
+    program = program_of(graph_def)
+    assert len(program.library) >= 2  # outer and inner
+    for name, function in program.library.items():
+        body = program.item(name)
+        assert [n.op for n in body.node].count("_Arg") == len(function.signature.input_arg)
+        assert all(":" not in t or t.count(":") == 1 for n in body.node for t in n.input)  # node:port only
+        round_tripped = functions.to_function_def(body, function, program.op_defs)
+        assert round_tripped == function, name
+        assert program.item(name) is body  # built once
+    assert program.item(MAIN_GRAPH) is graph_def
+    assert [graph_def.library.function[program.positions[name]].signature.name for name in program.library] == list(
+        program.library
+    )

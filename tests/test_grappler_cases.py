@@ -32,8 +32,8 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
-from amp_rewrite.lists import held_float32
-from amp_rewrite.reference import compare_rewrites, run_grappler, vertex_dtypes
+from amp_rewrite.core.lists import held_float32
+from amp_rewrite.testing.reference import compare_rewrites, run_grappler, vertex_dtypes
 
 raw = tf.raw_ops
 FLOAT = tf.float32
@@ -815,7 +815,7 @@ def test_multi_paths_2(target: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# The oracle itself (amp_rewrite.reference): it must see differences and nothing else
+# The oracle itself (amp_rewrite.testing.reference): it must see differences and nothing else
 
 
 def _rename_node(graph_def: GraphDef, old: str, new: str) -> None:

@@ -1,4 +1,4 @@
-"""Tests for amp_rewrite.lists: the built-in lists, overlays, TensorFlow's variables.
+"""Tests for amp_rewrite.core.lists: the built-in lists, overlays, TensorFlow's variables.
 
 TensorFlow's own grappler pass is the reference: the built-in files and the
 variable semantics are compared with its paintbuckets dump (tools/dump_grappler_lists.py).
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from amp_rewrite.errors import ListsError
-from amp_rewrite import lists as lists_module
-from amp_rewrite.lists import ENV_PREFIX as P
-from amp_rewrite.lists import TARGETS, Colour, OpLists, held_float32, load_lists
 import recorded_grappler
-from amp_rewrite.reference import grappler_environ
+from amp_rewrite.core.errors import ListsError
+from amp_rewrite.core import lists as lists_module
+from amp_rewrite.core.lists import ENV_PREFIX as P
+from amp_rewrite.core.lists import Colour, OpLists, held_float32, load_lists
+from amp_rewrite.core.target import TARGETS
+from amp_rewrite.testing.reference import grappler_environ
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTS = ("allow", "deny", "infer", "clear")

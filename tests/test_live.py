@@ -32,7 +32,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite import live, optimizers
+from amp_rewrite.training import live, optimizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_TO_LOW = {"float16": "DT_HALF", "bfloat16": "DT_BFLOAT16"}
@@ -438,7 +438,7 @@ def test_readme_example_works_as_written(target, capsys):
 
 
 def test_unknown_target_is_rejected_and_nothing_is_enabled():
-    with pytest.raises(ValueError, match=r"target must be one of 'float16', 'bfloat16' or None, got 'int8'"):
+    with pytest.raises(ValueError, match=r"unknown target 'int8'; use one of float16, bfloat16"):
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="int8")
     assert live.active() is None
 

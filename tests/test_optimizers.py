@@ -36,7 +36,7 @@ import tf_keras
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite import live, optimizers
+from amp_rewrite.training import live, optimizers
 
 INF, NAN = float("inf"), float("nan")
 # One good step, K = 3 bad steps in a row (Inf and NaN), then two good steps.

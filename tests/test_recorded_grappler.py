@@ -13,7 +13,7 @@ from conftest import graph_def_of
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import recorded_grappler
-from amp_rewrite import reference
+from amp_rewrite.testing import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import numpy as np
@@ -10,9 +11,11 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
 import amp_rewrite
-from amp_rewrite import GraphError, rewrite_graph_def, typegraph
 import recorded_grappler
-from amp_rewrite.report import Report
+from amp_rewrite import GraphError, rewrite_graph_def
+from amp_rewrite.core import typegraph
+from amp_rewrite.core.report import Report
+from amp_rewrite.core.target import BFLOAT16, lookup_target
 from conftest import assert_numerics_match, check_against_grappler, dtype_of, graph_def_of
 
 
@@ -33,8 +36,25 @@ def _node(graph_def, name):
 
 
 def test_unknown_target_lists_the_allowed_values():
-    with pytest.raises(ValueError, match="'float16', 'bfloat16'.*got 'int8'"):
+    """One error for an unknown target, whichever entry point meets it first."""
+    with pytest.raises(ValueError, match="^unknown target 'int8'; use one of float16, bfloat16$"):
         rewrite_graph_def(_chain(), target="int8")
+    with pytest.raises(ValueError, match="^unknown target 'int8'; use one of float16, bfloat16$"):
+        amp_rewrite.load_lists("int8")
+
+
+def test_a_target_is_one_frozen_value_and_the_rewrite_takes_its_name_or_it():
+    """``lookup_target`` turns the user's string into its one ``Target``; the rewrite gives
+    the same result for the name and the value, and converts to the value's dtype."""
+    target = lookup_target("bfloat16")
+    assert lookup_target(target) is target is BFLOAT16 and target.name in amp_rewrite.TARGETS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        target.dtype = types_pb2.DT_HALF  # type: ignore[misc]
+    by_name = rewrite_graph_def(_chain(), target="bfloat16", fetches=["fetch"])
+    by_value = rewrite_graph_def(_chain(), target=target, fetches=["fetch"])
+    assert by_name.graph_def == by_value.graph_def and by_name.report == by_value.report
+    assert by_value.report.target == "bfloat16"
+    assert _node(by_value.graph_def, "allow1").attr["T"].type == target.dtype == types_pb2.DT_BFLOAT16
 
 
 @pytest.mark.parametrize("target, kind", [("float16", "CastToFp16"), ("bfloat16", "CastToBf16")])

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import amp_rewrite
-from amp_rewrite import live
+from amp_rewrite.training import live
 
 INF, NAN = float("inf"), float("nan")
 PATTERNS = {

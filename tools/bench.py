@@ -54,8 +54,8 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite.models import PositionEmbedding
-from amp_rewrite.reference import run_grappler
+from amp_rewrite.testing.models import PositionEmbedding
+from amp_rewrite.testing.reference import run_grappler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pass  # tools/ is not a package

@@ -28,8 +28,8 @@ from pathlib import Path
 import tensorflow as tf
 from tensorflow.python.ops import gen_math_ops, gen_nn_ops
 
-from amp_rewrite.colouring import bounded_ops
-from amp_rewrite.lists import held_float32, load_lists
+from amp_rewrite.core.colouring import bounded_ops
+from amp_rewrite.core.lists import held_float32, load_lists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pass  # tools/ is not a package

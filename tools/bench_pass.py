@@ -5,7 +5,7 @@ transformer's training step, each for float16 and bfloat16. Each pass runs once 
 warm up, then the two run in turn 9 times; the table shows the medians and the ratio ours/grappler as
 markdown, ready for the README, under a line naming the machine. Both passes are
 timed as a caller sees them: GraphDef in, rewritten GraphDef out (for grappler that
-includes building its virtual cluster and MetaGraphDef, see ``amp_rewrite.reference``).
+includes building its virtual cluster and MetaGraphDef, see ``amp_rewrite.testing.reference``).
 
 The goal is a ratio of at most 1.0x; above 3.0x the tool exits 1.
 
@@ -25,13 +25,13 @@ from pathlib import Path
 import tensorflow as tf
 
 import amp_rewrite
-from amp_rewrite.models import build_model_graph
-from amp_rewrite.reference import run_grappler
+from amp_rewrite.testing.models import build_model_graph
+from amp_rewrite.testing.reference import run_grappler
 
 WARMUP_RUNS = 1
 TIMED_RUNS = 9
 RATIO_LIMIT = 3.0
-TARGETS = ("float16", "bfloat16")
+TARGETS = amp_rewrite.TARGETS
 # (label, model, build arguments): training steps, the graphs where the pass costs most.
 GRAPHS = (
     ("ResNet50 training step, 224x224", "resnet50", {"image_size": 224}),

@@ -89,9 +89,9 @@ with _stderr_lines():  # TensorFlow's import-time INFO chatter, now that level 0
     from tensorflow.core.framework.graph_pb2 import GraphDef
 
     import amp_rewrite
-    from amp_rewrite.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
-    from amp_rewrite.models import MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
-    from amp_rewrite.reference import Agreement, compare_rewrites, run_grappler
+    from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
+    from amp_rewrite.testing.models import MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
+    from amp_rewrite.testing.reference import Agreement, compare_rewrites, run_grappler
 
 
 def _median_seconds(run: Callable[[], T], runs: int) -> tuple[T, float]:
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     library = f", {len(functions)} library functions" if functions else ""
     print(f"{subject.title}: {len(subject.graph_def.node):,} nodes{library}, fetches {', '.join(subject.fetches)}\n")
     targets = TARGETS if args.target == "both" else (args.target,)
-    from amp_rewrite.reference import unavailable_reason
+    from amp_rewrite.testing.reference import unavailable_reason
 
     for target in targets:
         if unavailable_reason(target) is not None:

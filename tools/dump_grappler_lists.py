@@ -25,14 +25,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from amp_rewrite.core.target import TARGETS, lookup_target
+
 if TYPE_CHECKING:
     from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
     from tensorflow.python.grappler.cluster import Cluster
 
-TARGET_TO_OPTIMIZER = {
-    "float16": "auto_mixed_precision",
-    "bfloat16": "auto_mixed_precision_onednn_bfloat16",
-}
 # Section headers of the paintbuckets file -> our list names.
 HEADER_TO_LIST = {"AllowList:": "allow", "DenyList:": "deny", "InferList:": "infer", "ClearList:": "clear"}
 ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
@@ -99,9 +97,8 @@ def dump_lists(target: str, environ: Mapping[str, str] | None = None) -> dict[st
     Raises ``GrapplerUnavailable`` where the pass cannot run on this machine and
     RuntimeError if the pass wrote no dump (it refused the variables or failed).
     """
-    if target not in TARGET_TO_OPTIMIZER:
-        raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
-    from amp_rewrite.reference import GrapplerUnavailable, unavailable_reason
+    optimizer = lookup_target(target).grappler_optimizer
+    from amp_rewrite.testing.reference import GrapplerUnavailable, unavailable_reason
 
     if unavailable_reason(target) is not None:
         raise GrapplerUnavailable(unavailable_reason(target))
@@ -109,7 +106,7 @@ def dump_lists(target: str, environ: Mapping[str, str] | None = None) -> dict[st
     from tensorflow.python.grappler import tf_optimizer
 
     config = config_pb2.ConfigProto()
-    config.graph_options.rewrite_options.optimizers.append(TARGET_TO_OPTIMIZER[target])
+    config.graph_options.rewrite_options.optimizers.append(optimizer)
     config.graph_options.rewrite_options.min_graph_nodes = -1
     cluster = _virtual_gpu_cluster() if target == "float16" else None
     with tempfile.TemporaryDirectory(prefix="amp_lists_") as log_dir:
@@ -145,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("targets", nargs="*", metavar="TARGET", help="float16 and/or bfloat16 (default: both)")
     parser.add_argument("--yaml", action="store_true", help="print YAML 'ops:' skeletons instead of plain lists")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.targets) - set(TARGET_TO_OPTIMIZER))
+    unknown = sorted(set(args.targets) - set(TARGETS))
     if unknown:
-        parser.error(f"unknown target(s) {unknown}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
-    from amp_rewrite.reference import GrapplerUnavailable
+        parser.error(f"unknown target(s) {unknown}; use one of {', '.join(TARGETS)}")
+    from amp_rewrite.testing.reference import GrapplerUnavailable
 
-    for target in args.targets or list(TARGET_TO_OPTIMIZER):
+    for target in args.targets or TARGETS:
         try:
             name_to_ops = dump_lists(target)
         except GrapplerUnavailable as error:

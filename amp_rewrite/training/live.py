@@ -24,9 +24,10 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
-from amp_rewrite import optimizers
-from amp_rewrite.lists import TARGETS, OpLists, load_lists
-from amp_rewrite.rewrite import rewrite_graph_def
+from amp_rewrite.training import optimizers
+from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.rewrite import rewrite_graph_def
+from amp_rewrite.core.target import lookup_target
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ def start(target: str | None, lists: Any = None, cross_function: bool = False) -
                           stacklevel=3)
             return None
         log.info("amp_rewrite: rewriting to %s (%s)", target, why)
-    elif target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))} or None, got {target!r}")
+    else:
+        target = lookup_target(target).name  # None above: detect it
     _active = LiveRewrite(target, load_lists(target, lists), cross_function)
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
     if _on_new_function not in transform.CONCRETE_FUNCTION_CALLBACKS:

@@ -19,7 +19,7 @@ from tensorflow.core.framework import (
 )
 from tensorflow.python.framework import kernels, op_def_registry
 
-from amp_rewrite.errors import GraphError
+from amp_rewrite.core.errors import GraphError
 
 
 def registered_op_def(op: str) -> op_def_pb2.OpDef | None:

@@ -26,13 +26,14 @@ from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite import functions, support  # noqa: E402
-from amp_rewrite.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.lists import TARGETS  # noqa: E402
-from amp_rewrite.report import MAIN_GRAPH, Report  # noqa: E402
-from amp_rewrite.rewrite import RewriteResult  # noqa: E402
-from amp_rewrite.lists import OpLists  # noqa: E402
-from amp_rewrite.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
+from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
+from amp_rewrite.core.program import MAIN_GRAPH  # noqa: E402
+from amp_rewrite.core.report import Report  # noqa: E402
+from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
+from amp_rewrite.core.rules import Rule  # noqa: E402
+from amp_rewrite.core.lists import OpLists  # noqa: E402
+from amp_rewrite.core.target import TARGETS, lookup_target  # noqa: E402
+from amp_rewrite.cli.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
@@ -147,7 +148,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model, result, lists = _rewrite(args)
     given = None
     if args.inputs:
-        from amp_rewrite.validate import check_inputs
+        from amp_rewrite.cli.validate import check_inputs
 
         given = check_inputs(model, args.inputs)  # a bad file is an error before anything is written
     destination = write_model(model, result.graph_def, args.dst, force=args.force)
@@ -155,17 +156,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dump:
         _dump(model, result, lists, args.dump, args)
     if args.validate or args.inputs:
-        from amp_rewrite import validate
+        from amp_rewrite.cli import validate
 
         runs = max(args.validate, 1)
         if model.kind == "savedmodel":
             errors = validate.validate_saved_models(model.path, destination, runs, given)
         else:
             errors = validate.validate_graph_defs(model, result.graph_def, runs, given)
-        tolerance = validate.TOLERANCE[args.target]
-        failed = [e for e in errors if not e.ok(args.target)]
-        _say(args, f"Validation ({runs} run(s); tolerance {tolerance:g} of each output's scale):")
-        _say(args, *[f"  {'FAIL' if not e.ok(args.target) else 'ok  '} {e.signature}/{e.output}: "
+        target = lookup_target(args.target)
+        failed = [e for e in errors if not e.ok(target)]
+        _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
+        _say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
                      f"max abs {e.max_abs:.3g}, max rel {e.max_rel:.3g}" for e in errors])
         if failed:
             print(f"amp-rewrite: validation failed for {len(failed)} output(s); see above", file=sys.stderr)
@@ -174,7 +175,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace) -> None:
-    from amp_rewrite.dump import write_dump
+    from amp_rewrite.cli.dump import write_dump
 
     write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}")
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
@@ -208,7 +209,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     print(_table(rows, ["function", "nodes", "converted", "casts", "kept float32 (top reasons)"]))
     print(report.summary())
-    if args.target == "float16":
+    if lookup_target(args.target).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
         if hints:
             print("\nTensor Core hints (converted ops with static dims that are not multiples of 8):")
@@ -238,12 +239,11 @@ def _static_shapes(graph_def, function=None) -> dict[str, list[list[int]]]:
 def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
     """Converted matmul/conv ops whose static input dims are not multiples of 8."""
     converted = {(d.function, d.node) for d in result.report.decisions if d.converted}
-    library = {f.signature.name: f for f in result.graph_def.library.function}
-    op_defs = support.library_op_defs(result.graph_def.library)
+    program = result.program
     hints = []
     for item in sorted({function for function, _ in converted}):
-        graph_def = result.graph_def if item == MAIN_GRAPH else functions.body_graph_def(library[item], op_defs)
-        shapes = _static_shapes(graph_def, None if item == MAIN_GRAPH else library[item])
+        graph_def = program.item(item)
+        shapes = _static_shapes(graph_def, None if item == MAIN_GRAPH else program.library[item])
         for node in graph_def.node:
             if node.op not in TENSOR_CORE_OPS or (item, node.name) not in converted:
                 continue
@@ -291,7 +291,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"{d.node} ({d.op}){where}, attribute {d.attr}: {d.before} -> {d.after}")
         print(f"  rule: {d.rule}")
         print(f"  why:  {d.reason}")
-        if d.rule == "deny-propagation" and d.source:
+        if d.rule == Rule.DENY_PROPAGATION.value and d.source:
             path = _deny_path(result, d.function, d.source, d.node)
             if path:
                 print(f"  path: {' -> '.join(path)}")
@@ -302,13 +302,9 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     """The shortest data path from the deny op that decided to the node, in the rewritten item."""
     import networkx as nx
 
-    from amp_rewrite.graph_io import to_networkx
+    from amp_rewrite.core.graph_io import to_networkx
 
-    graph_def = result.graph_def
-    if function:
-        library = {f.signature.name: f for f in graph_def.library.function}
-        graph_def = functions.body_graph_def(library[function], support.library_op_defs(graph_def.library))
-    graph = to_networkx(graph_def)
+    graph = to_networkx(result.program.item(function))
     try:
         path = nx.shortest_path(graph, source, node)
     except (nx.NetworkXNoPath, nx.NodeNotFound):

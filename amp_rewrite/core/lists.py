@@ -48,9 +48,8 @@ from types import MappingProxyType
 
 import yaml
 
-from amp_rewrite.errors import AmpRewriteError, ListsError
-
-TARGETS: tuple[str, ...] = ("float16", "bfloat16")
+from amp_rewrite.core.errors import ListsError
+from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
 
 
 class Colour(enum.Enum):
@@ -77,7 +76,7 @@ _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slo
 _BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
 _BUILTIN_DIRS = (
-    Path(__file__).resolve().parent.parent / "lists",
+    Path(__file__).resolve().parents[2] / "lists",
     Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
 )
 # (list, action, variable) in the order TensorFlow applies them.
@@ -109,7 +108,7 @@ class OpLists:
     _keep_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_target(self.target)
+        object.__setattr__(self, "target", lookup_target(self.target).name)
         for name in _LIST_NAMES:
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         object.__setattr__(self, "keep_nodes", tuple(self.keep_nodes))
@@ -151,7 +150,7 @@ class OpLists:
 
 
 def load_lists(
-    target: str,
+    target: str | Target,
     overlay: str | os.PathLike[str] | OpLists | None = None,
     *,
     environ: Mapping[str, str] | None = None,
@@ -163,12 +162,12 @@ def load_lists(
     With no overlay and none of the variables set, every call returns the same lists
     (``OpLists`` is immutable): the pass loads them on each rewrite.
     """
-    _check_target(target)
+    target = lookup_target(target)
     if isinstance(overlay, OpLists):
-        if overlay.target != target:
+        if overlay.target != target.name:
             raise ListsError(
-                f"the OpLists passed are for {overlay.target!r}, not {target!r}; "
-                f"load lists for {target!r} or rewrite to {overlay.target!r}"
+                f"the OpLists passed are for {overlay.target!r}, not {target.name!r}; "
+                f"load lists for {target.name!r} or rewrite to {overlay.target!r}"
             )
         return overlay
     environ = os.environ if environ is None else environ
@@ -179,13 +178,13 @@ def load_lists(
 
 
 @functools.cache
-def _builtin_lists(builtin_path: Path, target: str) -> OpLists:
+def _builtin_lists(builtin_path: Path, target: Target) -> OpLists:
     """The lists with no overlay and no variable set: the same for every call, built once."""
     return _build(target, builtin_path, None, {})
 
 
 def _build(
-    target: str, builtin_path: Path, overlay: str | os.PathLike[str] | None, environ: Mapping[str, str]
+    target: Target, builtin_path: Path, overlay: str | os.PathLike[str] | None, environ: Mapping[str, str]
 ) -> OpLists:
     """Steps 1-4 of the module doc; warns about ops an overlay or variable adds that
     TensorFlow has not registered."""
@@ -200,7 +199,7 @@ def _build(
         sources.append(os.fspath(overlay))
     # 3. TensorFlow's variables; TENSOR_CORES_ONLY acts first, TREAT_INFER_AS_DENY last (spec §4).
     level = _read_level(environ, target)
-    tensor_cores_only = level == "TENSOR_CORES_ONLY" and target == "float16"
+    tensor_cores_only = level == "TENSOR_CORES_ONLY" and target == FLOAT16
     if tensor_cores_only:
         draft.empty(("deny", "infer", "clear"))
     if level:
@@ -217,7 +216,7 @@ def _build(
     draft.check_disjoint()
 
     lists = OpLists(
-        target=target,
+        target=target.name,
         **draft.final_lists(),
         keep_nodes=keep_nodes,
         force_all=level == "UNSAFE_FORCE_ALL",
@@ -298,9 +297,9 @@ class _Draft:
         }
 
 
-def held_float32(target: str) -> frozenset[str]:
+def held_float32(target: str | Target) -> frozenset[str]:
     """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
-    _check_target(target)
+    target = lookup_target(target)
     return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
 
 
@@ -321,7 +320,7 @@ def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, i
     return message + "; remove it from one"
 
 
-def _read_level(environ: Mapping[str, str], target: str) -> str:
+def _read_level(environ: Mapping[str, str], target: Target) -> str:
     raw = environ.get(_LEVEL_VAR, "")
     level = raw.translate(_ASCII_UPPER)
     if not raw:
@@ -332,7 +331,7 @@ def _read_level(environ: Mapping[str, str], target: str) -> str:
             stacklevel=4,  # the caller of load_lists
         )
         return ""
-    if level == "UNSAFE_FORCE_ALL" and target == "bfloat16":
+    if level == "UNSAFE_FORCE_ALL" and target == BFLOAT16:
         raise ListsError(
             f"{_LEVEL_VAR}=UNSAFE_FORCE_ALL is not supported for target 'bfloat16' "
             "(TensorFlow refuses it when oneDNN is used); unset it or use TREAT_INFER_AS_DENY"
@@ -358,30 +357,25 @@ def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
 # --- reading and validating files -----------------------------------------------------------
 
 
-def _check_target(target: str) -> None:
-    if target not in TARGETS:
-        raise AmpRewriteError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
-
-
-def _find_builtin(target: str) -> Path:
+def _find_builtin(target: Target) -> Path:
     for directory in _BUILTIN_DIRS:
-        path = directory / f"{target}.yaml"
+        path = directory / f"{target.name}.yaml"
         if path.is_file():
             return path
     searched = ", ".join(str(directory) for directory in _BUILTIN_DIRS)
-    raise ListsError(f"built-in lists {target}.yaml not found in {searched}; reinstall amp_rewrite")
+    raise ListsError(f"built-in lists {target.name}.yaml not found in {searched}; reinstall amp_rewrite")
 
 
 @functools.lru_cache(maxsize=None)
-def _read_builtin(path: Path, target: str) -> _BuiltinFile:
+def _read_builtin(path: Path, target: Target) -> _BuiltinFile:
     shown = f"{path.parent.name}/{path.name}"
     data = _read_yaml(path, shown)
     _check_mapping(data, shown, "the file", _BUILTIN_KEYS)
     missing = [key for key in _BUILTIN_KEYS if key not in data and key != _HELD_SECTION]
     if missing:
         raise ListsError(f"{shown}: missing keys {', '.join(missing)}; restore the file from the repository")
-    if data["target"] != target:
-        raise ListsError(f"{shown}: target is {data['target']!r}, expected {target!r}; restore the file")
+    if data["target"] != target.name:
+        raise ListsError(f"{shown}: target is {data['target']!r}, expected {target.name!r}; restore the file")
     name_to_op_to_reason: dict[str, Mapping[str, str | None]] = {}
     for name in (*_LIST_NAMES, _HELD_SECTION):
         section = data.get(name, {"ops": {}})

@@ -20,10 +20,10 @@ from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from amp_rewrite.errors import AmpRewriteError
-from amp_rewrite.graph_io import parse_tensor_name
-from amp_rewrite.lists import OpLists, load_lists
-from amp_rewrite.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"

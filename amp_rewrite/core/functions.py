@@ -13,9 +13,9 @@ from typing import Iterable, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
-from amp_rewrite import support
-from amp_rewrite.errors import GraphError
-from amp_rewrite.graph_io import CONTROL, parse_tensor_name
+from amp_rewrite.core import support
+from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
 
 RETVAL_SUFFIX = "_RetVal"
 
@@ -67,13 +67,16 @@ def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) ->
             yield from (f.name for f in value.list.func)
 
 
-def reachable_functions(graph_def: graph_pb2.GraphDef) -> list[str]:
+def reachable_functions(
+    graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb2.FunctionDef] | None = None
+) -> list[str]:
     """Library functions grappler optimizes, in library order (spec §1.2).
 
     Reachable from the main graph through calls, function attrs and registered
     gradients; minus what ``XlaLaunch`` compiles, parametrized and tf.data functions.
+    ``library``: ``graph_def``'s functions by name where the caller has them (``Program.library``).
     """
-    library = {f.signature.name: f for f in graph_def.library.function}
+    library = _by_name(graph_def) if library is None else library
     if not library:  # nothing to reach: skip reading every node's attrs
         return []
     gradients = {g.function_name: g.gradient_func for g in graph_def.library.gradient}
@@ -121,12 +124,13 @@ def _arg_types(args) -> list[int] | None:
     return None if any(arg.type_attr or arg.type_list_attr or arg.number_attr for arg in args) else types
 
 
-def check_calls(graph_def: graph_pb2.GraphDef) -> None:
+def check_calls(graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb2.FunctionDef] | None = None) -> None:
     """Every called function exists, matches its caller's types, and no call is recursive.
 
     Raises ``GraphError`` naming the function; grappler would fail later, less clearly.
+    ``library`` as for ``reachable_functions``.
     """
-    library = {f.signature.name: f for f in graph_def.library.function}
+    library = _by_name(graph_def) if library is None else library
 
     def check(nodes: Sequence[node_def_pb2.NodeDef], where: str) -> None:
         # Most graphs call nothing: their few distinct ops say so without a walk over the nodes.
@@ -184,6 +188,10 @@ def check_calls(graph_def: graph_pb2.GraphDef) -> None:
     for name in library:
         if name not in state:
             visit(name, [name])
+
+
+def _by_name(graph_def: graph_pb2.GraphDef) -> dict[str, function_pb2.FunctionDef]:
+    return {function.signature.name: function for function in graph_def.library.function}
 
 
 def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_def_pb2.OpDef]) -> graph_pb2.GraphDef:

@@ -24,10 +24,12 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
 from tensorflow.python.lib.io import tf_record
 
-from amp_rewrite import casts, functions, graph_io, support, typegraph
-from amp_rewrite.lists import Colour, OpLists
-from amp_rewrite.report import MAIN_GRAPH, Decision, Report, dtype_name
-from amp_rewrite.rewrite import RewriteResult
+from amp_rewrite.core import casts, graph_io, support, typegraph
+from amp_rewrite.core.lists import Colour, OpLists
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.report import Decision, Report, dtype_name
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rules import Rule
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +49,8 @@ CLASS_TO_STYLE = {
     "other": ("#ffffff", "not painted, or no float32 type attribute"),
     "cast": ("#a9cdf2", "Cast inserted by the pass"),
 }
-_DENY_RULES = frozenset({"deny-list", "deny-propagation"})
+_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
-
-# One line per rule of amp_rewrite.rewrite / amp_rewrite.colouring, for the report.
-RULE_TO_MEANING = {
-    "allow-list": "op is on the allow list",
-    "between-allow": "infer or clear op on a path between allow ops",
-    "infer-after-allow": "infer op fed directly by an allow op",
-    "clear-propagation": "clear op connected to an allow op through clear ops",
-    "existing-cast": "a Cast already in the graph whose consumers are all converted",
-    "force-all": "every op forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL",
-    "cross-function": "shares its type with the other side of a function or loop boundary",
-    "tensor-list": "a TensorList and its users share one element type",
-    "recurrent-edge": "a loop's NextIteration follows the Merge it feeds",
-    "deny-list": "op is on the deny list (numerically unsafe in low precision)",
-    "deny-propagation": "clear or infer op downstream of a deny op",
-    "infer-isolated": "infer op neither between allow ops nor directly after one",
-    "clear-isolated": "clear op not connected to an allow op through clear ops",
-    "unlisted": "op is in no list, so it is never converted",
-    "slower-converted": "op taken off grappler's lists: its low-precision kernel is slower than float32's",
-    "not-processed": "the pass may not touch the node: fetched, a graph input, keep_nodes, or another device",
-    "no-kernel": "TensorFlow has no low-precision kernel for the op on that device",
-    "loop-value": "loop value of a functional While whose body and cond keep float32",
-    "no-allow-ops": "the item has no allow op, so nothing in it is converted",
-    "unconvertible": "the type attribute cannot take the target type",
-}
-
 
 @dataclass(frozen=True)
 class _Item:
@@ -123,7 +100,7 @@ def write_dump(
     function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
     for decision in result.report.decisions:
         function_to_decisions[decision.function].append(decision)
-    after_op_defs = support.library_op_defs(result.graph_def.library)
+    after_op_defs = result.program.op_defs
     function_to_classes = {
         item.function: _node_classes(item.after, function_to_decisions[item.function], lists) for item in items
     }
@@ -154,10 +131,7 @@ def write_dump(
 
 def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
     """The main graph and every function the report covers, in the report's order."""
-    before_library = {f.signature.name: f for f in original.library.function}
-    after_library = {f.signature.name: f for f in result.graph_def.library.function}
-    before_op_defs = support.library_op_defs(original.library)
-    after_op_defs = support.library_op_defs(result.graph_def.library)
+    before_program, after_program = program_of(original), result.program
     taken: set[str] = set()
     items = []
     for stats in result.report.items:
@@ -165,8 +139,7 @@ def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
         if name == MAIN_GRAPH:
             before, after = _without_library(original), _without_library(result.graph_def)
         else:
-            before = functions.body_graph_def(before_library[name], before_op_defs)
-            after = functions.body_graph_def(after_library[name], after_op_defs)
+            before, after = before_program.item(name), after_program.item(name)
         stem = _file_stem(name, taken)
         taken.add(stem.lower())
         items.append(_Item(name, stem, before, after))
@@ -363,6 +336,11 @@ def _link(href: str, text: str) -> str:
     return f'<a href="{_e(urllib.parse.quote(href))}">{_e(text)}</a>'
 
 
+def _meaning(rule: str) -> str:
+    """The one-line meaning of a decision's rule (``rules.Rule``)."""
+    return Rule(rule).meaning
+
+
 def _rule_counts(decisions: Iterable[Decision]) -> str:
     counts = collections.Counter(d.rule for d in decisions if not d.converted)
     return ", ".join(f"{rule} {count}" for rule, count in sorted(counts.items(), key=lambda rc: (-rc[1], rc[0])))
@@ -405,7 +383,7 @@ def _report_html(
         )
     rule_rows = "\n".join(
         f'<tr><td><button type="button" class="rule" data-rule="{_e(rule)}">{_e(rule)}</button></td>'
-        f'<td class="num">{count}</td><td>{_e(RULE_TO_MEANING.get(rule, ""))}</td></tr>'
+        f'<td class="num">{count}</td><td>{_e(_meaning(rule))}</td></tr>'
         for rule, count in report.kept_float32().items()
     )
     decision_rows = []
@@ -418,7 +396,7 @@ def _report_html(
             f'<td class="name"><span class="sw {node_class}"></span>{_breakable(d.node)}</td>'
             f"<td>{_e(d.op)}</td><td>{_e(d.attr)}</td>"
             f'<td class="{"low" if d.converted else "kept"}">{_e(d.before)} → {_e(d.after)}</td>'
-            f'<td title="{_e(RULE_TO_MEANING.get(d.rule, ""))}">{_e(d.rule)}</td><td>{_e(d.reason)}</td></tr>'
+            f'<td title="{_e(_meaning(d.rule))}">{_e(d.rule)}</td><td>{_e(d.reason)}</td></tr>'
         )
     rule_options = "".join(
         f'<option value="{_e(rule)}">{_e(rule)} ({count})</option>'

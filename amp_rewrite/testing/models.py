@@ -104,7 +104,7 @@ def build_model_graph(
     y_sample = np.random.default_rng(seed + 1).integers(0, NUM_CLASSES, size=batch, dtype=np.int32)
 
     if training:
-        concrete, variables = _trace_training_step(model, x_spec, y_spec)
+        concrete, variables = trace_training_step(model, x_spec, y_spec)
         feeds = {"x:0": x_sample, "y:0": y_sample}
     else:
         concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(x_spec)
@@ -115,9 +115,9 @@ def build_model_graph(
     if graph_def.library.function:
         names = ", ".join(f.signature.name for f in graph_def.library.function)
         raise RuntimeError(f"model {name!r} traced with library functions ({names}); models must be inline")
-    _number_custom_gradients(graph_def)
+    number_custom_gradients(graph_def)
     fetches = tuple(tensor.op.name for tensor in concrete.graph.outputs)
-    placeholder_to_variable = _captured_variables(concrete, variables)
+    placeholder_to_variable = captured_variables(concrete, variables)
     trainable_ids = {id(variable) for variable in model.trainable_variables}
     return ModelGraph(
         name=name,
@@ -185,7 +185,7 @@ def run_model_graph(model: ModelGraph, graph_def: GraphDef | None = None) -> Gra
 # --- tracing ------------------------------------------------------------------------------
 
 
-def _trace_training_step(
+def trace_training_step(
     model: keras.Model, x_spec: tf.TensorSpec, y_spec: tf.TensorSpec
 ) -> tuple[Any, list[keras.Variable]]:
     """Trace forward + loss + gradients + SGD update; return the ConcreteFunction and all
@@ -209,7 +209,7 @@ def _trace_training_step(
     return concrete, [*model.variables, *optimizer.variables]
 
 
-def _number_custom_gradients(graph_def: GraphDef) -> None:
+def number_custom_gradients(graph_def: GraphDef) -> None:
     """Renumber ``_gradient_op_type`` attrs (``CustomGradient-<process-wide uid>``) from 0.
 
     ``tf.custom_gradient`` (the Keras optimizer uses one) tags its ``IdentityN`` with a uid
@@ -223,7 +223,7 @@ def _number_custom_gradients(graph_def: GraphDef) -> None:
             value.s = old_to_new.setdefault(value.s, b"CustomGradient-%d" % len(old_to_new))
 
 
-def _captured_variables(concrete: Any, variables: Sequence[keras.Variable]) -> dict[str, keras.Variable]:
+def captured_variables(concrete: Any, variables: Sequence[keras.Variable]) -> dict[str, keras.Variable]:
     """Resource placeholder tensor name -> the variable (one of ``variables``) it captures."""
     handle_to_variable = {id(variable.value.handle): variable for variable in variables}
     placeholder_to_variable = {}

@@ -15,11 +15,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from amp_rewrite.graph_io import parse_tensor_name, tensor_name
-from amp_rewrite.savedmodel import Model, ModelError
-
-# An output's largest error, as a fraction of its largest float32 magnitude, still accepted.
-TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2}
+from amp_rewrite.cli.savedmodel import Model, ModelError
+from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.target import Target
 UNKNOWN_DIM = 2
 
 
@@ -30,8 +28,9 @@ class OutputError:
     max_abs: float
     max_rel: float  # max |new - old| / max |old|
 
-    def ok(self, target: str) -> bool:
-        return np.isfinite(self.max_rel) and self.max_rel <= TOLERANCE[target]
+    def ok(self, target: Target) -> bool:
+        """Finite, and within the target's tolerance: a fraction of the output's largest float32 magnitude."""
+        return np.isfinite(self.max_rel) and self.max_rel <= target.tolerance
 
 
 def _sample(spec_shape: list[int | None], dtype: tf.DType, rng: np.random.Generator) -> np.ndarray:

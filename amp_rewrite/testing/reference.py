@@ -69,14 +69,11 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 from tensorflow.python.util import _pywrap_utils
 
-from amp_rewrite import colouring, functions, graph_io, lists, support, typegraph
-from amp_rewrite.errors import AmpRewriteError, GraphError
-from amp_rewrite.graph_io import parse_tensor_name
+from amp_rewrite.core import colouring, functions, graph_io, lists, support, typegraph
+from amp_rewrite.core.errors import AmpRewriteError, GraphError
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.target import lookup_target
 
-TARGET_TO_OPTIMIZER = {
-    "float16": "auto_mixed_precision",
-    "bfloat16": "auto_mixed_precision_onednn_bfloat16",
-}
 GPU_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
 # A fast-fp16 GPU with recent CUDA/cuDNN, so that every version-gated Fp16 list
@@ -130,7 +127,7 @@ def _config(target: str) -> ConfigProto:
     """Only the AMP optimizer of ``target``, on graphs of any size, failing loudly, unverified."""
     config = ConfigProto()
     rewrite_options = config.graph_options.rewrite_options
-    rewrite_options.optimizers.append(TARGET_TO_OPTIMIZER[target])
+    rewrite_options.optimizers.append(lookup_target(target).grappler_optimizer)
     rewrite_options.min_graph_nodes = -1
     rewrite_options.fail_on_optimizer_errors = True
     rewrite_options.disable_tfg_optimizer = True
@@ -259,8 +256,7 @@ def run_grappler(
     grappler's message, when grappler rejects the graph or the pass fails. The input
     is not modified.
     """
-    if target not in TARGET_TO_OPTIMIZER:
-        raise ValueError(f"unknown target {target!r}; use one of {sorted(TARGET_TO_OPTIMIZER)}")
+    lookup_target(target)  # an unknown one is refused before any work
     reason = unavailable_reason(target)
     if reason is not None:
         raise GrapplerUnavailable(reason)

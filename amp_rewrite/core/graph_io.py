@@ -22,7 +22,7 @@ from typing import Iterable, NamedTuple
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
-from amp_rewrite.errors import GraphError
+from amp_rewrite.core.errors import GraphError
 
 CONTROL = -1
 

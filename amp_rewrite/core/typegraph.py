@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 import networkx as nx
 from tensorflow.core.framework import (
@@ -22,8 +22,8 @@ from tensorflow.core.framework import (
     types_pb2,
 )
 
-from amp_rewrite import support
-from amp_rewrite.errors import GraphError
+from amp_rewrite.core import support
+from amp_rewrite.core.errors import GraphError
 
 
 class TypeAttr(NamedTuple):
@@ -213,6 +213,7 @@ class TypeGraph:
     ops: dict[str, str]                         # node name -> op
     labelled: frozenset[str]                    # nodes with a "_kernel" label attr
     float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
+    op_defs: Mapping[str, op_def_pb2.OpDef]     # library function name -> signature: the ops that call one
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
@@ -246,21 +247,34 @@ class TypeGraph:
         return None
 
 
-def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None) -> TypeGraph:
+def add_implicit_edges(types: TypeGraph, edges: Iterable[tuple[Vertex, Vertex]]) -> None:
+    """Adds edges no tensor makes, such as TensorList writer → reader element edges (spec
+    §2.2, §2.5), to ``types.graph``; an edge already there stays as it is."""
+    graph = types.graph
+    for source, destination in edges:
+        if not graph.has_edge(source, destination):
+            graph.add_edge(source, destination, implicit=True)
+
+
+def build_type_graph(
+    nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None, op_defs: Mapping[str, op_def_pb2.OpDef] | None = None
+) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
 
     ``dtypes``: the dtypes whose vertices (and the edges between them) make up ``graph``;
     None for all. An edge joins two vertices of one dtype, its tensor's, so leaving a
     dtype out leaves out whole components: colouring, which paints only float32 vertices
     and follows TensorList handles (variant), never reaches them. ``float32`` lists the
-    float32 vertices of ``graph``, so ``dtypes`` should hold DT_FLOAT.
+    float32 vertices of ``graph``, so ``dtypes`` should hold DT_FLOAT. ``op_defs``: the
+    signatures of the library functions the nodes may call (``Program.op_defs``); None
+    reads them from the node graph's own library.
 
     Fills in the working copy's missing default attrs first (the caller's graph is
     untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
     ``N``, an ``IdentityN``'s list length), and networkx's adjacency dicts are filled
     the way ``add_nodes_from``/``add_edges_from`` do, without their per-item checks.
     """
-    functions = support.library_op_defs(nodes.graph["library"])
+    functions = support.library_op_defs(nodes.graph["library"]) if op_defs is None else op_defs
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
     types: dict[str, NodeTypes] = {}
     node_vertices: dict[str, list[Vertex | None]] = {}  # in ``NodeTypes.attrs`` order, None where not in ``graph``
@@ -342,4 +356,4 @@ def build_type_graph(nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = Non
                 succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
         if data_inputs != len(dst_slots):
             raise _port_count_error(node_defs[dst], len(dst_slots))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, frozenset(labelled), tuple(float32))
+    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, frozenset(labelled), tuple(float32), functions)

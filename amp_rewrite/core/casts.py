@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
-from amp_rewrite.colouring import VARIABLE_OPS, PaintContext, Painting
-from amp_rewrite.errors import GraphError
-from amp_rewrite import graph_io
-from amp_rewrite.typegraph import Vertex
+from amp_rewrite.core.colouring import VARIABLE_OPS, PaintContext, Painting
+from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core import graph_io
+from amp_rewrite.core.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
-KIND_TO_TARGET = {types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
-KIND_TO_FP32 = "CastToFp32"
+CAST_TO_FLOAT32 = "CastToFp32"  # the <Kind> of a target → float32 cast; the other way is the target's
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
 
 def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> CastStats:
     """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy)."""
-    types, target = ctx.types, ctx.target_dtype
+    types, target_dtype, to_target_kind = ctx.types, ctx.target.dtype, ctx.target.cast_kind
     nodes, consumers_of = types.nodes, types.graph._succ
     allow = painting.allow
     converted = added = to_target_counted = 0
@@ -85,9 +84,9 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
                 )
             value = node_def.attr[attr.name]
             if attr.index < 0:
-                value.type = target
+                value.type = target_dtype
             else:
-                value.list.type[attr.index] = target
+                value.list.type[attr.index] = target_dtype
             converted += 1
         # A cast goes where a consumer's colour differs; most vertices have none.
         consumers = consumers_of[vertex]
@@ -106,8 +105,8 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             if not moved:
                 continue
             to_target = not src_allow
-            kind = KIND_TO_TARGET[target] if to_target else KIND_TO_FP32
-            src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target) if to_target else (target, types_pb2.DT_FLOAT)
+            kind = to_target_kind if to_target else CAST_TO_FLOAT32
+            src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target_dtype) if to_target else (target_dtype, types_pb2.DT_FLOAT)
             cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype)
             graph_io.insert_node(nodes, cast, name, port, moved)
             added += 1

@@ -1,9 +1,11 @@
 """Deciding which vertices become low precision: grappler's passes, in grappler's order.
 
 Every pass is a function over the vertex graph that returns new sets; nothing here
-touches a GraphDef. ``paint`` runs them as spec §2.3 numbers them (TensorFlow 2.21
-semantics: the infer-after-allow pass runs for every target). Each vertex that ends up
-ALLOW or DENY gets a one-line reason naming the list, pass and neighbour that decided it.
+touches a GraphDef. ``paint`` is step 7 of the rewrite: it runs them as steps 7.0-7.10,
+spec §2.3's passes 0-10 (TensorFlow 2.21 semantics: the infer-after-allow pass runs for
+every target). Each vertex that ends up ALLOW or DENY gets a reason: its ``rules.Rule``
+and a line naming the list, pass and neighbour that decided it. ``explain`` gives the
+others theirs.
 """
 from __future__ import annotations
 
@@ -18,20 +20,15 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
-from amp_rewrite import support
-from amp_rewrite.errors import GraphError
-from amp_rewrite.lists import Colour, OpLists
-from amp_rewrite.typegraph import TypeAttr, TypeGraph, Vertex
+from amp_rewrite.core import support
+from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.lists import Colour, OpLists
+from amp_rewrite.core.rules import Reason, Rule
+from amp_rewrite.core.target import Target
+from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)
 
-class Reason(NamedTuple):
-    """Why a vertex got its colour: the rule (list or pass), one line for people, and the
-    node that decided it where there is one (the deny op, the allow op, the feeder)."""
-
-    rule: str
-    text: str
-    source: str = ""
 
 DT_FLOAT = types_pb2.DT_FLOAT
 QUANTIZED = frozenset(
@@ -79,32 +76,36 @@ VARIABLE_OPS = frozenset(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class PaintContext:
-    """What the passes read: the vertex graph, the lists, and per-vertex support checks."""
+    """What the passes read: the vertex graph, the lists, and per-vertex support checks.
+
+    Frozen: a pass reads it and returns what it found. Only the kernel-check caches inside
+    fill up as the passes ask (the answers depend on the op and device alone).
+    """
 
     types: TypeGraph
     lists: OpLists
-    target_dtype: int
+    target: Target
     processed: frozenset[str]
     kernel_device: Mapping[str, str]  # processed node -> device type for the kernel check
-    # cross_function=True only: call/boundary vertices that act as clear ops, and the
-    # ones already known to be converted on the other side of their boundary.
+    # cross_function=True only: call/boundary vertices that act as clear ops.
     boundary: frozenset[Vertex] = frozenset()
-    seeds: frozenset[Vertex] = frozenset()
-    deny_seeds: frozenset[Vertex] = frozenset()
     list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
     _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
+    ops: Mapping[str, str] = field(init=False, repr=False)  # node -> op
+    # Read once, before the rewrite: casts change dtypes only after colouring.
+    float32: Mapping[Vertex, None] = field(init=False, repr=False)  # the float32 vertices, in graph order
+    # Deny nodes that act as infer ones: node -> why their argument is <= 0.
+    bounded: Mapping[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.ops: dict[str, str] = self.types.ops
-        # Read once, before the rewrite: casts change dtypes only after colouring.
-        self.float32: dict[Vertex, None] = dict.fromkeys(self.types.float32)  # in graph order
-        # Deny nodes that act as infer ones: node -> why their argument is <= 0.
-        self.bounded: dict[str, str] = nonpositive_arguments(self.types, bounded_ops(self.lists))
+        object.__setattr__(self, "ops", self.types.ops)
+        object.__setattr__(self, "float32", dict.fromkeys(self.types.float32))
+        object.__setattr__(self, "bounded", nonpositive_arguments(self.types, bounded_ops(self.lists)))
 
     def colour(self, node: str) -> Colour | None:
         """The node's list, as the passes read it: a bounded deny op is an infer op."""
@@ -133,7 +134,7 @@ class PaintContext:
     def op_allows_target(self, vertex: Vertex) -> bool:
         """SupportsF16DataType: the op definition admits the target dtype."""
         attr = vertex.attr
-        return support.op_allows_dtype(self.op(vertex), attr.name, attr.fixed, self.target_dtype)
+        return support.op_allows_dtype(self.op(vertex), attr.name, attr.fixed, self.target.dtype)
 
     def has_target_kernel(self, vertex: Vertex) -> bool:
         """SupportsF16: op definition and a registered kernel for the changed node."""
@@ -168,12 +169,12 @@ class PaintContext:
     def _kernel_check(self, vertex: Vertex) -> bool:
         node_def = self.types.node_def(vertex.node)
         if vertex.attr.index < 0:
-            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target_dtype,
+            return support.has_kernel_with_type(node_def, vertex.attr.name, self.target.dtype,
                                                 self.kernel_device[vertex.node])
         attrs = dict(node_def.attr)
         changed = type(attrs[vertex.attr.name])()
         changed.CopyFrom(attrs[vertex.attr.name])
-        changed.list.type[vertex.attr.index] = self.target_dtype
+        changed.list.type[vertex.attr.index] = self.target.dtype
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 
@@ -331,8 +332,27 @@ class TensorListCluster(NamedTuple):
     touches: frozenset[Vertex] = frozenset()  # cross_function only: e.g. a While's T[i]
 
 
+@dataclass(frozen=True)
+class TensorLists:
+    """What step 6 finds about an item's TensorLists (spec §2.1 step 7, §2.5) for colouring:
+    the clusters, the unsafe clusters' roots with why (step 7.0 denies them), and the
+    writer → reader element edges, which ``typegraph.add_implicit_edges`` adds to the graph."""
+
+    clusters: tuple[TensorListCluster, ...] = ()
+    unsafe: Mapping[Vertex, Reason] = field(default_factory=dict)
+    edges: tuple[tuple[Vertex, Vertex], ...] = ()
+
+
+def find_tensor_lists(ctx: PaintContext) -> TensorLists:
+    """The item's TensorList clusters, unsafe roots and implicit edges (``TensorLists``)."""
+    clusters, unsafe = find_tensor_list_clusters(ctx)
+    # A cluster is found from each of its members (as grappler does): one edge once, in order.
+    edges = tuple(dict.fromkeys(edge for cluster in clusters for edge in tensor_list_implicit_edges(ctx, cluster)))
+    return TensorLists(tuple(clusters), unsafe, edges)
+
+
 def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster], dict[Vertex, Reason]]:
-    """Float32 TensorList ops joined by their handles; unsafe clusters' roots are denied.
+    """Float32 TensorList ops joined by their handles, and the roots of unsafe clusters.
 
     A handle that reaches a function boundary makes the cluster unsafe, unless the
     boundary is linked (``cross_function``): then the cluster records it and continues
@@ -341,7 +361,7 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
     clusters: list[TensorListCluster] = []
     deny: dict[Vertex, Reason] = {}
     handle = TypeAttr(fixed=types_pb2.DT_VARIANT)
-    functions = set(support.library_op_defs(ctx.types.nodes.graph["library"]))
+    functions = ctx.types.op_defs
     for node, op in ctx.ops.items():
         if "TensorList" not in op:
             continue  # tensor_list_float_vertex would say None
@@ -359,11 +379,9 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
             elif tensor_list_float_vertex(ctx, vertex.node) is not None:
                 members.add(vertex.node)
                 if vertex.node not in ctx.processed:
-                    deny.setdefault(root_float, Reason(
-                        "tensor-list", f"TensorList cluster includes unprocessed node '{vertex.node}'", vertex.node))
+                    deny.setdefault(root_float, Reason(Rule.TENSOR_LIST, f"TensorList cluster includes unprocessed node '{vertex.node}'", vertex.node))
             elif op in TENSOR_LIST_BOUNDARIES or op in functions or calls_functions(op):
-                deny.setdefault(root_float, Reason(
-                    "tensor-list", f"TensorList handle crosses '{vertex.node}' ({op})", vertex.node))
+                deny.setdefault(root_float, Reason(Rule.TENSOR_LIST, f"TensorList handle crosses '{vertex.node}' ({op})", vertex.node))
         clusters.append(TensorListCluster(frozenset(members), frozenset(touches)))
     return clusters, deny
 
@@ -385,28 +403,37 @@ def tensor_list_implicit_edges(ctx: PaintContext, cluster: TensorListCluster) ->
 
 def match_tensor_list_colours(
     ctx: PaintContext, clusters: Iterable[TensorListCluster], allow: set[Vertex], deny: set[Vertex],
-    reasons: dict[Vertex, Reason],
-) -> None:
-    """All members of a cluster share one colour: DENY wins, else ALLOW spreads."""
+    reasons: Mapping[Vertex, Reason],
+) -> tuple[set[Vertex], set[Vertex], dict[Vertex, Reason]]:
+    """Steps 7.3 and 7.8: all members of a cluster share one colour, DENY wins, else ALLOW
+    spreads. Returns new allow and deny sets and the new reasons: a vertex moved to ALLOW
+    gets this rule's, one moved to DENY keeps any reason it had (``reasons``)."""
+    clusters = list(clusters)
+    if not clusters:
+        return allow, deny, {}
+    allow, deny = set(allow), set(deny)
+    found: dict[Vertex, Reason] = {}
     for cluster in clusters:
         members = [tensor_list_float_vertex(ctx, node) for node in cluster.members]
         if any(v in deny for v in members):
             for v in members:
                 allow.discard(v)
                 deny.add(v)
-                reasons.setdefault(v, Reason("tensor-list", "TensorList cluster shares one dtype and a member must stay float32"))
+                if v not in found and v not in reasons:
+                    found[v] = Reason(Rule.TENSOR_LIST, "TensorList cluster shares one dtype and a member must stay float32")
         elif any(v in allow for v in members):
             for v in members:
                 if v not in allow:
                     allow.add(v)
-                    reasons[v] = Reason("tensor-list", "TensorList cluster shares one dtype and a member is converted")
+                    found[v] = Reason(Rule.TENSOR_LIST, "TensorList cluster shares one dtype and a member is converted")
+    return allow, deny, found
 
 
-# --- the numbered passes (spec §2.3) ----------------------------------------------------
+# --- the numbered passes: step 7.N is spec §2.3's pass N ----------------------------------
 
 
 def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
-    """Pass 1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
+    """Step 7.1: every vertex of a processed allowlisted node (or forced, UNSAFE_FORCE_ALL)."""
     allow: dict[Vertex, Reason] = {}
     op_to_reason: dict[str, Reason | None] = {}  # None: the op's vertices stay unpainted here
     ops, processed, lists = ctx.ops, ctx.processed, ctx.lists
@@ -419,10 +446,9 @@ def add_allowlist_ops(ctx: PaintContext) -> dict[Vertex, Reason]:
         if op in op_to_reason:
             reason = op_to_reason[op]
         elif op in lists.allow:
-            reason = op_to_reason[op] = Reason("allow-list", f"op {op} is on the allow list")
+            reason = op_to_reason[op] = Reason(Rule.ALLOW_LIST, f"op {op} is on the allow list")
         elif lists.force_all and _can_force(op):
-            reason = op_to_reason[op] = Reason(
-                "force-all", f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
+            reason = op_to_reason[op] = Reason(Rule.FORCE_ALL, f"op {op} forced by TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL=UNSAFE_FORCE_ALL")
         else:
             reason = op_to_reason[op] = None
         if reason is not None:
@@ -441,10 +467,14 @@ def _can_force(op: str) -> bool:
     return not any(arg.is_ref for arg in list(op_def.input_arg) + list(op_def.output_arg))
 
 
-def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex, Reason]:
-    """Pass 2: deny spreads from deny ops through clear/infer ops that lead to deny/infer ops.
+def propagate_deny_forward(
+    ctx: PaintContext, deny: set[Vertex], deny_seeds: frozenset[Vertex] = frozenset()
+) -> dict[Vertex, Reason]:
+    """Step 7.2: deny spreads from deny ops through clear/infer ops that lead to deny/infer ops.
 
-    Not restricted to processed nodes. Returns the newly denied vertices with reasons.
+    Not restricted to processed nodes. ``deny_seeds`` (``cross_function``) are roots too:
+    vertices whose value comes from a deny path across a function boundary. Returns the
+    newly denied vertices with reasons.
     """
     if ctx.lists.force_all:
         return {}
@@ -462,32 +492,34 @@ def propagate_deny_forward(ctx: PaintContext, deny: set[Vertex]) -> dict[Vertex,
     # Pinned loop values are clear ops all the same: deny passes through them.
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
-    if ctx.deny_seeds:  # cross_function: deny from across a boundary
-        roots += [v for v in _vertices(ctx) if v in ctx.deny_seeds]
+    if deny_seeds:  # cross_function: deny from across a boundary
+        roots += [v for v in _vertices(ctx) if v in deny_seeds]
     for root in roots:
         op = ctx.op(root)
-        if root in denied and root not in ctx.deny_seeds:
+        if root in denied and root not in deny_seeds:
             continue
         propagated = None  # one Reason for every vertex this root denies
         for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
                 if vertex == root:
-                    added[vertex] = Reason("deny-list", f"op {op} is on the deny list")
+                    added[vertex] = Reason(Rule.DENY_LIST, f"op {op} is on the deny list")
                     continue
                 if propagated is None:
-                    propagated = Reason("deny-propagation",
+                    propagated = Reason(Rule.DENY_PROPAGATION,
                                         f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
                 added[vertex] = propagated
     return added
 
 
-def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
-    """Pass 3: clear/infer vertices both downstream and upstream of allowlist ops."""
+def add_clear_and_infer_between_allow(
+    ctx: PaintContext, allow: set[Vertex], deny: set[Vertex], seeds: frozenset[Vertex] = frozenset()
+) -> dict[Vertex, Reason]:
+    """Step 7.4: clear/infer vertices both downstream and upstream of allowlist ops (grappler logs "pass 3")."""
     graph, lists = ctx.types.graph, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in ctx.seeds)]
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)]
 
     allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
     is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
@@ -517,7 +549,7 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
             vertex = stack.pop()
             if vertex not in allow and vertex not in added:
                 if between is None:
-                    between = Reason("between-allow", f"between allow ops (upstream of '{root.node}')", root.node)
+                    between = Reason(Rule.BETWEEN_ALLOW, f"between allow ops (upstream of '{root.node}')", root.node)
                 added[vertex] = between
             for other in fanins[vertex]:
                 if other not in upstream and other in downstream:
@@ -527,7 +559,8 @@ def add_clear_and_infer_between_allow(ctx: PaintContext, allow: set[Vertex], den
 
 
 def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
-    """Pass 4: an infer vertex fed by an allow vertex and by no deny vertex (TF 2.20+: all targets).
+    """Step 7.5: an infer vertex fed by an allow vertex and by no deny vertex (TF 2.20+: all targets;
+    grappler logs "pass 4").
 
     One sweep in vertex order, so a vertex added here can qualify a later one.
     """
@@ -545,12 +578,12 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
             continue
         feeder = next((f for f in fanins if f in allow or f in added), None)
         if feeder is not None:
-            added[vertex] = Reason("infer-after-allow", f"infer op directly after allow vertex '{feeder}'", feeder.node)
+            added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'", feeder.node)
     return added
 
 
 def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
-    """Pass 5: allow spreads both ways through clear vertices (never through infer ones)."""
+    """Step 7.6: allow spreads both ways through clear vertices, never through infer ones (grappler logs "pass 5")."""
     graph = ctx.types.graph
     painted = set(allow)
     used: set[Vertex] = set()
@@ -583,7 +616,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
             if vertex not in painted:
                 painted.add(vertex)
                 if spread is None:
-                    spread = Reason("clear-propagation", f"clear op connected to allow vertex '{root}' through clear ops",
+                    spread = Reason(Rule.CLEAR_PROPAGATION, f"clear op connected to allow vertex '{root}' through clear ops",
                                     root.node)
                 added[vertex] = spread
             for other in itertools.chain(fanins[vertex], fanouts[vertex]):
@@ -595,7 +628,8 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
 
 
 def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Vertex, Reason]:
-    """Pass 6: allowlisted vertices whose op definition rejects the target, or quantized nodes."""
+    """Step 7.7: allowlisted vertices whose op definition rejects the target, or quantized nodes (grappler logs
+    "pass 6")."""
     removed: dict[Vertex, Reason] = {}
     quantized: dict[str, bool] = {}
     for vertex in allow:
@@ -606,14 +640,14 @@ def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Ve
                 ctx.types.dtype(Vertex(vertex.node, a)) in QUANTIZED for a in ctx.types.types[vertex.node].attrs
             )
         if not ctx.op_allows_target(vertex):
-            removed[vertex] = Reason("unconvertible", f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
+            removed[vertex] = Reason(Rule.UNCONVERTIBLE, f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
         elif quantized[vertex.node]:
-            removed[vertex] = Reason("unconvertible", "the node is quantized")
+            removed[vertex] = Reason(Rule.UNCONVERTIBLE, "the node is quantized")
     return removed
 
 
 def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Vertex], dict[Vertex, Reason]]:
-    """NextIteration and the Merge nodes it feeds share one colour (v1 while loops)."""
+    """Step 7.9: NextIteration and the Merge nodes it feeds share one colour (v1 while loops)."""
     allow = set(allow)
     reasons: dict[Vertex, Reason] = {}
     t = TypeAttr("T")
@@ -633,17 +667,17 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
         if all(m in allow for m in merges):
             if next_iteration not in allow:
                 allow.add(next_iteration)
-                reasons[next_iteration] = Reason("recurrent-edge", "matches the colour of the Merge node(s) it feeds")
+                reasons[next_iteration] = Reason(Rule.RECURRENT_EDGE, "matches the colour of the Merge node(s) it feeds")
         else:
             for vertex in merges + [next_iteration]:
                 if vertex in allow:
                     allow.discard(vertex)
-                    reasons[vertex] = Reason("recurrent-edge", f"recurrent edge of '{node}': a Merge it feeds stays float32", node)
+                    reasons[vertex] = Reason(Rule.RECURRENT_EDGE, f"recurrent edge of '{node}': a Merge it feeds stays float32", node)
     return allow, reasons
 
 
 def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Vertex, Reason]:
-    """A float32-producing Cast whose consumers are all ALLOW produces the target directly."""
+    """Step 7.10: a float32-producing Cast whose consumers are all ALLOW produces the target directly."""
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
     for node, op in ctx.ops.items():
@@ -654,72 +688,82 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
             continue
         consumers = [ctx.types.input_vertex(c, port) for c, port in ctx.types.data_consumers(node, 0)]
         if consumers and all(c in allow for c in consumers):
-            added[vertex] = Reason("existing-cast", "existing Cast whose consumers are all converted")
+            added[vertex] = Reason(Rule.EXISTING_CAST, "existing Cast whose consumers are all converted")
     return added
 
 
-def paint(ctx: PaintContext) -> Painting:
-    """Runs grappler's colouring passes in order (spec §2.3) and returns the result."""
+def paint(
+    ctx: PaintContext, tensor_lists: TensorLists, seeds: frozenset[Vertex] = frozenset(),
+    deny_seeds: frozenset[Vertex] = frozenset(),
+) -> Painting:
+    """Step 7 of the rewrite: grappler's colouring passes in order, 7.0-7.10 being spec
+    §2.3's passes 0-10, each one call logged at DEBUG; returns the painting and changes
+    nothing it is given.
+
+    ``tensor_lists``: ``find_tensor_lists(ctx)``, whose edges are already in the graph.
+    ``seeds`` and ``deny_seeds`` (``cross_function`` only): vertices known to be converted,
+    or to carry a value from a deny path, on the other side of their function boundary.
+    """
     reasons: dict[Vertex, Reason] = {}
 
     def note(step: str, found: Mapping[Vertex, Reason]) -> None:
-        log.debug("%s: %d vertices", step, len(found))
+        log.debug("step %s: %d vertices", step, len(found))
         for vertex, why in found.items():
             reasons.setdefault(vertex, why)
 
-    # 0. TensorList clusters; unsafe ones are denied; element edges writer -> reader.
-    clusters, deny_found = find_tensor_list_clusters(ctx)
-    deny_found.update((v, Reason("cross-function", "a value from a deny path crosses this function boundary"))
-                      for v in ctx.deny_seeds if v not in deny_found)
-    note("0 tensor-list clusters", deny_found)
+    # 7.0 The roots of unsafe TensorList clusters are denied.
+    clusters, deny_found = tensor_lists.clusters, dict(tensor_lists.unsafe)
+    deny_found.update((v, Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary"))
+                      for v in deny_seeds if v not in deny_found)
+    note("7.0 tensor-list clusters", deny_found)
     deny = set(deny_found)
-    graph = ctx.types.graph
-    for cluster in clusters:
-        for writer, reader in tensor_list_implicit_edges(ctx, cluster):
-            if not graph.has_edge(writer, reader):
-                graph.add_edge(writer, reader, implicit=True)
-    # 1. Allowlist ops.
+    # 7.1 Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
     allow_found.update(
-        (v, Reason("cross-function", "shares its dtype with converted values across a function boundary"))
-        for v in ctx.seeds if v not in allow_found
+        (v, Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary"))
+        for v in seeds if v not in allow_found
     )
-    note("1 allow list", allow_found)
+    note("7.1 allow list", allow_found)
     allow = set(allow_found)
     if not allow:
         log.info("No allowlist ops found, nothing to do")
         return Painting(frozenset(), frozenset(deny), reasons, tuple(clusters))
-    # 2. Deny propagation through clear/infer.
-    deny_found = propagate_deny_forward(ctx, deny)
-    note("2 deny propagation", deny_found)
+    # 7.2 Deny propagation through clear/infer.
+    deny_found = propagate_deny_forward(ctx, deny, deny_seeds)
+    note("7.2 deny propagation", deny_found)
     deny |= deny_found.keys()
-    # 3. TensorList colour match.
-    match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
-    # 4. Clear/infer between allow ops.
-    found = add_clear_and_infer_between_allow(ctx, allow, deny)
-    note("3 between allow", found)
-    allow |= found.keys()
-    # 5. Infer directly after allow.
-    found = add_infer_after_allow(ctx, allow, deny)
-    note("4 infer after allow", found)
-    allow |= found.keys()
-    # 6. Allow through clear.
-    found = propagate_allow_through_clear(ctx, allow, deny)
-    note("5 allow through clear", found)
-    allow |= found.keys()
-    # 7. Remove unconvertible allowlist vertices.
-    removed = remove_unconvertible_allow(ctx, allow)
-    allow -= removed.keys()
-    for vertex, why in removed.items():
-        reasons[vertex] = why
-    # 8. TensorList colour match again.
-    match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
-    # 9. Recurrent edges.
-    allow, found = match_recurrent_edges(ctx, allow)
+    # 7.3 TensorList colour match.
+    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
+    log.debug("step 7.3 tensor-list colours: %d vertices", len(found))
     reasons.update(found)
-    # 10. Existing casts.
+    # 7.4 Clear/infer between allow ops.
+    found = add_clear_and_infer_between_allow(ctx, allow, deny, seeds)
+    note("7.4 between allow", found)
+    allow |= found.keys()
+    # 7.5 Infer directly after allow.
+    found = add_infer_after_allow(ctx, allow, deny)
+    note("7.5 infer after allow", found)
+    allow |= found.keys()
+    # 7.6 Allow through clear.
+    found = propagate_allow_through_clear(ctx, allow, deny)
+    note("7.6 allow through clear", found)
+    allow |= found.keys()
+    # 7.7 Remove unconvertible allowlist vertices.
+    removed = remove_unconvertible_allow(ctx, allow)
+    log.debug("step 7.7 unconvertible: %d vertices", len(removed))
+    allow -= removed.keys()
+    reasons.update(removed)
+    # 7.8 TensorList colour match again.
+    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
+    log.debug("step 7.8 tensor-list colours: %d vertices", len(found))
+    reasons.update(found)
+    # 7.9 Recurrent edges.
+    allow, found = match_recurrent_edges(ctx, allow)
+    log.debug("step 7.9 recurrent edges: %d vertices", len(found))
+    reasons.update(found)
+    # 7.10 Existing casts.
     found = retarget_existing_casts(ctx, allow)
-    note("10 existing casts", found)
+    note("7.10 existing casts", found)
     allow |= found.keys()
     for node, why in ctx.bounded.items():  # deny ops converted: say why
         for vertex in ctx.types.node_vertices(node):
@@ -727,3 +771,28 @@ def paint(ctx: PaintContext) -> Painting:
                 rule, text, source = reasons[vertex]
                 reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
     return Painting(frozenset(allow), frozenset(deny), reasons, tuple(clusters))
+
+
+def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
+    """Why one vertex has its final colour."""
+    if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
+        return Reason(Rule.NOT_PROCESSED, skipped[vertex.node])
+    reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one
+    if reason is not None:
+        return reason
+    op = ctx.op(vertex)
+    if ctx.pinned and vertex in ctx.pinned:
+        return Reason(Rule.LOOP_VALUE, "loop value of a functional While whose body and cond keep float32 signatures")
+    if not painting.allow:
+        return Reason(Rule.NO_ALLOW_OPS, "no allow-list op in the graph, so nothing is converted")
+    colour = ctx.colour(vertex.node)
+    if colour is None:
+        if op in ctx.lists.reasons:  # in the float32 section of the built-in file
+            return Reason(Rule.SLOWER_CONVERTED, f"op {op}: {ctx.lists.reasons[op]}")
+        return Reason(Rule.UNLISTED, f"op {op} is in no list")
+    if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
+        return Reason(Rule.NO_KERNEL, f"no {ctx.target.name} kernel for {op} on {ctx.kernel_device[vertex.node]}")
+    if colour is Colour.INFER:
+        bounded = f" (deny op {op} acting as infer: {ctx.bounded[vertex.node]})" if vertex.node in ctx.bounded else ""
+        return Reason(Rule.INFER_ISOLATED, f"infer op neither between allow ops nor directly after one{bounded}")
+    return Reason(Rule.CLEAR_ISOLATED, "clear op not connected to an allow op through clear ops")

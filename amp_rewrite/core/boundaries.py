@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator, Mapping
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
 
-from amp_rewrite.functions import RETVAL_SUFFIX
-from amp_rewrite.report import MAIN_GRAPH
-from amp_rewrite.typegraph import TypeAttr, Vertex
+from amp_rewrite.core import colouring, typegraph
+from amp_rewrite.core.colouring import PaintContext, Painting
+from amp_rewrite.core.functions import RETVAL_SUFFIX
+from amp_rewrite.core.program import MAIN_GRAPH
+from amp_rewrite.core.rules import Reason, Rule
+from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 
 Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name
 
@@ -52,7 +55,7 @@ def _ret(function: function_pb2.FunctionDef, index: int) -> Vertex:
 
 
 def _call_groups(
-    item: str, node: node_def_pb2.NodeDef, library: dict[str, function_pb2.FunctionDef]
+    item: str, node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
 ) -> tuple[list[list[Slot]], set[str]]:
     """Slot groups for one functional node, and the functions it links."""
     def fn(attr: str) -> function_pb2.FunctionDef:
@@ -84,9 +87,12 @@ def _call_groups(
     return [], set()
 
 
-def find_links(graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str]) -> Links:
-    """The float32 slot groups that may change dtype together across function boundaries."""
-    library = {f.signature.name: f for f in graph_def.library.function}
+def find_links(
+    graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str],
+    library: Mapping[str, function_pb2.FunctionDef],
+) -> Links:
+    """The float32 slot groups that may change dtype together across function boundaries;
+    ``library``: ``graph_def``'s functions by name (``Program.library``)."""
     rewritten = set(rewritten)
     fixed = set(entry_functions) | {g.function_name for g in graph_def.library.gradient}
     fixed |= {g.gradient_func for g in graph_def.library.gradient}
@@ -130,3 +136,99 @@ def find_links(graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_fu
 def is_float32_group(group: frozenset[Slot], dtype_of) -> bool:
     """A group is worth linking only if every slot is float32 (``dtype_of(item, vertex)``)."""
     return all(dtype_of(item, vertex) == types_pb2.DT_FLOAT for item, vertex in group)
+
+
+def loop_values(types: TypeGraph) -> Iterator[Vertex]:
+    """The ``T[i]`` vertices of functional While ops.
+
+    The bfloat16 lists make While/StatelessWhile clear ops, and grappler then paints a loop
+    value while the body and cond keep float32 signatures: an invalid graph (TF 2.21).
+    We keep those values float32 unless ``cross_function`` changes the bodies with them.
+    """
+    for name, op in types.ops.items():
+        if op in ("While", "StatelessWhile"):
+            for index in range(len(types.node_defs[name].attr["T"].list.type)):
+                yield Vertex(name, typegraph.TypeAttr("T", index))
+
+
+def paint_linked(
+    contexts: Mapping[str, PaintContext], tensor_lists: Mapping[str, colouring.TensorLists], links: Links
+) -> dict[str, Painting]:
+    """Step 7 of the rewrite with ``cross_function``: paint, spread colours over linked groups, repeat.
+
+    A group of linked values whose value comes from a DENY vertex on any side is denied
+    on every side (so deny propagates into a callee as if it were inlined); otherwise,
+    once any member is ALLOW, it seeds ALLOW on every side. TensorList clusters joined
+    through linked list handles share one element dtype the same way. A group moves from
+    nothing to ALLOW to DENY at most, so this ends. Finally a group converts only if all
+    its members do, so both sides of every boundary agree.
+    """
+    def dtype(item: str, vertex: Vertex) -> int:
+        return contexts[item].types.dtype(vertex) if vertex in contexts[item].types.graph else types_pb2.DT_INVALID
+
+    groups = [list(g) for g in links.groups if is_float32_group(g, dtype)]
+    seeds: dict[str, set[Vertex]] = {name: set() for name in contexts}
+    deny_seeds: dict[str, set[Vertex]] = {name: set() for name in contexts}
+    list_groups: list[list[tuple[str, Vertex]]] | None = None
+    while True:
+        paintings = {}
+        for name, ctx in contexts.items():
+            paintings[name] = colouring.paint(ctx, tensor_lists[name], frozenset(seeds[name]), frozenset(deny_seeds[name]))
+        if list_groups is None:  # clusters depend on the graphs only, not on the seeds
+            list_groups = _joined_tensor_lists(contexts, paintings, links)
+
+        def denied(item: str, vertex: Vertex) -> bool:
+            deny = paintings[item].deny
+            return vertex in deny or any(f in deny for f in contexts[item].types.graph.pred[vertex])
+
+        grew = False
+        for group in groups + list_groups:
+            if any(denied(i, v) for i, v in group):
+                for i, v in group:
+                    seeds[i].discard(v)
+                    grew |= v not in deny_seeds[i]
+                    deny_seeds[i].add(v)
+            elif all(v.node in contexts[i].processed for i, v in group) and any(
+                v in paintings[i].allow for i, v in group
+            ):
+                for i, v in group:
+                    grew |= v not in seeds[i]
+                    seeds[i].add(v)
+        if not grew:
+            break
+    for group in groups + list_groups:
+        if not all(v in paintings[i].allow for i, v in group):
+            for i, v in group:
+                if v in paintings[i].allow:
+                    painting = paintings[i]
+                    reasons = dict(painting.reasons)
+                    reasons[v] = Reason(Rule.CROSS_FUNCTION, "the other side of its function boundary stays float32")
+                    paintings[i] = Painting(painting.allow - {v}, painting.deny, reasons, painting.clusters)
+    return paintings
+
+
+def _joined_tensor_lists(
+    contexts: Mapping[str, PaintContext], paintings: Mapping[str, Painting], links: Links
+) -> list[list[tuple[str, Vertex]]]:
+    """Element vertices of TensorList clusters that share lists through linked handles."""
+    slot_group = {slot: index for index, group in enumerate(links.groups) for slot in group}
+    parent: dict[object, object] = {}
+
+    def find(key: object) -> object:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    element: dict[object, set[tuple[str, Vertex]]] = {}
+    for name, painting in paintings.items():
+        for index, cluster in enumerate(painting.clusters):
+            if not cluster.touches:
+                continue
+            key = (name, index)
+            element[key] = {(name, colouring.tensor_list_float_vertex(contexts[name], n)) for n in cluster.members}
+            for vertex in cluster.touches:
+                parent[find(key)] = find(("group", slot_group[(name, vertex)]))
+    joined: dict[object, set[tuple[str, Vertex]]] = {}
+    for key, vertices in element.items():
+        joined.setdefault(find(key), set()).update(vertices)
+    return [sorted(vertices, key=str) for vertices in joined.values()]

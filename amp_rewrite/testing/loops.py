@@ -1,6 +1,6 @@
 """Built-in graphs whose work runs inside library functions, and where their loop casts are.
 
-:mod:`amp_rewrite.models` traces its models inline; these keep the functions
+:mod:`amp_rewrite.testing.models` traces its models inline; these keep the functions
 ``tf.function`` makes, so function boundaries matter (spec §2.7, §6):
 
 * ``lstm``, ``gru``: a Keras 3 ``LSTM``/``GRU`` layer (sequence 8, features 16, units 32)
@@ -11,8 +11,8 @@
   value, then a ``tf.cond`` (an ``If`` with two branch functions), followed by a call of
   a nested ``tf.function`` (a ``StatefulPartitionedCall``).
 
-Each builds a :class:`~amp_rewrite.models.ModelGraph` (its GraphDef *has* a library) that
-:func:`~amp_rewrite.models.run_model_graph` runs on CPU. Function names carry
+Each builds a :class:`~amp_rewrite.testing.models.ModelGraph` (its GraphDef *has* a library) that
+:func:`~amp_rewrite.testing.models.run_model_graph` runs on CPU. Function names carry
 process-wide counters, so find functions by the nodes that call them, not by name.
 :func:`item_cast_counts` and :func:`casts_per_iteration` measure what a rewrite costs.
 """
@@ -30,17 +30,15 @@ import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
-from amp_rewrite.functions import body_graph_def
-from amp_rewrite.graph_io import parse_tensor_name
-from amp_rewrite.models import (
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.program import Program, program_of
+from amp_rewrite.testing.models import (
     NUM_CLASSES,
     ModelGraph,
-    _captured_variables,
-    _number_custom_gradients,
-    _trace_training_step,
+    captured_variables,
+    number_custom_gradients,
+    trace_training_step,
 )
-from amp_rewrite.report import MAIN_GRAPH
-from amp_rewrite.support import library_op_defs
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
@@ -63,8 +61,8 @@ def build_loop_graph(name: str, *, batch: int = 2, seed: int = 0) -> ModelGraph:
     graph_def = concrete.graph.as_graph_def()
     if not any(node.op in LOOP_OPS for node in graph_def.node):
         raise RuntimeError(f"loop graph {name!r} traced without a functional While; its loop was unrolled or inlined")
-    _number_custom_gradients(graph_def)
-    placeholder_to_variable = _captured_variables(concrete, variables)
+    number_custom_gradients(graph_def)
+    placeholder_to_variable = captured_variables(concrete, variables)
     trainable_ids = {id(variable) for variable in trainable}
     return ModelGraph(
         name=name,
@@ -90,12 +88,10 @@ class CastCount:
     run_time: int
 
 
-def item_cast_counts(graph_def: GraphDef) -> dict[str, CastCount]:
+def item_cast_counts(graph_def: GraphDef | Program) -> dict[str, CastCount]:
     """Casts per item: the main graph (``MAIN_GRAPH``), then each library function."""
-    op_defs = library_op_defs(graph_def.library)
-    bodies = {MAIN_GRAPH: graph_def}
-    bodies.update((f.signature.name, body_graph_def(f, op_defs)) for f in graph_def.library.function)
-    return {item: _cast_count(body) for item, body in bodies.items()}
+    program = graph_def if isinstance(graph_def, Program) else program_of(graph_def)
+    return {item: _cast_count(program.item(item)) for item in program.names}
 
 
 def _cast_count(graph_def: GraphDef) -> CastCount:
@@ -112,8 +108,9 @@ def casts_per_iteration(graph_def: GraphDef) -> dict[str, int]:
     call counts its callee, an ``If``/``Case`` its costliest branch (only one runs), a
     nested loop one iteration of its own.
     """
-    library = {f.signature.name: f for f in graph_def.library.function}
-    function_to_casts = {name: count.run_time for name, count in item_cast_counts(graph_def).items()}
+    program = program_of(graph_def)
+    library = program.library
+    function_to_casts = {name: count.run_time for name, count in item_cast_counts(program).items()}
     executed: dict[str, int] = {}
 
     def cost(name: str) -> int:
@@ -165,7 +162,7 @@ def _recurrent_training_step(layer: Callable[[int], keras.layers.Layer], name: s
         x = rng.standard_normal((batch, spec["seq_len"], spec["features"]), dtype=np.float32)
         y = rng.integers(0, NUM_CLASSES, size=batch, dtype=np.int32)
         x_spec = tf.TensorSpec(x.shape, tf.float32, name="x")
-        concrete, variables = _trace_training_step(model, x_spec, tf.TensorSpec([batch], tf.int32, name="y"))
+        concrete, variables = trace_training_step(model, x_spec, tf.TensorSpec([batch], tf.int32, name="y"))
         return concrete, variables, list(model.trainable_variables), {"x:0": x, "y:0": y}
 
     return build

@@ -9,15 +9,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from tensorflow.core.framework import types_pb2
 
+from amp_rewrite.core.program import MAIN_GRAPH
+from amp_rewrite.core.target import NAME_TO_TARGET
+
 if TYPE_CHECKING:
-    from amp_rewrite.colouring import Reason
-    from amp_rewrite.typegraph import Vertex
-
-TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
-MAIN_GRAPH = ""  # the ``function`` of decisions and items that belong to the main graph
+    from amp_rewrite.core.rules import Reason
+    from amp_rewrite.core.typegraph import Vertex
 
 
-_FLOAT_NAMES = {types_pb2.DT_FLOAT: "float32", types_pb2.DT_HALF: "float16", types_pb2.DT_BFLOAT16: "bfloat16"}
+
+_FLOAT_NAMES = {types_pb2.DT_FLOAT: "float32", **{target.dtype: name for name, target in NAME_TO_TARGET.items()}}
 
 
 def dtype_name(dtype: int) -> str:
@@ -35,7 +36,7 @@ class Decision(NamedTuple):
     attr: str
     before: str
     after: str
-    rule: str    # short key of the list or pass that decided, e.g. "deny-propagation"
+    rule: str    # the value of the Rule that decided, e.g. "deny-propagation" (rules.Rule has its meaning)
     reason: str  # one line for people, naming the neighbour that decided where there is one
     source: str = ""  # that neighbour's node name (the deny op, the allow op, ...), if any
 
@@ -77,6 +78,7 @@ class PendingDecisions:
             if attr_name is None:
                 attr_name = attr_names[attr] = str(attr)
             rule, text, source = self.reasons[vertex]
+            rule = rule.value
             after = self.target if vertex in self.converted else "float32"
             # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
             yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,

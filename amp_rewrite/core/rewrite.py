@@ -1,0 +1,220 @@
+"""``rewrite_graph_def``: the orchestrator, one call per step of grappler's pass.
+
+The steps, numbered alike here, in the code below and in its DEBUG log lines (the
+``amp_rewrite.core.rewrite`` and ``amp_rewrite.core.colouring`` loggers):
+
+1-2. ``lists.load_lists``: the four lists for the target, with TensorFlow's variables
+     (spec §2.1 steps 1-2). Once per rewrite; then, for every item (spec §1.2):
+3.   ``graph_io.to_networkx``: the working copy of the item, the only graph changed.
+4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4).
+5.   ``preparation.upgrade_batch_norm_ops``: FusedBatchNorm(Grad) → V2 (spec §2.1 step 5).
+6.   ``typegraph.build_type_graph``: the (node, type attribute) vertex graph (spec §2.1 step 6,
+     §2.2), and ``colouring.find_tensor_lists``: its TensorList clusters and the implicit
+     edges ``typegraph.add_implicit_edges`` adds (spec §2.1 step 7, §2.5).
+7.   ``colouring.paint``: grappler's colouring passes 7.0-7.10, spec §2.3's passes 0-10;
+     with ``cross_function``, ``boundaries.paint_linked`` repeats it across function boundaries.
+8.   ``casts.change_types_and_insert_casts``: the painted dtypes and the casts (spec §2.6).
+9.   Back to a GraphDef, and a function body back into its FunctionDef.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from tensorflow.core.framework import graph_pb2, types_pb2
+
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
+from amp_rewrite.core.colouring import PaintContext, Painting
+from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
+from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
+from amp_rewrite.core.target import Target, lookup_target
+
+log = logging.getLogger(__name__)
+
+# The vertices colouring works on: float32 ones, and the variant ones TensorList handles
+# pass through. The others can neither be painted nor lead to one that can.
+PAINTED_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_VARIANT})
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    graph_def: graph_pb2.GraphDef
+    report: Report
+
+    @functools.cached_property
+    def program(self) -> Program:
+        """The rewritten graph's items, indexed once for all that read them (dump, command)."""
+        return program_of(self.graph_def)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The pass allocates ~10 small objects per node and frees none until it returns:
+    cyclic GC runs would only rescan them (a third of the time on a 7k-node graph)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def rewrite_graph_def(
+    graph_def: graph_pb2.GraphDef,
+    *,
+    target: str | Target = "float16",
+    fetches: Iterable[str] = (),
+    lists: str | os.PathLike | OpLists | None = None,
+    cross_function: bool = False,
+    entry_functions: Iterable[str] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> RewriteResult:
+    """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
+
+    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``.
+    ``fetches``: node (or tensor) names whose outputs must keep their dtype.
+    ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
+
+    By default each function body is painted on its own, exactly like grappler, and keeps
+    its signature. ``cross_function=True`` paints across call and loop boundaries so
+    low-precision values stay low precision there; private functions' signatures may then
+    change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
+    ``progress(done, total)`` is called as items are prepared and finished.
+    """
+    target = lookup_target(target)  # the one check of the user's string
+    # 1-2. The lists.
+    op_lists = load_lists(target, lists)
+    log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
+    fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
+    with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
+        program = program_of(graph_def)
+        functions.check_calls(graph_def, program.library)
+        names = functions.reachable_functions(graph_def, program.library)
+        links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
+                 else boundaries.Links(()))
+        output, stats, decisions = _rewrite_items(program, target, fetch_nodes, op_lists, names, links,
+                                                  progress or (lambda done, total: None))
+        report = Report(target.name, stats, decisions)
+    log.info("%s", report.summary())
+    return RewriteResult(output, report)
+
+
+def _rewrite_items(
+    program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
+    names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
+) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
+    """Steps 3-9 (module doc) on every item: the main graph, then each function body."""
+    total = 2 * (len(names) + 1)
+    items = {MAIN_GRAPH: _prepare(program.graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH, program)}
+    progress(1, total)
+    for name in names:
+        with _naming(name):
+            body = program.item(name)
+            preserved = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name)
+            items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name, program)
+        progress(len(items), total)
+    # 7. Colouring: each item alone (grappler), or linked across function boundaries.
+    log.debug("step 7 colouring: %d item(s)%s", len(items), ", linked" if links.groups else "")
+    if links.groups:
+        paintings = boundaries.paint_linked({name: item.ctx for name, item in items.items()},
+                                            {name: item.tensor_lists for name, item in items.items()}, links)
+    else:
+        paintings = {name: colouring.paint(item.ctx, item.tensor_lists) for name, item in items.items()}
+    output, stats, decisions = None, [], []
+    for name, item in items.items():
+        with _naming(name):
+            graph, item_stats, item_decisions = _finish(item, paintings[name], name)
+        if name == MAIN_GRAPH:
+            output = graph
+        else:
+            # 9. The body back into its FunctionDef, at its place in the output's library
+            # (the input's library, in the same order, until every function is back).
+            rewritten = functions.to_function_def(graph, program.library[name], program.op_defs)
+            output.library.function[program.positions[name]].CopyFrom(rewritten)
+        stats.append(item_stats)
+        decisions.append(item_decisions)
+        progress(len(items) + len(stats), total)
+    return output, tuple(stats), tuple(decisions)
+
+
+@contextlib.contextmanager
+def _naming(function: str):
+    """Errors inside a function body name the function."""
+    try:
+        yield
+    except GraphError as error:
+        message = str(error)
+        raise GraphError(message if message.startswith("function") else f"function '{function}': {message}") from None
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One item ready to paint: its working node graph, context, TensorLists and why nodes were skipped."""
+
+    graph_def: graph_pb2.GraphDef
+    ctx: PaintContext
+    tensor_lists: colouring.TensorLists
+    skipped: dict[str, str]
+
+
+def _prepare(
+    graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
+    links: boundaries.Links, function: str, program: Program,
+) -> _Item:
+    """Steps 3-6 (module doc) on one item."""
+    # 3. The working copy as a node graph; every fetch must exist.
+    nodes = graph_io.to_networkx(graph_def)
+    missing = [f for f in fetches if f not in nodes]
+    if missing:
+        raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
+    log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes))
+    # 4. Which nodes may be painted.
+    processed, skipped = preparation.find_processed_nodes(nodes, target, fetches, op_lists)
+    log.debug("%s: step 4 processed nodes: %d, skipped %d", function or "main graph", len(processed), len(skipped))
+    # 5. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
+    upgraded = preparation.upgrade_batch_norm_ops(nodes, processed)
+    log.debug("%s: step 5 batch-norm upgrade: %d nodes", function or "main graph", upgraded)
+    # 6. The (node, type attribute) vertex graph, what colouring reads besides, and the
+    # TensorList clusters with their implicit element edges (spec §2.1 steps 6-7).
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
+    linked = frozenset(v for v in links.vertices(function) if v in types.graph)
+    handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
+    ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
+                       pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles)
+    tensor_lists = colouring.find_tensor_lists(ctx)
+    typegraph.add_implicit_edges(types, tensor_lists.edges)
+    log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",
+              len(types.graph), len(ctx.float32), len(tensor_lists.clusters))
+    return _Item(graph_def, ctx, tensor_lists, skipped)
+
+
+def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.GraphDef, ItemStats, PendingDecisions]:
+    """Step 8 (module doc) on one item, with each float32 vertex's reason; step 9's GraphDef."""
+    ctx = item.ctx
+    # Reasons first: explain() reads the graph as painted, before any dtype changes. A
+    # float32 vertex ends as the target exactly when it is ALLOW (step 8 converts those).
+    reasons, skipped = painting.reasons, item.skipped
+    explained = {  # explain() would find the painting's reason first unless the node was skipped
+        v: colouring.explain(ctx, painting, skipped, v) for v in ctx.float32
+        if v.attr.name and (v.node in skipped or v not in reasons)
+    }
+    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow,
+                                 {**reasons, **explained})
+    # 8. Types and casts, the one mutation (of the working copy).
+    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
+    log.debug("%s: step 8 types and casts: %d vertices converted, %d casts", function or "main graph",
+              stats.vertices_converted, stats.casts_added)
+    item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,
+                           stats.casts_to_target)
+    # 9. Back to a GraphDef (the caller puts a function body back into its FunctionDef).
+    graph_def = graph_io.take_graph_def(ctx.types.nodes)  # the item is done with its graph
+    log.debug("%s: step 9 back to a GraphDef: %d nodes", function or "main graph", len(graph_def.node))
+    return graph_def, item_stats, decisions

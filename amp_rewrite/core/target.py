@@ -1,0 +1,45 @@
+"""The precisions a graph can be rewritten to, each one frozen value holding every fact about it.
+
+A user names a target with a string (``"float16"``); ``lookup_target`` turns it into its
+``Target`` once, at the edge, and raises the one error for a name that is not a target.
+Everything below receives the value, never the string again.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from tensorflow.core.framework import types_pb2
+
+from amp_rewrite.core.errors import AmpRewriteError
+
+
+@dataclass(frozen=True)
+class Target:
+    """One low precision: what it is called, what dtype it is, where it runs and what it is measured against."""
+
+    name: str                # what users write and reports show, e.g. "float16"
+    dtype: int               # the DataType enum painted vertices get, e.g. DT_HALF
+    device_type: str         # the device type whose kernels it converts on (spec §1.5)
+    cast_kind: str           # the <Kind> of a float32 → target cast's name (spec §2.6)
+    tolerance: float         # largest error of an output, relative to its float32 magnitude, accepted
+    grappler_optimizer: str  # the grappler optimizer that does the same rewrite: our reference (spec §8)
+
+
+# float16: NVIDIA GPUs, 11 mantissa bits; bfloat16: CPUs with oneDNN, 8 mantissa bits.
+FLOAT16 = Target("float16", types_pb2.DT_HALF, "GPU", "CastToFp16", 1e-2, "auto_mixed_precision")
+BFLOAT16 = Target("bfloat16", types_pb2.DT_BFLOAT16, "CPU", "CastToBf16", 5e-2, "auto_mixed_precision_onednn_bfloat16")
+NAME_TO_TARGET: Mapping[str, Target] = MappingProxyType({target.name: target for target in (FLOAT16, BFLOAT16)})
+TARGETS: tuple[str, ...] = tuple(NAME_TO_TARGET)
+
+
+def lookup_target(name: str | Target) -> Target:
+    """The target called ``name`` (a ``Target`` is returned as it is); the one place an
+    unknown target is refused."""
+    if isinstance(name, Target):
+        return name
+    target = NAME_TO_TARGET.get(name) if isinstance(name, str) else None
+    if target is None:
+        raise AmpRewriteError(f"unknown target {name!r}; use one of {', '.join(TARGETS)}")
+    return target

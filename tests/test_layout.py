@@ -1,0 +1,43 @@
+"""The package's layering (README, Layout): ``core`` imports nothing above it, the layers on
+top of it not each other, and no module imports itself back (``tools/import_graph.py``)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_graph_tool():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_upward_import_and_no_cycle(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    tool = _import_graph_tool()
+    monkeypatch.setattr(sys, "argv", ["import_graph.py", str(ROOT / "amp_rewrite")])
+    assert tool.main() == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "upward imports: none" in out and "import cycles: none" in out
+    assert "amp_rewrite.core.rewrite ->" in out and "[training]" in out
+
+
+def test_the_tool_sees_an_upward_import_and_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]):
+    package = tmp_path / "amp_rewrite"
+    for folder in (package, package / "core", package / "cli"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (package / "core" / "a.py").write_text("from amp_rewrite.core import b\n")
+    (package / "core" / "b.py").write_text("from amp_rewrite.core.a import x\nfrom amp_rewrite.cli import c\n")
+    (package / "cli" / "c.py").write_text("")
+    monkeypatch.setattr(sys, "argv", ["import_graph.py", str(package)])
+    assert _import_graph_tool().main() == 1
+    out = capsys.readouterr().out
+    assert "amp_rewrite.core.b (core) -> amp_rewrite.cli.c (cli)" in out
+    assert "amp_rewrite.core.a -> amp_rewrite.core.b -> amp_rewrite.core.a" in out
