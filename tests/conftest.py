@@ -252,4 +252,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         total, live = counts[(target, "recorded")], counts[(target, "live")]
         why = recorded_grappler.live_unavailable(target)
         checked = f"{live} of them also asked live" + ("" if why is None else f" ({why})")
-        terminalreporter.write_line(f"{target}: {total} recorded answers compared; {checked}")
+        otherwise = counts[(target, "built otherwise")]
+        skipped = f"; {otherwise} skipped: this TensorFlow builds their graphs otherwise" if otherwise else ""
+        terminalreporter.write_line(f"{target}: {total} recorded answers compared; {checked}{skipped}")
