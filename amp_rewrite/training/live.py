@@ -15,13 +15,13 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import function_pb2, graph_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
 from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import transform
+from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
 from amp_rewrite.training import optimizers
@@ -126,7 +126,8 @@ def stop() -> None:
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(False)
 
 
-def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: str | None = None) -> Any:
+def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: Any = None,
+                                         cross_function: bool = False) -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``:
@@ -134,9 +135,11 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", 
     number (fixed), a ``tf.compat.v1.mixed_precision.DynamicLossScale``/``FixedLossScale``,
     or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"``, or
     None to pick from the hardware (the rewrite stays off, with a warning, when neither fits).
+    ``cross_function``: paint across call and loop boundaries (``rewrite_graph_def``'s
+    option); the functions a trace calls are then rewritten into private copies of its own.
     """
     wrapped = optimizers.wrap_optimizer(opt, loss_scale)
-    start(target)
+    start(target, cross_function=cross_function)
     return wrapped
 
 
@@ -180,10 +183,79 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
     return graph_def
 
 
-def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: LiveRewrite) -> int:
-    """Rewrite the registered function ``name`` and its callees in the eager context.
+def _renamed_calls(function: function_pb2.FunctionDef, old_to_new: Mapping[str, str]) -> function_pb2.FunctionDef:
+    """A copy of ``function`` calling ``old_to_new``'s new names (call ops and func attrs)."""
+    copy = function_pb2.FunctionDef()
+    copy.CopyFrom(function)
 
-    Returns how many functions were replaced. The signature of ``name`` never changes.
+    def rename(value: attr_value_pb2.AttrValue) -> None:
+        funcs = ([value.func] if value.HasField("func") else []) + list(value.list.func)
+        for func in funcs:
+            func.name = old_to_new.get(func.name, func.name)
+            for nested in func.attr.values():
+                rename(nested)
+
+    for node in copy.node_def:
+        node.op = old_to_new.get(node.op, node.op)
+        for value in node.attr.values():
+            rename(value)
+    return copy
+
+
+def private_name(name: str, owner: str) -> str:
+    """The name of ``owner``'s private copy of ``name`` (owners' names are unique per trace)."""
+    return f"{name}_amp_{owner}"
+
+
+def private_copies(
+    owner: str, original: Mapping[str, function_pb2.FunctionDef], rewritten: Mapping[str, function_pb2.FunctionDef]
+) -> list[function_pb2.FunctionDef]:
+    """The functions to register for ``owner``'s rewrite: ``owner`` itself, same name, and a
+    private copy, named after ``owner``, of every library function it changed.
+
+    A nested function is shared: callers traced earlier (before enabling, or under another
+    rewrite) call it by name, and with ``cross_function`` its signature may change, so it is
+    never replaced in place. A function that calls a changed one changes too, to call the copy.
+    """
+    def callees(function: function_pb2.FunctionDef) -> set[str]:
+        names = set()
+
+        def collect(value: attr_value_pb2.AttrValue) -> None:
+            for func in ([value.func] if value.HasField("func") else []) + list(value.list.func):
+                names.add(func.name)
+                for nested in func.attr.values():
+                    collect(nested)
+
+        for node in function.node_def:
+            names.add(node.op)
+            for value in node.attr.values():
+                collect(value)
+        return names & set(rewritten)
+
+    changed = {name for name, function in rewritten.items() if function != original[name]}
+    name_to_callees = {name: callees(function) for name, function in rewritten.items()}
+    while True:  # callers of changed functions change too
+        more = {name for name, called in name_to_callees.items() if called & changed} - changed
+        if not more:
+            break
+        changed |= more
+    old_to_new = {name: private_name(name, owner) for name in sorted(changed) if name != owner}
+    copies = []
+    for name in sorted(changed):
+        function = _renamed_calls(rewritten[name], old_to_new)
+        function.signature.name = old_to_new.get(name, name)
+        copies.append(function)
+    return copies
+
+
+def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: LiveRewrite,
+                                atomic: Any = None) -> int:
+    """Rewrite the registered function ``name`` in the eager context; its callees are rewritten
+    into private copies (``private_copies``) that only the new ``name`` calls.
+
+    Returns how many functions were registered. The signature of ``name`` never changes.
+    ``atomic``: ``name``'s AtomicFunction, whose children (the functions copied into a graph
+    or SavedModel with it) gain the copies, which then live as long as it does.
     """
     ctx = context.context()
     function = ctx.get_function_def(name)
@@ -191,17 +263,35 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
     result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=settings.lists,
                                cross_function=settings.cross_function, entry_functions=[name])
     original = {f.signature.name: f for f in graph_def.library.function}
-    replaced = 0
-    for rewritten in result.graph_def.library.function:
-        function_name = rewritten.signature.name
-        if rewritten == original[function_name]:
-            continue
-        if ctx.has_function(function_name):
-            ctx.remove_function(function_name)
-        ctx.add_function_def(rewritten)
-        replaced += 1
+    rewritten = {f.signature.name: f for f in result.graph_def.library.function}
+    copies = private_copies(name, original, rewritten)
+    copy_to_original = {private_name(f, name): f for f in rewritten}
+    for copy in copies:
+        copy_name = copy.signature.name
+        if copy_name == name:
+            ctx.remove_function(name)
+            ctx.add_function_def(copy)
+        elif not ctx.has_function(copy_name):
+            ctx.add_function_def(copy)
+            if atomic is not None:
+                atomic.children.append(atomic_function.AtomicFunction(
+                    copy_name, ctx, _child_type(atomic, copy_to_original[copy_name])))
     log.debug("amp_rewrite: %s: %s", name, result.report.summary())
-    return replaced
+    return len(copies)
+
+
+def _child_type(atomic: Any, original_name: str) -> Any:
+    """The FunctionType of ``atomic``'s child ``original_name`` (a copy's dtypes may differ
+    under cross_function; the type is kept only as the children's other entries have one)."""
+    for child in atomic.children:
+        if child.name == original_name.encode():
+            return child.function_type
+    return None
+
+
+def compat_name(name: bytes | str) -> str:
+    """A function name as ``str`` (TensorFlow hands out ``bytes`` and ``str``)."""
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _on_new_function(concrete_function: Any) -> None:
@@ -215,13 +305,16 @@ def _on_new_function(concrete_function: Any) -> None:
                       " the two must not be combined", stacklevel=2)
     function_def = concrete_function.function_def
     name = function_def.signature.name
-    if function_def.attr["_XlaMustCompile"].b and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
+    # ``in`` first: indexing the map would insert an empty attr into TensorFlow's cached
+    # definition, which it copies onto call ops (model.export then fails to bind it).
+    jit_compile = "_XlaMustCompile" in function_def.attr and function_def.attr["_XlaMustCompile"].b
+    if jit_compile and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
         warnings.warn(
             f"amp_rewrite: TensorFlow {tf.__version__} compiles a jit_compile=True function called on its own from"
             f" the body as traced, so {name} may run in float32; use TensorFlow"
             f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
-    rewrite_registered_function(name, library, settings)
+    rewrite_registered_function(name, library, settings, getattr(concrete_function, "_inference_function", None))
 
 
 def tensorflow_version() -> tuple[int, int]:
