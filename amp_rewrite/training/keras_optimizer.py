@@ -1,7 +1,7 @@
 """The Keras 3 loss-scale optimizer that ``enable_mixed_precision_graph_rewrite`` returns.
 
 A module of its own, importing only Keras and TensorFlow, because ``import amp_rewrite``
-registers it with Keras' serialization as soon as Keras is loaded (``_keras_registration``):
+registers it with Keras' serialization as soon as Keras is loaded (``registration``):
 ``keras.models.load_model`` in a new process must find the class behind a ``.keras`` file.
 """
 from __future__ import annotations

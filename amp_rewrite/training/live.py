@@ -6,7 +6,8 @@ rewrites that FunctionDef and the library functions it calls (loop bodies, branc
 nested calls) and registers the rewritten ones under the same names, so every call —
 custom training loops, ``model.fit``/``evaluate``/``predict``, and ``jit_compile=True``
 functions, which XLA compiles from the registered body — runs them. Functions traced
-before enabling keep their old bodies.
+before enabling keep their old bodies. A ``tf.compat.v1.Session`` created while the
+rewrite is on runs a rewritten copy of its graph instead (``session``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
-from amp_rewrite.training import optimizers
+from amp_rewrite.training import optimizers, session
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
@@ -113,7 +114,10 @@ def start(target: str | None, lists: Any = None, cross_function: bool = False) -
     else:
         target = lookup_target(target).name  # None above: detect it
     _active = LiveRewrite(target, load_lists(target, lists), cross_function)
+    # The flag makes tf_keras refuse a mixed policy; the Sessions it would turn grappler's own
+    # AMP on in run our rewrite instead (session.py).
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
+    session.install(active)
     if _on_new_function not in transform.CONCRETE_FUNCTION_CALLBACKS:
         transform.CONCRETE_FUNCTION_CALLBACKS.append(_on_new_function)
     return _active

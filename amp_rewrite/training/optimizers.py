@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from tensorflow.python.util import deprecation
 
 from amp_rewrite.training.keras_optimizer import DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer
 
@@ -124,8 +125,11 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
     # A fixed scale still skips non-finite steps: a dynamic one that never grows or shrinks.
-    scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-        initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
-        multiplier=2 if plan.dynamic else 1,
-    )
+    # TF1's optimizer takes nothing else, so TensorFlow's notice that DynamicLossScale is
+    # deprecated (it points to Keras) would only confuse a v1 user: silenced.
+    with deprecation.silence():
+        scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+            initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
+            multiplier=2 if plan.dynamic else 1,
+        )
     return _V1LossScaleOptimizer(opt, scale)
