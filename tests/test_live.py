@@ -489,6 +489,57 @@ def test_unknown_target_is_rejected_and_nothing_is_enabled():
     assert live.active() is None
 
 
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, np.float16], ids=["tf.float16", "tf.bfloat16", "np.float16"])
+def test_a_dtype_names_its_target(dtype):
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=dtype)
+    assert live.active().target == tf.as_dtype(dtype).name
+
+
+def test_a_dtype_that_is_no_target_says_which_to_use():
+    with pytest.raises(ValueError, match=r"unknown target 'int32'; use one of float16, bfloat16"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=tf.int32)
+    assert live.active() is None
+
+
+def test_enabling_again_with_another_target_warns():
+    """Switching target while enabled warns (earlier traces keep theirs); the same target again,
+    or a switch after disable_…, is silent."""
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with pytest.warns(UserWarning, match="enabled for bfloat16 and is now enabled for float16"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    assert live.active().target == "float16"
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+
+
+def test_float16_with_every_matmul_on_a_cpu_warns_once(monkeypatch, matmul_inputs):
+    """float16 converts GPU or unplaced nodes only; a trace whose MatMuls are all placed on a CPU
+    (as MirroredStrategy on CPUs places them) runs in float32 and warns, once per process;
+    an unplaced MatMul is rewritten and does not warn."""
+    monkeypatch.setattr(live, "_warned_cpu_float16", False)
+    a, b, _ = matmul_inputs
+
+    def on_cpu(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        with tf.device("/CPU:0"):
+            return tf.matmul(a, b)
+
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_all_low(executed_compute(lambda: tf.function(_matmul)(a, b)), "float16", {"MatMul"})
+    with pytest.warns(UserWarning, match="placed on a CPU .* use target='bfloat16'"):
+        first = tf.function(on_cpu)
+        assert_all_float32(executed_compute(lambda: first(a, b)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf.function(on_cpu)(a, b)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_keras_mixed_policy_before_enabling_is_an_error(policy):
     """A global Keras 3 mixed policy and the graph rewrite must not both cast: ValueError that

@@ -399,8 +399,10 @@ DYNAMIC_2 = dict(initial_loss_scale=64, increment_period=2)
         (None, optimizers.ScalePlan(False, 1.0)),
         (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), optimizers.ScalePlan(True, 64.0, 2)),
         (tf.compat.v1.mixed_precision.FixedLossScale(256), optimizers.ScalePlan(False, 256.0)),
+        (np.float32(128), optimizers.ScalePlan(False, 128.0)),
+        (np.int64(64), optimizers.ScalePlan(False, 64.0)),
     ],
-    ids=["dynamic", "int", "float", "None", "v1-dynamic", "v1-fixed"],
+    ids=["dynamic", "int", "float", "None", "v1-dynamic", "v1-fixed", "np.float32", "np.int64"],
 )
 def test_loss_scale_argument_plans(loss_scale, expected):
     """Each accepted form of loss_scale means one dynamic or fixed scale."""
@@ -534,12 +536,15 @@ HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no s
         (INF, ValueError, "got inf", "must be a positive finite number"),
         (NAN, ValueError, "got nan", "must be a positive finite number"),
         (True, TypeError, "cannot interpret loss_scale=True (bool)", HELP),
+        (np.bool_(True), TypeError, "cannot interpret loss_scale=", HELP),
+        (np.float32(-2), ValueError, "got np.float32(-2.0)", "must be a positive finite number"),
         ([128], TypeError, "cannot interpret loss_scale=[128] (list)", HELP),
         (tf.constant(128.0), TypeError, "cannot interpret loss_scale=", HELP),
         (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "DynamicLossScale(multiplier=3.0)",
          "use multiplier=2"),
     ],
-    ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "list", "tensor", "multiplier"],
+    ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "np.bool_", "np-negative", "list",
+         "tensor", "multiplier"],
 )
 def test_bad_loss_scale_says_what_to_pass(loss_scale, error, what, hint):
     """Every rejected loss_scale names the bad value and says what to pass; nothing is enabled."""

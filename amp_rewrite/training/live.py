@@ -52,6 +52,7 @@ class LiveRewrite:
 
 _active: LiveRewrite | None = None
 _warned_policy = False
+_warned_cpu_float16 = False
 
 
 def active() -> LiveRewrite | None:
@@ -94,7 +95,18 @@ def _mixed_keras_policy() -> str | None:
     return name if name.startswith("mixed") else None
 
 
-def start(target: str | None, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
+def target_name(target: Any) -> Any:
+    """``tf.float16``/``tf.bfloat16`` (or a NumPy dtype) as the target's name; other values unchanged,
+    for ``lookup_target`` to refuse with the names to use."""
+    if isinstance(target, str) or target is None:
+        return target
+    try:
+        return tf.as_dtype(target).name
+    except TypeError:
+        return target
+
+
+def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
     """Rewrite every new trace from now on; returns the settings, or None if it stays off."""
     global _active
     policy = _mixed_keras_policy()
@@ -112,7 +124,7 @@ def start(target: str | None, lists: Any = None, cross_function: bool = False) -
             return None
         log.info("amp_rewrite: rewriting to %s (%s)", target, why)
     else:
-        target = lookup_target(target).name  # None above: detect it
+        target = lookup_target(target_name(target)).name  # None above: detect it
     _active = LiveRewrite(target, load_lists(target, lists), cross_function)
     # The flag makes tf_keras refuse a mixed policy; the Sessions it would turn grappler's own
     # AMP on in run our rewrite instead (session.py).
@@ -137,13 +149,21 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``:
     ``"dynamic"`` (2**15, ×2 after 2000 finite steps, ÷2 and skip on a non-finite step), a
     number (fixed), a ``tf.compat.v1.mixed_precision.DynamicLossScale``/``FixedLossScale``,
-    or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"``, or
-    None to pick from the hardware (the rewrite stays off, with a warning, when neither fits).
+    or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"`` (or
+    ``tf.float16``/``tf.bfloat16``), or None to pick from the hardware (the rewrite stays off,
+    with a warning, when neither fits). Enabling again with another target warns.
     ``cross_function``: paint across call and loop boundaries (``rewrite_graph_def``'s
     option); the functions a trace calls are then rewritten into private copies of its own.
     """
     wrapped = optimizers.wrap_optimizer(opt, loss_scale)
-    start(target, cross_function=cross_function)
+    before = _active
+    settings = start(target, cross_function=cross_function)
+    if before is not None and settings is not None and settings.target != before.target:
+        warnings.warn(
+            f"amp_rewrite: the rewrite was enabled for {before.target} and is now enabled for {settings.target}:"
+            f" functions traced from now on are rewritten to {settings.target}, those traced before keep"
+            f" {before.target}; call disable_mixed_precision_graph_rewrite() first to switch without this warning",
+            stacklevel=2)
     return wrapped
 
 
@@ -318,7 +338,23 @@ def _on_new_function(concrete_function: Any) -> None:
             f" the body as traced, so {name} may run in float32; use TensorFlow"
             f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
-    rewrite_registered_function(name, library, settings, getattr(concrete_function, "_inference_function", None))
+    changed = rewrite_registered_function(name, library, settings,
+                                          getattr(concrete_function, "_inference_function", None))
+    if not changed and settings.target == "float16" and not _warned_cpu_float16:
+        _warn_if_cpu_placed(name, [function_def, *library.function], settings.lists)
+
+
+def _warn_if_cpu_placed(name: str, functions: list[function_pb2.FunctionDef], lists: OpLists) -> None:
+    """float16 converts GPU or unplaced nodes only (spec §1.5): a trace whose allow-list ops are
+    all placed on a CPU — as MirroredStrategy on CPUs places them — runs in float32. Say so once."""
+    global _warned_cpu_float16
+    placed = [node for function in functions for node in function.node_def if node.op in lists.allow]
+    if placed and all("CPU" in node.device.upper() for node in placed):
+        _warned_cpu_float16 = True
+        warnings.warn(
+            f"amp_rewrite: float16 rewrites GPU or unplaced nodes only, and {name}'s {placed[0].op} ops are placed on"
+            " a CPU (as MirroredStrategy on CPUs places them), so it runs in float32; use target='bfloat16' on"
+            " CPUs. (Shown once.)", stacklevel=3)
 
 
 def tensorflow_version() -> tuple[int, int]:

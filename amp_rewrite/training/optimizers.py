@@ -16,11 +16,13 @@ that arithmetic, so this module only picks the right one and maps the seed API's
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
@@ -60,7 +62,8 @@ def plan_loss_scale(loss_scale: Any) -> ScalePlan:
         return ScalePlan(True, float(loss_scale.initial_loss_scale), int(loss_scale.increment_period))
     if isinstance(loss_scale, v1.FixedLossScale):
         return ScalePlan(dynamic=False, initial_scale=float(loss_scale()))
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    # numbers.Real covers NumPy scalars (np.float32(128)) too; a bool is no scale.
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, (bool, np.bool_)):
         if not math.isfinite(loss_scale) or loss_scale <= 0:
             raise ValueError(f"a fixed loss_scale must be a positive finite number, got {loss_scale!r}")
         return ScalePlan(dynamic=False, initial_scale=float(loss_scale))
