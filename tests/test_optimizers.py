@@ -800,19 +800,35 @@ _MIRRORED_SCRIPT = textwrap.dedent(
         registered = [(n.device, types_pb2.DataType.Name(n.attr["T"].type)) for n in body.node_def if n.op == "MatMul"]
         result[",".join(map(str, bad))] = {"states": states, "registered": registered, "executed": executed}
         amp_rewrite.disable_mixed_precision_graph_rewrite()
-    print("RESULT " + json.dumps(result))
+
+    import warnings
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two traces, one warning
+            tf.function(lambda: strategy.run(lambda: model(x)))()
+    warned = [str(w.message) for w in caught if "amp_rewrite" in str(w.message)]
+    print("RESULT " + json.dumps({"cases": result, "float16_warnings": warned}))
     """
 )
 
 
 @pytest.fixture(scope="module")
-def mirrored() -> dict:
+def mirrored_report() -> dict:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300,
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"the MirroredStrategy script failed:\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def mirrored(mirrored_report: dict) -> dict:
+    """The bad-replica cases, by which replicas were bad ("0", "1", "0,1")."""
+    return mirrored_report["cases"]
 
 
 def test_mirrored_step_runs_rewritten_on_both_replicas(mirrored):
@@ -843,6 +859,13 @@ def test_mirrored_replicas_skip_a_bad_step_together(mirrored, bad):
         assert all(math.isfinite(v) for row in state["kernel"][0] for v in row), f"non-finite weights: {state}"
     assert after["kernel"] != skipped["kernel"]
     assert after["scale"] == [16384.0, 16384.0] and after["iterations"] == 2
+
+
+def test_float16_under_mirrored_strategy_on_cpus_warns_once(mirrored_report):
+    """MirroredStrategy places every replica's ops on a CPU, which float16 never converts: the
+    first such trace says so and points to bfloat16; the next is silent."""
+    (message,) = mirrored_report["float16_warnings"]
+    assert "placed on a CPU" in message and "target='bfloat16'" in message
 
 
 def test_keras_scale_never_drops_below_one_nor_overflows():
