@@ -210,9 +210,12 @@ def _keras3_step(model: keras.Model, opt: optimizers.LossScaleOptimizer) -> Call
 def test_unscaled_gradients_read_elsewhere_do_not_change_how_a_step_applies(monitor):
     """Whether ``apply`` unscales is decided from the gradients passed to it: a monitoring
     tf.function that calls ``get_unscaled_gradients`` before every Keras-3-style step
-    leaves the steps as they are without it (6 applied, scale 2**15, same weights)."""
+    (float16, SGD) leaves the steps as they are without it: 6 applied, scale 2**15, the same
+    weights. (Decided from a flag, the step re-scaled its scaled gradients: float16 overflow,
+    every step skipped.)"""
     model = _keras_model()
-    opt = optimizers.wrap_optimizer(keras.optimizers.Adam(0.01))
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    opt.build(model.trainable_variables)  # built: each function is traced once
     x, y = _regression_data()
 
     @tf.function
@@ -237,7 +240,9 @@ def test_unscaled_gradients_read_elsewhere_do_not_change_how_a_step_applies(moni
 
 
 def _keras3_step_loop(model: keras.Model, steps: int = 6) -> None:
-    step = _keras3_step(model, optimizers.wrap_optimizer(keras.optimizers.Adam(0.01)))
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    opt.build(model.trainable_variables)
+    step = _keras3_step(model, opt)
     for _ in range(steps):
         step()
 
