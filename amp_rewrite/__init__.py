@@ -2,13 +2,15 @@
 
 The public API is the names in ``__all__``; everything else is private. Names are loaded
 on first use, so ``amp-rewrite`` can quiet TensorFlow's start-up logging before
-TensorFlow is imported.
+TensorFlow is imported. The Keras optimizer wrapper is registered with Keras' saving as
+soon as Keras loads, so ``import amp_rewrite`` is enough to load a ``.keras`` file.
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from amp_rewrite.training.registration import register_when_keras_loads
 from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
@@ -54,3 +56,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+register_when_keras_loads()

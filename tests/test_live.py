@@ -29,6 +29,7 @@ import tensorflow as tf
 import tf_keras
 from conftest import TARGET_TO_TOLERANCE, TARGETS
 from tensorflow.core.framework import types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.python.eager import context
 
 import amp_rewrite
@@ -246,6 +247,51 @@ def test_function_traced_before_enabling_stays_float32(target, matmul_inputs):
     assert LOW_PRECISION_MIN_ERROR < error < TARGET_TO_TOLERANCE[target]
 
 
+def _relu_of_nested(inner: Callable) -> Callable:
+    def outer(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        return tf.nn.relu(inner(a, b)) * 2.0
+
+    return outer
+
+
+def _called_functions(name: str) -> list:
+    """The FunctionDefs the registered function ``name`` calls directly."""
+    ctx = context.context()
+    return [ctx.get_function_def(node.attr["f"].func.name) for node in ctx.get_function_def(name).node_def
+            if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
+
+
+@pytest.mark.parametrize("cross_function", [False, True], ids=["per-function", "cross_function"])
+def test_shared_nested_function_is_rewritten_as_a_private_copy(cross_function, matmul_inputs):
+    """A nested tf.function called by a function traced before enabling and by one traced
+    after: the later caller runs a rewritten private copy (with cross_function, its result
+    is bfloat16: the signature changed), the earlier one keeps calling the float32 original
+    and returns exactly what it did; after ``disable_…`` a new trace calls the original."""
+    a, b, expected = matmul_inputs
+    outer = _relu_of_nested(tf.function(_matmul))
+    before = tf.function(outer)
+    first = before(a, b).numpy()
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16",
+                                                     cross_function=cross_function)
+    assert live.active().cross_function is cross_function
+    after = tf.function(outer)
+    after_name = live.compat_name(after.get_concrete_function(a, b).name)
+    (copy,) = _called_functions(after_name)
+    assert copy.signature.name.endswith(f"_amp_{after_name}")
+    output_type = types_pb2.DataType.Name(copy.signature.output_arg[0].type)
+    assert output_type == ("DT_BFLOAT16" if cross_function else "DT_FLOAT")
+    (original,) = _called_functions(live.compat_name(before.get_concrete_function(a, b).name))
+    assert types_pb2.DataType.Name(original.signature.output_arg[0].type) == "DT_FLOAT"
+
+    assert_all_low(executed_compute(lambda: after(a, b)), "bfloat16", {"MatMul"})
+    assert_all_float32(registered_compute([live.compat_name(before.get_concrete_function(a, b).name)]))
+    np.testing.assert_array_equal(before(a, b).numpy(), first)  # it ran before: no new partition graphs
+    error = relative_error(after(a, b).numpy(), 2.0 * np.maximum(expected, 0))
+    assert LOW_PRECISION_MIN_ERROR < error < TARGET_TO_TOLERANCE["bfloat16"]
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    assert_all_float32(executed_compute(lambda: tf.function(outer)(a, b)))
+
+
 def test_disable_stops_rewriting_new_traces(matmul_inputs):
     """After disable_…, new traces stay float32; a function rewritten before stays rewritten.
     Disabling twice warns that nothing is enabled."""
@@ -443,6 +489,57 @@ def test_unknown_target_is_rejected_and_nothing_is_enabled():
     assert live.active() is None
 
 
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, np.float16], ids=["tf.float16", "tf.bfloat16", "np.float16"])
+def test_a_dtype_names_its_target(dtype):
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=dtype)
+    assert live.active().target == tf.as_dtype(dtype).name
+
+
+def test_a_dtype_that_is_no_target_says_which_to_use():
+    with pytest.raises(ValueError, match=r"unknown target 'int32'; use one of float16, bfloat16"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=tf.int32)
+    assert live.active() is None
+
+
+def test_enabling_again_with_another_target_warns():
+    """Switching target while enabled warns (earlier traces keep theirs); the same target again,
+    or a switch after disable_…, is silent."""
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with pytest.warns(UserWarning, match="enabled for bfloat16 and is now enabled for float16"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    assert live.active().target == "float16"
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+
+
+def test_float16_with_every_matmul_on_a_cpu_warns_once(monkeypatch, matmul_inputs):
+    """float16 converts GPU or unplaced nodes only; a trace whose MatMuls are all placed on a CPU
+    (as MirroredStrategy on CPUs places them) runs in float32 and warns, once per process;
+    an unplaced MatMul is rewritten and does not warn."""
+    monkeypatch.setattr(live, "_warned_cpu_float16", False)
+    a, b, _ = matmul_inputs
+
+    def on_cpu(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        with tf.device("/CPU:0"):
+            return tf.matmul(a, b)
+
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_all_low(executed_compute(lambda: tf.function(_matmul)(a, b)), "float16", {"MatMul"})
+    with pytest.warns(UserWarning, match="placed on a CPU .* use target='bfloat16'"):
+        first = tf.function(on_cpu)
+        assert_all_float32(executed_compute(lambda: first(a, b)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf.function(on_cpu)(a, b)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_keras_mixed_policy_before_enabling_is_an_error(policy):
     """A global Keras 3 mixed policy and the graph rewrite must not both cast: ValueError that
@@ -539,3 +636,36 @@ def test_detected_target_is_used(monkeypatch, matmul_inputs):
     assert live.active().target == "bfloat16"
     late = tf.function(_matmul)
     assert_all_low(executed_compute(lambda: late(a, b)), "bfloat16", {"MatMul"})
+
+
+# --------------------------------------------------------------------------------------
+# Exporting
+
+
+def _saved_compute(path: Path) -> list[ComputeNode]:
+    """MatMul/Conv2D nodes of every function in a SavedModel (what TF Serving would run)."""
+    proto = saved_model_pb2.SavedModel.FromString((path / "saved_model.pb").read_bytes())
+    return [node for graph in proto.meta_graphs for function in graph.graph_def.library.function
+            for node in _compute_nodes(function.signature.name, function.node_def)]
+
+
+def test_export_after_enabling_is_low_precision_and_float32_after_disabling(tmp_path):
+    """``model.export`` traces new functions, so while the rewrite is on the SavedModel computes
+    in bfloat16 (and loads and serves, with the private copies it calls); exported after
+    ``disable_…`` it is float32 again — the README's recipe for a float32 export."""
+    model = build_model("mlp")
+    compile_model(model, amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.05), target="bfloat16"))
+    x, y = model_data("mlp")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    expected = model.predict(x, verbose=0)
+    model.export(tmp_path / "low", verbose=False)
+    assert_all_low(_saved_compute(tmp_path / "low"), "bfloat16", {"MatMul"})
+    low = tf.saved_model.load(str(tmp_path / "low"))  # held: serve() needs its variables
+    served = low.serve(x).numpy()
+    assert relative_error(served, expected) < TARGET_TO_TOLERANCE["bfloat16"]
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    model.export(tmp_path / "float32", verbose=False)
+    assert_all_float32(_saved_compute(tmp_path / "float32"))
+    exported = tf.saved_model.load(str(tmp_path / "float32"))
+    float32 = exported.serve(x).numpy()
+    np.testing.assert_allclose(float32, model(x).numpy(), rtol=1e-5, atol=1e-6)

@@ -193,6 +193,72 @@ def test_keras_custom_loop_skips_bad_steps_and_recovers(make_step):
     _check_fault_sequence(snapshots)
 
 
+def _keras3_step(model: keras.Model, opt: optimizers.LossScaleOptimizer) -> Callable:
+    """A Keras-3-style step: ``scale_loss``, then ``apply`` with the scaled gradients."""
+    x, y = _regression_data()
+
+    @tf.function
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(tf.reduce_mean((model(x) - y) ** 2))
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+    return step
+
+
+@pytest.mark.parametrize("monitor", [False, True], ids=["alone", "after-monitoring"])
+def test_unscaled_gradients_read_elsewhere_do_not_change_how_a_step_applies(monitor):
+    """Whether ``apply`` unscales is decided from the gradients passed to it: a monitoring
+    tf.function that calls ``get_unscaled_gradients`` before every Keras-3-style step
+    (float16, SGD) leaves the steps as they are without it: 6 applied, scale 2**15, the same
+    weights. (Decided from a flag, the step re-scaled its scaled gradients: float16 overflow,
+    every step skipped.)"""
+    model = _keras_model()
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    opt.build(model.trainable_variables)  # built: each function is traced once
+    x, y = _regression_data()
+
+    @tf.function
+    def gradient_norm() -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_mean((model(x) - y) ** 2))
+        return tf.linalg.global_norm(opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables)))
+
+    step = _keras3_step(model, opt)
+    norms = []
+    for _ in range(6):
+        if monitor:
+            norms.append(float(gradient_norm()))
+        step()
+    assert (int(opt.iterations.numpy()), float(opt.loss_scale)) == (6, 2.0**15)
+    if monitor:
+        assert all(math.isfinite(n) and 0 < n < 10 for n in norms), norms
+        alone = _keras_model()
+        _keras3_step_loop(alone)
+        for w, expected in zip(model.trainable_variables, alone.trainable_variables):
+            np.testing.assert_allclose(w.numpy(), expected.numpy(), rtol=1e-6)
+
+
+def _keras3_step_loop(model: keras.Model, steps: int = 6) -> None:
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    opt.build(model.trainable_variables)
+    step = _keras3_step(model, opt)
+    for _ in range(steps):
+        step()
+
+
+def test_apply_with_some_unscaled_gradients_says_what_to_pass():
+    """Half the gradients from ``get_unscaled_gradients`` and half not is ambiguous: an error."""
+    w1, w2 = tf.Variable([1.0]), tf.Variable([2.0])
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1))
+    opt.build([w1, w2])
+    unscaled = opt.get_unscaled_gradients([tf.constant([2.0**15]), tf.constant([2.0**15])])  # → 1.0 each
+    with pytest.raises(ValueError, match="get_unscaled_gradients\\(\\) returned"):
+        opt.apply([unscaled[0], tf.constant([2.0**15])], [w1, w2])
+    opt.apply(unscaled, [w1, w2])  # all unscaled: applied as is
+    np.testing.assert_allclose([w1.numpy()[0], w2.numpy()[0]], [0.9, 1.9], rtol=1e-6)
+
+
 def test_keras_fit_skips_bad_batches_and_recovers():
     """model.fit scales the loss itself (Keras 3's trainer calls scale_loss): poisoned
     batches 1-3 are skipped, the scale halves per batch, batches 4-5 train."""
@@ -338,8 +404,10 @@ DYNAMIC_2 = dict(initial_loss_scale=64, increment_period=2)
         (None, optimizers.ScalePlan(False, 1.0)),
         (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), optimizers.ScalePlan(True, 64.0, 2)),
         (tf.compat.v1.mixed_precision.FixedLossScale(256), optimizers.ScalePlan(False, 256.0)),
+        (np.float32(128), optimizers.ScalePlan(False, 128.0)),
+        (np.int64(64), optimizers.ScalePlan(False, 64.0)),
     ],
-    ids=["dynamic", "int", "float", "None", "v1-dynamic", "v1-fixed"],
+    ids=["dynamic", "int", "float", "None", "v1-dynamic", "v1-fixed", "np.float32", "np.int64"],
 )
 def test_loss_scale_argument_plans(loss_scale, expected):
     """Each accepted form of loss_scale means one dynamic or fixed scale."""
@@ -473,12 +541,15 @@ HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no s
         (INF, ValueError, "got inf", "must be a positive finite number"),
         (NAN, ValueError, "got nan", "must be a positive finite number"),
         (True, TypeError, "cannot interpret loss_scale=True (bool)", HELP),
+        (np.bool_(True), TypeError, "cannot interpret loss_scale=", HELP),
+        (np.float32(-2), ValueError, "got np.float32(-2.0)", "must be a positive finite number"),
         ([128], TypeError, "cannot interpret loss_scale=[128] (list)", HELP),
         (tf.constant(128.0), TypeError, "cannot interpret loss_scale=", HELP),
         (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "DynamicLossScale(multiplier=3.0)",
          "use multiplier=2"),
     ],
-    ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "list", "tensor", "multiplier"],
+    ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "np.bool_", "np-negative", "list",
+         "tensor", "multiplier"],
 )
 def test_bad_loss_scale_says_what_to_pass(loss_scale, error, what, hint):
     """Every rejected loss_scale names the bad value and says what to pass; nothing is enabled."""
@@ -602,6 +673,52 @@ def test_keras_model_save_and_load_keep_the_wrapper_and_its_state(tmp_path):
     assert (float(restored.loss_scale), int(restored.step_counter.numpy())) == (64.0, 2)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A new process that imports nothing of amp_rewrite but the package, then Keras.
+_LOAD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import amp_rewrite
+    import keras
+    import numpy as np
+
+    model = keras.models.load_model(sys.argv[1])
+    opt = model.optimizer
+    state = lambda: [type(opt).__module__ + "." + type(opt).__name__, float(opt.loss_scale),
+                     int(opt.step_counter.numpy()), int(opt.iterations.numpy())]
+    loaded = state()
+    x, y = np.load(sys.argv[2])["x"], np.load(sys.argv[2])["y"]
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    print("RESULT " + json.dumps({"loaded": loaded, "resumed": state()}))
+    """
+)
+
+
+def run_fresh_python(script: str, *args: str, timeout: int = 300) -> dict:
+    """Run ``script`` in a new Python with this checkout first on the path; its ``RESULT`` line."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"the script failed:\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_keras_file_loads_in_a_new_process_after_import_amp_rewrite(tmp_path):
+    """``import amp_rewrite`` alone registers the wrapper: a new process loads the ``.keras``
+    file with its class, scale 64, counter 1 and 5 iterations, and resumes training
+    (counter 1 → 2, iterations 5 → 6; the scale grows only after 3 finite steps)."""
+    model, opt = _trained_keras()
+    saved = _state(opt)
+    model.save(tmp_path / "model.keras")
+    x, y = _regression_data()
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    result = run_fresh_python(_LOAD_SCRIPT, str(tmp_path / "model.keras"), str(tmp_path / "data.npz"))
+    assert result["loaded"] == ["amp_rewrite.training.keras_optimizer.LossScaleOptimizer", *saved[:3]]
+    assert result["resumed"][1:] == [saved[0], saved[1] + 1, saved[2] + 1]
+
+
 def test_fixed_scale_round_trips_through_keras_saving(tmp_path):
     """A fixed scale stays fixed after load_model (``fixed`` is in get_config)."""
     model = _keras_model()
@@ -688,19 +805,35 @@ _MIRRORED_SCRIPT = textwrap.dedent(
         registered = [(n.device, types_pb2.DataType.Name(n.attr["T"].type)) for n in body.node_def if n.op == "MatMul"]
         result[",".join(map(str, bad))] = {"states": states, "registered": registered, "executed": executed}
         amp_rewrite.disable_mixed_precision_graph_rewrite()
-    print("RESULT " + json.dumps(result))
+
+    import warnings
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two traces, one warning
+            tf.function(lambda: strategy.run(lambda: model(x)))()
+    warned = [str(w.message) for w in caught if "amp_rewrite" in str(w.message)]
+    print("RESULT " + json.dumps({"cases": result, "float16_warnings": warned}))
     """
 )
 
 
 @pytest.fixture(scope="module")
-def mirrored() -> dict:
+def mirrored_report() -> dict:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300,
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"the MirroredStrategy script failed:\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def mirrored(mirrored_report: dict) -> dict:
+    """The bad-replica cases, by which replicas were bad ("0", "1", "0,1")."""
+    return mirrored_report["cases"]
 
 
 def test_mirrored_step_runs_rewritten_on_both_replicas(mirrored):
@@ -731,6 +864,13 @@ def test_mirrored_replicas_skip_a_bad_step_together(mirrored, bad):
         assert all(math.isfinite(v) for row in state["kernel"][0] for v in row), f"non-finite weights: {state}"
     assert after["kernel"] != skipped["kernel"]
     assert after["scale"] == [16384.0, 16384.0] and after["iterations"] == 2
+
+
+def test_float16_under_mirrored_strategy_on_cpus_warns_once(mirrored_report):
+    """MirroredStrategy places every replica's ops on a CPU, which float16 never converts: the
+    first such trace says so and points to bfloat16; the next is silent."""
+    (message,) = mirrored_report["float16_warnings"]
+    assert "placed on a CPU" in message and "target='bfloat16'" in message
 
 
 def test_keras_scale_never_drops_below_one_nor_overflows():

@@ -6,7 +6,8 @@ rewrites that FunctionDef and the library functions it calls (loop bodies, branc
 nested calls) and registers the rewritten ones under the same names, so every call —
 custom training loops, ``model.fit``/``evaluate``/``predict``, and ``jit_compile=True``
 functions, which XLA compiles from the registered body — runs them. Functions traced
-before enabling keep their old bodies.
+before enabling keep their old bodies. A ``tf.compat.v1.Session`` created while the
+rewrite is on runs a rewritten copy of its graph instead (``session``).
 """
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import function_pb2, graph_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
 from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import transform
+from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
-from amp_rewrite.training import optimizers
+from amp_rewrite.training import optimizers, session
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
@@ -51,6 +52,7 @@ class LiveRewrite:
 
 _active: LiveRewrite | None = None
 _warned_policy = False
+_warned_cpu_float16 = False
 
 
 def active() -> LiveRewrite | None:
@@ -93,7 +95,18 @@ def _mixed_keras_policy() -> str | None:
     return name if name.startswith("mixed") else None
 
 
-def start(target: str | None, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
+def target_name(target: Any) -> Any:
+    """``tf.float16``/``tf.bfloat16`` (or a NumPy dtype) as the target's name; other values unchanged,
+    for ``lookup_target`` to refuse with the names to use."""
+    if isinstance(target, str) or target is None:
+        return target
+    try:
+        return tf.as_dtype(target).name
+    except TypeError:
+        return target
+
+
+def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
     """Rewrite every new trace from now on; returns the settings, or None if it stays off."""
     global _active
     policy = _mixed_keras_policy()
@@ -111,9 +124,12 @@ def start(target: str | None, lists: Any = None, cross_function: bool = False) -
             return None
         log.info("amp_rewrite: rewriting to %s (%s)", target, why)
     else:
-        target = lookup_target(target).name  # None above: detect it
+        target = lookup_target(target_name(target)).name  # None above: detect it
     _active = LiveRewrite(target, load_lists(target, lists), cross_function)
+    # The flag makes tf_keras refuse a mixed policy; the Sessions it would turn grappler's own
+    # AMP on in run our rewrite instead (session.py).
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
+    session.install(active)
     if _on_new_function not in transform.CONCRETE_FUNCTION_CALLBACKS:
         transform.CONCRETE_FUNCTION_CALLBACKS.append(_on_new_function)
     return _active
@@ -126,17 +142,28 @@ def stop() -> None:
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(False)
 
 
-def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: str | None = None) -> Any:
+def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: Any = None,
+                                         cross_function: bool = False) -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``:
     ``"dynamic"`` (2**15, ×2 after 2000 finite steps, ÷2 and skip on a non-finite step), a
     number (fixed), a ``tf.compat.v1.mixed_precision.DynamicLossScale``/``FixedLossScale``,
-    or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"``, or
-    None to pick from the hardware (the rewrite stays off, with a warning, when neither fits).
+    or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"`` (or
+    ``tf.float16``/``tf.bfloat16``), or None to pick from the hardware (the rewrite stays off,
+    with a warning, when neither fits). Enabling again with another target warns.
+    ``cross_function``: paint across call and loop boundaries (``rewrite_graph_def``'s
+    option); the functions a trace calls are then rewritten into private copies of its own.
     """
     wrapped = optimizers.wrap_optimizer(opt, loss_scale)
-    start(target)
+    before = _active
+    settings = start(target, cross_function=cross_function)
+    if before is not None and settings is not None and settings.target != before.target:
+        warnings.warn(
+            f"amp_rewrite: the rewrite was enabled for {before.target} and is now enabled for {settings.target}:"
+            f" functions traced from now on are rewritten to {settings.target}, those traced before keep"
+            f" {before.target}; call disable_mixed_precision_graph_rewrite() first to switch without this warning",
+            stacklevel=2)
     return wrapped
 
 
@@ -180,10 +207,79 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
     return graph_def
 
 
-def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: LiveRewrite) -> int:
-    """Rewrite the registered function ``name`` and its callees in the eager context.
+def _renamed_calls(function: function_pb2.FunctionDef, old_to_new: Mapping[str, str]) -> function_pb2.FunctionDef:
+    """A copy of ``function`` calling ``old_to_new``'s new names (call ops and func attrs)."""
+    copy = function_pb2.FunctionDef()
+    copy.CopyFrom(function)
 
-    Returns how many functions were replaced. The signature of ``name`` never changes.
+    def rename(value: attr_value_pb2.AttrValue) -> None:
+        funcs = ([value.func] if value.HasField("func") else []) + list(value.list.func)
+        for func in funcs:
+            func.name = old_to_new.get(func.name, func.name)
+            for nested in func.attr.values():
+                rename(nested)
+
+    for node in copy.node_def:
+        node.op = old_to_new.get(node.op, node.op)
+        for value in node.attr.values():
+            rename(value)
+    return copy
+
+
+def private_name(name: str, owner: str) -> str:
+    """The name of ``owner``'s private copy of ``name`` (owners' names are unique per trace)."""
+    return f"{name}_amp_{owner}"
+
+
+def private_copies(
+    owner: str, original: Mapping[str, function_pb2.FunctionDef], rewritten: Mapping[str, function_pb2.FunctionDef]
+) -> list[function_pb2.FunctionDef]:
+    """The functions to register for ``owner``'s rewrite: ``owner`` itself, same name, and a
+    private copy, named after ``owner``, of every library function it changed.
+
+    A nested function is shared: callers traced earlier (before enabling, or under another
+    rewrite) call it by name, and with ``cross_function`` its signature may change, so it is
+    never replaced in place. A function that calls a changed one changes too, to call the copy.
+    """
+    def callees(function: function_pb2.FunctionDef) -> set[str]:
+        names = set()
+
+        def collect(value: attr_value_pb2.AttrValue) -> None:
+            for func in ([value.func] if value.HasField("func") else []) + list(value.list.func):
+                names.add(func.name)
+                for nested in func.attr.values():
+                    collect(nested)
+
+        for node in function.node_def:
+            names.add(node.op)
+            for value in node.attr.values():
+                collect(value)
+        return names & set(rewritten)
+
+    changed = {name for name, function in rewritten.items() if function != original[name]}
+    name_to_callees = {name: callees(function) for name, function in rewritten.items()}
+    while True:  # callers of changed functions change too
+        more = {name for name, called in name_to_callees.items() if called & changed} - changed
+        if not more:
+            break
+        changed |= more
+    old_to_new = {name: private_name(name, owner) for name in sorted(changed) if name != owner}
+    copies = []
+    for name in sorted(changed):
+        function = _renamed_calls(rewritten[name], old_to_new)
+        function.signature.name = old_to_new.get(name, name)
+        copies.append(function)
+    return copies
+
+
+def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: LiveRewrite,
+                                atomic: Any = None) -> int:
+    """Rewrite the registered function ``name`` in the eager context; its callees are rewritten
+    into private copies (``private_copies``) that only the new ``name`` calls.
+
+    Returns how many functions were registered. The signature of ``name`` never changes.
+    ``atomic``: ``name``'s AtomicFunction, whose children (the functions copied into a graph
+    or SavedModel with it) gain the copies, which then live as long as it does.
     """
     ctx = context.context()
     function = ctx.get_function_def(name)
@@ -191,17 +287,35 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
     result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=settings.lists,
                                cross_function=settings.cross_function, entry_functions=[name])
     original = {f.signature.name: f for f in graph_def.library.function}
-    replaced = 0
-    for rewritten in result.graph_def.library.function:
-        function_name = rewritten.signature.name
-        if rewritten == original[function_name]:
-            continue
-        if ctx.has_function(function_name):
-            ctx.remove_function(function_name)
-        ctx.add_function_def(rewritten)
-        replaced += 1
+    rewritten = {f.signature.name: f for f in result.graph_def.library.function}
+    copies = private_copies(name, original, rewritten)
+    copy_to_original = {private_name(f, name): f for f in rewritten}
+    for copy in copies:
+        copy_name = copy.signature.name
+        if copy_name == name:
+            ctx.remove_function(name)
+            ctx.add_function_def(copy)
+        elif not ctx.has_function(copy_name):
+            ctx.add_function_def(copy)
+            if atomic is not None:
+                atomic.children.append(atomic_function.AtomicFunction(
+                    copy_name, ctx, _child_type(atomic, copy_to_original[copy_name])))
     log.debug("amp_rewrite: %s: %s", name, result.report.summary())
-    return replaced
+    return len(copies)
+
+
+def _child_type(atomic: Any, original_name: str) -> Any:
+    """The FunctionType of ``atomic``'s child ``original_name`` (a copy's dtypes may differ
+    under cross_function; the type is kept only as the children's other entries have one)."""
+    for child in atomic.children:
+        if child.name == original_name.encode():
+            return child.function_type
+    return None
+
+
+def compat_name(name: bytes | str) -> str:
+    """A function name as ``str`` (TensorFlow hands out ``bytes`` and ``str``)."""
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _on_new_function(concrete_function: Any) -> None:
@@ -215,13 +329,32 @@ def _on_new_function(concrete_function: Any) -> None:
                       " the two must not be combined", stacklevel=2)
     function_def = concrete_function.function_def
     name = function_def.signature.name
-    if function_def.attr["_XlaMustCompile"].b and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
+    # ``in`` first: indexing the map would insert an empty attr into TensorFlow's cached
+    # definition, which it copies onto call ops (model.export then fails to bind it).
+    jit_compile = "_XlaMustCompile" in function_def.attr and function_def.attr["_XlaMustCompile"].b
+    if jit_compile and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
         warnings.warn(
             f"amp_rewrite: TensorFlow {tf.__version__} compiles a jit_compile=True function called on its own from"
             f" the body as traced, so {name} may run in float32; use TensorFlow"
             f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
-    rewrite_registered_function(name, library, settings)
+    changed = rewrite_registered_function(name, library, settings,
+                                          getattr(concrete_function, "_inference_function", None))
+    if not changed and settings.target == "float16" and not _warned_cpu_float16:
+        _warn_if_cpu_placed(name, [function_def, *library.function], settings.lists)
+
+
+def _warn_if_cpu_placed(name: str, functions: list[function_pb2.FunctionDef], lists: OpLists) -> None:
+    """float16 converts GPU or unplaced nodes only (spec §1.5): a trace whose allow-list ops are
+    all placed on a CPU — as MirroredStrategy on CPUs places them — runs in float32. Say so once."""
+    global _warned_cpu_float16
+    placed = [node for function in functions for node in function.node_def if node.op in lists.allow]
+    if placed and all("CPU" in node.device.upper() for node in placed):
+        _warned_cpu_float16 = True
+        warnings.warn(
+            f"amp_rewrite: float16 rewrites GPU or unplaced nodes only, and {name}'s {placed[0].op} ops are placed on"
+            " a CPU (as MirroredStrategy on CPUs places them), so it runs in float32; use target='bfloat16' on"
+            " CPUs. (Shown once.)", stacklevel=3)
 
 
 def tensorflow_version() -> tuple[int, int]:

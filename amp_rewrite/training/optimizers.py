@@ -6,8 +6,9 @@ the scale lowered. Each optimizer family already ships a well-kept implementatio
 that arithmetic, so this module only picks the right one and maps the seed API's
 ``loss_scale`` argument onto it:
 
-* Keras 3 → ``keras.mixed_precision.LossScaleOptimizer`` (subclassed below only to add
-  a fixed scale and the tf_keras-style ``get_scaled_loss``/``get_unscaled_gradients``);
+* Keras 3 → ``keras.mixed_precision.LossScaleOptimizer`` (subclassed in
+  ``keras_optimizer`` only to add a fixed scale and the tf_keras-style
+  ``get_scaled_loss``/``get_unscaled_gradients``);
 * tf_keras (Keras 2) → ``tf_keras.mixed_precision.LossScaleOptimizer`` (a fixed scale is
   tf_keras' own ``dynamic=False``, which, as tf_keras documents, applies every step);
 * ``tf.compat.v1.train.Optimizer`` → ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``.
@@ -15,15 +16,18 @@ that arithmetic, so this module only picks the right one and maps the seed API's
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.util import deprecation
 
-DEFAULT_INITIAL_SCALE = 2.0**15
-DEFAULT_GROWTH_STEPS = 2000
+from amp_rewrite.training.keras_optimizer import DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer
+
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
 LOSS_SCALE_HELP = (
     'pass loss_scale="dynamic", a positive number (a fixed scale), None (no scaling), or a '
@@ -58,98 +62,12 @@ def plan_loss_scale(loss_scale: Any) -> ScalePlan:
         return ScalePlan(True, float(loss_scale.initial_loss_scale), int(loss_scale.increment_period))
     if isinstance(loss_scale, v1.FixedLossScale):
         return ScalePlan(dynamic=False, initial_scale=float(loss_scale()))
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    # numbers.Real covers NumPy scalars (np.float32(128)) too; a bool is no scale.
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, (bool, np.bool_)):
         if not math.isfinite(loss_scale) or loss_scale <= 0:
             raise ValueError(f"a fixed loss_scale must be a positive finite number, got {loss_scale!r}")
         return ScalePlan(dynamic=False, initial_scale=float(loss_scale))
     raise TypeError(f"cannot interpret loss_scale={loss_scale!r} ({type(loss_scale).__name__}); {LOSS_SCALE_HELP}")
-
-
-@keras.saving.register_keras_serializable(package="amp_rewrite")
-class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
-    """Keras 3's loss-scale optimizer, plus a fixed scale and the seed API's methods.
-
-    ``apply_gradients`` keeps Keras 3's contract (it takes *scaled* gradients, as
-    ``model.fit`` passes them); after ``get_unscaled_gradients`` in the same step it takes
-    the unscaled ones instead, as the tf_keras API did.
-    """
-
-    def __init__(self, inner_optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
-                 dynamic_growth_steps=DEFAULT_GROWTH_STEPS, fixed=False, name=None, **kwargs):
-        super().__init__(inner_optimizer, initial_scale=initial_scale,
-                         dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
-        self.fixed = fixed
-        self._unscaled_by_caller = False
-
-    @property
-    def loss_scale(self):
-        """The current scale (a scalar tensor; the initial one before the first step)."""
-        if not self.built:
-            return tf.constant(self.initial_scale, tf.float32)
-        return tf.convert_to_tensor(self.dynamic_scale)
-
-    def get_scaled_loss(self, loss):
-        return self.scale_loss(loss)
-
-    def get_unscaled_gradients(self, grads):
-        self._unscaled_by_caller = True
-        scale = self.loss_scale
-        return [None if g is None else g / tf.cast(scale, g.dtype) for g in grads]
-
-    def apply(self, grads, trainable_variables=None):
-        if self._unscaled_by_caller:
-            # Back to scaled: exact, the scale is a power of two for dynamic scaling.
-            self._unscaled_by_caller = False
-            scale = self.loss_scale
-            grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
-        return super().apply(grads, trainable_variables)
-
-    def minimize(self, loss, var_list, tape=None):
-        """Scale, differentiate, apply: one training step (``loss`` may be a callable)."""
-        tape = tape if tape is not None else tf.GradientTape()
-        if callable(loss):
-            with tape:  # trainable variables are watched automatically
-                loss = loss()
-        # d(scale * loss) = scale * d(loss): seed the backward pass with the scale.
-        grads = tape.gradient(loss, var_list, output_gradients=tf.cast(self.loss_scale, loss.dtype))
-        self.apply(grads, var_list)
-
-    def _tf_apply(self, grads, trainable_variables=None):
-        """Keras decides on replica 0's gradients alone when a merge call is needed, so a
-        NaN on another replica was applied everywhere: decide on all replicas together."""
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            return super()._tf_apply(grads, trainable_variables)
-
-        def apply_everywhere(distribution, grads, trainable_variables):
-            finite_per_replica = distribution.extended.call_for_each_replica(
-                lambda g: tf.cast(self.check_finite(g), tf.float32), args=(grads,))
-            finite_replicas = distribution.reduce(tf.distribute.ReduceOp.SUM, finite_per_replica, axis=None)
-
-            def apply():
-                distribution.extended.call_for_each_replica(
-                    self._stateful_handle_finite_grads, args=(grads, trainable_variables))
-
-            tf.cond(finite_replicas >= distribution.num_replicas_in_sync, apply,
-                    self._stateful_handle_non_finite_grads)
-
-        tf.distribute.get_replica_context().merge_call(apply_everywhere, args=(grads, trainable_variables))
-
-    def _stateful_handle_non_finite_grads(self):
-        if self.fixed:  # a fixed scale still skips the step, but never changes
-            return
-        super()._stateful_handle_non_finite_grads()
-        # Keras halves without a floor; a run of bad steps must not drive the scale below 1
-        # (tf_keras and TF1 stop there too), or good gradients would be scaled *up*.
-        self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, 1.0))
-
-    def _stateful_handle_finite_grads(self, grads, trainable_variables):
-        before = tf.identity(self.dynamic_scale)
-        super()._stateful_handle_finite_grads(grads, trainable_variables)
-        # ... and doubles without a ceiling: keep the last finite scale.
-        self.dynamic_scale.assign(tf.where(tf.math.is_finite(self.dynamic_scale), self.dynamic_scale, before))
-
-    def get_config(self):
-        return {**super().get_config(), "fixed": self.fixed}
 
 
 def _family(opt: Any) -> str:
@@ -210,8 +128,11 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
     # A fixed scale still skips non-finite steps: a dynamic one that never grows or shrinks.
-    scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-        initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
-        multiplier=2 if plan.dynamic else 1,
-    )
+    # TF1's optimizer takes nothing else, so TensorFlow's notice that DynamicLossScale is
+    # deprecated (it points to Keras) would only confuse a v1 user: silenced.
+    with deprecation.silence():
+        scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+            initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
+            multiplier=2 if plan.dynamic else 1,
+        )
     return _V1LossScaleOptimizer(opt, scale)

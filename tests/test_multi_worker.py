@@ -1,0 +1,139 @@
+"""MultiWorkerMirroredStrategy with two local worker processes, bfloat16.
+
+Each worker (``_WORKER``) trains the same model twice — tf_keras ``model.fit`` and a Keras 3
+custom loop with ``strategy.run`` — and on worker 1 alone the loss of step 1 is NaN. A
+non-finite step must be skipped by both workers (the scale halves everywhere, the step
+counter does not advance) and the weights must stay equal across workers. Keras 3
+``model.fit`` under this strategy fails inside Keras itself (README), so it is not run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 4  # step 1 is the bad one on worker 1
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    task, ports = int(sys.argv[1]), sys.argv[2].split(",")
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": task}})
+    import numpy as np
+    import tensorflow as tf
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras, tf_keras
+    import amp_rewrite
+
+    STEPS = int(sys.argv[3])
+    rng = np.random.RandomState(0)
+    x = (0.1 * rng.normal(size=(8 * STEPS, 4))).astype("float32")
+    y = (0.1 * rng.normal(size=(8 * STEPS, 3))).astype("float32")
+    poison = tf.Variable(1.0)  # outside the scope: each worker's own
+    BAD = float("nan") if task == 1 else 1.0
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    report = {}
+
+    # tf_keras model.fit
+    with strategy.scope():
+        tf_keras.utils.set_random_seed(0)
+        model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,))])
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1), target="bfloat16")
+        model.compile(optimizer=opt, loss=lambda t, p: tf.reduce_mean((t - p) ** 2) * poison)
+
+    class Poison(tf_keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            poison.assign(BAD if batch == 1 else 1.0)
+
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).with_options(options)
+    model.fit(data, epochs=1, verbose=0, callbacks=[Poison()])
+    report["tf_keras"] = {"weights": [w.numpy().tolist() for w in model.weights],
+                          "iterations": int(opt.iterations.numpy()), "scale": float(opt.loss_scale.numpy()),
+                          "good_in_a_row": int(opt.dynamic_counter.numpy())}
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+    # Keras 3 custom loop
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="bfloat16")
+        opt.build(model.trainable_variables)
+    batches = iter(strategy.experimental_distribute_dataset(data))
+
+    @tf.function
+    def step(batch):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(tf.reduce_mean((model(xb) - yb) ** 2) * poison)
+            opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        strategy.run(replica_step, args=batch)
+
+    for i in range(STEPS):
+        poison.assign(BAD if i == 1 else 1.0)
+        step(next(batches))
+    report["keras"] = {"weights": [np.asarray(w.numpy()).tolist() for w in model.weights],
+                       "iterations": int(opt.iterations.numpy()), "scale": float(opt.loss_scale.numpy()),
+                       "good_in_a_row": int(opt.step_counter.numpy())}
+    print("RESULT " + json.dumps(report))
+    """
+)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def workers() -> list[dict]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    ports = ",".join(map(str, _free_ports(2)))
+    processes = [subprocess.Popen([sys.executable, "-c", _WORKER, str(task), ports, str(STEPS)], env=env, cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for task in range(2)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=300))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    reports = []
+    for process, (stdout, stderr) in zip(processes, outputs):
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert process.returncode == 0 and lines, f"a worker failed:\n{stderr[-4000:]}"
+        reports.append(json.loads(lines[-1][len("RESULT "):]))
+    return reports
+
+
+# tf_keras counts a skipped step in ``iterations`` (as it documents); Keras 3 does not.
+PATH_TO_ITERATIONS = {"tf_keras": STEPS, "keras": STEPS - 1}
+
+
+@pytest.mark.parametrize("path", ["tf_keras", "keras"], ids=["tf_keras-fit", "keras3-custom-loop"])
+def test_both_workers_skip_one_workers_nan_and_end_equal(workers, path):
+    """A NaN on worker 1 at step 1: both workers skip it — the scale halves (2**15 → 2**14) and
+    the count of finite steps in a row restarts, so it is STEPS - 2 — and their weights are
+    equal and finite."""
+    first, second = (report[path] for report in workers)
+    for report in (first, second):
+        assert (report["iterations"], report["scale"], report["good_in_a_row"]) == (
+            PATH_TO_ITERATIONS[path], 2.0**14, STEPS - 2)
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+        assert np.all(np.isfinite(np.array(a)))
