@@ -10,9 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pwd
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +34,16 @@ import amp_rewrite
 from amp_rewrite.cli import command as cli, savedmodel
 
 from cli_models import (
-    ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,
-    overflow_graph_def, save_module, two_output_graph_def, write_graph_def,
+    ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,
+    graph_def_with_deny_path, hash_tree, overflow_graph_def, save_embedding_module, save_module,
+    save_string_module, save_two_tag_model, two_output_graph_def, write_graph_def,
 )
 
 from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
 
 MODELS = ("keras", "module")
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 UNKNOWN_DIM = 3
 
 
@@ -48,6 +55,14 @@ class Run:
     code: int
     out: str
     err: str
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for ``amp-rewrite`` as a process: this checkout's package first, and
+    TensorFlow's native logging left at its default (the command must quiet it itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return {**env, **extra}
 
 
 def run_cli(*args: object) -> Run:
@@ -339,18 +354,21 @@ def test_inputs_npz_missing_an_array_names_it(workspace: Path, saved_models: Pat
 
 def test_process_exit_1_on_huge_inputs_with_one_quiet_stderr_line(workspace: Path, saved_models: Paths) -> None:
     """The installed ``amp-rewrite``: 1e5 is inf in float16, so validation fails; stderr holds
-    the one error line and none of TensorFlow's native start-up chatter."""
+    the one error line (saying nothing was written) and none of TensorFlow's native start-up
+    chatter. Validation runs before the result is moved into place, so a rerun is not blocked."""
     inputs = workspace / "huge.npz"
     np.savez(inputs, x=np.full((2, 5), 1e5, np.float32), z=np.full((2, 16), 1e5, np.float32))
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    dst = workspace / "huge-out"
     process = subprocess.run(
-        [str(BIN / "amp-rewrite"), "convert", str(saved_models["module"]), str(workspace / "huge-out"),
-         "--inputs", str(inputs)],
-        check=False, capture_output=True, text=True, env=env, timeout=300,
+        [str(BIN / "amp-rewrite"), "convert", str(saved_models["module"]), str(dst), "--inputs", str(inputs)],
+        check=False, capture_output=True, text=True, env=cli_env(), timeout=300,
     )
     assert process.returncode == 1, process.stderr
-    assert process.stderr.splitlines() == ["amp-rewrite: validation failed for 2 output(s); see above"]
+    assert process.stderr.splitlines() == [
+        f"amp-rewrite: validation failed for 2 output(s); see above; nothing was written to {dst}"
+        " (--keep-failed writes it anyway)"]
     assert "FAIL serving_default/y" in process.stdout and "FAIL other/out" in process.stdout
+    assert not dst.exists() and not list(workspace.glob(".huge-out.*"))
 
 
 # --------------------------------------------------------------------------------------
@@ -667,12 +685,360 @@ def test_process_exit_2_with_one_line_and_no_tensorflow_chatter(workspace: Path,
     shutil.copytree(saved_models["module"], src)
     (src / "saved_model.pb").write_bytes((src / "saved_model.pb").read_bytes()[:100])
     before = hash_tree(src)
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     process = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(src), str(workspace / "never")],
-                             check=False, capture_output=True, text=True, env=env, timeout=300)
+                             check=False, capture_output=True, text=True, env=cli_env(), timeout=300)
     assert process.returncode == 2
     lines = process.stderr.splitlines()
     assert len(lines) == 1, process.stderr
     assert lines[0].startswith("amp-rewrite: error: ") and "saved_model.pb" in lines[0], process.stderr
     assert process.stdout == ""
     assert not (workspace / "never").exists() and hash_tree(src) == before
+
+
+# --------------------------------------------------------------------------------------
+# 6. Tag sets: the MetaGraphDef the user names is converted, the others are copied
+
+
+def run_process(*args: object, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``python -m amp_rewrite ARGS`` as a process, from this checkout."""
+    return subprocess.run([sys.executable, "-m", "amp_rewrite", *map(str, args)], check=False,
+                          capture_output=True, text=True, env=cli_env(**env), timeout=timeout)
+
+
+def process_error_line(process: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a process that exited 2."""
+    assert process.returncode == 2, f"exit {process.returncode}; stderr: {process.stderr!r}"
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("amp-rewrite: error: "), process.stderr
+    return lines[0]
+
+
+def meta_graphs_of(saved_model_dir: Path) -> dict[str, Any]:
+    """MetaGraphDefs by their tags (comma-joined)."""
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((saved_model_dir / "saved_model.pb").read_bytes())
+    return {",".join(meta.meta_info_def.tags): meta for meta in saved_model.meta_graphs}
+
+
+def matmul_dtypes(meta: Any) -> list[int]:
+    return [node.attr["T"].type for node in meta.graph_def.node if node.op == "MatMul"]
+
+
+@pytest.fixture(scope="module")
+def two_tag_model(workspace: Path) -> Path:
+    path = workspace / "src" / "two_tags"
+    save_two_tag_model(path)
+    assert list(meta_graphs_of(path)) == list(TWO_TAG_SETS)
+    return path
+
+
+@pytest.mark.parametrize("tag_set", [None, *TWO_TAG_SETS])
+def test_tag_set_chooses_the_meta_graph_converted_and_says_which(
+    workspace: Path, two_tag_model: Path, tag_set: str | None
+) -> None:
+    """Default ``serve`` (what TF Serving loads), although ``train`` comes first in the file;
+    the other MetaGraphDef is byte-identical to the source's, and the output names both."""
+    dst = workspace / f"two-tags-{tag_set}"
+    process = run_process("convert", two_tag_model, dst, *(["--tag-set", tag_set] if tag_set else []))
+    assert process.returncode == 0, process.stderr
+    chosen = tag_set or "serve"
+    other = next(t for t in TWO_TAG_SETS if t != chosen)
+    assert f"MetaGraphDef '{chosen}': converted; '{other}': left as it was" in process.stdout
+    before, after = meta_graphs_of(two_tag_model), meta_graphs_of(dst)
+    assert matmul_dtypes(after[chosen]) == [types_pb2.DT_HALF]
+    assert after[other].SerializeToString(deterministic=True) == before[other].SerializeToString(deterministic=True)
+    shown = subprocess.run([str(BIN / "saved_model_cli"), "show", "--dir", str(dst), "--tag_set", chosen,
+                            "--signature_def", "serving_default"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "DT_FLOAT" in shown.stdout, shown.stderr[-2000:]
+
+
+def test_tag_set_missing_exits_2_naming_the_tag_sets_there(workspace: Path, two_tag_model: Path) -> None:
+    dst = workspace / "two-tags-missing"
+    line = process_error_line(run_process("convert", two_tag_model, dst, "--tag-set", "gpu,serve"))
+    assert "'gpu,serve'" in line and "'train'" in line and "'serve'" in line and "--tag-set" in line, line
+    assert not dst.exists()
+
+
+def test_tag_set_validate_loads_the_chosen_meta_graph(workspace: Path, two_tag_model: Path) -> None:
+    """tf.saved_model.load needs the tags of a two-MetaGraphDef SavedModel: --validate passes them."""
+    process = run_process("convert", two_tag_model, workspace / "two-tags-validated", "--validate", 2)
+    assert process.returncode == 0, process.stderr
+    assert any(l.split()[:2] == ["ok", "serving_default/y:"] for l in process.stdout.splitlines()), process.stdout
+    assert process.stderr == ""
+
+
+# --------------------------------------------------------------------------------------
+# 7. GraphDef outputs
+
+
+def test_graph_def_without_fetch_keeps_its_sinks_dtypes_and_names_them(workspace: Path, graph_files: Paths) -> None:
+    """Identity_1 reads the converted MatMul 'odd': as a sink it stays float32, so the file
+    still returns float32."""
+    dst = workspace / "sinks.pb"
+    run = run_cli("convert", graph_files[".pb"], dst)
+    assert_ok(run)
+    assert "Outputs (no --fetch; the nodes nothing reads keep their dtypes): Identity, Identity_1" in run.out
+    name_to_node = {n.name: n for n in read_graph_def(dst).node}
+    assert name_to_node["odd"].attr["T"].type == types_pb2.DT_HALF
+    assert name_to_node["Identity_1"].attr["T"].type == types_pb2.DT_FLOAT
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(read_graph_def(dst), name="")
+    assert graph.get_tensor_by_name("Identity_1:0").dtype == tf.float32
+
+
+@pytest.mark.parametrize("fetch, mention", [
+    ("odd:1", "outputs 0..0"), ("^odd", "NAME:PORT"), ("odd:x", "NAME:PORT"), ("ghost", "no such node"),
+], ids=["no-such-port", "control", "malformed", "no-such-node"])
+def test_bad_fetch_exits_2_before_writing(workspace: Path, graph_files: Paths, fetch: str, mention: str) -> None:
+    dst = workspace / f"bad-fetch-{fetch.replace('^', 'ctl').replace(':', '-')}.pb"
+    line = error_line(run_cli("convert", graph_files[".pb"], dst, "--fetch", fetch))
+    assert mention in line and fetch in line, line
+    assert not dst.exists()
+
+
+def test_validate_without_outputs_is_refused_before_writing(workspace: Path) -> None:
+    """A graph whose only sink is a NoOp has nothing to compare."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 2], name="x")
+        with tf.control_dependencies([tf.matmul(x, x, name="allow1")]):
+            tf.no_op(name="done")
+    source = write_graph_def(graph.as_graph_def(), workspace / "no_outputs.pb")
+    dst = workspace / "no-outputs-out.pb"
+    line = error_line(run_cli("convert", source, dst, "--validate", 1))
+    assert "--fetch" in line and "no_outputs.pb" in line, line
+    assert not dst.exists()
+
+
+# --------------------------------------------------------------------------------------
+# 8. Inputs checked before anything is written
+
+
+@pytest.fixture(scope="module")
+def input_models(workspace: Path) -> Paths:
+    folder = workspace / "src" / "inputs"
+    folder.mkdir(parents=True)
+    save_embedding_module(folder / "embedding")
+    save_string_module(folder / "text")
+    return {"embedding": folder / "embedding", "text": folder / "text"}
+
+
+def test_float64_inputs_are_cast_with_a_note(workspace: Path, saved_models: Paths) -> None:
+    """numpy's default dtype is float64: the arrays are cast to the signature's float32, said once each."""
+    inputs = workspace / "float64.npz"
+    rng = np.random.default_rng(4)
+    np.savez(inputs, x=rng.standard_normal((2, 5)), z=rng.standard_normal((2, 16)))
+    run = run_cli("convert", saved_models["module"], workspace / "from-float64", "--inputs", inputs)
+    assert_ok(run)
+    notes = [l for l in run.out.splitlines() if l.startswith("Note: float64.npz:") and "float64; cast to float32" in l]
+    assert len(notes) == 2, run.out
+    assert "ok   serving_default/y" in run.out
+
+
+@pytest.mark.parametrize("arrays, mention", [
+    ({"x": np.ones((2, 4), np.float32), "z": np.ones((2, 16), np.float32)}, "shape (2, 4)"),
+    ({"x": np.array([["a"] * 5] * 2), "z": np.ones((2, 16), np.float32)}, "save it as float32"),
+], ids=["wrong-shape", "strings-for-floats"])
+def test_inputs_that_do_not_fit_exit_2_before_writing(
+    workspace: Path, saved_models: Paths, arrays: dict[str, np.ndarray], mention: str
+) -> None:
+    inputs = workspace / f"misfit-{len(mention)}.npz"
+    np.savez(inputs, **arrays)
+    dst = workspace / f"misfit-out-{len(mention)}"
+    line = error_line(run_cli("convert", saved_models["module"], dst, "--validate", 1, "--inputs", inputs))
+    assert mention in line and "'x'" in line and "serving_default" in line, line
+    assert not dst.exists()
+
+
+def test_random_ids_beyond_an_embedding_say_to_pass_inputs(workspace: Path, input_models: Paths) -> None:
+    """Random ids are 0-9 and the table has 3 rows: the source itself fails, so the user is
+    told to pass --inputs, in one line, and nothing is written. Real ids then validate."""
+    dst = workspace / "embedding-out"
+    process = run_process("convert", input_models["embedding"], dst, "--validate", 2)
+    line = process_error_line(process)
+    assert "--inputs" in line and "serving_default" in line, line
+    assert not dst.exists() and not list(workspace.glob(".embedding-out.*"))
+    inputs = workspace / "ids.npz"
+    np.savez(inputs, ids=np.random.default_rng(5).integers(0, EMBEDDING_ROWS, (3, 4)))  # int64: cast with a note
+    run = run_cli("convert", input_models["embedding"], dst, "--inputs", inputs)
+    assert_ok(run)
+    assert "cast to int32" in run.out and "ok   serving_default/y" in run.out
+
+
+def test_string_input_with_random_validation_exits_2_before_writing(workspace: Path, input_models: Paths) -> None:
+    dst = workspace / "text-out"
+    line = error_line(run_cli("convert", input_models["text"], dst, "--validate", 1))
+    assert "'text'" in line and "string" in line and "--inputs" in line, line
+    assert not dst.exists()
+
+
+def test_failed_validation_writes_nothing_unless_keep_failed_and_a_rerun_works(
+    workspace: Path, graph_files: Paths
+) -> None:
+    """The result the tool calls bad is not left in the way: the same command can run again,
+    and --keep-failed writes it (still exit 1, and the line says so)."""
+    overlay = workspace / "allow_exp_rerun.yaml"
+    overlay.write_text("allow: {add: [Exp, Sum]}\ndeny: {remove: [Exp, Sum]}\n", encoding="utf-8")
+    dst = workspace / "rerun.pb"
+    args = ("convert", graph_files["overflow"], dst, "--lists", overlay, "--fetch", OVERFLOW_FETCH, "--validate", 1)
+    for _ in range(2):
+        line = error_line(run_cli(*args), code=1)
+        assert f"nothing was written to {dst}" in line, line
+        assert not dst.exists()
+    kept = run_cli(*args, "--keep-failed")
+    assert f"{dst} was written anyway (--keep-failed)" in error_line(kept, code=1)
+    assert dst.is_file()
+
+
+# --------------------------------------------------------------------------------------
+# 9. Writing: modes, the source, a destination that appears meanwhile, interrupts
+
+
+def _tree_modes(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): stat.S_IMODE(p.stat().st_mode) for p in [path, *path.rglob("*")]}
+
+
+def _make_read_only(path: Path) -> None:
+    for p in sorted([path, *path.rglob("*")], reverse=True):  # files and leaves first
+        p.chmod(0o555 if p.is_dir() else 0o444)
+
+
+@pytest.fixture()
+def nobody_folder() -> Path:
+    """A folder under /tmp that the unprivileged user 'nobody' can read (pytest's own are 0700)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the command as the unprivileged user 'nobody'")
+    folder = Path(tempfile.mkdtemp(prefix="amp-rewrite-nobody-"))
+    folder.chmod(0o755)
+    yield folder
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.rmtree(folder)
+
+
+AS_NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
+
+
+def test_read_only_source_converts_as_a_normal_user(nobody_folder: Path, saved_models: Paths) -> None:
+    """A source with read-only files and folders, converted by 'nobody': exit 0, the output's
+    modes are that user's defaults (umask 022), and the user can remove it again."""
+    src, out = nobody_folder / "src", nobody_folder / "out"
+    shutil.copytree(saved_models["module"], src)
+    _make_read_only(src)
+    pw = pwd.getpwnam("nobody")
+    for folder in (out, nobody_folder / "home"):  # home: Keras writes ~/.keras on import
+        folder.mkdir()
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+    dst = out / "dst"
+    process = subprocess.run([*AS_NOBODY, sys.executable, "-m", "amp_rewrite", "convert", str(src), str(dst)],
+                             check=False, capture_output=True, text=True, timeout=300,
+                             env=cli_env(HOME=str(nobody_folder / "home")), preexec_fn=lambda: os.umask(0o022))
+    assert process.returncode == 0, process.stderr
+    modes = _tree_modes(dst)
+    assert {m for p, m in modes.items() if (dst / p).is_dir()} == {0o755}, modes
+    assert {m for p, m in modes.items() if (dst / p).is_file()} == {0o644}, modes
+    assert (dst / "variables").is_dir() and (dst / "assets").is_dir()
+    removed = subprocess.run([*AS_NOBODY, "rm", "-rf", str(dst)], check=False, capture_output=True, text=True)
+    assert removed.returncode == 0 and listing(out) == set(), removed.stderr
+
+
+@pytest.mark.parametrize("how", ["dump-into-source", "convert-dump-into-source"])
+def test_no_subcommand_writes_inside_the_source(workspace: Path, saved_models: Paths, how: str) -> None:
+    src = workspace / f"own-{how}"
+    shutil.copytree(saved_models["module"], src)
+    before = hash_tree(src)
+    if how == "dump-into-source":
+        line = error_line(run_cli("dump", src, src))
+        assert "dump directory" in line, line
+        error_line(run_cli("dump", src, src / "report"))
+    else:
+        line = error_line(run_cli("convert", src, workspace / f"{how}-dst", "--dump", src / "report"))
+        assert "dump directory" in line and not (workspace / f"{how}-dst").exists(), line
+    assert hash_tree(src) == before
+
+
+def test_a_destination_that_appears_meanwhile_is_not_replaced(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs to one destination, forced to overlap: the second finishes while the first
+    is moving its result into place. The first must not replace it (no --force): exit 2,
+    the destination holds the second run's model, nothing hidden is left."""
+    folder = workspace / "race"
+    folder.mkdir()
+    dst = folder / "dst"
+    real, other_runs = savedmodel._move_into_place, []
+
+    def overlapping(staged: Path, destination: Path) -> None:
+        if not other_runs:
+            other_runs.append(None)
+            other_runs[0] = run_cli("convert", saved_models["keras"], dst)
+        real(staged, destination)
+
+    monkeypatch.setattr(savedmodel, "_move_into_place", overlapping)
+    line = error_line(run_cli("convert", saved_models["module"], dst))
+    assert_ok(other_runs[0])
+    assert "appeared while this run was writing" in line and "--force" in line, line
+    assert listing(folder) == {"dst"}
+    signatures = set(meta_graphs_of(dst)["serve"].signature_def)
+    assert "serve" in signatures and "other" not in signatures, signatures  # the Keras model's
+
+
+def _start_slow_conversion(src: Path, folder: Path) -> subprocess.Popen:
+    """A conversion whose validation takes seconds, returned once its staged copy exists."""
+    process = subprocess.Popen([sys.executable, "-m", "amp_rewrite", "convert", str(src), str(folder / "dst"),
+                                "--validate", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=cli_env())
+    deadline = time.monotonic() + 240
+    while not list(folder.glob(".dst.*/dst/fingerprint.pb")):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the staged copy never appeared"
+        time.sleep(0.05)
+    return process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_run_leaves_nothing_behind(workspace: Path, saved_models: Paths, signum: int) -> None:
+    folder = workspace / f"interrupted-{signum}"
+    folder.mkdir()
+    process = _start_slow_conversion(saved_models["module"], folder)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines() == ["amp-rewrite: interrupted; nothing was written"]
+    assert listing(folder) == set()
+
+
+def test_a_killed_runs_leftover_is_removed_by_the_next_run(workspace: Path, saved_models: Paths) -> None:
+    """SIGKILL cannot be caught: the hidden staging folder stays, and the next run to the same
+    destination removes it (its lock is free) and says so."""
+    folder = workspace / "killed"
+    folder.mkdir()
+    process = _start_slow_conversion(saved_models["module"], folder)
+    process.kill()
+    process.communicate(timeout=60)
+    leftovers = sorted(folder.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".dst."), leftovers
+    run = run_cli("convert", saved_models["module"], folder / "dst")
+    assert_ok(run)
+    assert f"Removed {leftovers[0]}, left by an interrupted run" in run.out
+    assert listing(folder) == {"dst"}
+
+
+def _default_valued_attrs(meta: Any) -> int:
+    from tensorflow.python.framework import meta_graph, op_def_registry
+
+    nodes = [*meta.graph_def.node, *(n for f in meta.graph_def.library.function for n in f.node_def)]
+    return sum(1 for node in nodes if op_def_registry.get(node.op) is not None
+               for name, value in node.attr.items()
+               if meta_graph._is_default_attr_value(op_def_registry.get(node.op), name, value))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stripped_default_attrs_stays_true(conversions: Conversions, model: str) -> None:
+    """The source promises stripped default attrs; the rewrite spells them out, so the result
+    strips them again (saved_model_cli and tf.saved_model.load read it: tests above)."""
+    conversion = converted(conversions, model, "float16")
+    source, result = meta_graphs_of(conversion.src)["serve"], meta_graphs_of(conversion.dst)["serve"]
+    assert source.meta_info_def.stripped_default_attrs and result.meta_info_def.stripped_default_attrs
+    assert _default_valued_attrs(result) == 0
