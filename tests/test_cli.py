@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import pwd
+import re
 import shutil
 import signal
 import stat
@@ -425,9 +426,11 @@ def test_keep_regex_keeps_matching_nodes_float32(workspace: Path, graph_files: P
 # 4. inspect and explain
 
 
-def test_inspect_prints_a_row_per_function_and_the_summary(saved_models: Paths) -> None:
+def test_inspect_all_prints_a_row_per_function_and_the_summary(saved_models: Paths) -> None:
+    """--all: every item, its counts as the report has them; the casts column is the one cast
+    count the summary line sums (casts to the target, excluding Const and Variable casts)."""
     src = saved_models["module"]
-    run = run_cli("inspect", src)
+    run = run_cli("inspect", src, "--all")
     assert_ok(run)
     rows = run.out.splitlines()
     lists = amp_rewrite.load_lists("float16")
@@ -438,8 +441,26 @@ def test_inspect_prints_a_row_per_function_and_the_summary(saved_models: Paths) 
     for item in report.items:
         row = name_to_row[item.function or "(main graph)"]
         counts = row[2:5] if item.function == "" else row[1:4]  # "(main graph)" is two words
-        assert counts == [str(item.nodes_before), str(item.vertices_converted), str(item.casts_added)], row
+        assert counts == [str(item.nodes_before), str(item.vertices_converted), str(item.casts_to_target)], row
+    assert sum(int(r[4] if n == "(main graph)" else r[3]) for n, r in name_to_row.items()) == report.casts_to_target
     assert report.summary() in rows
+
+
+def test_inspect_separates_the_model_from_tensorflow_plumbing(saved_models: Paths) -> None:
+    """By default the table lists the model's own functions (serve, other, weights); the
+    save/restore functions, signature wrappers and the loader's main graph are one line;
+    the model headline sums the rows shown."""
+    run = run_cli("inspect", saved_models["module"])
+    assert_ok(run)
+    lines = run.out.splitlines()
+    table = [l.split() for l in lines[2:] if l.startswith("__inference")]
+    assert sorted(r[0].rsplit("_", 1)[0] for r in table) == ["__inference_other", "__inference_serve",
+                                                             "__inference_weights"], run.out
+    converted, nodes, casts = (sum(int(r[i]) for r in table) for i in (2, 1, 3))
+    assert f"Model: converted {converted}/{nodes} nodes to float16 using {casts} cast(s)" in run.out
+    plumbing = next(l for l in lines if l.startswith("TensorFlow's plumbing"))
+    for kind in ("save/restore 2", "signature wrapper 3", "loader graph 1"):
+        assert kind in plumbing, plumbing
 
 
 def test_inspect_hints_tensor_cores_for_dims_not_multiple_of_8(saved_models: Paths) -> None:
@@ -1042,3 +1063,181 @@ def test_stripped_default_attrs_stays_true(conversions: Conversions, model: str)
     source, result = meta_graphs_of(conversion.src)["serve"], meta_graphs_of(conversion.dst)["serve"]
     assert source.meta_info_def.stripped_default_attrs and result.meta_info_def.stripped_default_attrs
     assert _default_valued_attrs(result) == 0
+
+
+# --------------------------------------------------------------------------------------
+# 10. Fast help, refusals and warnings that need no conversion
+
+
+HELP_PROBE = """
+import sys
+from amp_rewrite.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit_:
+    print("exit", exit_.code)
+print("tensorflow imported:", "tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["convert", "--help"]], ids=" ".join)
+def test_help_and_version_do_not_import_tensorflow(args: list[str]) -> None:
+    """Arguments are parsed before TensorFlow is imported, so these answer at once."""
+    process = subprocess.run([sys.executable, "-c", HELP_PROBE, *args], check=False, capture_output=True,
+                             text=True, env=cli_env(), timeout=60)
+    lines = process.stdout.splitlines()
+    assert lines[-2:] == ["exit 0", "tensorflow imported: False"], process.stdout + process.stderr
+    if args == ["--version"]:
+        assert lines[0] == f"amp-rewrite {amp_rewrite_version()}"
+    else:
+        assert "examples:" in process.stdout and "exit codes:" in process.stdout and "``" not in process.stdout
+
+
+def amp_rewrite_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("amp_rewrite")
+
+
+def test_parser_targets_are_the_targets() -> None:
+    """The parser spells the targets out (no TensorFlow import for --help); they must be core's."""
+    assert cli.TARGET_NAMES == tuple(amp_rewrite.TARGETS)
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_keras_file_is_refused_with_how_to_export(workspace: Path, suffix: str) -> None:
+    source = workspace / f"model{suffix}"
+    source.write_bytes(b"not read")
+    line = error_line(run_cli("convert", source, workspace / f"from{suffix}"))
+    assert "model.export(dir)" in line and f"model{suffix}" in line, line
+
+
+def test_tf_keras_savedmodel_warns_that_load_model_ignores_the_rewrite(workspace: Path, saved_models: Paths) -> None:
+    """tf_keras' model.save(dir) writes keras_metadata.pb; tf_keras.models.load_model rebuilds
+    float32 layers from it, so the command says so when it converts one."""
+    src = workspace / "tf_keras_like"
+    shutil.copytree(saved_models["module"], src)
+    (src / "keras_metadata.pb").write_bytes(b"")
+    run = run_cli("convert", src, workspace / "tf_keras_like_out")
+    assert_ok(run)
+    assert run.err.startswith("amp-rewrite: warning:") and "tf_keras.models.load_model" in run.err, run.err
+
+
+def test_inspect_quiet_prints_only_the_headline(saved_models: Paths) -> None:
+    run = run_cli("inspect", saved_models["module"], "--quiet")
+    assert_ok(run)
+    assert len(run.out.splitlines()) == 1 and run.out.startswith("Model: converted "), run.out
+
+
+def test_steps_show_on_a_terminal_and_not_otherwise(workspace: Path, graph_files: Paths) -> None:
+    """A terminal sees a line per step (loading, rewriting, writing, validating); a pipe sees none."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    args = [sys.executable, "-m", "amp_rewrite", "convert", str(graph_files[".pb"]), "--validate", "1"]
+    with os.fdopen(controller, "rb", buffering=0) as reader:
+        process = subprocess.Popen([*args, str(workspace / "tty.pb")], stdout=subprocess.DEVNULL,
+                                   stderr=terminal, env=cli_env())
+        os.close(terminal)
+        chunks = []
+        with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
+            while chunk := reader.read(4096):
+                chunks.append(chunk)
+        assert process.wait(timeout=300) == 0
+    shown = b"".join(chunks).decode()
+    for step in ("reading", "rewriting", "writing", "validating"):
+        assert f"amp-rewrite: {step}" in shown, shown
+    piped = subprocess.run([*args, str(workspace / "piped.pb")], capture_output=True, text=True, env=cli_env(),
+                           timeout=300)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+# --------------------------------------------------------------------------------------
+# 11. explain and hints about the model
+
+
+def test_explain_unknown_node_says_how_to_list_node_names(saved_models: Paths) -> None:
+    line = error_line(run_cli("explain", saved_models["module"], "no_such_node"))
+    assert "'no_such_node'" in line and "amp-rewrite dump" in line, line
+
+
+def test_explain_finds_any_node_and_takes_the_main_graph_label(saved_models: Paths) -> None:
+    """A node without a float type attribute (the saver's string filename) is found and said
+    to have nothing to decide; ``--function "(main graph)"``, as inspect names it, is accepted."""
+    for extra in ([], ["--function", "(main graph)"]):
+        run = run_cli("explain", saved_models["module"], "saver_filename", *extra)
+        assert_ok(run)
+        assert run.out.startswith("saver_filename (Placeholder): no float type attribute"), run.out
+
+
+def test_no_tensor_core_hint_for_a_depthwise_channel_multiplier(workspace: Path) -> None:
+    """A depthwise filter's last dim is the channel multiplier (1 here), which no user can
+    change: the converted DepthwiseConv2dNative gets no hint, while odd channels of a Conv2D do."""
+    @tf.function(input_signature=[tf.TensorSpec([1, 8, 8, 8], tf.float32, name="x")], autograph=False)
+    def graph(x: tf.Tensor) -> tf.Tensor:
+        depthwise = tf.nn.depthwise_conv2d(x, tf.constant(np.full((3, 3, 8, 1), 0.1, np.float32)),
+                                           [1, 1, 1, 1], "SAME", name="depthwise")
+        return tf.nn.conv2d(depthwise, tf.constant(np.full((1, 1, 8, 5), 0.1, np.float32)), 1, "SAME", name="conv")
+
+    source = write_graph_def(graph.get_concrete_function().graph.as_graph_def(), workspace / "depthwise.pb")
+    explained = run_cli("explain", source, "depthwise")
+    assert_ok(explained)
+    assert "Outputs (no --fetch; the nodes nothing reads keep their dtypes): Identity\n" in explained.out
+    assert "depthwise (DepthwiseConv2dNative), attribute T: float32 -> float16" in explained.out
+    run = run_cli("inspect", source)
+    assert_ok(run)
+    hints = run.out.split("Tensor Core hints", 1)[1].splitlines()[1:] if "Tensor Core hints" in run.out else []
+    assert any(h.strip().startswith("conv ") for h in hints), run.out
+    assert not any("Depthwise" in h for h in hints), run.out
+
+
+# --------------------------------------------------------------------------------------
+# 12. dump: the model apart from TensorFlow's plumbing, big graphs drawn by name scope
+
+
+def test_dump_shows_plumbing_apart_and_one_cast_count(workspace: Path, saved_models: Paths) -> None:
+    """report.html: decisions of the model's functions only, the plumbing in one collapsed
+    table, its items not drawn; the casts card is the model's casts to the target."""
+    directory = workspace / "dump-plumbing"
+    assert_ok(run_cli("dump", saved_models["module"], directory))
+    page = (directory / "report.html").read_text(encoding="utf-8")
+    rows = re.findall(r'<tr data-function="([^"]*)"', page)
+    assert rows and all(re.match(r"__inference_(serve|other|weights)_\d+$", f) for f in rows), sorted(set(rows))
+    assert page.count('<details id="plumbing">') == 1
+    plumbing = page.split('<details id="plumbing">', 1)[1].split("</details>", 1)[0]
+    assert "__inference__traced_save_" in plumbing and "__inference_signature_wrapper_" in plumbing
+    svgs = {p.name for p in (directory / "graphs").glob("*.svg")}
+    if shutil.which("dot"):
+        assert svgs and not any("traced" in name or "signature_wrapper" in name for name in svgs), svgs
+    report = savedmodel.rewrite_model(savedmodel.read_model(saved_models["module"]), target="float16",
+                                      lists=amp_rewrite.load_lists("float16")).report
+    model_casts = sum(item.casts_to_target for item in report.items
+                      if re.match(r"__inference_(serve|other|weights)_\d+$", item.function))
+    assert f"<b>{model_casts}</b><span>casts to float16</span>" in page
+
+
+def test_dump_draws_a_graph_over_the_limit_by_name_scope(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the node limit the drawing collapses nodes into their name scopes instead of
+    being skipped; the full .dot stays."""
+    if not shutil.which("dot"):
+        pytest.skip("Graphviz's dot is not installed (apt-get install -y graphviz)")
+    from amp_rewrite.cli import dump
+
+    @tf.function(input_signature=[tf.TensorSpec([4, 16], tf.float32, name="x")], autograph=False)
+    def graph(x: tf.Tensor) -> tf.Tensor:
+        for block in range(3):
+            with tf.name_scope(f"block{block}"):
+                x = tf.nn.relu(tf.matmul(x, tf.constant(np.full((16, 16), 0.1, np.float32))) + 1.0)
+        return x
+
+    source = write_graph_def(graph.get_concrete_function().graph.as_graph_def(), workspace / "scoped.pb")
+    monkeypatch.setattr(dump, "SVG_MAX_NODES", 8)
+    directory = workspace / "dump-scopes"
+    assert_ok(run_cli("dump", source, directory))
+    assert (directory / "graphs" / "main.dot").is_file() and (directory / "graphs" / "main.svg").is_file()
+    scopes = (directory / "graphs" / "main.scopes.dot").read_text(encoding="utf-8")
+    for block in range(3):
+        assert f'"block{block}"' in scopes, scopes
+    assert "name scopes" in (directory / "report.html").read_text(encoding="utf-8")

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
+    inspect.add_argument("--all", action="store_true",
+                         help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
+                              " loader's main graph")
 
     explain = commands.add_parser("explain", help="why NODE has its dtype after the rewrite")
     common(explain)
@@ -294,9 +297,11 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace,
           steps: _Steps) -> None:
     from amp_rewrite.cli.dump import write_dump
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
 
     steps(f"writing the dump to {directory}")
-    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}")
+    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
+               plumbing=plumbing_kinds(model))
     steps.done()
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
 
@@ -319,24 +324,58 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _model_headline(report: Report, items: Sequence[Any]) -> str:
+    """The summary line's counts over the model's own items (not TensorFlow's plumbing)."""
+    converted = sum(item.vertices_converted for item in items)
+    nodes = sum(item.nodes_before for item in items)
+    casts = sum(item.casts_to_target for item in items)
+    return (f"Model: converted {converted}/{nodes} nodes to {report.target} using {casts} cast(s) to"
+            f" {report.target} (excluding Const and Variable casts)")
+
+
+def _plumbing_line(report: Report, kinds: dict[str, str]) -> str:
+    """The plumbing collapsed to one line: how many items of each kind, their nodes, and any conversion."""
+    counts: dict[str, list[int]] = {}
+    for item in report.items:
+        kind = kinds.get(item.function)
+        if kind:
+            counts.setdefault(kind, [0, 0, 0])
+            counts[kind][0] += 1
+            counts[kind][1] += item.nodes_before
+            counts[kind][2] += item.vertices_converted
+    parts = [f"{kind} {count} ({nodes} nodes, {converted} converted)" for kind, (count, nodes, converted)
+             in counts.items()]
+    return "TensorFlow's plumbing, not the model (--all lists it): " + "; ".join(parts)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
     from amp_rewrite.core.target import lookup_target
 
     model, result, _ = _rewrite(args, _Steps(args))
     report = result.report
+    kinds = plumbing_kinds(model)
+    model_items = [item for item in report.items if item.function not in kinds]
     if args.quiet:  # the headline only
-        print(report.summary())
+        print(_model_headline(report, model_items) if kinds else report.summary())
         return EXIT_OK
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
         if not d.converted:
             by_item[d.function][d.rule] += 1
+    shown = report.items if args.all else model_items
     rows = [
-        [item.function or MAIN_GRAPH_LABEL, item.nodes_before, item.vertices_converted, item.casts_added,
-         ", ".join(f"{rule} {n}" for rule, n in by_item[item.function].most_common(3))]
-        for item in report.items
+        [item.function or MAIN_GRAPH_LABEL, item.nodes_before, item.vertices_converted, item.casts_to_target,
+         ", ".join(f"{rule} {n}" for rule, n in by_item[item.function].most_common(3)),
+         *([kinds.get(item.function, "model")] if args.all else [])]
+        for item in shown
     ]
-    print(_table(rows, ["function", "nodes", "converted", "casts", "kept float32 (top reasons)"]))
+    header = ["function", "nodes", "converted", f"casts to {report.target}", "kept float32 (top reasons)"]
+    print(_table(rows, header + (["role"] if args.all else [])))
+    if kinds:
+        print(_model_headline(report, model_items))
+        if not args.all:
+            print(_plumbing_line(report, kinds))
     print(report.summary())
     if lookup_target(args.target).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)

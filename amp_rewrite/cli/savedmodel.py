@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -125,10 +126,11 @@ def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: st
 
 
 def graph_sinks(graph_def: graph_pb2.GraphDef) -> tuple[str, ...]:
-    """Nodes no other node reads (by data or control edge), in graph order: a GraphDef's
-    outputs when the user names none, so they keep their dtypes."""
+    """Nodes no other node reads (by data or control edge) and that read something, in graph
+    order: a GraphDef's outputs when the user names none, so they keep their dtypes. A node
+    with neither inputs nor readers (a tf.function's unused shape constant) is dead, not an output."""
     read = {parse_tensor_name(tensor).node for node in graph_def.node for tensor in node.input}
-    return tuple(node.name for node in graph_def.node if node.name not in read)
+    return tuple(node.name for node in graph_def.node if node.name not in read and node.input)
 
 
 def output_count(graph_def: graph_pb2.GraphDef, node_def) -> int:
@@ -217,6 +219,27 @@ def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     }
     called |= set(meta.object_graph_def.concrete_functions)
     return tuple(sorted(called & names))
+
+
+# Functions tf.saved_model.save writes around the model's own: they read and write variables
+# or adapt a signature's arguments, and are the same for every model.
+PLUMBING_FUNCTIONS = (
+    ("save/restore", re.compile(r"^__inference__traced_(save|restore)_\d+$")),
+    ("signature wrapper", re.compile(r"^__inference_signature_wrapper_")),
+)
+
+
+def plumbing_kinds(model: Model) -> dict[str, str]:
+    """Items that are TensorFlow's plumbing rather than the model, with their kind: a TF2
+    SavedModel's save/restore functions and signature wrappers, and its main graph (the
+    loader's variables and calls). A TF1 SavedModel's or a GraphDef file's main graph is the model."""
+    if model.kind != "savedmodel":
+        return {}
+    kinds = {function.signature.name: kind for function in model.graph_def.library.function
+             for kind, pattern in PLUMBING_FUNCTIONS if pattern.search(function.signature.name)}
+    if model.meta_graph.object_graph_def.nodes:
+        kinds[""] = "loader graph"  # the main graph (program.MAIN_GRAPH)
+    return kinds
 
 
 def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False) -> RewriteResult:

@@ -106,9 +106,9 @@ def _sample(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, 2, size=shape).astype(bool)  # tf.bool: _check_samplable let nothing else through
 
 
-def _check_samplable(spec: InputSpec) -> None:
+def _check_samplable(spec: InputSpec, path: Path) -> None:
     if not (spec.dtype.is_floating or spec.dtype.is_integer or spec.dtype == tf.bool):
-        raise ModelError(f"{spec.describe()}: random inputs cannot be made for {spec.dtype.name};"
+        raise ModelError(f"{path}: {spec.describe()}: random inputs cannot be made for {spec.dtype.name};"
                          f" pass real inputs with --inputs FILE.npz (numpy.savez(FILE, {spec.name}=...))")
 
 
@@ -154,7 +154,7 @@ def plan_feeds(model: Model, inputs: Path | None, runs: int) -> tuple[Feeds, lis
             feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
         return {key: [feed] for key, feed in feed_by_signature.items()}, notes
     for spec in specs:
-        _check_samplable(spec)
+        _check_samplable(spec, model.path)
     rng = np.random.default_rng(0)
     for _ in range(runs):
         batch: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
