@@ -1241,3 +1241,24 @@ def test_dump_draws_a_graph_over_the_limit_by_name_scope(
     for block in range(3):
         assert f'"block{block}"' in scopes, scopes
     assert "name scopes" in (directory / "report.html").read_text(encoding="utf-8")
+
+
+def test_an_interrupt_during_a_forced_replace_puts_the_old_destination_back(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal handler's cleanup (``abandon_staging``) at the worst moment: --force has
+    moved the old destination aside and the new one is not in place yet."""
+    folder = workspace / "interrupted-force"
+    dst = folder / "dst"
+    dst.mkdir(parents=True)
+    (dst / "old.txt").write_text("old", encoding="utf-8")
+
+    def interrupted(staged: Path, destination: Path) -> None:
+        assert not destination.exists()  # the old one is aside, in the staging folder
+        savedmodel.abandon_staging()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(savedmodel, "_move_into_place", interrupted)
+    run = run_cli("convert", saved_models["module"], dst, "--force")
+    assert run.code == 130 and run.err.strip() == "amp-rewrite: interrupted; nothing was written", run
+    assert listing(folder) == {"dst"} and listing(dst) == {"old.txt"}

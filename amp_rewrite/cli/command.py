@@ -63,10 +63,6 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-class _Interrupted(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so every ``finally`` removes what it staged."""
-
-
 def _version() -> str:
     from importlib import metadata
 
@@ -132,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    previous = _on_sigterm()
+    previous = _on_interrupt()
     try:
         return COMMANDS[args.command](args)
     except (AmpRewriteError, OSError) as error:
@@ -141,23 +137,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
         print(f"amp-rewrite: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    except (KeyboardInterrupt, _Interrupted):
-        print("amp-rewrite: interrupted; nothing was written", file=sys.stderr)
+    except KeyboardInterrupt:  # only where _on_interrupt could not install its handler
+        print(INTERRUPTED, file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _on_sigterm() -> Any:
-    """SIGTERM unwinds like Ctrl-C, so the staging directory is removed; returns the old handler."""
+INTERRUPTED = "amp-rewrite: interrupted; nothing was written"
+
+
+def _on_interrupt() -> dict[int, Any]:
+    """Ctrl-C and SIGTERM undo the write in progress and exit 130 at once. An exception
+    raised from a handler can be swallowed by TensorFlow's C++ callbacks (the run then went
+    on and exited 0), so the handler cleans up itself. Returns the handlers it replaced."""
     def interrupt(signum: int, frame: object) -> None:
-        raise _Interrupted()
+        staging = sys.modules.get("amp_rewrite.cli.savedmodel")
+        if staging is not None:
+            staging.abandon_staging()
+        sys.stderr.write(INTERRUPTED + "\n")
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
-    try:
-        return signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread (an embedding program): leave signals alone
-        return None
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, interrupt)
+        except ValueError:  # not the main thread (an embedding program): leave signals alone
+            break
+    return previous
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:

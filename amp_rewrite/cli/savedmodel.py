@@ -313,13 +313,32 @@ def _move_into_place(staged: Path, destination: Path) -> None:
         os.unlink(staged)
 
 
+_STAGING_TO_DESTINATION: dict[Path, Path] = {}  # this process's staging directories, while they exist
+
+
+def abandon_staging() -> None:
+    """Undo every write in progress, for a signal handler that exits next: put back a
+    destination that --force had moved aside, release a name claimed for the move, and
+    remove the staging directories. Exceptions raised by a handler can be swallowed inside
+    TensorFlow's C++ callbacks, so interrupts clean up here rather than by unwinding."""
+    for staging, destination in list(_STAGING_TO_DESTINATION.items()):
+        old, target = staging / "replaced", staging / destination.name
+        with contextlib.suppress(OSError):
+            if target.exists() and destination.is_dir() and not any(destination.iterdir()):
+                os.rmdir(destination)  # claimed by _move_into_place, not yet filled
+            if old.exists() and not destination.exists():
+                os.replace(old, destination)
+        shutil.rmtree(staging, ignore_errors=True)
+    _STAGING_TO_DESTINATION.clear()
+
+
 @contextlib.contextmanager
 def _staging(destination: Path, force: bool) -> Iterator[Path]:
     """A temporary path beside ``destination``; moved into place only if the block succeeds
-    (and returns without raising). An interrupt (KeyboardInterrupt, SystemExit from SIGTERM)
-    removes it like any failure."""
+    (and returns without raising). A failure removes it; so does ``abandon_staging`` on an interrupt."""
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{STAGING_MARK}.", dir=destination.parent))
+        _STAGING_TO_DESTINATION[staging] = destination
         lock = os.open(staging / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
     except OSError as error:
         raise ModelError(f"{destination.parent}: cannot write here ({error.strerror}); check permissions") from None
@@ -344,6 +363,7 @@ def _staging(destination: Path, force: bool) -> Iterator[Path]:
         raise ModelError(f"{destination}: writing failed ({error.strerror}); nothing was changed") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        _STAGING_TO_DESTINATION.pop(staging, None)
         os.close(lock)
 
 
