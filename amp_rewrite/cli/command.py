@@ -228,11 +228,18 @@ def _model_lines(model: Model) -> list[str]:
             f" (convert another with --tag-set TAGS)"]
 
 
-def _summary_lines(report: Report) -> list[str]:
-    lines = [report.summary()]
-    kept = report.kept_float32()
+def _summary_lines(model: Model, report: Report) -> list[str]:
+    """The model's headline and why its vertices stayed float32, then grappler's line over
+    every item (TensorFlow's plumbing included), as inspect prints them."""
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
+
+    kinds = plumbing_kinds(model)
+    lines = [_model_headline(report, [i for i in report.items if i.function not in kinds])] if kinds else []
+    lines.append(report.summary())
+    kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
     if kept:
-        lines.append("Stayed float32: " + ", ".join(f"{rule} {count}" for rule, count in kept.items()))
+        where = " (model)" if kinds else ""
+        lines.append(f"Stayed float32{where}: " + ", ".join(f"{rule} {count}" for rule, count in kept.most_common()))
     return lines
 
 
@@ -270,7 +277,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     written = write_model(model, result.graph_def, args.dst, force=args.force,
                           accept=accept if feeds is not None else None)
     steps.done()
-    _say(args, *_summary_lines(result.report))
+    _say(args, *_summary_lines(model, result.report))
     if written:
         _say(args, f"Wrote {args.dst}")
     if args.dump:
@@ -321,7 +328,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     check_outside(args.src, args.dir, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
-    _say(args, *_summary_lines(result.report))
+    _say(args, *_summary_lines(model, result.report))
     _dump(model, result, lists, args.dir, args, steps)
     return EXIT_OK
 
