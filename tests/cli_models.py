@@ -124,3 +124,60 @@ def hash_tree(path: Path) -> dict[str, str]:
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
         for p in sorted(path.rglob("*"))
     }
+
+
+TWO_TAG_SETS = ("train", "serve")
+
+
+def save_two_tag_model(path: Path) -> None:
+    """A TF1 ``Builder`` SavedModel with two MetaGraphDefs, tagged ``train`` (written first)
+    and ``serve``, sharing one variable: ``y = relu(x @ w)`` with a 16×16 ``w``. Both
+    MetaGraphDefs hold the same graph, so which one was converted shows in their dtypes."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        w = tf.compat.v1.get_variable(
+            "w", initializer=np.random.default_rng(0).uniform(-0.3, 0.3, (16, 16)).astype(np.float32),
+            use_resource=True)
+        y = tf.nn.relu(tf.matmul(x, w, name="allow1"), name="y")
+        signature = tf.compat.v1.saved_model.predict_signature_def({"x": x}, {"y": y})
+        builder = tf.compat.v1.saved_model.Builder(str(path))
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            builder.add_meta_graph_and_variables(session, [TWO_TAG_SETS[0]],
+                                                 signature_def_map={"serving_default": signature})
+            builder.add_meta_graph([TWO_TAG_SETS[1]], signature_def_map={"serving_default": signature})
+        builder.save()
+
+
+EMBEDDING_ROWS = 3  # fewer rows than the 10 ids (0-9) random integer inputs use
+
+
+class _Lookup(tf.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = tf.Variable(np.arange(EMBEDDING_ROWS * 8, dtype=np.float32).reshape(EMBEDDING_ROWS, 8) / 10)
+        self.w = tf.Variable(np.full((8, 8), 0.1, np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int32, name="ids")])
+    def serve(self, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+        vectors = tf.gather(self.table, ids)  # ids ≥ EMBEDDING_ROWS fail on CPU
+        return {"y": tf.reduce_sum(tf.matmul(vectors, self.w), axis=1)}
+
+
+def save_embedding_module(path: Path) -> None:
+    """Integer ids (shape [None, 4]) looked up in a 3-row table, then a MatMul."""
+    module = _Lookup()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+class _Text(tf.Module):
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def serve(self, text: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"length": tf.cast(tf.strings.length(text), tf.float32)}
+
+
+def save_string_module(path: Path) -> None:
+    """A signature whose only input is a string: random inputs cannot be made for it."""
+    module = _Text()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})

@@ -10,9 +10,15 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pwd
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +35,16 @@ import amp_rewrite
 from amp_rewrite.cli import command as cli, savedmodel
 
 from cli_models import (
-    ASSET_TEXT, GRAPH_FETCHES, OVERFLOW_FETCH, export_keras_model, graph_def_with_deny_path, hash_tree,
-    overflow_graph_def, save_module, two_output_graph_def, write_graph_def,
+    ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,
+    graph_def_with_deny_path, hash_tree, overflow_graph_def, save_embedding_module, save_module,
+    save_string_module, save_two_tag_model, two_output_graph_def, write_graph_def,
 )
 
 from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
 
 MODELS = ("keras", "module")
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 UNKNOWN_DIM = 3
 
 
@@ -48,6 +56,14 @@ class Run:
     code: int
     out: str
     err: str
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for ``amp-rewrite`` as a process: this checkout's package first, and
+    TensorFlow's native logging left at its default (the command must quiet it itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return {**env, **extra}
 
 
 def run_cli(*args: object) -> Run:
@@ -339,18 +355,21 @@ def test_inputs_npz_missing_an_array_names_it(workspace: Path, saved_models: Pat
 
 def test_process_exit_1_on_huge_inputs_with_one_quiet_stderr_line(workspace: Path, saved_models: Paths) -> None:
     """The installed ``amp-rewrite``: 1e5 is inf in float16, so validation fails; stderr holds
-    the one error line and none of TensorFlow's native start-up chatter."""
+    the one error line (saying nothing was written) and none of TensorFlow's native start-up
+    chatter. Validation runs before the result is moved into place, so a rerun is not blocked."""
     inputs = workspace / "huge.npz"
     np.savez(inputs, x=np.full((2, 5), 1e5, np.float32), z=np.full((2, 16), 1e5, np.float32))
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    dst = workspace / "huge-out"
     process = subprocess.run(
-        [str(BIN / "amp-rewrite"), "convert", str(saved_models["module"]), str(workspace / "huge-out"),
-         "--inputs", str(inputs)],
-        check=False, capture_output=True, text=True, env=env, timeout=300,
+        [str(BIN / "amp-rewrite"), "convert", str(saved_models["module"]), str(dst), "--inputs", str(inputs)],
+        check=False, capture_output=True, text=True, env=cli_env(), timeout=300,
     )
     assert process.returncode == 1, process.stderr
-    assert process.stderr.splitlines() == ["amp-rewrite: validation failed for 2 output(s); see above"]
+    assert process.stderr.splitlines() == [
+        f"amp-rewrite: validation failed for 2 output(s); see above; nothing was written to {dst}"
+        " (--keep-failed writes it anyway)"]
     assert "FAIL serving_default/y" in process.stdout and "FAIL other/out" in process.stdout
+    assert not dst.exists() and not list(workspace.glob(".huge-out.*"))
 
 
 # --------------------------------------------------------------------------------------
@@ -407,9 +426,11 @@ def test_keep_regex_keeps_matching_nodes_float32(workspace: Path, graph_files: P
 # 4. inspect and explain
 
 
-def test_inspect_prints_a_row_per_function_and_the_summary(saved_models: Paths) -> None:
+def test_inspect_all_prints_a_row_per_function_and_the_summary(saved_models: Paths) -> None:
+    """--all: every item, its counts as the report has them; the casts column is the one cast
+    count the summary line sums (casts to the target, excluding Const and Variable casts)."""
     src = saved_models["module"]
-    run = run_cli("inspect", src)
+    run = run_cli("inspect", src, "--all")
     assert_ok(run)
     rows = run.out.splitlines()
     lists = amp_rewrite.load_lists("float16")
@@ -420,8 +441,26 @@ def test_inspect_prints_a_row_per_function_and_the_summary(saved_models: Paths) 
     for item in report.items:
         row = name_to_row[item.function or "(main graph)"]
         counts = row[2:5] if item.function == "" else row[1:4]  # "(main graph)" is two words
-        assert counts == [str(item.nodes_before), str(item.vertices_converted), str(item.casts_added)], row
+        assert counts == [str(item.nodes_before), str(item.vertices_converted), str(item.casts_to_target)], row
+    assert sum(int(r[4] if n == "(main graph)" else r[3]) for n, r in name_to_row.items()) == report.casts_to_target
     assert report.summary() in rows
+
+
+def test_inspect_separates_the_model_from_tensorflow_plumbing(saved_models: Paths) -> None:
+    """By default the table lists the model's own functions (serve, other, weights); the
+    save/restore functions, signature wrappers and the loader's main graph are one line;
+    the model headline sums the rows shown."""
+    run = run_cli("inspect", saved_models["module"])
+    assert_ok(run)
+    lines = run.out.splitlines()
+    table = [l.split() for l in lines[2:] if l.startswith("__inference")]
+    assert sorted(r[0].rsplit("_", 1)[0] for r in table) == ["__inference_other", "__inference_serve",
+                                                             "__inference_weights"], run.out
+    converted, nodes, casts = (sum(int(r[i]) for r in table) for i in (2, 1, 3))
+    assert f"Model: converted {converted}/{nodes} nodes to float16 using {casts} cast(s)" in run.out
+    plumbing = next(l for l in lines if l.startswith("TensorFlow's plumbing"))
+    for kind in ("save/restore 2", "signature wrapper 3", "loader graph 1"):
+        assert kind in plumbing, plumbing
 
 
 def test_inspect_hints_tensor_cores_for_dims_not_multiple_of_8(saved_models: Paths) -> None:
@@ -667,12 +706,559 @@ def test_process_exit_2_with_one_line_and_no_tensorflow_chatter(workspace: Path,
     shutil.copytree(saved_models["module"], src)
     (src / "saved_model.pb").write_bytes((src / "saved_model.pb").read_bytes()[:100])
     before = hash_tree(src)
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     process = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(src), str(workspace / "never")],
-                             check=False, capture_output=True, text=True, env=env, timeout=300)
+                             check=False, capture_output=True, text=True, env=cli_env(), timeout=300)
     assert process.returncode == 2
     lines = process.stderr.splitlines()
     assert len(lines) == 1, process.stderr
     assert lines[0].startswith("amp-rewrite: error: ") and "saved_model.pb" in lines[0], process.stderr
     assert process.stdout == ""
     assert not (workspace / "never").exists() and hash_tree(src) == before
+
+
+# --------------------------------------------------------------------------------------
+# 6. Tag sets: the MetaGraphDef the user names is converted, the others are copied
+
+
+def run_process(*args: object, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``python -m amp_rewrite ARGS`` as a process, from this checkout."""
+    return subprocess.run([sys.executable, "-m", "amp_rewrite", *map(str, args)], check=False,
+                          capture_output=True, text=True, env=cli_env(**env), timeout=timeout)
+
+
+def process_error_line(process: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a process that exited 2."""
+    assert process.returncode == 2, f"exit {process.returncode}; stderr: {process.stderr!r}"
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("amp-rewrite: error: "), process.stderr
+    return lines[0]
+
+
+def meta_graphs_of(saved_model_dir: Path) -> dict[str, Any]:
+    """MetaGraphDefs by their tags (comma-joined)."""
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((saved_model_dir / "saved_model.pb").read_bytes())
+    return {",".join(meta.meta_info_def.tags): meta for meta in saved_model.meta_graphs}
+
+
+def matmul_dtypes(meta: Any) -> list[int]:
+    return [node.attr["T"].type for node in meta.graph_def.node if node.op == "MatMul"]
+
+
+@pytest.fixture(scope="module")
+def two_tag_model(workspace: Path) -> Path:
+    path = workspace / "src" / "two_tags"
+    save_two_tag_model(path)
+    assert list(meta_graphs_of(path)) == list(TWO_TAG_SETS)
+    return path
+
+
+@pytest.mark.parametrize("tag_set", [None, *TWO_TAG_SETS])
+def test_tag_set_chooses_the_meta_graph_converted_and_says_which(
+    workspace: Path, two_tag_model: Path, tag_set: str | None
+) -> None:
+    """Default ``serve`` (what TF Serving loads), although ``train`` comes first in the file;
+    the other MetaGraphDef is byte-identical to the source's, and the output names both."""
+    dst = workspace / f"two-tags-{tag_set}"
+    process = run_process("convert", two_tag_model, dst, *(["--tag-set", tag_set] if tag_set else []))
+    assert process.returncode == 0, process.stderr
+    chosen = tag_set or "serve"
+    other = next(t for t in TWO_TAG_SETS if t != chosen)
+    assert f"MetaGraphDef '{chosen}': converted; '{other}': left as it was" in process.stdout
+    before, after = meta_graphs_of(two_tag_model), meta_graphs_of(dst)
+    assert matmul_dtypes(after[chosen]) == [types_pb2.DT_HALF]
+    assert after[other].SerializeToString(deterministic=True) == before[other].SerializeToString(deterministic=True)
+    shown = subprocess.run([str(BIN / "saved_model_cli"), "show", "--dir", str(dst), "--tag_set", chosen,
+                            "--signature_def", "serving_default"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "DT_FLOAT" in shown.stdout, shown.stderr[-2000:]
+
+
+def test_tag_set_missing_exits_2_naming_the_tag_sets_there(workspace: Path, two_tag_model: Path) -> None:
+    dst = workspace / "two-tags-missing"
+    line = process_error_line(run_process("convert", two_tag_model, dst, "--tag-set", "gpu,serve"))
+    assert "'gpu,serve'" in line and "'train'" in line and "'serve'" in line and "--tag-set" in line, line
+    assert not dst.exists()
+
+
+def test_tag_set_validate_loads_the_chosen_meta_graph(workspace: Path, two_tag_model: Path) -> None:
+    """tf.saved_model.load needs the tags of a two-MetaGraphDef SavedModel: --validate passes them."""
+    process = run_process("convert", two_tag_model, workspace / "two-tags-validated", "--validate", 2)
+    assert process.returncode == 0, process.stderr
+    assert any(l.split()[:2] == ["ok", "serving_default/y:"] for l in process.stdout.splitlines()), process.stdout
+    assert process.stderr == ""
+
+
+# --------------------------------------------------------------------------------------
+# 7. GraphDef outputs
+
+
+def test_graph_def_without_fetch_keeps_its_sinks_dtypes_and_names_them(workspace: Path, graph_files: Paths) -> None:
+    """Identity_1 reads the converted MatMul 'odd': as a sink it stays float32, so the file
+    still returns float32."""
+    dst = workspace / "sinks.pb"
+    run = run_cli("convert", graph_files[".pb"], dst)
+    assert_ok(run)
+    assert "Outputs (no --fetch; the nodes nothing reads keep their dtypes): Identity, Identity_1" in run.out
+    name_to_node = {n.name: n for n in read_graph_def(dst).node}
+    assert name_to_node["odd"].attr["T"].type == types_pb2.DT_HALF
+    assert name_to_node["Identity_1"].attr["T"].type == types_pb2.DT_FLOAT
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(read_graph_def(dst), name="")
+    assert graph.get_tensor_by_name("Identity_1:0").dtype == tf.float32
+
+
+@pytest.mark.parametrize("fetch, mention", [
+    ("odd:1", "outputs 0..0"), ("^odd", "NAME:PORT"), ("odd:x", "NAME:PORT"), ("ghost", "no such node"),
+], ids=["no-such-port", "control", "malformed", "no-such-node"])
+def test_bad_fetch_exits_2_before_writing(workspace: Path, graph_files: Paths, fetch: str, mention: str) -> None:
+    dst = workspace / f"bad-fetch-{fetch.replace('^', 'ctl').replace(':', '-')}.pb"
+    line = error_line(run_cli("convert", graph_files[".pb"], dst, "--fetch", fetch))
+    assert mention in line and fetch in line, line
+    assert not dst.exists()
+
+
+def test_validate_without_outputs_is_refused_before_writing(workspace: Path) -> None:
+    """A graph whose only sink is a NoOp has nothing to compare."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 2], name="x")
+        with tf.control_dependencies([tf.matmul(x, x, name="allow1")]):
+            tf.no_op(name="done")
+    source = write_graph_def(graph.as_graph_def(), workspace / "no_outputs.pb")
+    dst = workspace / "no-outputs-out.pb"
+    line = error_line(run_cli("convert", source, dst, "--validate", 1))
+    assert "--fetch" in line and "no_outputs.pb" in line, line
+    assert not dst.exists()
+
+
+# --------------------------------------------------------------------------------------
+# 8. Inputs checked before anything is written
+
+
+@pytest.fixture(scope="module")
+def input_models(workspace: Path) -> Paths:
+    folder = workspace / "src" / "inputs"
+    folder.mkdir(parents=True)
+    save_embedding_module(folder / "embedding")
+    save_string_module(folder / "text")
+    return {"embedding": folder / "embedding", "text": folder / "text"}
+
+
+def test_float64_inputs_are_cast_with_a_note(workspace: Path, saved_models: Paths) -> None:
+    """numpy's default dtype is float64: the arrays are cast to the signature's float32, said once each."""
+    inputs = workspace / "float64.npz"
+    rng = np.random.default_rng(4)
+    np.savez(inputs, x=rng.standard_normal((2, 5)), z=rng.standard_normal((2, 16)))
+    run = run_cli("convert", saved_models["module"], workspace / "from-float64", "--inputs", inputs)
+    assert_ok(run)
+    notes = [l for l in run.out.splitlines() if l.startswith("Note: float64.npz:") and "float64; cast to float32" in l]
+    assert len(notes) == 2, run.out
+    assert "ok   serving_default/y" in run.out
+
+
+@pytest.mark.parametrize("arrays, mention", [
+    ({"x": np.ones((2, 4), np.float32), "z": np.ones((2, 16), np.float32)}, "shape (2, 4)"),
+    ({"x": np.array([["a"] * 5] * 2), "z": np.ones((2, 16), np.float32)}, "save it as float32"),
+], ids=["wrong-shape", "strings-for-floats"])
+def test_inputs_that_do_not_fit_exit_2_before_writing(
+    workspace: Path, saved_models: Paths, arrays: dict[str, np.ndarray], mention: str
+) -> None:
+    inputs = workspace / f"misfit-{len(mention)}.npz"
+    np.savez(inputs, **arrays)
+    dst = workspace / f"misfit-out-{len(mention)}"
+    line = error_line(run_cli("convert", saved_models["module"], dst, "--validate", 1, "--inputs", inputs))
+    assert mention in line and "'x'" in line and "serving_default" in line, line
+    assert not dst.exists()
+
+
+def test_random_ids_beyond_an_embedding_say_to_pass_inputs(workspace: Path, input_models: Paths) -> None:
+    """Random ids are 0-9 and the table has 3 rows: the source itself fails, so the user is
+    told to pass --inputs, in one line, and nothing is written. Real ids then validate."""
+    dst = workspace / "embedding-out"
+    process = run_process("convert", input_models["embedding"], dst, "--validate", 2)
+    line = process_error_line(process)
+    assert "--inputs" in line and "serving_default" in line, line
+    assert not dst.exists() and not list(workspace.glob(".embedding-out.*"))
+    inputs = workspace / "ids.npz"
+    np.savez(inputs, ids=np.random.default_rng(5).integers(0, EMBEDDING_ROWS, (3, 4)))  # int64: cast with a note
+    run = run_cli("convert", input_models["embedding"], dst, "--inputs", inputs)
+    assert_ok(run)
+    assert "cast to int32" in run.out and "ok   serving_default/y" in run.out
+
+
+def test_string_input_with_random_validation_exits_2_before_writing(workspace: Path, input_models: Paths) -> None:
+    dst = workspace / "text-out"
+    line = error_line(run_cli("convert", input_models["text"], dst, "--validate", 1))
+    assert "'text'" in line and "string" in line and "--inputs" in line, line
+    assert not dst.exists()
+
+
+def test_failed_validation_writes_nothing_unless_keep_failed_and_a_rerun_works(
+    workspace: Path, graph_files: Paths
+) -> None:
+    """The result the tool calls bad is not left in the way: the same command can run again,
+    and --keep-failed writes it (still exit 1, and the line says so)."""
+    overlay = workspace / "allow_exp_rerun.yaml"
+    overlay.write_text("allow: {add: [Exp, Sum]}\ndeny: {remove: [Exp, Sum]}\n", encoding="utf-8")
+    dst = workspace / "rerun.pb"
+    args = ("convert", graph_files["overflow"], dst, "--lists", overlay, "--fetch", OVERFLOW_FETCH, "--validate", 1)
+    for _ in range(2):
+        line = error_line(run_cli(*args), code=1)
+        assert f"nothing was written to {dst}" in line, line
+        assert not dst.exists()
+    kept = run_cli(*args, "--keep-failed")
+    assert f"{dst} was written anyway (--keep-failed)" in error_line(kept, code=1)
+    assert dst.is_file()
+
+
+# --------------------------------------------------------------------------------------
+# 9. Writing: modes, the source, a destination that appears meanwhile, interrupts
+
+
+def _tree_modes(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): stat.S_IMODE(p.stat().st_mode) for p in [path, *path.rglob("*")]}
+
+
+def _make_read_only(path: Path) -> None:
+    for p in sorted([path, *path.rglob("*")], reverse=True):  # files and leaves first
+        p.chmod(0o555 if p.is_dir() else 0o444)
+
+
+@pytest.fixture()
+def nobody_folder() -> Path:
+    """A folder under /tmp that the unprivileged user 'nobody' can read (pytest's own are 0700)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the command as the unprivileged user 'nobody'")
+    folder = Path(tempfile.mkdtemp(prefix="amp-rewrite-nobody-"))
+    folder.chmod(0o755)
+    yield folder
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.rmtree(folder)
+
+
+AS_NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
+
+
+def test_read_only_source_converts_as_a_normal_user(nobody_folder: Path, saved_models: Paths) -> None:
+    """A source with read-only files and folders, converted by 'nobody': exit 0, the output's
+    modes are that user's defaults (umask 022), and the user can remove it again."""
+    src, out = nobody_folder / "src", nobody_folder / "out"
+    shutil.copytree(saved_models["module"], src)
+    _make_read_only(src)
+    pw = pwd.getpwnam("nobody")
+    for folder in (out, nobody_folder / "home"):  # home: Keras writes ~/.keras on import
+        folder.mkdir()
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+    dst = out / "dst"
+    process = subprocess.run([*AS_NOBODY, sys.executable, "-m", "amp_rewrite", "convert", str(src), str(dst)],
+                             check=False, capture_output=True, text=True, timeout=300,
+                             env=cli_env(HOME=str(nobody_folder / "home")), preexec_fn=lambda: os.umask(0o022))
+    assert process.returncode == 0, process.stderr
+    modes = _tree_modes(dst)
+    assert {m for p, m in modes.items() if (dst / p).is_dir()} == {0o755}, modes
+    assert {m for p, m in modes.items() if (dst / p).is_file()} == {0o644}, modes
+    assert (dst / "variables").is_dir() and (dst / "assets").is_dir()
+    removed = subprocess.run([*AS_NOBODY, "rm", "-rf", str(dst)], check=False, capture_output=True, text=True)
+    assert removed.returncode == 0 and listing(out) == set(), removed.stderr
+
+
+@pytest.mark.parametrize("how", ["dump-into-source", "convert-dump-into-source"])
+def test_no_subcommand_writes_inside_the_source(workspace: Path, saved_models: Paths, how: str) -> None:
+    src = workspace / f"own-{how}"
+    shutil.copytree(saved_models["module"], src)
+    before = hash_tree(src)
+    if how == "dump-into-source":
+        line = error_line(run_cli("dump", src, src))
+        assert "dump directory" in line, line
+        error_line(run_cli("dump", src, src / "report"))
+    else:
+        line = error_line(run_cli("convert", src, workspace / f"{how}-dst", "--dump", src / "report"))
+        assert "dump directory" in line and not (workspace / f"{how}-dst").exists(), line
+    assert hash_tree(src) == before
+
+
+def test_a_destination_that_appears_meanwhile_is_not_replaced(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs to one destination, forced to overlap: the second finishes while the first
+    is moving its result into place. The first must not replace it (no --force): exit 2,
+    the destination holds the second run's model, nothing hidden is left."""
+    folder = workspace / "race"
+    folder.mkdir()
+    dst = folder / "dst"
+    real, other_runs = savedmodel._move_into_place, []
+
+    def overlapping(staged: Path, destination: Path) -> None:
+        if not other_runs:
+            other_runs.append(None)
+            other_runs[0] = run_cli("convert", saved_models["keras"], dst)
+        real(staged, destination)
+
+    monkeypatch.setattr(savedmodel, "_move_into_place", overlapping)
+    line = error_line(run_cli("convert", saved_models["module"], dst))
+    assert_ok(other_runs[0])
+    assert "appeared while this run was writing" in line and "--force" in line, line
+    assert listing(folder) == {"dst"}
+    signatures = set(meta_graphs_of(dst)["serve"].signature_def)
+    assert "serve" in signatures and "other" not in signatures, signatures  # the Keras model's
+
+
+def _start_slow_conversion(src: Path, folder: Path) -> subprocess.Popen:
+    """A conversion whose validation takes seconds, returned once its staged copy exists."""
+    process = subprocess.Popen([sys.executable, "-m", "amp_rewrite", "convert", str(src), str(folder / "dst"),
+                                "--validate", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=cli_env())
+    deadline = time.monotonic() + 240
+    while not list(folder.glob(".dst.*/dst/fingerprint.pb")):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the staged copy never appeared"
+        time.sleep(0.05)
+    return process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_run_leaves_nothing_behind(workspace: Path, saved_models: Paths, signum: int) -> None:
+    folder = workspace / f"interrupted-{signum}"
+    folder.mkdir()
+    process = _start_slow_conversion(saved_models["module"], folder)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines() == ["amp-rewrite: interrupted; nothing was written"]
+    assert listing(folder) == set()
+
+
+def test_a_killed_runs_leftover_is_removed_by_the_next_run(workspace: Path, saved_models: Paths) -> None:
+    """SIGKILL cannot be caught: the hidden staging folder stays, and the next run to the same
+    destination removes it (its lock is free) and says so."""
+    folder = workspace / "killed"
+    folder.mkdir()
+    process = _start_slow_conversion(saved_models["module"], folder)
+    process.kill()
+    process.communicate(timeout=60)
+    leftovers = sorted(folder.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".dst."), leftovers
+    run = run_cli("convert", saved_models["module"], folder / "dst")
+    assert_ok(run)
+    assert f"Removed {leftovers[0]}, left by an interrupted run" in run.out
+    assert listing(folder) == {"dst"}
+
+
+def _default_valued_attrs(meta: Any) -> int:
+    from tensorflow.python.framework import meta_graph, op_def_registry
+
+    nodes = [*meta.graph_def.node, *(n for f in meta.graph_def.library.function for n in f.node_def)]
+    return sum(1 for node in nodes if op_def_registry.get(node.op) is not None
+               for name, value in node.attr.items()
+               if meta_graph._is_default_attr_value(op_def_registry.get(node.op), name, value))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stripped_default_attrs_stays_true(conversions: Conversions, model: str) -> None:
+    """The source promises stripped default attrs; the rewrite spells them out, so the result
+    strips them again (saved_model_cli and tf.saved_model.load read it: tests above)."""
+    conversion = converted(conversions, model, "float16")
+    source, result = meta_graphs_of(conversion.src)["serve"], meta_graphs_of(conversion.dst)["serve"]
+    assert source.meta_info_def.stripped_default_attrs and result.meta_info_def.stripped_default_attrs
+    assert _default_valued_attrs(result) == 0
+
+
+# --------------------------------------------------------------------------------------
+# 10. Fast help, refusals and warnings that need no conversion
+
+
+HELP_PROBE = """
+import sys
+from amp_rewrite.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit_:
+    print("exit", exit_.code)
+print("tensorflow imported:", "tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["convert", "--help"]], ids=" ".join)
+def test_help_and_version_do_not_import_tensorflow(args: list[str]) -> None:
+    """Arguments are parsed before TensorFlow is imported, so these answer at once."""
+    process = subprocess.run([sys.executable, "-c", HELP_PROBE, *args], check=False, capture_output=True,
+                             text=True, env=cli_env(), timeout=60)
+    lines = process.stdout.splitlines()
+    assert lines[-2:] == ["exit 0", "tensorflow imported: False"], process.stdout + process.stderr
+    if args == ["--version"]:
+        assert lines[0] == f"amp-rewrite {amp_rewrite_version()}"
+    else:
+        assert "examples:" in process.stdout and "exit codes:" in process.stdout and "``" not in process.stdout
+
+
+def amp_rewrite_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("amp_rewrite")
+
+
+def test_parser_targets_are_the_targets() -> None:
+    """The parser spells the targets out (no TensorFlow import for --help); they must be core's."""
+    assert cli.TARGET_NAMES == tuple(amp_rewrite.TARGETS)
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_keras_file_is_refused_with_how_to_export(workspace: Path, suffix: str) -> None:
+    source = workspace / f"model{suffix}"
+    source.write_bytes(b"not read")
+    line = error_line(run_cli("convert", source, workspace / f"from{suffix}"))
+    assert "model.export(dir)" in line and f"model{suffix}" in line, line
+
+
+def test_tf_keras_savedmodel_warns_that_load_model_ignores_the_rewrite(workspace: Path, saved_models: Paths) -> None:
+    """tf_keras' model.save(dir) writes keras_metadata.pb; tf_keras.models.load_model rebuilds
+    float32 layers from it, so the command says so when it converts one."""
+    src = workspace / "tf_keras_like"
+    shutil.copytree(saved_models["module"], src)
+    (src / "keras_metadata.pb").write_bytes(b"")
+    run = run_cli("convert", src, workspace / "tf_keras_like_out")
+    assert_ok(run)
+    assert run.err.startswith("amp-rewrite: warning:") and "tf_keras.models.load_model" in run.err, run.err
+
+
+def test_inspect_quiet_prints_only_the_headline(saved_models: Paths) -> None:
+    run = run_cli("inspect", saved_models["module"], "--quiet")
+    assert_ok(run)
+    assert len(run.out.splitlines()) == 1 and run.out.startswith("Model: converted "), run.out
+
+
+def test_steps_show_on_a_terminal_and_not_otherwise(workspace: Path, graph_files: Paths) -> None:
+    """A terminal sees a line per step (loading, rewriting, writing, validating); a pipe sees none."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    args = [sys.executable, "-m", "amp_rewrite", "convert", str(graph_files[".pb"]), "--validate", "1"]
+    with os.fdopen(controller, "rb", buffering=0) as reader:
+        process = subprocess.Popen([*args, str(workspace / "tty.pb")], stdout=subprocess.DEVNULL,
+                                   stderr=terminal, env=cli_env())
+        os.close(terminal)
+        chunks = []
+        with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
+            while chunk := reader.read(4096):
+                chunks.append(chunk)
+        assert process.wait(timeout=300) == 0
+    shown = b"".join(chunks).decode()
+    for step in ("reading", "rewriting", "writing", "validating"):
+        assert f"amp-rewrite: {step}" in shown, shown
+    piped = subprocess.run([*args, str(workspace / "piped.pb")], capture_output=True, text=True, env=cli_env(),
+                           timeout=300)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+# --------------------------------------------------------------------------------------
+# 11. explain and hints about the model
+
+
+def test_explain_unknown_node_says_how_to_list_node_names(saved_models: Paths) -> None:
+    line = error_line(run_cli("explain", saved_models["module"], "no_such_node"))
+    assert "'no_such_node'" in line and "amp-rewrite dump" in line, line
+
+
+def test_explain_finds_any_node_and_takes_the_main_graph_label(saved_models: Paths) -> None:
+    """A node without a float type attribute (the saver's string filename) is found and said
+    to have nothing to decide; ``--function "(main graph)"``, as inspect names it, is accepted."""
+    for extra in ([], ["--function", "(main graph)"]):
+        run = run_cli("explain", saved_models["module"], "saver_filename", *extra)
+        assert_ok(run)
+        assert run.out.startswith("saver_filename (Placeholder): no float type attribute"), run.out
+
+
+def test_no_tensor_core_hint_for_a_depthwise_channel_multiplier(workspace: Path) -> None:
+    """A depthwise filter's last dim is the channel multiplier (1 here), which no user can
+    change: the converted DepthwiseConv2dNative gets no hint, while odd channels of a Conv2D do."""
+    @tf.function(input_signature=[tf.TensorSpec([1, 8, 8, 8], tf.float32, name="x")], autograph=False)
+    def graph(x: tf.Tensor) -> tf.Tensor:
+        depthwise = tf.nn.depthwise_conv2d(x, tf.constant(np.full((3, 3, 8, 1), 0.1, np.float32)),
+                                           [1, 1, 1, 1], "SAME", name="depthwise")
+        return tf.nn.conv2d(depthwise, tf.constant(np.full((1, 1, 8, 5), 0.1, np.float32)), 1, "SAME", name="conv")
+
+    source = write_graph_def(graph.get_concrete_function().graph.as_graph_def(), workspace / "depthwise.pb")
+    explained = run_cli("explain", source, "depthwise")
+    assert_ok(explained)
+    assert "Outputs (no --fetch; the nodes nothing reads keep their dtypes): Identity\n" in explained.out
+    assert "depthwise (DepthwiseConv2dNative), attribute T: float32 -> float16" in explained.out
+    run = run_cli("inspect", source)
+    assert_ok(run)
+    hints = run.out.split("Tensor Core hints", 1)[1].splitlines()[1:] if "Tensor Core hints" in run.out else []
+    assert any(h.strip().startswith("conv ") for h in hints), run.out
+    assert not any("Depthwise" in h for h in hints), run.out
+
+
+# --------------------------------------------------------------------------------------
+# 12. dump: the model apart from TensorFlow's plumbing, big graphs drawn by name scope
+
+
+def test_dump_shows_plumbing_apart_and_one_cast_count(workspace: Path, saved_models: Paths) -> None:
+    """report.html: decisions of the model's functions only, the plumbing in one collapsed
+    table, its items not drawn; the casts card is the model's casts to the target."""
+    directory = workspace / "dump-plumbing"
+    assert_ok(run_cli("dump", saved_models["module"], directory))
+    page = (directory / "report.html").read_text(encoding="utf-8")
+    rows = re.findall(r'<tr data-function="([^"]*)"', page)
+    assert rows and all(re.match(r"__inference_(serve|other|weights)_\d+$", f) for f in rows), sorted(set(rows))
+    assert page.count('<details id="plumbing">') == 1
+    plumbing = page.split('<details id="plumbing">', 1)[1].split("</details>", 1)[0]
+    assert "__inference__traced_save_" in plumbing and "__inference_signature_wrapper_" in plumbing
+    svgs = {p.name for p in (directory / "graphs").glob("*.svg")}
+    if shutil.which("dot"):
+        assert svgs and not any("traced" in name or "signature_wrapper" in name for name in svgs), svgs
+    report = savedmodel.rewrite_model(savedmodel.read_model(saved_models["module"]), target="float16",
+                                      lists=amp_rewrite.load_lists("float16")).report
+    model_casts = sum(item.casts_to_target for item in report.items
+                      if re.match(r"__inference_(serve|other|weights)_\d+$", item.function))
+    assert f"<b>{model_casts}</b><span>casts to float16</span>" in page
+
+
+def test_dump_draws_a_graph_over_the_limit_by_name_scope(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the node limit the drawing collapses nodes into their name scopes instead of
+    being skipped; the full .dot stays."""
+    if not shutil.which("dot"):
+        pytest.skip("Graphviz's dot is not installed (apt-get install -y graphviz)")
+    from amp_rewrite.cli import dump
+
+    @tf.function(input_signature=[tf.TensorSpec([4, 16], tf.float32, name="x")], autograph=False)
+    def graph(x: tf.Tensor) -> tf.Tensor:
+        for block in range(3):
+            with tf.name_scope(f"block{block}"):
+                x = tf.nn.relu(tf.matmul(x, tf.constant(np.full((16, 16), 0.1, np.float32))) + 1.0)
+        return x
+
+    source = write_graph_def(graph.get_concrete_function().graph.as_graph_def(), workspace / "scoped.pb")
+    monkeypatch.setattr(dump, "SVG_MAX_NODES", 8)
+    directory = workspace / "dump-scopes"
+    assert_ok(run_cli("dump", source, directory))
+    assert (directory / "graphs" / "main.dot").is_file() and (directory / "graphs" / "main.svg").is_file()
+    scopes = (directory / "graphs" / "main.scopes.dot").read_text(encoding="utf-8")
+    for block in range(3):
+        assert f'"block{block}"' in scopes, scopes
+    assert "name scopes" in (directory / "report.html").read_text(encoding="utf-8")
+
+
+def test_an_interrupt_during_a_forced_replace_puts_the_old_destination_back(
+    workspace: Path, saved_models: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal handler's cleanup (``abandon_staging``) at the worst moment: --force has
+    moved the old destination aside and the new one is not in place yet."""
+    folder = workspace / "interrupted-force"
+    dst = folder / "dst"
+    dst.mkdir(parents=True)
+    (dst / "old.txt").write_text("old", encoding="utf-8")
+
+    def interrupted(staged: Path, destination: Path) -> None:
+        assert not destination.exists()  # the old one is aside, in the staging folder
+        savedmodel.abandon_staging()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(savedmodel, "_move_into_place", interrupted)
+    run = run_cli("convert", saved_models["module"], dst, "--force")
+    assert run.code == 130 and run.err.strip() == "amp-rewrite: interrupted; nothing was written", run
+    assert listing(folder) == {"dst"} and listing(dst) == {"old.txt"}

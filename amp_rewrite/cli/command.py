@@ -1,14 +1,7 @@
 """``amp-rewrite``: rewrite a SavedModel or GraphDef file to mixed precision, and look inside.
 
-    amp-rewrite convert SRC DST [--target float16|bfloat16] [--lists OVERLAY.yaml] [--keep REGEX ...]
-                                [--cross-function] [--dump DIR] [--validate N] [--inputs FILE.npz] [--force]
-    amp-rewrite inspect SRC     a table per function: nodes, converted, casts, why ops stayed float32
-    amp-rewrite explain SRC NODE [--function F]   why NODE has its dtype
-    amp-rewrite dump SRC DIR    before/after graphs, DOT/SVG, report.html, TensorBoard log
-
-A GraphDef file (.pb or .pbtxt) takes --fetch NAME for each output to preserve. Exit codes:
-0 done, 1 validation failed, 2 usage or input error (one line on stderr; --debug shows a
-traceback).
+Arguments are parsed before TensorFlow is imported (``--help`` and ``--version`` answer
+at once); every check that can fail runs before anything is written.
 """
 from __future__ import annotations
 
@@ -16,30 +9,51 @@ import argparse
 import collections
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Sequence
-
+from typing import TYPE_CHECKING, Any, Sequence
 
 from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.core.program import MAIN_GRAPH  # noqa: E402
-from amp_rewrite.core.report import Report  # noqa: E402
-from amp_rewrite.core.rewrite import RewriteResult  # noqa: E402
-from amp_rewrite.core.rules import Rule  # noqa: E402
-from amp_rewrite.core.lists import OpLists  # noqa: E402
-from amp_rewrite.core.target import TARGETS, lookup_target  # noqa: E402
-from amp_rewrite.cli.savedmodel import Model, ModelError, effective_lists, read_model, rewrite_model, write_model  # noqa: E402
+from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402  (no TensorFlow: plain Python)
+
+if TYPE_CHECKING:
+    from amp_rewrite.cli.savedmodel import Model
+    from amp_rewrite.core.lists import OpLists
+    from amp_rewrite.core.report import Report
+    from amp_rewrite.core.rewrite import RewriteResult
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+TARGET_NAMES = ("float16", "bfloat16")  # core.target.TARGETS, spelled here so --help needs no TensorFlow
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
+# DepthwiseConv2dNative is not here: its filter's last dim is the channel multiplier, which no user can change.
 TENSOR_CORE_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D", "Conv2DBackpropInput",
-                   "Conv2DBackpropFilter", "DepthwiseConv2dNative", "Einsum")
-PROGRESS_THRESHOLD = 20  # show a progress bar from this many functions on
+                   "Conv2DBackpropFilter", "Einsum")
+
+DESCRIPTION = """\
+Rewrite a SavedModel or GraphDef file to mixed precision (float16 or bfloat16), and look inside.
+
+examples:
+  amp-rewrite convert my_model/ my_model_fp16/ --validate 8
+  amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --inputs batch.npz
+  amp-rewrite convert tf1_model/ out/ --tag-set serve      # the MetaGraphDef to convert
+  amp-rewrite convert graph.pb graph_fp16.pb --fetch logits --fetch probs:0
+  amp-rewrite inspect my_model/
+  amp-rewrite explain my_model/ dense/MatMul
+  amp-rewrite dump my_model/ report/
+
+exit codes:
+  0  done
+  1  validation failed (outputs over tolerance); nothing is written unless --keep-failed
+  2  usage or input error: one line on stderr naming the file, node or op and what to do
+  130  interrupted (Ctrl-C or SIGTERM); nothing is left behind
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,49 +63,72 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("amp_rewrite")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="amp-rewrite", description=__doc__.split("\n\n")[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
-        sub.add_argument("--target", choices=TARGETS, default="float16",
+        sub.add_argument("--target", choices=TARGET_NAMES, default="float16",
                          help="float16 (NVIDIA GPUs, default) or bfloat16 (CPUs with AVX512-BF16/AMX)")
+        sub.add_argument("--tag-set", metavar="TAGS",
+                         help="SavedModel: the MetaGraphDef to convert, tags comma-separated as saved_model_cli's"
+                              " --tag_set (default: serve); the others are copied as they are")
         sub.add_argument("--lists", type=Path, help="overlay YAML that edits the op lists")
         sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
                          help="keep nodes whose name matches REGEX in float32 (repeatable)")
-        sub.add_argument("--fetch", action="append", default=[], metavar="NAME",
-                         help="GraphDef only: an output node whose dtype must not change (repeatable)")
+        sub.add_argument("--fetch", action="append", default=[], metavar="NAME[:PORT]",
+                         help="GraphDef only: an output whose dtype must not change (repeatable; default: the"
+                              " nodes nothing reads)")
         sub.add_argument("--cross-function", action="store_true",
                          help="let low precision cross function and loop boundaries (beyond grappler)")
         sub.add_argument("--quiet", action="store_true", help="print only errors")
         sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
-    convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST")
+    convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
+                                  description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
     common(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
     convert.add_argument("--dump", type=Path, metavar="DIR", help="also write inspection dumps to DIR")
     convert.add_argument("--validate", type=int, default=0, metavar="N",
-                         help="run N random inputs through SRC and DST; exit 1 if over tolerance")
+                         help="run N random inputs through SRC and the result before writing it; exit 1 if over"
+                              " tolerance")
     convert.add_argument("--inputs", type=Path, metavar="FILE.npz", help="real inputs for --validate")
+    convert.add_argument("--keep-failed", action="store_true",
+                         help="write DST even when validation fails (exit 1 all the same)")
     convert.add_argument("--force", action="store_true", help="replace DST if it exists")
 
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
+    inspect.add_argument("--all", action="store_true",
+                         help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
+                              " loader's main graph")
 
     explain = commands.add_parser("explain", help="why NODE has its dtype after the rewrite")
     common(explain)
-    explain.add_argument("node", help="node name")
+    explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
     dump = commands.add_parser("dump", help="write before/after graphs, DOT/SVG, report.html, TensorBoard log")
     common(dump)
-    dump.add_argument("dir", type=Path, help="output directory")
+    dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = _on_interrupt()
     try:
         return COMMANDS[args.command](args)
     except (AmpRewriteError, OSError) as error:
@@ -100,91 +137,199 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
         print(f"amp-rewrite: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # only where _on_interrupt could not install its handler
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+INTERRUPTED = "amp-rewrite: interrupted; nothing was written"
+
+
+def _on_interrupt() -> dict[int, Any]:
+    """Ctrl-C and SIGTERM undo the write in progress and exit 130 at once. An exception
+    raised from a handler can be swallowed by TensorFlow's C++ callbacks (the run then went
+    on and exited 0), so the handler cleans up itself. Returns the handlers it replaced."""
+    def interrupt(signum: int, frame: object) -> None:
+        staging = sys.modules.get("amp_rewrite.cli.savedmodel")
+        if staging is not None:
+            staging.abandon_staging()
+        sys.stderr.write(INTERRUPTED + "\n")
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, interrupt)
+        except ValueError:  # not the main thread (an embedding program): leave signals alone
+            break
+    return previous
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:
-    if not args.quiet:
+    if lines and not args.quiet:
         print(*lines, sep="\n")
 
 
-def _rewrite(args: argparse.Namespace) -> tuple[Model, RewriteResult, OpLists]:
+class _Steps:
+    """One line per step on stderr ("loading …", then the time it took), so a long run shows
+    where it is; silent with --quiet or when stderr is not a terminal."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.on = not args.quiet and sys.stderr.isatty()
+        self.started: float | None = None
+
+    def __call__(self, text: str) -> None:
+        self.done()
+        if self.on:
+            print(f"amp-rewrite: {text} …", end="", file=sys.stderr, flush=True)
+            self.started = time.monotonic()
+
+    def done(self) -> None:
+        if self.on and self.started is not None:
+            print(f" {time.monotonic() - self.started:.1f} s", file=sys.stderr, flush=True)
+        self.started = None
+
+
+def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteResult, OpLists]:
+    steps("loading TensorFlow")
+    from amp_rewrite.cli.savedmodel import effective_lists, read_model, rewrite_model
+
+    steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
-    model = read_model(args.src, args.fetch)
-    if args.fetch and model.kind == "savedmodel":
-        raise ModelError(f"{args.src}: --fetch applies to GraphDef files; a SavedModel's outputs come from its signatures")
-    count = len(model.graph_def.library.function)
-    bar = None
-    if count >= PROGRESS_THRESHOLD and not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=1, unit="item", desc="rewriting", leave=False)
-
-    def progress(done: int, total: int) -> None:
-        if bar is not None:
-            bar.total = total
-            bar.update(done - bar.n)
-
+    model = read_model(args.src, args.fetch, args.tag_set)
+    steps("rewriting")
     try:
         result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function)
-        if bar is not None:
-            progress(1, 1)
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
-    finally:
-        if bar is not None:
-            bar.close()
+    steps.done()
+    _say(args, *_model_lines(model))
     return model, result, lists
 
 
-def _summary_lines(report: Report) -> list[str]:
-    lines = [report.summary()]
-    kept = report.kept_float32()
+def _model_lines(model: Model) -> list[str]:
+    """What the run took as the model: the MetaGraphDef converted and those left alone, or a
+    GraphDef's outputs when no --fetch named them."""
+    from amp_rewrite.cli.savedmodel import tag_set_text
+
+    if model.kind == "graphdef":
+        if model.fetches_are_sinks:
+            return [f"Outputs (no --fetch; the nodes nothing reads keep their dtypes): {', '.join(model.fetches)}"]
+        return []
+    others = model.other_tag_sets
+    if not others:
+        return []
+    left = ", ".join(repr(tag_set_text(tags)) for tags in others)
+    return [f"MetaGraphDef {tag_set_text(model.tags)!r}: converted; {left}: left as it was"
+            f" (convert another with --tag-set TAGS)"]
+
+
+def _summary_lines(model: Model, report: Report) -> list[str]:
+    """The model's headline and why its vertices stayed float32, then grappler's line over
+    every item (TensorFlow's plumbing included), as inspect prints them."""
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
+
+    kinds = plumbing_kinds(model)
+    lines = [_model_headline(report, [i for i in report.items if i.function not in kinds])] if kinds else []
+    lines.append(report.summary())
+    kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
     if kept:
-        lines.append("Stayed float32: " + ", ".join(f"{rule} {count}" for rule, count in kept.items()))
+        where = " (model)" if kinds else ""
+        lines.append(f"Stayed float32{where}: " + ", ".join(f"{rule} {count}" for rule, count in kept.most_common()))
     return lines
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    model, result, lists = _rewrite(args)
-    given = None
-    if args.inputs:
-        from amp_rewrite.cli.validate import check_inputs
+    from amp_rewrite.cli.savedmodel import check_outside, remove_leftovers, write_model
 
-        given = check_inputs(model, args.inputs)  # a bad file is an error before anything is written
-    destination = write_model(model, result.graph_def, args.dst, force=args.force)
-    _say(args, *_summary_lines(result.report), f"Wrote {destination}")
     if args.dump:
-        _dump(model, result, lists, args.dump, args)
+        check_outside(args.src, args.dump, "dump directory")
+    steps = _Steps(args)
+    model, result, lists = _rewrite(args, steps)
+    feeds = None
     if args.validate or args.inputs:
         from amp_rewrite.cli import validate
 
-        runs = max(args.validate, 1)
-        if model.kind == "savedmodel":
-            errors = validate.validate_saved_models(model.path, destination, runs, given)
-        else:
-            errors = validate.validate_graph_defs(model, result.graph_def, runs, given)
-        target = lookup_target(args.target)
-        failed = [e for e in errors if not e.ok(target)]
-        _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
-        _say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
-                     f"max abs {e.max_abs:.3g}, max rel {e.max_rel:.3g}" for e in errors])
-        if failed:
-            print(f"amp-rewrite: validation failed for {len(failed)} output(s); see above", file=sys.stderr)
-            return EXIT_VALIDATION
+        if model.kind == "graphdef" and not validate.compared_outputs(model):
+            raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
+                                  " name them with --fetch NAME[:PORT]")
+        feeds, notes = validate.plan_feeds(model, args.inputs, max(args.validate, 1))
+        _say(args, *[f"Note: {note}" for note in notes])
+    for leftover in remove_leftovers(args.dst):
+        _say(args, f"Removed {leftover}, left by an interrupted run")
+    if model.is_tf_keras:
+        print("amp-rewrite: warning: this SavedModel was saved by tf_keras; tf_keras.models.load_model rebuilds its"
+              " float32 layers from keras_metadata.pb and ignores the rewrite; load the result with"
+              " tf.saved_model.load or serve it", file=sys.stderr)
+    failures: list[int] = []  # outputs over tolerance, once validated
+
+    def accept(staged: Path) -> bool:
+        steps("validating")
+        failures.append(_validate(args, model, result, staged, feeds))
+        steps.done()
+        return not failures[0] or args.keep_failed
+
+    steps("writing")
+    written = write_model(model, result.graph_def, args.dst, force=args.force,
+                          accept=accept if feeds is not None else None)
+    steps.done()
+    _say(args, *_summary_lines(model, result.report))
+    if written:
+        _say(args, f"Wrote {args.dst}")
+    if args.dump:
+        _dump(model, result, lists, args.dump, args, steps)
+    if failures and failures[0]:
+        what = (f"{args.dst} was written anyway (--keep-failed)" if written
+                else f"nothing was written to {args.dst} (--keep-failed writes it anyway)")
+        print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
+        return EXIT_VALIDATION
     return EXIT_OK
 
 
-def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace) -> None:
-    from amp_rewrite.cli.dump import write_dump
+def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
+    """Compare the source with the staged copy and print each output's error; returns how
+    many outputs are over tolerance."""
+    from amp_rewrite.cli import validate
+    from amp_rewrite.core.target import lookup_target
 
-    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}")
+    random = args.inputs is None
+    if model.kind == "savedmodel":
+        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random)
+    else:
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random)
+    target = lookup_target(args.target)
+    runs = 1 if args.inputs else max(args.validate, 1)
+    failed = [e for e in errors if not e.ok(target)]
+    _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
+    _say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
+                 f"max abs {e.max_abs:.3g}, max rel {e.max_rel:.3g}" for e in errors])
+    return len(failed)
+
+
+def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace,
+          steps: _Steps) -> None:
+    from amp_rewrite.cli.dump import write_dump
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
+
+    steps(f"writing the dump to {directory}")
+    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
+               plumbing=plumbing_kinds(model))
+    steps.done()
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    model, result, lists = _rewrite(args)
-    _say(args, *_summary_lines(result.report))
-    _dump(model, result, lists, args.dir, args)
+    from amp_rewrite.cli.savedmodel import check_outside
+
+    check_outside(args.src, args.dir, "dump directory")
+    steps = _Steps(args)
+    model, result, lists = _rewrite(args, steps)
+    _say(args, *_summary_lines(model, result.report))
+    _dump(model, result, lists, args.dir, args, steps)
     return EXIT_OK
 
 
@@ -195,19 +340,58 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _model_headline(report: Report, items: Sequence[Any]) -> str:
+    """The summary line's counts over the model's own items (not TensorFlow's plumbing)."""
+    converted = sum(item.vertices_converted for item in items)
+    nodes = sum(item.nodes_before for item in items)
+    casts = sum(item.casts_to_target for item in items)
+    return (f"Model: converted {converted}/{nodes} nodes to {report.target} using {casts} cast(s) to"
+            f" {report.target} (excluding Const and Variable casts)")
+
+
+def _plumbing_line(report: Report, kinds: dict[str, str]) -> str:
+    """The plumbing collapsed to one line: how many items of each kind, their nodes, and any conversion."""
+    counts: dict[str, list[int]] = {}
+    for item in report.items:
+        kind = kinds.get(item.function)
+        if kind:
+            counts.setdefault(kind, [0, 0, 0])
+            counts[kind][0] += 1
+            counts[kind][1] += item.nodes_before
+            counts[kind][2] += item.vertices_converted
+    parts = [f"{kind} {count} ({nodes} nodes, {converted} converted)" for kind, (count, nodes, converted)
+             in counts.items()]
+    return "TensorFlow's plumbing, not the model (--all lists it): " + "; ".join(parts)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    model, result, _ = _rewrite(args)
+    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.core.target import lookup_target
+
+    model, result, _ = _rewrite(args, _Steps(args))
     report = result.report
+    kinds = plumbing_kinds(model)
+    model_items = [item for item in report.items if item.function not in kinds]
+    if args.quiet:  # the headline only
+        print(_model_headline(report, model_items) if kinds else report.summary())
+        return EXIT_OK
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
         if not d.converted:
             by_item[d.function][d.rule] += 1
+    shown = report.items if args.all else model_items
     rows = [
-        [item.function or "(main graph)", item.nodes_before, item.vertices_converted, item.casts_added,
-         ", ".join(f"{rule} {n}" for rule, n in by_item[item.function].most_common(3))]
-        for item in report.items
+        [item.function or MAIN_GRAPH_LABEL, item.nodes_before, item.vertices_converted, item.casts_to_target,
+         ", ".join(f"{rule} {n}" for rule, n in by_item[item.function].most_common(3)),
+         *([kinds.get(item.function, "model")] if args.all else [])]
+        for item in shown
     ]
-    print(_table(rows, ["function", "nodes", "converted", "casts", "kept float32 (top reasons)"]))
+    header = ["function", "nodes", "converted", f"casts to {report.target}", "kept float32 (top reasons)"]
+    print(_table(rows, header + (["role"] if args.all else [])))
+    if kinds:
+        print(_model_headline(report, model_items))
+        if not args.all:
+            print(_plumbing_line(report, kinds))
     print(report.summary())
     if lookup_target(args.target).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
@@ -217,7 +401,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _static_shapes(graph_def, function=None) -> dict[str, list[list[int]]]:
+def _static_shapes(graph_def: Any, function: Any = None) -> dict[str, list[list[int]]]:
     """Output shapes per node from ``_output_shapes`` attrs (and, in a function, its arg_attr)."""
     shapes = {}
     for node in graph_def.node:
@@ -238,6 +422,8 @@ def _static_shapes(graph_def, function=None) -> dict[str, list[list[int]]]:
 
 def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
     """Converted matmul/conv ops whose static input dims are not multiples of 8."""
+    from amp_rewrite.core.program import MAIN_GRAPH
+
     converted = {(d.function, d.node) for d in result.report.decisions if d.converted}
     program = result.program
     hints = []
@@ -262,7 +448,7 @@ def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
     return hints
 
 
-def _through_casts(graph_def, tensor: str) -> str:
+def _through_casts(graph_def: Any, tensor: str) -> str:
     nodes = {n.name: n for n in graph_def.node}
     name = tensor.split(":")[0].lstrip("^")
     while name in nodes and nodes[name].op == "Cast" and name.endswith("-AutoMixedPrecision"):
@@ -271,24 +457,36 @@ def _through_casts(graph_def, tensor: str) -> str:
     return tensor
 
 
+MAIN_GRAPH_LABEL = "(main graph)"  # how tables name the main graph; --function accepts it too
+HOW_TO_LIST_NODES = "node names are in the before/*.pbtxt files `amp-rewrite dump SRC DIR` writes"
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
-    _, result, _ = _rewrite(args)
-    matches = [d for d in result.report.decisions if d.node == args.node
-               and (args.function is None or d.function == args.function)]
+    from amp_rewrite.cli.savedmodel import ModelError
+    from amp_rewrite.core.program import MAIN_GRAPH
+    from amp_rewrite.core.rules import Rule
+
+    _, result, _ = _rewrite(args, _Steps(args))
+    function = MAIN_GRAPH if args.function == MAIN_GRAPH_LABEL else args.function
+    program = result.program
+    if function is not None and function not in program.names:
+        raise ModelError(f"no function '{args.function}' in the graph; `amp-rewrite inspect` lists them")
+    items = [function] if function is not None else list(program.names)
+    found = [(item, node) for item in items for node in program.item(item).node if node.name == args.node]
+    where = f" in function '{args.function}'" if function is not None else ""
+    if not found:
+        raise ModelError(f"no node '{args.node}'{where}; {HOW_TO_LIST_NODES}")
+    if len({item for item, _ in found}) > 1:
+        names = ", ".join(item or MAIN_GRAPH_LABEL for item, _ in found)
+        raise ModelError(f"node '{args.node}' exists in several functions ({names}); pick one with --function")
+    item, node = found[0]
+    matches = [d for d in result.report.decisions if d.node == args.node and d.function == item]
+    in_item = f" in function '{item}'" if item else ""
     if not matches:
-        items = {d.function for d in result.report.decisions}
-        where = f" in function '{args.function}'" if args.function else ""
-        if args.function is not None and args.function not in items:
-            raise ModelError(f"no function '{args.function}' was rewritten; `amp-rewrite inspect` lists them")
-        raise ModelError(f"node '{args.node}'{where} has no float32 type attribute to decide; check the name"
-                         " with `amp-rewrite inspect` or --function")
-    functions_found = sorted({d.function for d in matches})
-    if len(functions_found) > 1:
-        raise ModelError(f"node '{args.node}' exists in several functions ({', '.join(f or '(main graph)' for f in functions_found)});"
-                         " pick one with --function")
+        print(f"{node.name} ({node.op}){in_item}: no float type attribute, so there is nothing to decide; it runs"
+              " as it was")
     for d in matches:
-        where = f" in function '{d.function}'" if d.function else ""
-        print(f"{d.node} ({d.op}){where}, attribute {d.attr}: {d.before} -> {d.after}")
+        print(f"{d.node} ({d.op}){in_item}, attribute {d.attr}: {d.before} -> {d.after}")
         print(f"  rule: {d.rule}")
         print(f"  why:  {d.reason}")
         if d.rule == Rule.DENY_PROPAGATION.value and d.source:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 MAIN_STEM = "main"  # file name of the main graph's item
 SVG_MAX_NODES = 1500  # dot needs ~10 s for 2000 nodes of a training graph, minutes for 3000
+# Name scopes drawn for a bigger item, at most this many: EfficientNetB0's model function has
+# 1,445 scopes at the deepest level under 1,500 (too slow for dot) and 232 one level up (a layer each).
+SCOPES_MAX = 400
 DOT_TIMEOUT_S = 60
 # One fixed name, no timestamp or host: a second dump overwrites the first (TensorBoard
 # only needs "tfevents" in the name).
@@ -73,6 +76,7 @@ def write_dump(
     lists: OpLists,
     *,
     title: str,
+    plumbing: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write the dump of ``original`` → ``result`` into ``directory`` (created if missing).
 
@@ -83,7 +87,12 @@ def write_dump(
     the rewritten graph). Returns the written paths, in writing order. ``lists`` must be the
     lists the rewrite used (load them once, pass them to both). Files of an earlier dump
     that this one does not write are left alone.
+
+    ``plumbing`` maps items that are TensorFlow's rather than the model's (save/restore
+    functions, signature wrappers, a loader's main graph) to their kind: the report shows
+    them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
     """
+    plumbing = dict(plumbing or {})
     if lists.target != result.report.target:
         raise ValueError(
             f"lists are for {lists.target!r} but the rewrite converted to {result.report.target!r};"
@@ -105,6 +114,7 @@ def write_dump(
         item.function: _node_classes(item.after, function_to_decisions[item.function], lists) for item in items
     }
     stem_to_note: dict[str, str] = {}
+    drawn: set[str] = set()  # stems with an SVG
     dot_binary = shutil.which("dot")
     for item in items:
         dot = _dot(
@@ -113,13 +123,31 @@ def write_dump(
         )
         dot_path = _write(root / "graphs" / f"{item.stem}.dot", dot)
         written.append(dot_path)
+        if item.function in plumbing:
+            stem_to_note[item.stem] = f"TensorFlow's plumbing ({plumbing[item.function]}): not drawn"
+            continue
+        if len(item.after.node) > SVG_MAX_NODES:  # too big to draw node by node: draw its name scopes
+            collapsed = _collapsed_dot(item, function_to_classes[item.function], title,
+                                       min(SCOPES_MAX, SVG_MAX_NODES))
+            if collapsed is not None:
+                dot_path = _write(root / "graphs" / f"{item.stem}.scopes.dot", collapsed[0])
+                written.append(dot_path)
+                svg_path, note = _render_svg(dot_path, collapsed[1], dot_binary, svg_name=f"{item.stem}.svg")
+                note = note or (f"{len(item.after.node)} nodes (limit {SVG_MAX_NODES}): the SVG draws"
+                                f" {collapsed[1]} name scopes; {item.stem}.dot has every node")
+                if svg_path is not None:
+                    written.append(svg_path)
+                    drawn.add(item.stem)
+                stem_to_note[item.stem] = note
+                continue
         svg_path, note = _render_svg(dot_path, len(item.after.node), dot_binary)
         if svg_path is not None:
             written.append(svg_path)
+            drawn.add(item.stem)
         if note:
             stem_to_note[item.stem] = note
 
-    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note)
+    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note, plumbing, drawn)
     written.append(_write(root / "report.html", page))
     written.append(_write_events(root / "tb" / EVENTS_FILE, result.graph_def))
     return written
@@ -291,9 +319,56 @@ def _dot(
     return "\n".join(lines) + "\n"
 
 
-def _render_svg(dot_path: Path, num_nodes: int, dot_binary: str | None) -> tuple[Path | None, str]:
-    """Render ``dot_path`` next to itself; (svg path or None, a note for the report)."""
-    svg_path = dot_path.with_suffix(".svg")
+def _scope(name: str, depth: int) -> str:
+    return "/".join(name.split("/")[:depth])
+
+
+def _collapsed_dot(
+    item: _Item, node_to_class: Mapping[str, str], title: str, limit: int
+) -> tuple[str, int] | None:
+    """The item drawn by name scope: nodes grouped by their first ``depth`` scope parts, at
+    the deepest depth that leaves at most ``limit`` groups; a group is green when it holds a
+    converted node; a function's arguments and results are one group each. (DOT text,
+    number of groups), or None when even the top scopes are too many."""
+    names = [node.name for node in item.after.node]
+    op_to_group = {"_Arg": "(arguments)", "_Retval": "(results)"}
+    fixed = {node.name: op_to_group[node.op] for node in item.after.node if node.op in op_to_group}
+    for depth in range(max(name.count("/") for name in names) + 1, 0, -1):
+        node_to_group = {name: fixed.get(name) or _scope(name, depth) for name in names}
+        if len(set(node_to_group.values())) <= limit:
+            break
+    else:
+        return None
+    group_to_nodes: dict[str, list[str]] = collections.defaultdict(list)
+    for name in names:
+        group_to_nodes[node_to_group[name]].append(name)
+    lines = [
+        f"digraph {_dot_quote(item.stem)} {{",
+        f"  graph [label={_dot_quote(f'{title} — {item.label} (by name scope)')}, labelloc=t, fontname=Helvetica,"
+        # Few crossing-minimisation and network-simplex passes: EfficientNetB0's 235 scopes
+        # took dot over 2 minutes with the defaults, 5 s with these.
+        " rankdir=TB, nodesep=0.25, ranksep=0.35, mclimit=0.1, nslimit=1, nslimit1=1];",
+        '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=10];',
+        '  edge [color="#666666"];',
+    ]
+    for group, members in group_to_nodes.items():
+        classes = {node_to_class.get(member, "other") for member in members}
+        node_class = "converted" if "converted" in classes else "deny" if "deny" in classes else "other"
+        label = members[0] if len(members) == 1 else f"{group}/\n{len(members)} nodes"
+        lines.append(f"  {_dot_quote(group)} [label={_dot_quote(label)}, fillcolor=\"{CLASS_TO_STYLE[node_class][0]}\"];")
+    edges = sorted({(node_to_group[graph_io.parse_tensor_name(tensor).node], node_to_group[node.name])
+                    for node in item.after.node for tensor in node.input
+                    if graph_io.parse_tensor_name(tensor).node in node_to_group})
+    lines += [f"  {_dot_quote(a)} -> {_dot_quote(b)};" for a, b in edges if a != b]
+    lines.append("}")
+    return "\n".join(lines) + "\n", len(group_to_nodes)
+
+
+def _render_svg(
+    dot_path: Path, num_nodes: int, dot_binary: str | None, svg_name: str | None = None
+) -> tuple[Path | None, str]:
+    """Render ``dot_path`` next to itself (as ``svg_name``); (svg path or None, a note for the report)."""
+    svg_path = dot_path.with_name(svg_name) if svg_name else dot_path.with_suffix(".svg")
     svg_path.unlink(missing_ok=True)  # never leave a stale drawing from an earlier dump
     if dot_binary is None:
         return None, "no SVG: Graphviz's dot is not installed"
@@ -353,29 +428,38 @@ def _report_html(
     lists: OpLists,
     function_to_classes: Mapping[str, Mapping[str, str]],
     stem_to_note: Mapping[str, str],
+    plumbing: Mapping[str, str],
+    drawn: set[str],
 ) -> str:
+    """The page: counts, items and decisions of the model; TensorFlow's plumbing in one
+    collapsed table without its decisions (most of a SavedModel's nodes, none of its model).
+    Casts are counted one way everywhere: casts to the target, as grappler's summary line."""
     function_to_stats = {stats.function: stats for stats in report.items}
+    model_items = [item for item in items if item.function not in plumbing]
+    model_stats = [function_to_stats[item.function] for item in model_items]
     function_to_label = {item.function: item.label for item in items}
     function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
     for decision in report.decisions:
         function_to_decisions[decision.function].append(decision)
-    kept = [d for d in report.decisions if not d.converted]
+    model_decisions = [d for d in report.decisions if d.function not in plumbing]
+    kept = [d for d in model_decisions if not d.converted]
 
     summary_lines = "\n".join(
-        f"<li><b>{_e(item.label)}</b>: {_e(report.summary(item.function))}</li>" for item in items
+        f"<li><b>{_e(item.label)}</b>: {_e(report.summary(item.function))}</li>" for item in model_items
     )
-    item_rows = []
+    item_rows, plumbing_rows = [], []
     for item in items:
         stats = function_to_stats[item.function]
         decisions = function_to_decisions[item.function]
         graph_links = [_link(f"graphs/{item.stem}.dot", "dot")]
-        if item.stem not in stem_to_note:
+        if item.stem in drawn:
             graph_links.insert(0, _link(f"graphs/{item.stem}.svg", "svg"))
         note = f'<div class="note">{_e(stem_to_note[item.stem])}</div>' if item.stem in stem_to_note else ""
-        item_rows.append(
+        rows = plumbing_rows if item.function in plumbing else item_rows
+        rows.append(
             f"<tr><td class=\"name\">{_breakable(item.label)}</td><td class=\"num\">{stats.nodes_before}</td>"
             f"<td class=\"num\">{stats.vertices_converted}</td>"
-            f"<td class=\"num\">{stats.casts_added} ({stats.casts_to_target})</td>"
+            f"<td class=\"num\">{stats.casts_to_target}</td>"
             f"<td class=\"num\">{sum(1 for d in decisions if not d.converted)}</td>"
             f"<td>{_e(_rule_counts(decisions)) or '—'}</td>"
             f"<td class=\"files\">{_link(f'before/{item.stem}.pbtxt', 'before')} · "
@@ -384,10 +468,10 @@ def _report_html(
     rule_rows = "\n".join(
         f'<tr><td><button type="button" class="rule" data-rule="{_e(rule)}">{_e(rule)}</button></td>'
         f'<td class="num">{count}</td><td>{_e(_meaning(rule))}</td></tr>'
-        for rule, count in report.kept_float32().items()
+        for rule, count in collections.Counter(d.rule for d in kept).most_common()
     )
     decision_rows = []
-    for d in report.decisions:
+    for d in model_decisions:
         node_class = function_to_classes.get(d.function, {}).get(d.node, "other")
         function = d.function or MAIN_STEM
         decision_rows.append(
@@ -400,11 +484,16 @@ def _report_html(
         )
     rule_options = "".join(
         f'<option value="{_e(rule)}">{_e(rule)} ({count})</option>'
-        for rule, count in sorted(collections.Counter(d.rule for d in report.decisions).items())
+        for rule, count in sorted(collections.Counter(d.rule for d in model_decisions).items())
     )
     function_options = "".join(
-        f'<option value="{_e(item.function or MAIN_STEM)}">{_e(item.label)}</option>' for item in items
+        f'<option value="{_e(item.function or MAIN_STEM)}">{_e(item.label)}</option>' for item in model_items
     )
+    plumbing_kinds = collections.Counter(plumbing[item.function] for item in items if item.function in plumbing)
+    plumbing_block = "" if not plumbing_rows else _PLUMBING_TEMPLATE.format(
+        count=len(plumbing_rows), nodes=sum(function_to_stats[f].nodes_before for f in plumbing if f in function_to_stats),
+        kinds=_e(", ".join(f"{kind} {n}" for kind, n in sorted(plumbing_kinds.items()))),
+        target=_e(report.target), rows="\n".join(plumbing_rows))
     legend = "".join(
         f'<span class="legend"><span class="sw {name}"></span>{_e(text)}</span>'
         for name, (_, text) in CLASS_TO_STYLE.items()
@@ -414,11 +503,11 @@ def _report_html(
         title=_e(title),
         target=_e(report.target),
         lists=_e(" + ".join(Path(source).name for source in lists.sources) or "built-in"),
-        nodes=report.nodes_before,
-        converted=report.vertices_converted,
-        casts=report.casts_added,
-        casts_to_target=report.casts_to_target,
+        nodes=sum(stats.nodes_before for stats in model_stats),
+        converted=sum(stats.vertices_converted for stats in model_stats),
+        casts_to_target=sum(stats.casts_to_target for stats in model_stats),
         kept=len(kept),
+        plumbing=plumbing_block,
         summary=_e(report.summary()),
         summary_lines=summary_lines,
         item_rows="\n".join(item_rows),
@@ -428,7 +517,7 @@ def _report_html(
         legend=legend,
         swatch_css=swatch_css,
         rows="\n".join(decision_rows),
-        total=len(report.decisions),
+        total=len(model_decisions),
         script=_SCRIPT,
         style=_STYLE,
     )
@@ -511,6 +600,17 @@ _SCRIPT = """
 })();
 """
 
+_PLUMBING_TEMPLATE = """<details id="plumbing"><summary>TensorFlow's plumbing, not the model: {count} item(s), {nodes} nodes
+({kinds}); counted in the "all" line only, their decisions are in after/*.pbtxt</summary>
+<table>
+<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {target}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
+<tbody>
+{rows}
+</tbody>
+</table>
+</details>
+"""
+
 _HTML_TEMPLATE = """<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -527,7 +627,7 @@ _HTML_TEMPLATE = """<!DOCTYPE html>
 <div class="cards">
 <div class="card"><b>{nodes}</b><span>nodes before</span></div>
 <div class="card"><b>{converted}</b><span>vertices converted</span></div>
-<div class="card"><b>{casts}</b><span>casts added ({casts_to_target} to {target})</span></div>
+<div class="card"><b>{casts_to_target}</b><span>casts to {target}</span></div>
 <div class="card"><b>{kept}</b><span>vertices kept float32</span></div>
 </div>
 <ul class="summary"><li><b>all</b>: {summary}</li>
@@ -535,11 +635,12 @@ _HTML_TEMPLATE = """<!DOCTYPE html>
 
 <h2>Items</h2>
 <table id="items">
-<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts (to {target})</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
+<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {target}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
 <tbody>
 {item_rows}
 </tbody>
 </table>
+{plumbing}
 
 <h2>Why vertices stayed float32</h2>
 <table id="rules">

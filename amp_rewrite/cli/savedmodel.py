@@ -1,32 +1,44 @@
 """Models on disk: read a SavedModel or GraphDef file, rewrite it, write the result safely.
 
 A SavedModel keeps its signatures, variables and assets: only the graph's function
-bodies change (their signatures never do, so ``tf.saved_model.load`` and serving keep
-working). The source is never written to; the destination is built in a temporary
-directory beside it and renamed into place, so a failure leaves nothing half written.
+bodies of the chosen MetaGraphDef (``--tag-set``, default ``serve``) change, the others
+are copied as they were. The source is never written to; the destination is built in a
+temporary directory beside it (contents only, so its modes are the user's, whatever the
+source's) and moved into place only if nothing appeared there meanwhile, so a failure or
+an interrupted run leaves nothing half written, and a killed run's leftover is removed
+by the next run to the same destination.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.core import support
+from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"
+DEFAULT_TAG_SET = "serve"
+KERAS_FILES = (".keras", ".h5", ".hdf5")
+TF_KERAS_METADATA = "keras_metadata.pb"   # written by tf_keras' model.save(dir), read by tf_keras.models.load_model
+STAGING_MARK = "amp-rewrite-partial"      # in the name of the temporary directory beside the destination
+LOCK_FILE = ".lock"                       # held (flock) by the run that writes the staging directory
 
 
 class ModelError(AmpRewriteError):
@@ -44,6 +56,30 @@ class Model:
     entry_functions: tuple[str, ...]    # functions a loader or server calls by name
     saved_model: saved_model_pb2.SavedModel | None = None
     text: bool = False                  # read from text format (.pbtxt)
+    meta_graph_index: int = 0           # SavedModel: the MetaGraphDef rewritten (the one --tag-set names)
+    fetches_are_sinks: bool = False     # GraphDef without --fetch: the outputs are the nodes nobody reads
+
+    @property
+    def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
+        return self.saved_model.meta_graphs[self.meta_graph_index]
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The rewritten MetaGraphDef's tags (SavedModel only)."""
+        return tuple(self.meta_graph.meta_info_def.tags) if self.saved_model is not None else ()
+
+    @property
+    def other_tag_sets(self) -> tuple[tuple[str, ...], ...]:
+        """Tags of the MetaGraphDefs copied unchanged."""
+        if self.saved_model is None:
+            return ()
+        return tuple(tuple(meta.meta_info_def.tags) for index, meta in enumerate(self.saved_model.meta_graphs)
+                     if index != self.meta_graph_index)
+
+    @property
+    def is_tf_keras(self) -> bool:
+        """Saved by tf_keras: ``tf_keras.models.load_model`` rebuilds its layers from this metadata."""
+        return self.kind == "savedmodel" and (self.path / TF_KERAS_METADATA).exists()
 
 
 def _parse(path: Path, proto: message.Message) -> message.Message:
@@ -62,36 +98,102 @@ def _parse(path: Path, proto: message.Message) -> message.Message:
     return proto
 
 
-def read_model(path: str | os.PathLike, fetches: Iterable[str] = ()) -> Model:
-    """A SavedModel directory, or a GraphDef ``.pb``/``.pbtxt`` file with ``fetches``."""
+def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None) -> Model:
+    """A SavedModel directory (the MetaGraphDef ``tag_set`` names, default ``serve``), or a
+    GraphDef ``.pb``/``.pbtxt`` file whose outputs are ``fetches`` (default: its sinks)."""
     path = Path(path)
+    if path.suffix in KERAS_FILES:
+        raise ModelError(f"{path}: a Keras model file, not a SavedModel; export it with model.export(dir)"
+                         " and convert that directory")
     if not path.exists():
         raise ModelError(f"{path}: no such file or directory; pass a SavedModel directory or a .pb/.pbtxt GraphDef")
     if path.is_dir():
-        return _read_saved_model(path)
+        if fetches:
+            raise ModelError(f"{path}: --fetch applies to GraphDef files; a SavedModel's outputs come from its signatures")
+        return _read_saved_model(path, tag_set or DEFAULT_TAG_SET)
+    if tag_set is not None:
+        raise ModelError(f"{path}: --tag-set applies to SavedModel directories; a GraphDef file has one graph")
     if path.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{path}: expected a SavedModel directory or a GraphDef file ending in .pb or .pbtxt")
     graph_def = _parse(path, graph_pb2.GraphDef())
-    names = {node.name for node in graph_def.node}
     fetches = tuple(dict.fromkeys(fetches))
-    missing = [f for f in fetches if parse_tensor_name(f).node not in names]
-    if missing:
-        raise ModelError(f"{path}: --fetch {', '.join(missing)}: no such node in the graph")
-    return Model(path, "graphdef", graph_def, fetches, (), text=path.suffix == ".pbtxt")
+    for fetch in fetches:
+        _check_fetch(path, graph_def, fetch)
+    if fetches:
+        return Model(path, "graphdef", graph_def, fetches, (), text=path.suffix == ".pbtxt")
+    return Model(path, "graphdef", graph_def, graph_sinks(graph_def), (), text=path.suffix == ".pbtxt",
+                 fetches_are_sinks=True)
 
 
-def _read_saved_model(path: Path) -> Model:
+def graph_sinks(graph_def: graph_pb2.GraphDef) -> tuple[str, ...]:
+    """Nodes no other node reads (by data or control edge) and that read something, in graph
+    order: a GraphDef's outputs when the user names none, so they keep their dtypes. A node
+    with neither inputs nor readers (a tf.function's unused shape constant) is dead, not an output."""
+    read = {parse_tensor_name(tensor).node for node in graph_def.node for tensor in node.input}
+    return tuple(node.name for node in graph_def.node if node.name not in read and node.input)
+
+
+def output_count(graph_def: graph_pb2.GraphDef, node_def) -> int:
+    """How many output ports ``node_def`` has, from its op definition (or library function)."""
+    op_def = support.resolve_op_def(node_def, support.library_op_defs(graph_def.library))
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+    count = 0
+    for arg in op_def.output_arg:
+        if arg.type_list_attr or arg.number_attr:
+            name = arg.type_list_attr or arg.number_attr
+            value = node_def.attr[name] if name in node_def.attr else defaults.get(name)
+            if value is None:
+                continue
+            count += len(value.list.type) if arg.type_list_attr else value.i
+        else:
+            count += 1
+    return count
+
+
+def _check_fetch(path: Path, graph_def: graph_pb2.GraphDef, fetch: str) -> None:
+    """``fetch`` is ``NAME`` or ``NAME:PORT`` of a node in the graph that has that output port."""
+    try:
+        ref = parse_tensor_name(fetch)
+    except GraphError:
+        ref = None
+    if ref is None or ref.is_control:
+        raise ModelError(f"{path}: --fetch {fetch!r}: expected NAME or NAME:PORT (an output, not a control input)")
+    node_def = next((node for node in graph_def.node if node.name == ref.node), None)
+    if node_def is None:
+        raise ModelError(f"{path}: --fetch {fetch}: no such node in the graph; list the node names with"
+                         " `amp-rewrite dump` (before.pbtxt)")
+    try:
+        count = output_count(graph_def, node_def)
+    except GraphError as error:
+        raise ModelError(f"{path}: {error}") from None
+    if ref.port >= count:
+        have = f"outputs 0..{count - 1}" if count else "no outputs"
+        raise ModelError(f"{path}: --fetch {fetch}: node '{ref.node}' ({node_def.op}) has {have}; pick one of those")
+
+
+def tag_set_text(tags: Iterable[str]) -> str:
+    """Tags as ``saved_model_cli --tag_set`` takes them: comma-separated."""
+    return ",".join(tags)
+
+
+def _read_saved_model(path: Path, tag_set: str) -> Model:
     found = [path / name for name in SAVED_MODEL_FILES if (path / name).exists()]
     if not found:
         raise ModelError(f"{path}: not a SavedModel (no saved_model.pb); pass the directory tf.saved_model.save wrote")
     saved_model = _parse(found[0], saved_model_pb2.SavedModel())
     if not saved_model.meta_graphs:
         raise ModelError(f"{found[0]}: the SavedModel holds no meta graph; re-export it")
-    meta = saved_model.meta_graphs[0]
+    wanted = {tag.strip() for tag in tag_set.split(",") if tag.strip()}
+    matching = [index for index, meta in enumerate(saved_model.meta_graphs) if set(meta.meta_info_def.tags) == wanted]
+    if not matching:
+        have = "; ".join(repr(tag_set_text(meta.meta_info_def.tags)) for meta in saved_model.meta_graphs)
+        raise ModelError(f"{path}: no MetaGraphDef with tag set {tag_set_text(sorted(wanted))!r}; it has {have};"
+                         " choose one with --tag-set")
+    meta = saved_model.meta_graphs[matching[0]]
     if _has_variables(meta) and not (path / "variables" / "variables.index").exists():
         raise ModelError(f"{path}: the variables/ folder is missing or incomplete; copy it from the original export")
     return Model(found[0].parent, "savedmodel", meta.graph_def, _preserved(meta), _entry_functions(meta),
-                 saved_model, text=found[0].suffix == ".pbtxt")
+                 saved_model, text=found[0].suffix == ".pbtxt", meta_graph_index=matching[0])
 
 
 def _has_variables(meta: meta_graph_pb2.MetaGraphDef) -> bool:
@@ -119,6 +221,27 @@ def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     return tuple(sorted(called & names))
 
 
+# Functions tf.saved_model.save writes around the model's own: they read and write variables
+# or adapt a signature's arguments, and are the same for every model.
+PLUMBING_FUNCTIONS = (
+    ("save/restore", re.compile(r"^__inference__traced_(save|restore)_\d+$")),
+    ("signature wrapper", re.compile(r"^__inference_signature_wrapper_")),
+)
+
+
+def plumbing_kinds(model: Model) -> dict[str, str]:
+    """Items that are TensorFlow's plumbing rather than the model, with their kind: a TF2
+    SavedModel's save/restore functions and signature wrappers, and its main graph (the
+    loader's variables and calls). A TF1 SavedModel's or a GraphDef file's main graph is the model."""
+    if model.kind != "savedmodel":
+        return {}
+    kinds = {function.signature.name: kind for function in model.graph_def.library.function
+             for kind, pattern in PLUMBING_FUNCTIONS if pattern.search(function.signature.name)}
+    if model.meta_graph.object_graph_def.nodes:
+        kinds[""] = "loader graph"  # the main graph (program.MAIN_GRAPH)
+    return kinds
+
+
 def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False) -> RewriteResult:
     """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
@@ -132,13 +255,19 @@ def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep:
     return dataclasses.replace(op_lists, keep_nodes=op_lists.keep_nodes + keep) if keep else op_lists
 
 
-def check_destination(source: Path, destination: Path, force: bool) -> None:
-    """Refuse to write into the source, or over an existing destination without ``force``."""
+def check_outside(source: Path, destination: Path, what: str = "destination") -> None:
+    """Refuse a ``destination`` that is, lies inside, or holds the ``source``: nothing is written into a source."""
     source, destination = source.resolve(), destination.resolve()
     if destination == source or source in destination.parents:
-        raise ModelError(f"{destination}: is (inside) the source {source}; choose a destination outside it")
+        raise ModelError(f"{destination}: is (inside) the source {source}; choose a {what} outside it")
     if destination in source.parents:
-        raise ModelError(f"{destination}: contains the source {source}; choose a destination outside it")
+        raise ModelError(f"{destination}: contains the source {source}; choose a {what} outside it")
+
+
+def check_destination(source: Path, destination: Path, force: bool) -> None:
+    """Refuse to write into the source, or over an existing destination without ``force``."""
+    check_outside(source, destination)
+    destination = destination.resolve()
     if destination.exists() and not force:
         raise ModelError(f"{destination}: already exists; choose another destination or pass --force to replace it")
     if not destination.parent.is_dir():
@@ -146,44 +275,150 @@ def check_destination(source: Path, destination: Path, force: bool) -> None:
         raise ModelError(f"{destination.parent}: {what}")
 
 
+def remove_leftovers(destination: Path) -> list[Path]:
+    """Remove the staging directories that killed runs (SIGKILL, power loss) left beside
+    ``destination``. A run holds a lock on its own until it ends, so one whose lock can be
+    taken belongs to no running process; one without a lock file is left alone and named."""
+    removed = []
+    for leftover in sorted(destination.parent.glob(f".{destination.name}.{STAGING_MARK}.*")):
+        try:
+            descriptor = os.open(leftover / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # another conversion to this destination is running now
+        finally:
+            os.close(descriptor)
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(leftover)
+    return removed
+
+
+def _move_into_place(staged: Path, destination: Path) -> None:
+    """Move ``staged`` to ``destination`` only if nothing is there: a destination that
+    appeared since the run began (another run, the user) is never replaced silently.
+    A directory claims the name with ``mkdir`` (atomic), then replaces that empty directory;
+    a file is hard-linked (fails if the name exists), then its staged name removed."""
+    if staged.is_dir():
+        os.mkdir(destination)
+        try:
+            os.replace(staged, destination)
+        except OSError:
+            os.rmdir(destination)
+            raise
+    else:
+        os.link(staged, destination)
+        os.unlink(staged)
+
+
+_STAGING_TO_DESTINATION: dict[Path, Path] = {}  # this process's staging directories, while they exist
+
+
+def abandon_staging() -> None:
+    """Undo every write in progress, for a signal handler that exits next: put back a
+    destination that --force had moved aside, release a name claimed for the move, and
+    remove the staging directories. Exceptions raised by a handler can be swallowed inside
+    TensorFlow's C++ callbacks, so interrupts clean up here rather than by unwinding."""
+    for staging, destination in list(_STAGING_TO_DESTINATION.items()):
+        old, target = staging / "replaced", staging / destination.name
+        with contextlib.suppress(OSError):
+            if target.exists() and destination.is_dir() and not any(destination.iterdir()):
+                os.rmdir(destination)  # claimed by _move_into_place, not yet filled
+            if old.exists() and not destination.exists():
+                os.replace(old, destination)
+        shutil.rmtree(staging, ignore_errors=True)
+    _STAGING_TO_DESTINATION.clear()
+
+
 @contextlib.contextmanager
-def _staging(destination: Path) -> Iterator[Path]:
-    """A temporary path beside ``destination``; renamed into place only if the block succeeds."""
+def _staging(destination: Path, force: bool) -> Iterator[Path]:
+    """A temporary path beside ``destination``; moved into place only if the block succeeds
+    (and returns without raising). A failure removes it; so does ``abandon_staging`` on an interrupt."""
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{STAGING_MARK}.", dir=destination.parent))
+        _STAGING_TO_DESTINATION[staging] = destination
+        lock = os.open(staging / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
     except OSError as error:
         raise ModelError(f"{destination.parent}: cannot write here ({error.strerror}); check permissions") from None
+    fcntl.flock(lock, fcntl.LOCK_EX)
     target, old = staging / destination.name, staging / "replaced"
     try:
         yield target
-        if destination.exists():  # --force: swap the old one out, then remove it
-            os.replace(destination, old)
-        os.replace(target, destination)
+        if not target.exists():
+            return  # the caller decided not to publish
+        if destination.exists() or destination.is_symlink():
+            if not force:
+                raise ModelError(f"{destination}: appeared while this run was writing (another run?); nothing"
+                                 " was replaced; choose another destination or pass --force to replace it")
+            os.replace(destination, old)  # --force: swap the old one out, then remove it
+        _move_into_place(target, destination)
     except OSError as error:
         if old.exists() and not destination.exists():
             os.replace(old, destination)  # put the replaced destination back
+        if isinstance(error, FileExistsError):
+            raise ModelError(f"{destination}: appeared while this run was writing (another run?); nothing was"
+                             " replaced; choose another destination or pass --force to replace it") from None
         raise ModelError(f"{destination}: writing failed ({error.strerror}); nothing was changed") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        _STAGING_TO_DESTINATION.pop(staging, None)
+        os.close(lock)
 
 
-def write_model(model: Model, graph_def: graph_pb2.GraphDef, destination: str | os.PathLike, force: bool = False) -> Path:
-    """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically."""
+def write_model(
+    model: Model, graph_def: graph_pb2.GraphDef, destination: str | os.PathLike, force: bool = False,
+    accept: Callable[[Path], bool] | None = None,
+) -> bool:
+    """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically.
+
+    ``accept`` sees the finished copy before it is moved into place (validation); when it
+    returns False nothing is written. Returns whether ``destination`` was written."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
-    with _staging(destination) as target:
+    with _staging(destination, force) as target:
         if model.kind == "graphdef":
             _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
-            return destination
-        shutil.copytree(model.path, target, ignore=shutil.ignore_patterns(*SAVED_MODEL_FILES, FINGERPRINT))
-        saved_model = saved_model_pb2.SavedModel()
-        saved_model.CopyFrom(model.saved_model)
-        saved_model.meta_graphs[0].graph_def.CopyFrom(graph_def)
-        _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"), saved_model, text=model.text)
-        _write_fingerprint(target)
-    return destination
+        else:
+            _copy_contents(model.path, target, skip=(*SAVED_MODEL_FILES, FINGERPRINT))
+            _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
+                         _rewritten_saved_model(model, graph_def), text=model.text)
+            _write_fingerprint(target)
+        if accept is not None and not accept(target):
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            return False
+    return True
+
+
+def _rewritten_saved_model(model: Model, graph_def: graph_pb2.GraphDef) -> saved_model_pb2.SavedModel:
+    """The source's SavedModel with the chosen MetaGraphDef's graph replaced. The rewrite
+    spells out default-valued attrs; where the file promises ``stripped_default_attrs``
+    they are stripped again, so the promise stays true (older consumers rely on it)."""
+    from tensorflow.python.framework import meta_graph
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.CopyFrom(model.saved_model)
+    meta = saved_model.meta_graphs[model.meta_graph_index]
+    meta.graph_def.CopyFrom(graph_def)
+    if meta.meta_info_def.stripped_default_attrs:
+        meta_graph.strip_graph_default_valued_attrs(meta)
+    return saved_model
+
+
+def _copy_contents(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy files' contents only: directories and files get the user's default modes (umask),
+    so the copy is writable and removable whatever the source's modes."""
+    target.mkdir()
+    for entry in sorted(source.iterdir()):
+        if entry.name in skip:
+            continue
+        if entry.is_dir():
+            _copy_contents(entry, target / entry.name)
+        else:
+            shutil.copyfile(entry, target / entry.name)
 
 
 def _write_proto(path: Path, proto: message.Message, text: bool) -> None:

@@ -1,24 +1,48 @@
 """Run the original and the rewritten model on the same inputs and measure the difference.
 
-Inputs are random (seeded) or come from an ``.npz`` file; shapes and dtypes come from the
-SavedModel's signatures or the GraphDef's placeholders (unknown dimensions become 2).
-The error of an output is its largest absolute difference divided by the largest
-magnitude of the float32 output, so it reads as a fraction of the output's scale.
+Everything that can be checked is checked before anything is written: ``plan_feeds``
+reads each input's dtype and shape from the SavedModel's signatures (or the GraphDef's
+placeholders) and either makes random inputs (seeded; unknown dimensions become 2) or
+checks an ``.npz`` file's arrays against them. A model that fails on the inputs is the
+user's to fix (exit 2, with what to pass); only numbers over tolerance are a failed
+validation. The error of an output is its largest absolute difference divided by the
+largest magnitude of the float32 output, so it reads as a fraction of the output's scale.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
-from amp_rewrite.cli.savedmodel import Model, ModelError
+from amp_rewrite.cli.savedmodel import Model, ModelError, output_count
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
+
 UNKNOWN_DIM = 2
+RANDOM_INT_HIGH = 10  # random integer inputs are 0..9: ids below every vocabulary or table size we expect
+GRAPH = "graph"       # the "signature" of a GraphDef file's placeholders and outputs
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input a model takes: a signature's input, or a GraphDef's placeholder."""
+
+    signature: str
+    name: str
+    dtype: tf.DType
+    shape: tuple[int | None, ...] | None  # None: unknown rank
+
+    def describe(self) -> str:
+        where = f"placeholder '{self.name}'" if self.signature == GRAPH else \
+            f"input '{self.name}' of signature '{self.signature}'"
+        return f"{where} ({self.dtype.name}{_shape_text(self.shape)})"
+
+
+Feeds = dict[str, list[dict[str, np.ndarray]]]  # signature → one feed per run
 
 
 @dataclass(frozen=True)
@@ -33,95 +57,180 @@ class OutputError:
         return np.isfinite(self.max_rel) and self.max_rel <= target.tolerance
 
 
-def _sample(spec_shape: list[int | None], dtype: tf.DType, rng: np.random.Generator) -> np.ndarray:
-    shape = [UNKNOWN_DIM if d is None else d for d in spec_shape]
-    if dtype.is_floating:
-        return rng.standard_normal(shape).astype(dtype.as_numpy_dtype)
-    if dtype.is_integer:
-        return rng.integers(0, 10, size=shape).astype(dtype.as_numpy_dtype)
-    if dtype == tf.bool:
-        return rng.integers(0, 2, size=shape).astype(bool)
-    raise ModelError(f"cannot make random inputs of dtype {dtype.name}; pass real data with --inputs FILE.npz")
+def _shape_text(shape: tuple[int | None, ...] | None) -> str:
+    if shape is None:
+        return ", any shape"
+    return ", shape (" + ", ".join("None" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _shape(proto: tensor_shape_pb2.TensorShapeProto) -> tuple[int | None, ...] | None:
+    if proto.unknown_rank:
+        return None
+    return tuple(None if d.size < 0 else d.size for d in proto.dim)
+
+
+def input_specs(model: Model) -> list[InputSpec]:
+    """What the model takes, from its protos (nothing is loaded or run)."""
+    if model.kind == "savedmodel":
+        return [InputSpec(key, name, tf.as_dtype(info.dtype), _shape(info.tensor_shape))
+                for key, signature in sorted(model.meta_graph.signature_def.items())
+                for name, info in sorted(signature.inputs.items())]
+    return [InputSpec(GRAPH, node.name, tf.as_dtype(node.attr["dtype"].type),
+                      _shape(node.attr["shape"].shape) if "shape" in node.attr else None)
+            for node in model.graph_def.node if node.op == "Placeholder"]
+
+
+def compared_outputs(model: Model) -> tuple[str, ...]:
+    """A GraphDef's tensors to compare: the ``--fetch`` tensors, or every output of its sinks."""
+    if not model.fetches_are_sinks:
+        return model.fetches
+    nodes = {node.name: node for node in model.graph_def.node}
+    return tuple(tensor_name(name, port) for name in model.fetches
+                 for port in range(output_count(model.graph_def, nodes[name])))
 
 
 def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             return {key: data[key] for key in data.files}
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, EOFError) as error:
         raise ModelError(f"{path}: cannot read inputs ({error}); pass an .npz file saved with numpy.savez") from None
 
 
-def check_inputs(model: Model, path: Path) -> Mapping[str, np.ndarray]:
-    """Before anything is written: ``path`` loads and has an array for every input.
-    Returns the arrays, for ``validate_saved_models`` / ``validate_graph_defs``."""
-    given = load_inputs(path)
+def _sample(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
+    shape = [UNKNOWN_DIM if d is None else d for d in (spec.shape or ())]
+    if spec.dtype.is_floating:
+        return rng.standard_normal(shape).astype(spec.dtype.as_numpy_dtype)
+    if spec.dtype.is_integer:
+        return rng.integers(0, RANDOM_INT_HIGH, size=shape).astype(spec.dtype.as_numpy_dtype)
+    return rng.integers(0, 2, size=shape).astype(bool)  # tf.bool: _check_samplable let nothing else through
+
+
+def _check_samplable(spec: InputSpec, path: Path) -> None:
+    if not (spec.dtype.is_floating or spec.dtype.is_integer or spec.dtype == tf.bool):
+        raise ModelError(f"{path}: {spec.describe()}: random inputs cannot be made for {spec.dtype.name};"
+                         f" pass real inputs with --inputs FILE.npz (numpy.savez(FILE, {spec.name}=...))")
+
+
+def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np.ndarray:
+    """``array`` as ``spec`` takes it: a float array of another width, or an integer array
+    whose values fit, is cast (with a note); any other dtype or a shape that cannot be fed is refused."""
+    want = np.dtype(spec.dtype.as_numpy_dtype)
+    what = f"{path}: array '{spec.name}' ({array.dtype}, shape {tuple(array.shape)})"
+    if spec.shape is not None and (len(array.shape) != len(spec.shape) or any(
+            d is not None and d != n for d, n in zip(spec.shape, array.shape))):
+        raise ModelError(f"{what} does not fit {spec.describe()}; save an array of that shape")
+    if array.dtype == want:
+        return array
+    if np.issubdtype(array.dtype, np.floating) and np.issubdtype(want, np.floating):
+        notes.append(f"{path.name}: '{spec.name}' is {array.dtype}; cast to {want} as {spec.describe()} takes")
+        return array.astype(want)
+    if np.issubdtype(array.dtype, np.integer) and np.issubdtype(want, np.integer) and (
+            array.size == 0 or (np.iinfo(want).min <= array.min() and array.max() <= np.iinfo(want).max)):
+        notes.append(f"{path.name}: '{spec.name}' is {array.dtype}; cast to {want} as {spec.describe()} takes")
+        return array.astype(want)
+    raise ModelError(f"{what} does not fit {spec.describe()}; save it as {want}"
+                     f" ({spec.name}.astype(numpy.{want}))")
+
+
+def plan_feeds(model: Model, inputs: Path | None, runs: int) -> tuple[Feeds, list[str]]:
+    """The inputs for validation, checked before anything is written, and notes for the user
+    (casts made). ``inputs``: an ``.npz`` file, fed once; else ``runs`` random feeds."""
+    specs = input_specs(model)
+    notes: list[str] = []
+    feeds: Feeds = {}
     if model.kind == "savedmodel":
-        for key, signature in sorted(model.saved_model.meta_graphs[0].signature_def.items()):
-            missing = sorted(set(signature.inputs) - set(given))
-            if signature.inputs and missing:
-                raise ModelError(f"{path}: no array for input(s) {', '.join(missing)} of signature '{key}'")
-    else:
-        missing = sorted({n.name for n in model.graph_def.node if n.op == "Placeholder"} - set(given))
-        if missing:
-            raise ModelError(f"{path}: no array for placeholder(s) {', '.join(missing)}")
-    return given
+        for key in model.meta_graph.signature_def:
+            feeds.setdefault(key, [])
+    if inputs is not None:
+        given = load_inputs(inputs)
+        for spec in specs:
+            if spec.name not in given:
+                where = "placeholder(s)" if spec.signature == GRAPH else f"input(s) of signature '{spec.signature}':"
+                missing = sorted(s.name for s in specs if s.signature == spec.signature and s.name not in given)
+                raise ModelError(f"{inputs}: no array for {where} {', '.join(missing)}")
+        feed_by_signature: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
+        for spec in specs:
+            feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
+        return {key: [feed] for key, feed in feed_by_signature.items()}, notes
+    for spec in specs:
+        _check_samplable(spec, model.path)
+    rng = np.random.default_rng(0)
+    for _ in range(runs):
+        batch: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
+        for spec in specs:
+            batch.setdefault(spec.signature, {})[spec.name] = _sample(spec, rng)
+        for key, feed in batch.items():
+            feeds.setdefault(key, []).append(feed)
+    return feeds, notes
 
 
-def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> OutputError:
-    old, new = np.asarray(old, np.float64), np.asarray(new, np.float64)
+def _error(signature: str, output: str, old: np.ndarray, new: np.ndarray) -> OutputError | None:
+    old, new = np.asarray(old), np.asarray(new)
+    if not (np.issubdtype(old.dtype, np.number) or old.dtype == bool):
+        return None  # strings and the like: nothing to measure
+    old, new = old.astype(np.float64), new.astype(np.float64)
     diff = float(np.max(np.abs(new - old))) if old.size else 0.0
     scale = float(np.max(np.abs(old))) if old.size else 0.0
     return OutputError(signature, output, diff, diff / scale if scale > 0 else (0.0 if diff == 0 else np.inf))
 
 
+def _first_line(error: Exception) -> str:
+    text = getattr(error, "message", None) or str(error)
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+
+
+def _worst(worst: dict[tuple[str, str], OutputError], error: OutputError | None) -> None:
+    if error is None:
+        return
+    current = worst.get((error.signature, error.output))
+    if current is None or not error.max_rel <= current.max_rel:
+        worst[(error.signature, error.output)] = error
+
+
+def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
+    how = ("random inputs (ids 0-9 for integer inputs, unknown dims 2); pass real inputs with --inputs FILE.npz"
+           if random else "the --inputs arrays; check them against the model's inputs")
+    return ModelError(f"{where}: the source model fails on {how} ({_first_line(error)})")
+
+
 def validate_saved_models(
-    source: Path, destination: Path, runs: int, given: Mapping[str, np.ndarray] | None = None
+    source: Path, destination: Path, tags: Sequence[str], feeds: Feeds, random: bool
 ) -> list[OutputError]:
-    """Worst error per (signature, output) over ``runs`` random batches, or one run on
-    ``given`` (``check_inputs``' arrays)."""
-    old_model, new_model = tf.saved_model.load(str(source)), tf.saved_model.load(str(destination))
-    rng = np.random.default_rng(0)
+    """Worst error per (signature, output) over ``feeds`` (from ``plan_feeds``)."""
+    try:
+        old_model = tf.saved_model.load(str(source), tags=list(tags))
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise ModelError(f"{source}: TensorFlow cannot load it ({_first_line(error)})") from None
+    new_model = tf.saved_model.load(str(destination), tags=list(tags))
     worst: dict[tuple[str, str], OutputError] = {}
     for key in sorted(old_model.signatures):
         old_fn, new_fn = old_model.signatures[key], new_model.signatures[key]
-        specs = old_fn.structured_input_signature[1]
-        for _ in range(1 if given is not None else runs):
-            if given is not None:
-                feed = {name: tf.constant(given[name]) for name in specs}
-            else:
-                feed = {name: tf.constant(_sample(spec.shape.as_list(), spec.dtype, rng)) for name, spec in specs.items()}
-            old_out, new_out = old_fn(**feed), new_fn(**feed)
+        for feed in feeds.get(key, [{}]):
+            tensors = {name: tf.constant(value) for name, value in feed.items()}
+            try:
+                old_out = old_fn(**tensors)
+            except (tf.errors.OpError, ValueError, TypeError) as error:
+                raise _fails_on_inputs(f"{source}: signature '{key}'", error, random) from None
+            new_out = new_fn(**tensors)
             for name in sorted(old_out):
-                error = _error(key, name, old_out[name].numpy(), new_out[name].numpy())
-                current = worst.get((key, name))
-                if current is None or not error.max_rel <= current.max_rel:
-                    worst[(key, name)] = error
+                _worst(worst, _error(key, name, old_out[name].numpy(), new_out[name].numpy()))
     return list(worst.values())
 
 
-def validate_graph_defs(
-    model: Model, rewritten: graph_pb2.GraphDef, runs: int, given: Mapping[str, np.ndarray] | None = None
-) -> list[OutputError]:
-    """The same for a GraphDef file: placeholders fed, ``model.fetches`` compared."""
-    if not model.fetches:
-        raise ModelError(f"{model.path}: --validate needs the outputs to compare; name them with --fetch")
-    placeholders = [n for n in model.graph_def.node if n.op == "Placeholder"]
-    rng = np.random.default_rng(0)
-    worst: dict[str, OutputError] = {}
-    for _ in range(1 if given is not None else runs):
-        feed = {}
-        for node in placeholders:
-            if given is not None:
-                feed[f"{node.name}:0"] = given[node.name]
-            else:
-                shape = [None if d.size < 0 else d.size for d in node.attr["shape"].shape.dim]
-                feed[f"{node.name}:0"] = _sample(shape, tf.as_dtype(node.attr["dtype"].type), rng)
-        old, new = _run(model.graph_def, model.fetches, feed), _run(rewritten, model.fetches, feed)
-        for name, a, b in zip(model.fetches, old, new):
-            error = _error("graph", name, a, b)
-            if name not in worst or not error.max_rel <= worst[name].max_rel:
-                worst[name] = error
+def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool) -> list[OutputError]:
+    """The same for a GraphDef file: placeholders fed, ``compared_outputs`` compared."""
+    outputs = compared_outputs(model)
+    worst: dict[tuple[str, str], OutputError] = {}
+    for feed in feeds.get(GRAPH, [{}]):
+        fed = {f"{name}:0": value for name, value in feed.items()}
+        try:
+            old = _run(model.graph_def, outputs, fed)
+        except (tf.errors.OpError, ValueError, TypeError) as error:
+            raise _fails_on_inputs(str(model.path), error, random) from None
+        new = _run(rewritten, outputs, fed)
+        for name, a, b in zip(outputs, old, new):
+            _worst(worst, _error(GRAPH, name, a, b))
     return list(worst.values())
 
 
