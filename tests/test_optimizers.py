@@ -542,7 +542,7 @@ HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no s
         (NAN, ValueError, "got nan", "must be a positive finite number"),
         (True, TypeError, "cannot interpret loss_scale=True (bool)", HELP),
         (np.bool_(True), TypeError, "cannot interpret loss_scale=", HELP),
-        (np.float32(-2), ValueError, "got np.float32(-2.0)", "must be a positive finite number"),
+        (np.float32(-2), ValueError, f"got {np.float32(-2)!r}", "must be a positive finite number"),
         ([128], TypeError, "cannot interpret loss_scale=[128] (list)", HELP),
         (tf.constant(128.0), TypeError, "cannot interpret loss_scale=", HELP),
         (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "DynamicLossScale(multiplier=3.0)",
