@@ -31,7 +31,7 @@ import platform
 import re
 import zipfile
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -81,33 +81,17 @@ def live_unavailable(target: str) -> str | None:
 def rewrite(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (), our_lists: bool = True) -> GraphDef:
     """What ``amp_rewrite.testing.reference.run_grappler`` answers, from the recording or live."""
     names = _canonical_names(graph_def)
-    canonical = _canonical(graph_def, names)
+    canonical = _canonical(graph_def, names).SerializeToString(deterministic=True)
     question = {
         "kind": "rewrite", "target": target, "fetches": list(fetches), "our_lists": our_lists, "environ": _amp_environ(),
     }
-    key = _key(question, canonical.SerializeToString(deterministic=True))
-    recorded = _store().get(key)
 
-    def live() -> GraphDef:
-        return _run_live(graph_def, target=target, fetches=fetches, our_lists=our_lists)
+    def live() -> bytes:
+        answer = _run_live(graph_def, target=target, fetches=fetches, our_lists=our_lists)
+        return _canonical(answer, names).SerializeToString(deterministic=True)
 
-    if recording():
-        answer = live()
-        _store().put(key, question, _canonical(answer, names).SerializeToString(deterministic=True))
-        return answer
-    reason = live_unavailable(target)
-    if recorded is None:
-        _no_answer(question, key, reason)
-    answer = _renamed(GraphDef.FromString(recorded), {canonical: name for name, canonical in names.items()})
+    answer = _renamed(GraphDef.FromString(_answer(question, canonical, live)), {v: k for k, v in names.items()})
     _add_defaults(answer)
-    comparisons[(target, "recorded")] += 1
-    if reason is None:
-        fresh = _canonical(live(), names).SerializeToString(deterministic=True)
-        assert fresh == recorded, (
-            f"the recorded grappler answer {key[:12]} for {target} differs from live grappler's: "
-            f"re-run tools/record_grappler.py ({_current_test()})"
-        )
-        comparisons[(target, "live")] += 1
     return answer
 
 
@@ -115,35 +99,42 @@ def lists(target: str, environ: Mapping[str, str] | None = None) -> dict[str, tu
     """What ``tools/dump_grappler_lists.py``'s ``dump_lists`` answers, from the recording or
     live; ``ListsRefused`` where grappler refuses the variables and builds no lists."""
     question = {"kind": "lists", "target": target, "environ": dict(sorted((environ or {}).items()))}
-    key = _key(question, b"")
-    recorded = _store().get(key)
 
-    def live() -> dict:
+    def live() -> bytes:
         try:
-            return {name: list(ops) for name, ops in dump_tool().dump_lists(target, environ).items()}
+            answer = {name: list(ops) for name, ops in dump_tool().dump_lists(target, environ).items()}
         except GrapplerUnavailable:
             raise
         except RuntimeError as error:
-            return {"refused": str(error)}
+            answer = {"refused": str(error)}
+        return json.dumps(answer, sort_keys=True).encode()
 
-    if recording():
-        answer = live()
-        _store().put(key, question, json.dumps(answer, sort_keys=True).encode())
-    else:
-        reason = live_unavailable(target)
-        if recorded is None:
-            _no_answer(question, key, reason)
-        answer = json.loads(recorded)
-        comparisons[(target, "recorded")] += 1
-        if reason is None:
-            assert live() == answer, (
-                f"the recorded grappler lists {key[:12]} for {target} differ from live grappler's: "
-                f"re-run tools/record_grappler.py ({_current_test()})"
-            )
-            comparisons[(target, "live")] += 1
+    answer = json.loads(_answer(question, b"", live))
     if "refused" in answer:
         raise ListsRefused(answer["refused"])
     return {name: tuple(ops) for name, ops in answer.items()}
+
+
+def _answer(question: dict, payload: bytes, live: Callable[[], bytes]) -> bytes:
+    """The recorded answer to ``question`` about ``payload`` (both canonical), checked
+    against ``live()`` where live grappler can answer; in a recording run, ``live()``'s."""
+    key, target = _key(question, payload), question["target"]
+    if recording():
+        answer = live()
+        _store().put(key, question, answer)
+        return answer
+    recorded = _store().get(key)
+    reason = live_unavailable(target)
+    if recorded is None:
+        _no_answer(question, key, reason)
+    comparisons[(target, "recorded")] += 1
+    if reason is None:
+        assert live() == recorded, (
+            f"the recorded grappler answer {key[:12]} ({question['kind']} {target}) differs from live grappler's: "
+            f"re-run tools/record_grappler.py ({_current_test()})"
+        )
+        comparisons[(target, "live")] += 1
+    return recorded
 
 
 @functools.cache
