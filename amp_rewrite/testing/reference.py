@@ -72,7 +72,7 @@ from tensorflow.python.util import _pywrap_utils
 from amp_rewrite.core import colouring, functions, graph_io, lists, support, typegraph
 from amp_rewrite.core.errors import AmpRewriteError, GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.core.target import lookup_target
+from amp_rewrite.core.target import BFLOAT16, lookup_target
 
 GPU_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -103,7 +103,7 @@ def unavailable_reason(target: str) -> str | None:
     (``IsDataTypeSupportedByOneDNNOnThisCPU(DT_BFLOAT16)``) and does not exist with
     ``TF_ENABLE_ONEDNN_OPTS=0``; an oracle must not read that as "nothing to convert".
     """
-    if target != "bfloat16":
+    if lookup_target(target) is not BFLOAT16:
         return None
     if os.environ.get(SIMULATE_NO_AVX512F, "") not in ("", "0"):
         return f"grappler's bfloat16 pass needs a CPU with AVX512F; {SIMULATE_NO_AVX512F} says to act as on a CPU with none"
