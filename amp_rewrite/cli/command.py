@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130
+RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
 TARGET_NAMES = ("float16", "bfloat16")  # core.target.TARGETS, spelled here so --help needs no TensorFlow
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
 # DepthwiseConv2dNative is not here: its filter's last dim is the channel multiplier, which no user can change.
@@ -44,6 +45,8 @@ examples:
   amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --inputs batch.npz
   amp-rewrite convert tf1_model/ out/ --tag-set serve      # the MetaGraphDef to convert
   amp-rewrite convert graph.pb graph_fp16.pb --fetch logits --fetch probs:0
+  amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
+  amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml   # then: convert ... --lists keep.yaml
   amp-rewrite inspect my_model/
   amp-rewrite explain my_model/ dense/MatMul
   amp-rewrite dump my_model/ report/
@@ -96,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--quiet", action="store_true", help="print only errors")
         sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
+    def calibration(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--max-rounds", type=int, default=5, metavar="N",
+                         help="calibration: validation runs at most (1-10, default 5)")
+        sub.add_argument("--max-magnitude", type=float, metavar="X",
+                         help="calibration: largest |value| a converted node may see (float16 default 16384)")
+        sub.add_argument("--small-share", type=float, metavar="S",
+                         help="calibration: largest share of non-zero values below the target's smallest normal"
+                              " (default 0.5)")
+
     convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
                                   description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
     common(convert)
@@ -108,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--keep-failed", action="store_true",
                          help="write DST even when validation fails (exit 1 all the same)")
     convert.add_argument("--force", action="store_true", help="replace DST if it exists")
+    convert.add_argument("--calibrate", type=Path, nargs="?", const=RANDOM_INPUTS, metavar="DATA.npz",
+                         help="keep float32 the nodes calibration data shows out of the target's range or over"
+                              " tolerance (signature inputs as --inputs takes; none: random inputs)")
+    calibration(convert)
+
+    calibrate = commands.add_parser("calibrate", help="measure SRC on calibration data; write the nodes to keep"
+                                    " float32 as an overlay YAML for --lists", formatter_class=formatter)
+    common(calibrate)
+    calibrate.add_argument("--inputs", type=Path, metavar="DATA.npz",
+                           help="calibration inputs (default: random inputs from the signatures; real data is better)")
+    calibrate.add_argument("--out", type=Path, required=True, metavar="FILE.yaml", help="the overlay to write")
+    calibration(calibrate)
 
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
@@ -250,6 +274,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         check_outside(args.src, args.dump, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
+    if args.calibrate is not None:
+        calibration = _calibrate(args, model, lists, args.calibrate, steps)
+        result, lists = calibration.result, calibration.lists
     feeds = None
     if args.validate or args.inputs:
         from amp_rewrite.cli import validate
@@ -288,6 +315,49 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None, steps: _Steps) -> Any:
+    """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
+    from amp_rewrite.cli import calibrate, validate
+    from amp_rewrite.core.target import lookup_target
+
+    random = data is None or data == RANDOM_INPUTS
+    if model.kind == "graphdef" and not validate.compared_outputs(model):
+        raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
+                              " name them with --fetch NAME[:PORT]")
+    feeds, notes = validate.plan_feeds(model, None if random else data, calibrate.RANDOM_FEEDS)
+    _say(args, *[f"Note: {note}" for note in notes])
+    if random:
+        print(f"amp-rewrite: warning: calibrating on random inputs ({calibrate.RANDOM_FEEDS} batches, N(0,1) floats,"
+              " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
+    thresholds = calibrate.Thresholds.for_target(lookup_target(args.target), args.max_magnitude, args.small_share)
+    result = calibrate.calibrate(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
+                                 max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
+                                 source="random inputs" if random else str(data))
+    kept = len(result.keep)
+    _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
+               f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
+    return result
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from amp_rewrite.cli.savedmodel import check_outside, write_text_atomically
+
+    check_outside(args.src, args.out, "overlay file")
+    steps = _Steps(args)
+    model, _, lists = _rewrite(args, steps)
+    calibration = _calibrate(args, model, lists, args.inputs, steps)
+    base = yaml.safe_load(args.lists.read_text(encoding="utf-8")) if args.lists else None
+    if args.keep:
+        base = dict(base or {})
+        base["keep_nodes"] = list(base.get("keep_nodes") or []) + list(args.keep)
+    write_text_atomically(args.out, calibration.overlay(base))
+    _say(args, f"Wrote {args.out}: use it with amp-rewrite convert {args.src} DST --target {args.target}"
+               f" --lists {args.out}")
+    return EXIT_OK if calibration.ok else EXIT_VALIDATION
 
 
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
@@ -510,7 +580,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     return [name for name in path if not re.search(r"-CastTo\w+-\d+-AutoMixedPrecision$", name)]
 
 
-COMMANDS = {"convert": cmd_convert, "inspect": cmd_inspect, "explain": cmd_explain, "dump": cmd_dump}
+COMMANDS = {"convert": cmd_convert, "calibrate": cmd_calibrate, "inspect": cmd_inspect, "explain": cmd_explain, "dump": cmd_dump}
 
 
 if __name__ == "__main__":

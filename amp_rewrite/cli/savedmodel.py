@@ -264,6 +264,20 @@ def check_outside(source: Path, destination: Path, what: str = "destination") ->
         raise ModelError(f"{destination}: contains the source {source}; choose a {what} outside it")
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staged = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{STAGING_MARK}", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
+
+
 def check_destination(source: Path, destination: Path, force: bool) -> None:
     """Refuse to write into the source, or over an existing destination without ``force``."""
     check_outside(source, destination)

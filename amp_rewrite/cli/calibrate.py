@@ -1,0 +1,285 @@
+"""Calibration: precision decisions from data, so a model that overflows or loses precision
+under the op lists alone comes out finite and within tolerance.
+
+1. **Statistics**: the float32 model runs once over the calibration inputs with every
+   float tensor instrumented, function bodies included (``statistics.collect``): its
+   largest magnitude and the share of its non-zero values below the target's smallest
+   normal number.
+2. **Range rules**: a node the rewrite would convert whose input or output tensors exceed
+   the safe magnitude, or mostly fall below the smallest normal, is kept float32. Kept
+   nodes act as deny ops (``keep_nodes``), so this repeats until no converted node
+   touches such a tensor; it needs no further run.
+3. **Repair by validation**: the rewrite runs on the calibration inputs, instrumented
+   the same way. While an output is over the target's tolerance, the converted nodes
+   whose own output drifts most from float32's (its magnitude, RMS or finiteness, beyond
+   what its inputs already carried) are kept float32, and it runs again, up to
+   ``max_rounds`` runs.
+
+The decisions are ``keep_nodes`` entries with the measurement that made each
+(``Calibration.overlay``): an overlay YAML that reproduces the rewrite without data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from amp_rewrite.cli import statistics, validate
+from amp_rewrite.cli.savedmodel import Model, rewrite_model
+from amp_rewrite.cli.statistics import TensorKey, TensorStats
+from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.lists import OpLists
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.target import Target, lookup_target
+
+# float16's largest finite value is 65504; a tensor calibrated above a quarter of it is
+# kept float32: held-out inputs may run larger than the calibration ones.
+FLOAT16_SAFE_MAGNITUDE = 16384.0
+# A tensor whose non-zero values are mostly subnormal in the target loses its precision.
+SMALL_SHARE = 0.5
+DEFAULT_MAX_ROUNDS = 5
+RANDOM_FEEDS = 2  # random calibration batches when no data is given
+MAX_ROUNDS_LIMIT = 10
+# Repair keeps, per round, each converted node whose drift is at least this share of the worst one's.
+_BLAME_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a tensor is out of the target's range."""
+
+    max_magnitude: float  # safe largest |x|; math.inf: none
+    smallest_normal: float
+    max_small_share: float = SMALL_SHARE
+
+    @classmethod
+    def for_target(cls, target: Target, max_magnitude: float | None = None,
+                   max_small_share: float | None = None) -> Thresholds:
+        """float16: 16384 and 6.1e-5. bfloat16 has float32's exponent range: no range rule
+        fires for it, and its 8-bit mantissa is left to repair by validation."""
+        if target.name == "float16":
+            default, smallest = FLOAT16_SAFE_MAGNITUDE, float(np.finfo(np.float16).tiny)
+        else:
+            default, smallest = math.inf, 0.0
+        return cls(default if max_magnitude is None else max_magnitude, smallest,
+                   SMALL_SHARE if max_small_share is None else max_small_share)
+
+    def violation(self, stats: TensorStats) -> str:
+        """Why the tensor is out of range, or ""."""
+        if stats.max_abs > self.max_magnitude:
+            return f"reached {stats.max_abs:.3g}, over the safe magnitude {self.max_magnitude:.3g}"
+        if self.smallest_normal and stats.small_share > self.max_small_share:
+            return (f"{stats.small_share:.0%} of its non-zero values are below the smallest normal"
+                    f" {self.smallest_normal:.3g}")
+        return ""
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    signature: str
+    output: str
+    error: float  # max |low - float32| / max |float32| over the calibration inputs
+
+    def ok(self, target: Target) -> bool:
+        return math.isfinite(self.error) and self.error <= target.tolerance
+
+
+@dataclass(frozen=True)
+class Round:
+    """One validation run of the repair: each output's error, and the nodes kept after it."""
+
+    checks: tuple[OutputCheck, ...]
+    kept: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What calibration measured and decided."""
+
+    target: str
+    stats: Mapping[TensorKey, TensorStats]  # the float32 model's tensors
+    keep: Mapping[str, str]                 # keep_nodes entry → the measurement that decided it
+    range_kept: int                         # how many of ``keep`` the range rules decided
+    rounds: tuple[Round, ...]
+    lists: OpLists                          # the lists the rewrite used, with ``keep``
+    result: RewriteResult                   # the calibrated rewrite
+    thresholds: Thresholds
+    source: str = ""                        # what the statistics came from, for the overlay's header
+
+    @property
+    def validation_runs(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rounds) and all(c.ok(lookup_target(self.target)) for c in self.rounds[-1].checks)
+
+    def overlay(self, base: Mapping | None = None) -> str:
+        """An overlay YAML reproducing the calibrated rewrite: ``base`` (the overlay the
+        run was given, as loaded) with ``keep`` added to its keep_nodes."""
+        data = dict(base or {})
+        keep = data.get("keep_nodes") or {}
+        keep = dict.fromkeys(keep, "") if isinstance(keep, list) else dict(keep)
+        keep.update(self.keep)
+        data["keep_nodes"] = keep
+        header = (f"# Written by amp-rewrite calibrate for target {self.target}, from {self.source or 'calibration data'}.\n"
+                  f"# Range rules: safe magnitude {self.thresholds.max_magnitude:.6g}, at most"
+                  f" {self.thresholds.max_small_share:.0%} of non-zero values below {self.thresholds.smallest_normal:.3g};"
+                  f" {self.range_kept} node(s) kept by them, {len(self.keep) - self.range_kept} by repair"
+                  f" ({self.validation_runs} validation run(s)).\n"
+                  f"# Use it without data: amp-rewrite convert SRC DST --target {self.target} --lists THIS_FILE\n")
+        return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
+
+
+def keep_entry(function: str, node: str) -> str:
+    """The keep_nodes entry naming exactly ``node`` of ``function`` (``""``: the main graph)."""
+    pattern = re.escape(node)
+    return pattern if function == MAIN_GRAPH else f"{function}::{pattern}"
+
+
+def converted_nodes(result: RewriteResult) -> set[tuple[str, str]]:
+    """(function, node) of every node with a vertex the rewrite converted."""
+    return {(d.function, d.node) for d in result.report.decisions if d.converted}
+
+
+def _tensors_of(graph_def, keys: set[TensorKey]) -> dict[tuple[str, str], list[TensorKey]]:
+    """(function, node) → the float tensors it reads and writes, among ``keys``."""
+    program = program_of(graph_def)
+    items = sorted({k[0] for k in keys})
+    touching: dict[tuple[str, str], list[TensorKey]] = {}
+    for item in items:
+        for node_def in program.item(item).node:
+            touched = touching.setdefault((item, node_def.name), [])
+            for tensor in node_def.input:
+                ref = parse_tensor_name(tensor)
+                key = (item, ref.node, ref.port)
+                if not ref.is_control and key in keys:
+                    touched.append(key)
+    for key in keys:
+        touching.setdefault((key[0], key[1]), []).append(key)
+    return touching
+
+
+def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, TensorStats],
+                thresholds: Thresholds) -> dict[str, str]:
+    """keep_nodes entries for the converted nodes that read or write an out-of-range tensor."""
+    out_of_range = {key: why for key, s in stats.items() if (why := thresholds.violation(s))}
+    if not out_of_range:
+        return {}
+    touching = _tensors_of(graph_def, set(stats))
+    kept = {}
+    for function, node in sorted(converted_nodes(result)):
+        for key in touching.get((function, node), ()):
+            if key in out_of_range:
+                side = "output" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
+                if key[:2] == (function, node):
+                    side = f"output {key[2]}"
+                kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
+                break
+    return kept
+
+
+def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
+    """How far a tensor of the rewrite is from float32's: relative change of its largest
+    magnitude and RMS; infinite where it turned non-finite."""
+    if low is None or high is None:
+        return 0.0
+    if low.nonfinite > high.nonfinite:
+        return math.inf
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / b if b > 0 else (0.0 if a == 0 else math.inf)
+    return max(rel(low.max_abs, high.max_abs), rel(low.rms, high.rms))
+
+
+def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
+          low: Mapping[TensorKey, TensorStats], already: Mapping[str, str]) -> dict[str, str]:
+    """The converted nodes most responsible for the drift: their output's drift minus the
+    largest their inputs carried in, keeping each within ``_BLAME_SHARE`` of the worst."""
+    touching = _tensors_of(graph_def, set(high))
+    local: dict[tuple[str, str], tuple[float, float]] = {}
+    for function, node in converted_nodes(result):
+        if keep_entry(function, node) in already:
+            continue
+        keys = touching.get((function, node), ())
+        outputs = [k for k in keys if k[:2] == (function, node)]
+        inputs = [k for k in keys if k[:2] != (function, node)]
+        out = max((_drift(low.get(k), high.get(k)) for k in outputs), default=0.0)
+        carried = max((_drift(low.get(k), high.get(k)) for k in inputs), default=0.0)
+        own = out if math.isinf(out) and not math.isinf(carried) else out - carried
+        if own > 0:
+            local[(function, node)] = (own, out)
+    if not local:
+        return {}
+    worst = max(own for own, _ in local.values())
+    chosen = {k: v for k, v in local.items() if v[0] >= _BLAME_SHARE * worst or math.isinf(v[0])}
+    return {keep_entry(*k): ("calibration: output turned non-finite in low precision" if math.isinf(out) else
+                             f"calibration: output drifted {out:.3g} from float32 in low precision (its own share {own:.3g})")
+            for k, (own, out) in sorted(chosen.items())}
+
+
+def _checks(high: statistics.Run, low: statistics.Run) -> tuple[OutputCheck, ...]:
+    checks = []
+    for signature in sorted(high.outputs):
+        worst: dict[str, float] = {}
+        for old, new in zip(high.outputs[signature], low.outputs[signature]):
+            for name in sorted(old):
+                error = validate._error(signature, name, old[name], new[name])
+                if error is not None and not error.max_rel <= worst.get(name, -1.0):
+                    worst[name] = error.max_rel
+        checks.extend(OutputCheck(signature, name, error) for name, error in worst.items())
+    return tuple(checks)
+
+
+def calibrate(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
+              cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
+              thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
+              source: str = "") -> Calibration:
+    """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
+    (``validate.plan_feeds``); ``say`` gets one line per step and round."""
+    target = lookup_target(target)
+    if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
+        raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
+    thresholds = thresholds or Thresholds.for_target(target)
+    keys = statistics.model_tensors(model)
+    say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
+    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal)
+    result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
+    keep: dict[str, str] = {}
+    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in keep}:
+        keep.update(added)
+        result = rewrite_model(model, target=target.name, lists=lists.keeping(keep), cross_function=cross_function)
+    range_kept = len(keep)
+    say(f"calibration: range rules keep {range_kept} node(s) float32")
+    rounds: list[Round] = []
+    while True:
+        low = statistics.collect(model, result.graph_def, feeds, keys, thresholds.smallest_normal)
+        checks = _checks(high, low)
+        failing = [c for c in checks if not c.ok(target)]
+        worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf, default=None)
+        summary = "all outputs within tolerance" if not failing else \
+            f"{len(failing)} output(s) over tolerance {target.tolerance:g}, worst {worst.signature}/{worst.output} {worst.error:.3g}"
+        if not failing or len(rounds) + 1 >= max_rounds:
+            rounds.append(Round(checks, {}))
+            say(f"calibration: validation run {len(rounds)}: {summary}")
+            break
+        added = blame(result, model.graph_def, high.stats, low.stats, keep)
+        rounds.append(Round(checks, added))
+        say(f"calibration: validation run {len(rounds)}: {summary}; keeping {len(added)} more node(s) float32")
+        if not added:
+            break
+        keep.update(added)
+        result = rewrite_model(model, target=target.name, lists=lists.keeping(keep), cross_function=cross_function)
+    calibration = Calibration(target.name, high.stats, keep, range_kept, tuple(rounds), lists.keeping(keep), result,
+                              thresholds, source)
+    if not calibration.ok:
+        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s)"
+            f" (--max-rounds {max_rounds}); keep more nodes with --keep, or use --max-rounds up to {MAX_ROUNDS_LIMIT}")
+    return calibration

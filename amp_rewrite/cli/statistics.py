@@ -1,0 +1,340 @@
+"""Statistics of a model's tensors over calibration inputs, from one instrumented run per feed.
+
+Every float tensor asked for — in the main graph and inside library function bodies,
+where a SavedModel's and a ``tf.function``'s compute lives — gets a call to one small
+stateful function that folds the tensor into two resource variables shared by name: the
+largest finite magnitude (``ResourceScatterMax``) and counts and sums
+(``ResourceScatterAdd``). A function body lists its calls as control outputs, so
+TensorFlow runs them, and stateless control flow and calls become their stateful forms,
+so nothing prunes them. The model then runs in a TF1 Session (a SavedModel through
+TensorFlow's own loader, which restores variables and runs init ops) once per feed, and
+the variables are read back. Constants need no run: their statistics come from their values.
+
+A tensor is named by its ``TensorKey``: ``(function, node, port)``, with function ``""``
+for the main graph and a function body's arguments named like its ``_Arg`` nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.util import deprecation
+
+from amp_rewrite.cli.savedmodel import Model, ModelError, plumbing_kinds
+from amp_rewrite.cli.validate import GRAPH, Feeds, compared_outputs
+from amp_rewrite.core import functions, support, typegraph
+from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+
+TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
+
+FOLD_FUNCTION = "amp_rewrite_fold_statistics"
+PREFIX = "amp_rewrite_statistics"
+_MAX_VARIABLE = f"{PREFIX}_max"
+_SUM_VARIABLE = f"{PREFIX}_sums"
+_SUMS = ("nonfinite", "nonzero", "small", "sum_abs", "sum_sq", "count")
+FLOAT_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
+_STATEFUL_FORM = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case",
+                  "PartitionedCall": "StatefulPartitionedCall"}
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """What the calibration inputs put through one tensor, over every run and loop iteration."""
+
+    max_abs: float   # largest finite |x|
+    nonfinite: int   # NaN and ±Inf elements
+    nonzero: int     # finite non-zero elements
+    small: int       # of those, below the threshold asked for (the target's smallest normal)
+    sum_abs: float
+    sum_sq: float
+    count: int       # elements seen
+
+    @property
+    def small_share(self) -> float:
+        """The share of non-zero values below the threshold."""
+        return self.small / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def rms(self) -> float:
+        finite = self.count - self.nonfinite
+        return math.sqrt(self.sum_sq / finite) if finite else 0.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """Statistics per tensor, and each signature's outputs per feed (for validation)."""
+
+    stats: Mapping[TensorKey, TensorStats]
+    outputs: Mapping[str, Sequence[Mapping[str, np.ndarray]]]
+
+
+def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
+    """Every float output the pass may convert: in the main graph and in each function
+    the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``."""
+    program = program_of(graph_def)
+    skip = set(skip_functions)
+    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(graph_def, program.library) if n not in skip]
+    keys = []
+    for name in names:
+        for node_def in program.item(name).node:
+            if node_def.op == "_Retval":
+                continue
+            for port, dtype in enumerate(output_dtypes(node_def, program.op_defs)):
+                if dtype == types_pb2.DT_FLOAT:
+                    keys.append((name, node_def.name, port))
+    return keys
+
+
+def output_dtypes(node_def: node_def_pb2.NodeDef, op_defs: Mapping) -> list[int]:
+    """The dtype of each output port; DT_INVALID where an attr is left to its default."""
+    op_def = support.resolve_op_def(node_def, op_defs)
+    if op_def is None:
+        return []
+    attrs = [a for arg in op_def.output_arg for a in typegraph._arg_type_attrs(node_def, arg)]
+    return [typegraph.dtype_of(node_def, attr) for attr in attrs]
+
+
+def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey], small_below: float) -> dict[TensorKey, TensorStats]:
+    """Statistics of the keys that are float constants, from their values."""
+    program = program_of(graph_def)
+    by_item: dict[str, list[TensorKey]] = {}
+    for key in keys:
+        by_item.setdefault(key[0], []).append(key)
+    found = {}
+    for item, item_keys in by_item.items():
+        nodes = {n.name: n for n in program.item(item).node}
+        for key in item_keys:
+            node_def = nodes.get(key[1])
+            if node_def is not None and node_def.op == "Const" and key[2] == 0:
+                found[key] = _stats_of(tensor_util.MakeNdarray(node_def.attr["value"].tensor), small_below)
+    return found
+
+
+def _stats_of(value: np.ndarray, small_below: float) -> TensorStats:
+    a = np.abs(np.asarray(value, dtype=np.float64)).ravel()
+    finite = a[np.isfinite(a)]
+    nonzero = finite[finite > 0]
+    return TensorStats(float(finite.max(initial=0.0)), int(a.size - finite.size), int(nonzero.size),
+                       int(np.count_nonzero(nonzero < small_below)), float(finite.sum()), float(np.square(finite).sum()),
+                       int(a.size))
+
+
+def _fold_function(size: int, small_below: float) -> function_pb2.FunctionDef:
+    """The stateful function each instrumented tensor calls: ``fold(x, index)``."""
+    with tf.Graph().as_default():
+        @tf.function(input_signature=[tf.TensorSpec(None, tf.float32), tf.TensorSpec([], tf.int32)], autograph=False)
+        def fold(x: tf.Tensor, index: tf.Tensor) -> None:
+            maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[size], shared_name=_MAX_VARIABLE)
+            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[size, len(_SUMS)], shared_name=_SUM_VARIABLE)
+            magnitude = tf.abs(tf.reshape(x, [-1]))
+            finite = tf.math.is_finite(magnitude)
+            kept = tf.where(finite, magnitude, tf.zeros_like(magnitude))
+            nonzero = kept > 0
+            small = tf.logical_and(nonzero, kept < small_below)
+            wide = tf.cast(kept, tf.float64)
+
+            def count(mask: tf.Tensor) -> tf.Tensor:
+                return tf.reduce_sum(tf.cast(mask, tf.float64))
+
+            row = tf.stack([count(tf.logical_not(finite)), count(nonzero), count(small), tf.reduce_sum(wide),
+                            tf.reduce_sum(wide * wide), tf.cast(tf.size(magnitude), tf.float64)])
+            largest = tf.reduce_max(tf.concat([kept, tf.zeros([1])], 0))
+            tf.raw_ops.ResourceScatterMax(resource=maxima, indices=tf.reshape(index, [1]), updates=tf.reshape(largest, [1]))
+            tf.raw_ops.ResourceScatterAdd(resource=sums, indices=tf.reshape(index, [1]), updates=tf.reshape(row, [1, -1]))
+
+        function_def = function_pb2.FunctionDef()
+        function_def.CopyFrom(fold.get_concrete_function().function_def)
+    function_def.signature.name = FOLD_FUNCTION
+    return function_def
+
+
+def _add_fold_call(body: graph_pb2.GraphDef, key: TensorKey, index: int, dtype: int) -> str:
+    """Nodes that fold ``key``'s tensor in at ``index``; returns the call's name."""
+    name = f"{PREFIX}/{index}"
+    tensor = tensor_name(key[1], key[2])
+    if dtype != types_pb2.DT_FLOAT:
+        cast = body.node.add(name=f"{name}/cast", op="Cast", input=[tensor])
+        cast.attr["SrcT"].type, cast.attr["DstT"].type = dtype, types_pb2.DT_FLOAT
+        tensor = cast.name
+    const = body.node.add(name=f"{name}/index", op="Const")
+    const.attr["dtype"].type = types_pb2.DT_INT32
+    const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(index, tf.int32))
+    call = body.node.add(name=name, op="StatefulPartitionedCall", input=[tensor, const.name])
+    call.attr["Tin"].list.type.extend([types_pb2.DT_FLOAT, types_pb2.DT_INT32])
+    call.attr["Tout"].list.SetInParent()
+    call.attr["f"].func.name = FOLD_FUNCTION
+    for attr in ("config", "config_proto", "executor_type"):
+        call.attr[attr].s = b""
+    return name
+
+
+def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float) -> tuple[graph_pb2.GraphDef, dict[str, str]]:
+    """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
+    out) into the statistics variables, at its position in ``keys``; also returns the
+    main graph's fold calls (call → the node whose tensor it folds), which a run must ask for."""
+    program = program_of(graph_def)
+    by_item: dict[str, list[tuple[int, TensorKey]]] = {}
+    for index, key in enumerate(keys):
+        by_item.setdefault(key[0], []).append((index, key))
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    main_calls: dict[str, str] = {}
+    for item, entries in by_item.items():
+        body = graph_pb2.GraphDef()
+        body.CopyFrom(program.item(item))
+        nodes = {n.name: n for n in body.node}
+        calls = []
+        for index, key in entries:
+            node_def = nodes.get(key[1])
+            dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
+            if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
+                calls.append(_add_fold_call(body, key, index, dtypes[key[2]]))
+                if item == MAIN_GRAPH:
+                    main_calls[calls[-1]] = key[1]
+        if item == MAIN_GRAPH:
+            del output.node[:]
+            output.node.extend(body.node)
+            continue
+        function_def = functions.to_function_def(body, program.library[item], program.op_defs)
+        for call in calls:
+            function_def.signature.control_output.append(call)
+            function_def.control_ret[call] = call
+        output.library.function[program.positions[item]].CopyFrom(function_def)
+    output.library.function.append(_fold_function(len(keys), small_below))
+    _make_stateful(output)
+    return output, main_calls
+
+
+def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
+    """Stateless control flow and calls → stateful (their bodies now have side effects);
+    no XLA compilation (the fold function uses resource variables XLA cannot place)."""
+    node_lists = [graph_def.node] + [f.node_def for f in graph_def.library.function]
+    for nodes in node_lists:
+        for node_def in nodes:
+            node_def.op = _STATEFUL_FORM.get(node_def.op, node_def.op)
+            for attr in ("_XlaMustCompile", "_XlaCompile"):
+                if attr in node_def.attr:
+                    del node_def.attr[attr]
+    for function_def in graph_def.library.function:
+        if "_XlaMustCompile" in function_def.attr:
+            del function_def.attr["_XlaMustCompile"]
+
+
+def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str]:
+    """The main-graph nodes ``outputs`` depend on, control inputs included."""
+    inputs = {n.name: [parse_tensor_name(t).node for t in n.input] for n in graph_def.node}
+    seen: set[str] = set()
+    stack = [parse_tensor_name(t).node for t in outputs]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in inputs:
+            continue
+        seen.add(name)
+        stack.extend(inputs[name])
+    return seen
+
+
+def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
+            small_below: float) -> Run:
+    """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
+    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``."""
+    constants = constant_stats(graph_def, keys, small_below)
+    run_keys = [k for k in keys if k not in constants]
+    instrumented, main_calls = instrument(graph_def, run_keys, small_below)
+    config = tf.compat.v1.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    with _loaded(model, instrumented, config) as (session, signatures):
+        graph = session.graph
+        with graph.as_default():
+            maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[len(run_keys)], shared_name=_MAX_VARIABLE)
+            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[len(run_keys), len(_SUMS)], shared_name=_SUM_VARIABLE)
+            initialize = tf.group(
+                tf.raw_ops.AssignVariableOp(resource=maxima, value=tf.zeros([len(run_keys)])),
+                tf.raw_ops.AssignVariableOp(resource=sums, value=tf.zeros([len(run_keys), len(_SUMS)], tf.float64)))
+            read = (tf.raw_ops.ReadVariableOp(resource=maxima, dtype=tf.float32),
+                    tf.raw_ops.ReadVariableOp(resource=sums, dtype=tf.float64))
+        session.run(initialize)
+        outputs: dict[str, list[dict[str, np.ndarray]]] = {}
+        for key, (inputs, fetched) in signatures.items():
+            ancestors = _ancestors(instrumented, fetched.values())
+            targets = [graph.get_operation_by_name(call) for call, node in main_calls.items() if node in ancestors]
+            for feed in feeds.get(key, [{}]):
+                fed = {inputs[name]: value for name, value in feed.items()}
+                try:
+                    values, _ = session.run((dict(fetched), targets), feed_dict=fed)
+                except (tf.errors.OpError, ValueError, TypeError) as error:
+                    where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
+                    raise ModelError(f"{where}: the model fails on the calibration inputs ({_first_line(error)});"
+                                     " check them against the model's inputs") from None
+                outputs.setdefault(key, []).append(values)
+        largest, totals = session.run(read)
+    stats = dict(constants)
+    for index, key in enumerate(run_keys):
+        row = totals[index]
+        if row[-1] == 0:
+            continue  # never ran: a branch not taken, a loop that did not iterate
+        stats[key] = TensorStats(float(largest[index]), *(int(v) for v in row[:3]), float(row[3]), float(row[4]),
+                                 int(row[5]))
+    return Run(stats, outputs)
+
+
+@contextlib.contextmanager
+def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
+    """A Session with ``graph_def`` loaded as ``model`` would be, and per signature its
+    inputs (name → tensor) and outputs (name → tensor)."""
+    if model.kind == "graphdef":
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        placeholders = [n.name for n in graph_def.node if n.op == "Placeholder"]
+        outputs = {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)}
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            yield session, {GRAPH: ({name: f"{name}:0" for name in placeholders}, outputs)}
+        return
+    directory = Path(tempfile.mkdtemp(prefix="amp-rewrite-calibration-"))
+    try:
+        saved_model = saved_model_pb2.SavedModel()
+        saved_model.CopyFrom(model.saved_model)
+        del saved_model.meta_graphs[:]
+        meta = saved_model.meta_graphs.add()
+        meta.CopyFrom(model.meta_graph)
+        meta.graph_def.CopyFrom(graph_def)
+        (directory / "saved_model.pb").write_bytes(saved_model.SerializeToString())
+        for part in ("variables", "assets"):
+            if (model.path / part).exists():
+                (directory / part).symlink_to((model.path / part).resolve())
+        with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph, config=config) as session:
+            try:
+                with deprecation.silence():  # the TF1 loader is what TensorFlow Serving uses: no advice wanted
+                    tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
+            except (ValueError, RuntimeError, tf.errors.OpError) as error:
+                raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration ({_first_line(error)})") from None
+            yield session, {key: ({name: info.name for name, info in signature.inputs.items()},
+                                  {name: info.name for name, info in signature.outputs.items()})
+                            for key, signature in sorted(meta.signature_def.items())
+                            if not key.startswith("__")}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _first_line(error: Exception) -> str:
+    text = getattr(error, "message", None) or str(error)
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+
+
+def model_tensors(model: Model) -> list[TensorKey]:
+    """``float_tensors`` of the model's graph, without TensorFlow's save/restore functions
+    (they run before the statistics exist, when the loader restores variables)."""
+    skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
+    return float_tensors(model.graph_def, skip)
