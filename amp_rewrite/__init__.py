@@ -14,6 +14,7 @@ from amp_rewrite.training.registration import register_when_keras_loads
 from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
+    from amp_rewrite.cli.calibrate import Calibration, calibrate
     from amp_rewrite.core.lists import Colour, OpLists, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.target import TARGETS
 
 _NAME_TO_MODULE = {
+    "Calibration": "cli.calibrate", "calibrate": "cli.calibrate",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
     "Decision": "core.report", "Report": "core.report",
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
@@ -30,6 +32,7 @@ _NAME_TO_MODULE = {
 
 __all__ = [
     "AmpRewriteError",
+    "Calibration",
     "Colour",
     "Decision",
     "GraphError",
@@ -38,6 +41,7 @@ __all__ = [
     "Report",
     "RewriteResult",
     "TARGETS",
+    "calibrate",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
     "load_lists",

@@ -20,8 +20,8 @@ The decisions are ``keep_nodes`` entries with the measurement that made each
 """
 from __future__ import annotations
 
-import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,13 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from tensorflow.core.framework import graph_pb2
 
 from amp_rewrite.cli import statistics, validate
-from amp_rewrite.cli.savedmodel import Model, rewrite_model
+from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model, rewrite_model
 from amp_rewrite.cli.statistics import TensorKey, TensorStats
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.core.lists import OpLists
+from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import Target, lookup_target
@@ -77,7 +78,7 @@ class Thresholds:
         if stats.max_abs > self.max_magnitude:
             return f"reached {stats.max_abs:.3g}, over the safe magnitude {self.max_magnitude:.3g}"
         if self.smallest_normal and stats.small_share > self.max_small_share:
-            return (f"{stats.small_share:.0%} of its non-zero values are below the smallest normal"
+            return (f"has {stats.small_share:.0%} of its non-zero values below the smallest normal"
                     f" {self.smallest_normal:.3g}")
         return ""
 
@@ -179,9 +180,7 @@ def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, Tens
     for function, node in sorted(converted_nodes(result)):
         for key in touching.get((function, node), ()):
             if key in out_of_range:
-                side = "output" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
-                if key[:2] == (function, node):
-                    side = f"output {key[2]}"
+                side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
                 kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
                 break
     return kept
@@ -203,8 +202,9 @@ def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats
           low: Mapping[TensorKey, TensorStats], already: Mapping[str, str]) -> dict[str, str]:
     """The converted nodes most responsible for the drift: their output's drift minus the
     largest their inputs carried in, keeping each within ``_BLAME_SHARE`` of the worst."""
+    target = result.report.target
     touching = _tensors_of(graph_def, set(high))
-    local: dict[tuple[str, str], tuple[float, float]] = {}
+    local: dict[tuple[str, str], tuple[float, float, float]] = {}
     for function, node in converted_nodes(result):
         if keep_entry(function, node) in already:
             continue
@@ -215,14 +215,16 @@ def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats
         carried = max((_drift(low.get(k), high.get(k)) for k in inputs), default=0.0)
         own = out if math.isinf(out) and not math.isinf(carried) else out - carried
         if own > 0:
-            local[(function, node)] = (own, out)
+            largest = max((high[k].max_abs for k in outputs if k in high), default=0.0)
+            local[(function, node)] = (own, out, largest)
     if not local:
         return {}
-    worst = max(own for own, _ in local.values())
+    worst = max(own for own, _, _ in local.values())
     chosen = {k: v for k, v in local.items() if v[0] >= _BLAME_SHARE * worst or math.isinf(v[0])}
-    return {keep_entry(*k): ("calibration: output turned non-finite in low precision" if math.isinf(out) else
-                             f"calibration: output drifted {out:.3g} from float32 in low precision (its own share {own:.3g})")
-            for k, (own, out) in sorted(chosen.items())}
+    return {keep_entry(*k): (f"calibration: output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
+                             if math.isinf(out) else
+                             f"calibration: output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own")
+            for k, (own, out, largest) in sorted(chosen.items())}
 
 
 def _checks(high: statistics.Run, low: statistics.Run) -> tuple[OutputCheck, ...]:
@@ -238,7 +240,40 @@ def _checks(high: statistics.Run, low: statistics.Run) -> tuple[OutputCheck, ...
     return tuple(checks)
 
 
-def calibrate(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
+def calibrate(
+    source: str | os.PathLike | graph_pb2.GraphDef,
+    inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    *,
+    target: str | Target = "float16",
+    fetches: Sequence[str] = (),
+    tag_set: str | None = None,
+    lists: str | os.PathLike | OpLists | None = None,
+    cross_function: bool = False,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    thresholds: Thresholds | None = None,
+) -> Calibration:
+    """Calibrate a SavedModel directory, a GraphDef file or a ``GraphDef`` (a
+    ``tf.function``'s: ``fn.get_concrete_function().graph.as_graph_def()``; its outputs are
+    ``fetches``, default the nodes nothing reads) on ``inputs``: an ``.npz`` file or arrays
+    by input name (SavedModel signature inputs, GraphDef placeholders), all fed as one
+    batch; None: random inputs (real data is better). Returns the statistics
+    (``.stats``), the decisions (``.keep``; ``.overlay()`` is the YAML for ``lists=``)
+    and the calibrated rewrite (``.result``).
+    """
+    target = lookup_target(target)
+    if isinstance(source, graph_pb2.GraphDef):
+        names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
+        model = Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
+    else:
+        model = read_model(source, fetches, tag_set)
+    data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
+    feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
+    shown = "random inputs" if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
+    return run_calibration(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
+                           max_rounds=max_rounds, thresholds=thresholds, source=shown)
+
+
+def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
               cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
               thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
               source: str = "") -> Calibration:

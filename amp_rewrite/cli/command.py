@@ -332,7 +332,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
         print(f"amp-rewrite: warning: calibrating on random inputs ({calibrate.RANDOM_FEEDS} batches, N(0,1) floats,"
               " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target), args.max_magnitude, args.small_share)
-    result = calibrate.calibrate(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
+    result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
                                  max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
                                  source="random inputs" if random else str(data))
     kept = len(result.keep)

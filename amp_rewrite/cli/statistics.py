@@ -19,7 +19,7 @@ import contextlib
 import math
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +32,14 @@ from tensorflow.python.util import deprecation
 
 from amp_rewrite.cli.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.cli.validate import GRAPH, Feeds, compared_outputs
-from amp_rewrite.core import functions, support, typegraph
+from amp_rewrite.core import functions, support
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 
 TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
 
-FOLD_FUNCTION = "amp_rewrite_fold_statistics"
 PREFIX = "amp_rewrite_statistics"
+FOLD_FUNCTION = f"{PREFIX}_fold"
 _MAX_VARIABLE = f"{PREFIX}_max"
 _SUM_VARIABLE = f"{PREFIX}_sums"
 _SUMS = ("nonfinite", "nonzero", "small", "sum_abs", "sum_sq", "count")
@@ -97,12 +97,26 @@ def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] =
 
 
 def output_dtypes(node_def: node_def_pb2.NodeDef, op_defs: Mapping) -> list[int]:
-    """The dtype of each output port; DT_INVALID where an attr is left to its default."""
+    """The dtype of each output port, attrs left out taking their defaults; [] for an unknown op."""
     op_def = support.resolve_op_def(node_def, op_defs)
     if op_def is None:
         return []
-    attrs = [a for arg in op_def.output_arg for a in typegraph._arg_type_attrs(node_def, arg)]
-    return [typegraph.dtype_of(node_def, attr) for attr in attrs]
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+
+    def attr(name: str):
+        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
+
+    dtypes: list[int] = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            value = attr(arg.type_list_attr)
+            dtypes.extend(value.list.type if value is not None else ())
+            continue
+        count = attr(arg.number_attr).i if arg.number_attr and attr(arg.number_attr) is not None else 1
+        value = attr(arg.type_attr) if arg.type_attr else None
+        dtype = arg.type if not arg.type_attr else (value.type if value is not None else types_pb2.DT_INVALID)
+        dtypes.extend([dtype] * count)
+    return dtypes
 
 
 def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey], small_below: float) -> dict[TensorKey, TensorStats]:
@@ -131,27 +145,32 @@ def _stats_of(value: np.ndarray, small_below: float) -> TensorStats:
 
 
 def _fold_function(size: int, small_below: float) -> function_pb2.FunctionDef:
-    """The stateful function each instrumented tensor calls: ``fold(x, index)``."""
+    """``fold(values, sizes, indices)``: ``values`` holds the flattened tensors one after
+    another, ``sizes[i]`` elements each, folded into the statistics variables at
+    ``indices[i]``. One function for every item and any number of tensors, traced once."""
     with tf.Graph().as_default():
-        @tf.function(input_signature=[tf.TensorSpec(None, tf.float32), tf.TensorSpec([], tf.int32)], autograph=False)
-        def fold(x: tf.Tensor, index: tf.Tensor) -> None:
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.int32),
+                                      tf.TensorSpec([None], tf.int32)], autograph=False)
+        def fold(values: tf.Tensor, sizes: tf.Tensor, indices: tf.Tensor) -> None:
             maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[size], shared_name=_MAX_VARIABLE)
             sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[size, len(_SUMS)], shared_name=_SUM_VARIABLE)
-            magnitude = tf.abs(tf.reshape(x, [-1]))
+            count = tf.size(sizes)
+            # element → the tensor it came from: count the tensors that start at or before it
+            starts = tf.math.cumsum(sizes, exclusive=True)[1:]
+            total = tf.size(values)
+            segments = tf.math.cumsum(tf.math.bincount(starts, minlength=total + 1)[:total])
+            magnitude = tf.abs(values)
             finite = tf.math.is_finite(magnitude)
             kept = tf.where(finite, magnitude, tf.zeros_like(magnitude))
             nonzero = kept > 0
             small = tf.logical_and(nonzero, kept < small_below)
             wide = tf.cast(kept, tf.float64)
-
-            def count(mask: tf.Tensor) -> tf.Tensor:
-                return tf.reduce_sum(tf.cast(mask, tf.float64))
-
-            row = tf.stack([count(tf.logical_not(finite)), count(nonzero), count(small), tf.reduce_sum(wide),
-                            tf.reduce_sum(wide * wide), tf.cast(tf.size(magnitude), tf.float64)])
-            largest = tf.reduce_max(tf.concat([kept, tf.zeros([1])], 0))
-            tf.raw_ops.ResourceScatterMax(resource=maxima, indices=tf.reshape(index, [1]), updates=tf.reshape(largest, [1]))
-            tf.raw_ops.ResourceScatterAdd(resource=sums, indices=tf.reshape(index, [1]), updates=tf.reshape(row, [1, -1]))
+            columns = tf.stack([tf.cast(tf.logical_not(finite), tf.float64), tf.cast(nonzero, tf.float64),
+                                tf.cast(small, tf.float64), wide, wide * wide, tf.ones_like(wide)], axis=1)
+            rows = tf.math.unsorted_segment_sum(columns, segments, count)
+            largest = tf.maximum(tf.math.unsorted_segment_max(kept, segments, count), 0.0)  # empty: -inf
+            tf.raw_ops.ResourceScatterMax(resource=maxima, indices=indices, updates=largest)
+            tf.raw_ops.ResourceScatterAdd(resource=sums, indices=indices, updates=rows)
 
         function_def = function_pb2.FunctionDef()
         function_def.CopyFrom(fold.get_concrete_function().function_def)
@@ -159,57 +178,89 @@ def _fold_function(size: int, small_below: float) -> function_pb2.FunctionDef:
     return function_def
 
 
-def _add_fold_call(body: graph_pb2.GraphDef, key: TensorKey, index: int, dtype: int) -> str:
-    """Nodes that fold ``key``'s tensor in at ``index``; returns the call's name."""
-    name = f"{PREFIX}/{index}"
-    tensor = tensor_name(key[1], key[2])
-    if dtype != types_pb2.DT_FLOAT:
-        cast = body.node.add(name=f"{name}/cast", op="Cast", input=[tensor])
-        cast.attr["SrcT"].type, cast.attr["DstT"].type = dtype, types_pb2.DT_FLOAT
-        tensor = cast.name
-    const = body.node.add(name=f"{name}/index", op="Const")
-    const.attr["dtype"].type = types_pb2.DT_INT32
-    const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(index, tf.int32))
-    call = body.node.add(name=name, op="StatefulPartitionedCall", input=[tensor, const.name])
-    call.attr["Tin"].list.type.extend([types_pb2.DT_FLOAT, types_pb2.DT_INT32])
+def _const(body: graph_pb2.GraphDef, name: str, value: np.ndarray) -> str:
+    node = body.node.add(name=name, op="Const")
+    node.attr["dtype"].type = types_pb2.DT_INT32
+    node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value, tf.int32))
+    return name
+
+
+def _add_fold_call(body: graph_pb2.GraphDef, name: str, found: Sequence[tuple[int, str, int]]) -> None:
+    """Nodes in ``body`` that flatten each (index, tensor, dtype) of ``found``, concatenate
+    them and call the fold function once; ``name`` is the call's."""
+    shape = _const(body, f"{name}/flat", np.array([-1], np.int32))
+    flats, sizes = [], []
+    for index, tensor, dtype in found:
+        if dtype != types_pb2.DT_FLOAT:
+            cast = body.node.add(name=f"{name}/cast_{index}", op="Cast", input=[tensor])
+            cast.attr["SrcT"].type, cast.attr["DstT"].type = dtype, types_pb2.DT_FLOAT
+            cast.attr["Truncate"].b = False
+            tensor = cast.name
+        flat = body.node.add(name=f"{name}/flat_{index}", op="Reshape", input=[tensor, shape])
+        flat.attr["T"].type, flat.attr["Tshape"].type = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+        count = body.node.add(name=f"{name}/size_{index}", op="Size", input=[flat.name])
+        count.attr["T"].type, count.attr["out_type"].type = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+        flats.append(flat.name)
+        sizes.append(count.name)
+    axis = _const(body, f"{name}/axis", np.array(0, np.int32))
+    values = body.node.add(name=f"{name}/values", op="ConcatV2", input=[*flats, axis])
+    values.attr["N"].i, values.attr["T"].type, values.attr["Tidx"].type = len(flats), types_pb2.DT_FLOAT, types_pb2.DT_INT32
+    packed = body.node.add(name=f"{name}/sizes", op="Pack", input=sizes)
+    packed.attr["N"].i, packed.attr["T"].type, packed.attr["axis"].i = len(sizes), types_pb2.DT_INT32, 0
+    indices = _const(body, f"{name}/indices", np.array([i for i, _, _ in found], np.int32))
+    call = body.node.add(name=name, op="StatefulPartitionedCall", input=[values.name, packed.name, indices])
+    call.attr["Tin"].list.type.extend([types_pb2.DT_FLOAT, types_pb2.DT_INT32, types_pb2.DT_INT32])
     call.attr["Tout"].list.SetInParent()
     call.attr["f"].func.name = FOLD_FUNCTION
     for attr in ("config", "config_proto", "executor_type"):
         call.attr[attr].s = b""
-    return name
 
 
-def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float) -> tuple[graph_pb2.GraphDef, dict[str, str]]:
+def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+               main_groups: Sequence[Collection[str]] = ()) -> tuple[graph_pb2.GraphDef, list[str]]:
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
-    out) into the statistics variables, at its position in ``keys``; also returns the
-    main graph's fold calls (call → the node whose tensor it folds), which a run must ask for."""
+    out) into the statistics variables, at its position in ``keys``: one call per function
+    body, and in the main graph one per group of ``main_groups`` (node names: what one run
+    computes, e.g. a signature's ancestors; a key in none is left out). Returns the copy and
+    the main graph's calls, by group: a run must ask for its group's call."""
     program = program_of(graph_def)
     by_item: dict[str, list[tuple[int, TensorKey]]] = {}
     for index, key in enumerate(keys):
         by_item.setdefault(key[0], []).append((index, key))
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
-    main_calls: dict[str, str] = {}
+    main_calls: list[str] = []
     for item, entries in by_item.items():
         body = graph_pb2.GraphDef()
         body.CopyFrom(program.item(item))
         nodes = {n.name: n for n in body.node}
-        calls = []
+        found = []  # (index, tensor, dtype)
         for index, key in entries:
             node_def = nodes.get(key[1])
             dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
             if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
-                calls.append(_add_fold_call(body, key, index, dtypes[key[2]]))
-                if item == MAIN_GRAPH:
-                    main_calls[calls[-1]] = key[1]
+                found.append((index, tensor_name(key[1], key[2]), dtypes[key[2]], key[1]))
         if item == MAIN_GRAPH:
+            taken: set[int] = set()
+            for group_number, group in enumerate(main_groups):
+                chosen = [f[:3] for f in found if f[3] in group and f[0] not in taken]
+                taken.update(f[0] for f in chosen)
+                name = f"{PREFIX}/main_{group_number}"
+                main_calls.append(name)
+                if chosen:
+                    _add_fold_call(body, name, chosen)
+                else:
+                    body.node.add(name=name, op="NoOp")
             del output.node[:]
             output.node.extend(body.node)
             continue
+        if not found:
+            continue
+        name = f"{PREFIX}/fold"
+        _add_fold_call(body, name, [f[:3] for f in found])
         function_def = functions.to_function_def(body, program.library[item], program.op_defs)
-        for call in calls:
-            function_def.signature.control_output.append(call)
-            function_def.control_ret[call] = call
+        function_def.signature.control_output.append(name)
+        function_def.control_ret[name] = name
         output.library.function[program.positions[item]].CopyFrom(function_def)
     output.library.function.append(_fold_function(len(keys), small_below))
     _make_stateful(output)
@@ -245,16 +296,29 @@ def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str
     return seen
 
 
+def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
+    """Per signature (a GraphDef file's is ``GRAPH``): its inputs and outputs, name → tensor."""
+    if model.kind == "graphdef":
+        placeholders = [n.name for n in model.graph_def.node if n.op == "Placeholder"]
+        return {GRAPH: ({name: f"{name}:0" for name in placeholders},
+                        {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)})}
+    return {key: ({name: info.name for name, info in signature.inputs.items()},
+                  {name: info.name for name, info in signature.outputs.items()})
+            for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
+
+
 def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
             small_below: float) -> Run:
     """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
     ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``."""
     constants = constant_stats(graph_def, keys, small_below)
     run_keys = [k for k in keys if k not in constants]
-    instrumented, main_calls = instrument(graph_def, run_keys, small_below)
+    signatures = signatures_of(model)
+    groups = [_ancestors(graph_def, outputs.values()) for _, outputs in signatures.values()]
+    instrumented, main_calls = instrument(graph_def, run_keys, small_below, groups)
     config = tf.compat.v1.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
-    with _loaded(model, instrumented, config) as (session, signatures):
+    with _loaded(model, instrumented, config) as session:
         graph = session.graph
         with graph.as_default():
             maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[len(run_keys)], shared_name=_MAX_VARIABLE)
@@ -266,16 +330,15 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                     tf.raw_ops.ReadVariableOp(resource=sums, dtype=tf.float64))
         session.run(initialize)
         outputs: dict[str, list[dict[str, np.ndarray]]] = {}
-        for key, (inputs, fetched) in signatures.items():
-            ancestors = _ancestors(instrumented, fetched.values())
-            targets = [graph.get_operation_by_name(call) for call, node in main_calls.items() if node in ancestors]
+        for (key, (inputs, fetched)), call in zip(signatures.items(), main_calls):
+            target = graph.get_operation_by_name(call)
             for feed in feeds.get(key, [{}]):
                 fed = {inputs[name]: value for name, value in feed.items()}
                 try:
-                    values, _ = session.run((dict(fetched), targets), feed_dict=fed)
+                    values, _ = session.run((dict(fetched), target), feed_dict=fed)
                 except (tf.errors.OpError, ValueError, TypeError) as error:
                     where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
-                    raise ModelError(f"{where}: the model fails on the calibration inputs ({_first_line(error)});"
+                    raise ModelError(f"{where}: the model fails on the calibration inputs ({_message(error)});"
                                      " check them against the model's inputs") from None
                 outputs.setdefault(key, []).append(values)
         largest, totals = session.run(read)
@@ -291,16 +354,13 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
 
 @contextlib.contextmanager
 def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
-    """A Session with ``graph_def`` loaded as ``model`` would be, and per signature its
-    inputs (name → tensor) and outputs (name → tensor)."""
+    """A Session with ``graph_def`` loaded as ``model`` would be."""
     if model.kind == "graphdef":
         graph = tf.Graph()
         with graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
-        placeholders = [n.name for n in graph_def.node if n.op == "Placeholder"]
-        outputs = {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)}
         with tf.compat.v1.Session(graph=graph, config=config) as session:
-            yield session, {GRAPH: ({name: f"{name}:0" for name in placeholders}, outputs)}
+            yield session
         return
     directory = Path(tempfile.mkdtemp(prefix="amp-rewrite-calibration-"))
     try:
@@ -320,10 +380,7 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
                     tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
             except (ValueError, RuntimeError, tf.errors.OpError) as error:
                 raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration ({_first_line(error)})") from None
-            yield session, {key: ({name: info.name for name, info in signature.inputs.items()},
-                                  {name: info.name for name, info in signature.outputs.items()})
-                            for key, signature in sorted(meta.signature_def.items())
-                            if not key.startswith("__")}
+            yield session
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -338,3 +395,11 @@ def model_tensors(model: Model) -> list[TensorKey]:
     (they run before the statistics exist, when the loader restores variables)."""
     skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     return float_tensors(model.graph_def, skip)
+
+
+def _message(error: Exception) -> str:
+    """TensorFlow's error in one line: its message's first line after "Graph execution error"."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip() and "Graph execution error" not in line
+             and not line.strip().startswith(("Detected at node", "File ", "Traceback"))]
+    return lines[0] if lines else type(error).__name__

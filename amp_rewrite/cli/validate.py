@@ -133,9 +133,9 @@ def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np
                      f" ({spec.name}.astype(numpy.{want}))")
 
 
-def plan_feeds(model: Model, inputs: Path | None, runs: int) -> tuple[Feeds, list[str]]:
+def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, runs: int) -> tuple[Feeds, list[str]]:
     """The inputs for validation, checked before anything is written, and notes for the user
-    (casts made). ``inputs``: an ``.npz`` file, fed once; else ``runs`` random feeds."""
+    (casts made). ``inputs``: an ``.npz`` file or its arrays by name, fed once; else ``runs`` random feeds."""
     specs = input_specs(model)
     notes: list[str] = []
     feeds: Feeds = {}
@@ -143,7 +143,8 @@ def plan_feeds(model: Model, inputs: Path | None, runs: int) -> tuple[Feeds, lis
         for key in model.meta_graph.signature_def:
             feeds.setdefault(key, [])
     if inputs is not None:
-        given = load_inputs(inputs)
+        given = inputs if isinstance(inputs, Mapping) else load_inputs(inputs)
+        inputs = Path("inputs") if isinstance(inputs, Mapping) else inputs
         for spec in specs:
             if spec.name not in given:
                 where = "placeholder(s)" if spec.signature == GRAPH else f"input(s) of signature '{spec.signature}':"
