@@ -416,7 +416,9 @@ def test_graph_def_destination_suffix_matches_its_contents(workspace: Path, grap
 
 def test_keep_regex_keeps_matching_nodes_float32(workspace: Path, graph_files: Paths) -> None:
     dst = workspace / "kept.pb"
-    assert_ok(run_cli("convert", graph_files[".pb"], dst, "--keep", "allow[0-9]"))
+    run = run_cli("convert", graph_files[".pb"], dst, "--keep", "allow[0-9]")
+    assert_ok(run)
+    assert "keep-nodes 1" in next(line for line in run.out.splitlines() if line.startswith("Stayed float32")), run.out
     name_to_dtype = {n.name: n.attr["T"].type for n in read_graph_def(dst).node}
     assert name_to_dtype["allow1"] == types_pb2.DT_FLOAT
     assert name_to_dtype["odd"] == types_pb2.DT_HALF
@@ -505,6 +507,28 @@ def test_explain_deny_propagated_node_shows_path_from_deny_op(graph_files: Paths
     assert len(paths) == 1, run.out
     hops = paths[0].removeprefix("path: ").split(" -> ")
     assert (hops[0], hops[-1]) == ("deny1", "deny2")
+
+
+def test_explain_kept_node_shows_rule_and_reason_and_its_downstream_deny(workspace: Path, graph_files: Paths) -> None:
+    """A node kept by an overlay's keep_nodes mapping: explain gives rule keep-nodes and the
+    entry's reason; clr1, between it and the deny op deny1, is denied from it (a kept node
+    acts as a deny op), with the path. ``--keep`` entries have no reason: explain names the entry."""
+    overlay = workspace / "keep-reasons.yaml"
+    reason = "calibration: output 0 reached 2.1e+05, over float16's safe magnitude 1.6e+04"
+    overlay.write_text(f'keep_nodes:\n  allow1: "{reason}"\n', encoding="utf-8")
+    run = run_cli("explain", graph_files[".pb"], "allow1", "--fetch", "Identity", "--lists", overlay)
+    assert_ok(run)
+    lines = [line.strip() for line in run.out.splitlines()]
+    assert lines[0].endswith("float32 -> float32") and lines[1:3] == ["rule: keep-nodes", f"why:  {reason}"], run.out
+    run = run_cli("explain", graph_files[".pb"], "clr1", "--fetch", "Identity", "--lists", overlay)
+    assert_ok(run)
+    lines = [line.strip() for line in run.out.splitlines()]
+    assert lines[1:] == ["rule: deny-propagation", "why:  downstream of kept node 'allow1' through clear/infer ops",
+                         "path: allow1 -> clr1"], run.out
+
+    run = run_cli("explain", graph_files[".pb"], "allow1", "--fetch", "Identity", "--keep", "allow[0-9]")
+    assert_ok(run)
+    assert "why:  matches keep_nodes entry 'allow[0-9]'" in run.out, run.out
 
 
 def test_explain_unknown_node_exits_2_naming_it(graph_files: Paths) -> None:

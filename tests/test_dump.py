@@ -162,9 +162,30 @@ def test_lists_yaml_holds_the_effective_lists(rewrite, dumped):
     directory, _ = dumped
     document = yaml.safe_load((directory / "lists.yaml").read_text(encoding="utf-8"))
     assert document["target"] == "float16"
-    assert document["keep_nodes"] == list(lists.keep_nodes)
+    assert document["keep_nodes"] == {entry: lists.keep_reasons.get(entry, "") for entry in lists.keep_nodes}
     for name in ("allow", "deny", "infer", "clear"):
         assert document[name] == sorted(getattr(lists, name)), name
+
+
+def test_dump_shows_kept_nodes_with_their_rule_and_reason(rewrite, tmp_path):
+    """keep_nodes: lists.yaml has the entries with their reasons (an overlay's mapping
+    form); the report shows a kept node's rule, its meaning and the entry's reason, and
+    the drawing colours it as a deny op."""
+    original, _, _ = rewrite
+    reason = "calibration: output 0 reached 2.1e+05, over float16's safe magnitude 1.6e+04"
+    lists = amp_rewrite.load_lists("float16").keeping({"allow1": reason, "clr.*": ""})
+    result = amp_rewrite.rewrite_graph_def(original, target="float16", fetches=["output"], lists=lists)
+    dump.write_dump(tmp_path, original, result, lists, title=TITLE)
+    document = yaml.safe_load((tmp_path / "lists.yaml").read_text(encoding="utf-8"))
+    assert document["keep_nodes"] == {"allow1": reason, "clr.*": ""}
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    rows = {row[1]: row for row in _decision_rows(page) if row[0] == "main graph"}
+    assert rows["allow1"][5:] == ("keep-nodes", reason)
+    assert rows["clr1"][5:] == ("keep-nodes", "matches keep_nodes entry 'clr.*'")
+    assert html.escape(Rule.KEEP_NODES.meaning) in page
+    red = dump.CLASS_TO_STYLE["deny"][0]
+    dot_text = (tmp_path / "graphs" / "main.dot").read_text(encoding="utf-8")
+    assert f'fillcolor="{red}"' in _dot_node_line(dot_text, "allow1")
 
 
 class _RowReader(html.parser.HTMLParser):

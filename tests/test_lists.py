@@ -197,6 +197,17 @@ def test_empty_overlay_changes_nothing(tmp_path):
         ("clear: {add: [yes]}\n", ["my.yaml: clear.add[0] is bool True"]),
         ("keep_nodes: [logits, 7]\n", ["my.yaml: keep_nodes[1] is int 7"]),
         ("keep_nodes: ['model/(']\n", ["my.yaml: keep_nodes[0] 'model/(' is not a valid regular expression"]),
+        ("keep_nodes: logits\n", ["my.yaml: keep_nodes must be a list like", "or a mapping like {logits: reason}"]),
+        ("keep_nodes: {logits: 7}\n", ["my.yaml: keep_nodes entry 'logits' has reason 7 (int), not one line",
+                                       "quote it on one line"]),
+        ("keep_nodes: {logits: }\n", ["my.yaml: keep_nodes entry 'logits' has reason None", 'write "" for none']),
+        ("keep_nodes: {logits: [big]}\n", ["my.yaml: keep_nodes entry 'logits' has reason ['big'] (list)"]),
+        ("keep_nodes: {logits: \"two\\nlines\"}\n", ["my.yaml: keep_nodes entry 'logits' has reason 'two\\nlines'"]),
+        ("keep_nodes: {7: overflow}\n", ["my.yaml: keep_nodes key 7 is int, not a node name or regex; quote it"]),
+        ("keep_nodes: {'model/(': why}\n", ["my.yaml: keep_nodes entry 'model/(' is not a valid regular expression"]),
+        ("keep_nodes: ['::dense']\n", ["my.yaml: keep_nodes[0] '::dense' has nothing before '::'",
+                                       "write FUNCTION::PATTERN"]),
+        ("keep_nodes: {'f::': why}\n", ["my.yaml: keep_nodes entry 'f::' has nothing after '::'"]),
         ("deny: {add: [MatMul]}\n",
          ["my.yaml: op 'MatMul' is in both 'allow' and 'deny'", "'allow' from lists/float16.yaml",
           "remove it from one", "allow: {remove: [MatMul]}"]),
@@ -241,6 +252,56 @@ def test_keep_nodes_match_names_and_regexes(tmp_path):
     assert [lists.keeps(name) for name in ("logits", "model/head/dense/MatMul", "dense_12")] == [True] * 3
     assert [lists.keeps(name) for name in ("logits_1", "x/logits", "model/body/x", "dense_", "dense_1x")] == [False] * 5
     assert not load_lists("float16", environ={}).keeps("logits")
+
+
+def test_keep_nodes_mapping_gives_each_entry_a_reason(tmp_path):
+    """The mapping form: entry -> one-line reason, in file order; "" gives none."""
+    text = ('keep_nodes:\n  model/dense/MatMul: "calibration: output 0 reached 2.1e+05"\n'
+            '  "__inference_call_123::dense_1/BiasAdd": ""\n')
+    lists = load_lists("float16", write(tmp_path, text), environ={})
+    assert lists.keep_nodes == ("model/dense/MatMul", "__inference_call_123::dense_1/BiasAdd")
+    assert dict(lists.keep_reasons) == {"model/dense/MatMul": "calibration: output 0 reached 2.1e+05"}
+    assert lists.keeps("model/dense/MatMul") and lists.keeps("dense_1/BiasAdd", "__inference_call_123")
+
+
+def test_function_scoped_entry_keeps_nodes_of_that_function_only():
+    """FUNCTION::PATTERN matches in the function named FUNCTION exactly, never in the main
+    graph ("") or another function; an entry without '::' matches in every item."""
+    lists = dataclasses.replace(load_lists("float16", environ={}), keep_nodes=("f::dense/.*", "logits"))
+    assert lists.keep_entry("dense/MatMul", "f") == "f::dense/.*"
+    assert lists.keep_entry("dense/MatMul") is None and lists.keep_entry("dense/MatMul", "g") is None
+    assert lists.keep_entry("dense/MatMul", "f_1") is None and lists.keep_entry("f::dense/MatMul") is None
+    assert [lists.keep_entry("logits", function) for function in ("", "f", "g")] == ["logits"] * 3
+
+
+def test_keeping_adds_entries_with_reasons_to_new_lists():
+    """``keeping`` returns new lists: entries appended in order, a repeated entry keeps its
+    place and takes a new reason if one is given; the lists it was called on are unchanged."""
+    builtin = load_lists("float16", environ={})
+    first = builtin.keeping({"a/MatMul": "calibration: 7e+04", "b/.*": ""})
+    second = first.keeping({"b/.*": "user: head stays float32", "a/MatMul": "", "f::c": ""})
+    assert builtin.keep_nodes == () and not builtin.keep_reasons
+    assert first.keep_nodes == ("a/MatMul", "b/.*") and dict(first.keep_reasons) == {"a/MatMul": "calibration: 7e+04"}
+    assert second.keep_nodes == ("a/MatMul", "b/.*", "f::c")
+    assert dict(second.keep_reasons) == {"a/MatMul": "calibration: 7e+04", "b/.*": "user: head stays float32"}
+    assert second.keeps("c", "f") and not second.keeps("c")
+    for copy in (copy_module.deepcopy(second), pickle.loads(pickle.dumps(second))):
+        assert copy == second and copy.keep_reasons == second.keep_reasons
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ({"x(": ""}, "OpLists: keep_nodes[0] 'x(' is not a valid regular expression"),
+        ({"x": "two\nlines"}, "OpLists: keep_reasons entry 'x' has reason 'two\\nlines' (str), not one line"),
+        ({"x": 7}, "OpLists: keep_reasons entry 'x' has reason 7 (int)"),
+    ],
+)
+def test_keeping_rejects_bad_entries_in_one_line(entries, expected):
+    """Entries added in code are checked like an overlay's."""
+    with pytest.raises(ListsError) as caught:
+        load_lists("float16", environ={}).keeping(entries)
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
 
 
 # --- TensorFlow's environment variables -----------------------------------------------------

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
-from amp_rewrite.core import colouring, graph_io, typegraph
+from amp_rewrite.core import colouring, graph_io, preparation, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.rewrite import PAINTED_DTYPES
-from amp_rewrite.core.rules import Rule
+from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.target import BFLOAT16
 from amp_rewrite.core.typegraph import TypeAttr, Vertex
 
@@ -32,11 +32,14 @@ T = TypeAttr("T")
 
 def context(build: Callable[[], object], *, unprocessed: Iterable[str] = (), lists: OpLists = LISTS) -> PaintContext:
     """The paint context of the graph ``build`` makes: every node processed on the CPU
-    except ``unprocessed`` and placeholders (grappler preserves feeds)."""
-    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def_of(build)), PAINTED_DTYPES)
-    skipped = set(unprocessed)
+    except ``unprocessed``, placeholders (grappler preserves feeds) and the nodes the
+    lists' keep_nodes keep."""
+    nodes = graph_io.to_networkx(graph_def_of(build))
+    kept = preparation.find_processed_nodes(nodes, BFLOAT16, (), lists)[2]
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
+    skipped = set(unprocessed) | set(kept)
     processed = {name: "CPU" for name, op in types.ops.items() if name not in skipped and op != "Placeholder"}
-    return PaintContext(types, lists, BFLOAT16, frozenset(processed), processed)
+    return PaintContext(types, lists, BFLOAT16, frozenset(processed), processed, kept=kept)
 
 
 def t(*nodes: str) -> set[Vertex]:
@@ -224,6 +227,69 @@ def test_explain_names_the_rule_of_each_vertex_no_pass_painted():
     assert rules["allow1"] is Rule.ALLOW_LIST and rules["deny1"] is Rule.DENY_LIST
 
 
+def test_kept_node_acts_as_a_deny_op_and_the_rest_is_coloured_as_without_it():
+    """keep_nodes (beyond grappler): a kept node stays float32 and is a root of step 7.2
+    like a deny op: the clear and infer ops downstream of it that lead to an infer or
+    deny op are denied with it as the source. A clear op leading only to an allow op is
+    not, and every other vertex gets the colour it gets without the entry."""
+    def build():
+        k = tf.matmul(x(), x(), name="kept1")
+        c = tf.nn.relu(k, name="deny1_clr")  # leads to an infer op: denied
+        i = tf.add(c, c, name="deny2_inf")
+        tf.matmul(i, i, name="allow1")
+        r = tf.nn.relu(k, name="clr_to_allow")  # leads to an allow op only: ALLOW through clear
+        tf.matmul(r, r, name="allow2")
+
+    reason = "calibration: output 0 reached 2.1e+05, over float16's safe magnitude 1.6e+04"
+    ctx = context(build, lists=LISTS.keeping({"kept1": reason}))
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
+    plain = context(build)
+    unkept = colouring.paint(plain, colouring.find_tensor_lists(plain))
+
+    assert painting.deny == t("kept1", "deny1_clr", "deny2_inf") and unkept.deny == set()
+    assert painting.allow == unkept.allow - painting.deny == t("allow1", "clr_to_allow", "allow2")
+    propagated = Reason(Rule.DENY_PROPAGATION, "downstream of kept node 'kept1' through clear/infer ops", "kept1")
+    assert painting.reasons[Vertex("deny1_clr", T)] == painting.reasons[Vertex("deny2_inf", T)] == propagated
+    assert colouring.explain(ctx, painting, {}, Vertex("kept1", T)) == Reason(Rule.KEEP_NODES, reason, "kept1")
+
+
+def test_kept_node_without_a_reason_names_its_entry():
+    """A keep_nodes entry given no reason: the kept vertex's reason names the entry, its source."""
+    def build():
+        tf.matmul(x(), x(), name="kept1")
+
+    ctx = context(build, lists=LISTS.keeping({"kept.*": ""}))
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
+    assert colouring.explain(ctx, painting, {}, Vertex("kept1", T)) == (
+        Rule.KEEP_NODES, "matches keep_nodes entry 'kept.*'", "kept.*")
+
+
+def test_kept_node_is_not_painted_by_the_passes_that_ignore_processed():
+    """Steps 7.9 and 7.10 read every node, processed or not (as grappler does); a kept
+    NextIteration takes its Merges out of ALLOW, and a kept Cast keeps float32 though its
+    consumers are all ALLOW."""
+    def build():
+        i = tf.compat.v1.placeholder(tf.int32, [2, 2], name="i")
+        c = tf.cast(i, tf.float32, name="kept_cast")
+        tf.matmul(c, c, name="allow1")
+
+    ctx = context(build, lists=LISTS.keeping({"kept_cast": ""}))
+    assert colouring.retarget_existing_casts(ctx, t("allow1")) == {}
+
+    def loop():
+        _v1_loop()
+
+    graph_def = graph_def_of(loop)
+    next(n for n in graph_def.node if n.name == "merge").input[1] = "next"  # Merge(enter, next)
+    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def), PAINTED_DTYPES)
+    kept = {"next": Reason(Rule.KEEP_NODES, "matches keep_nodes entry 'next'", "next")}
+    processed = {name: "CPU" for name in types.ops if name not in ("x", "next")}
+    ctx = PaintContext(types, LISTS, BFLOAT16, frozenset(processed), processed, kept=kept)
+    allow, reasons = colouring.match_recurrent_edges(ctx, t("allow1", "merge"))
+    assert allow == t("allow1") and set(reasons) == t("merge")
+    assert reasons[Vertex("merge", T)].rule is Rule.RECURRENT_EDGE
+
+
 def _tensor_list() -> None:
     """A list written with one MatMul's output and read back: reserve → set → get."""
     a = tf.matmul(x(), x(), name="allow1")
@@ -250,6 +316,16 @@ def test_tensor_list_ops_joined_by_handles_form_one_cluster_that_shares_a_colour
     allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, set(element), {set_element}, {})
     assert allow == set() and deny == element
     assert {reason.rule for reason in reasons.values()} == {Rule.TENSOR_LIST}
+
+
+def test_tensor_list_cluster_with_a_kept_member_is_denied():
+    """Steps 7.0 and 7.3: a kept TensorList op is a member the pass may not touch, so its
+    cluster is denied whole, though its element is written with an ALLOW vertex."""
+    ctx = context(_tensor_list, lists=LISTS.keeping({"get": ""}))
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
+    element = {colouring.tensor_list_float_vertex(ctx, node) for node in ("reserve", "set", "get")}
+    assert element <= painting.deny and not element & painting.allow
+    assert t("allow1") <= painting.allow
 
 
 def test_tensor_list_cluster_with_an_unprocessed_member_is_denied():

@@ -122,9 +122,46 @@ def test_keep_nodes_blocks_a_node_by_name_or_regex(tmp_path):
     overlay.write_text("keep_nodes: ['all.w1']\n")
     result = rewrite_graph_def(_chain(), fetches=["fetch"], lists=str(overlay))
     assert _node(result.graph_def, "allow1").attr["T"].type == types_pb2.DT_FLOAT
-    assert result.report.decision("allow1").rule == "not-processed"
+    assert result.report.decision("allow1")[6:] == ("keep-nodes", "matches keep_nodes entry 'all.w1'", "all.w1")
     assert result.report.vertices_converted == 0
     assert not [n for n in result.graph_def.node if n.op == "Cast"]
+
+
+def _nested_functions() -> tuple[tf.Graph, dict[str, str]]:
+    """A MatMul named ``mm`` in the main graph, in ``outer`` and in ``inner``, which
+    ``outer`` calls; returns the graph and the functions' library names."""
+    @tf.function(autograph=False)
+    def inner(a):
+        return tf.raw_ops.MatMul(a=a, b=a, name="mm")
+
+    @tf.function(autograph=False)
+    def outer(a):
+        return inner(tf.raw_ops.MatMul(a=a, b=a, name="mm"))
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        tf.identity(outer(tf.raw_ops.MatMul(a=x, b=x, name="mm")), name="fetch")
+    graph_def = graph.as_graph_def()
+    names = {f.signature.name.split("_")[3]: f.signature.name for f in graph_def.library.function}
+    return graph_def, names
+
+
+def test_function_scoped_keep_entry_keeps_the_node_of_that_function_only():
+    """``FUNCTION::PATTERN`` keeps the matching node of that library function only: the
+    same-named MatMul in the main graph and in the calling function is converted. An entry
+    without ``::`` keeps it everywhere."""
+    graph_def, names = _nested_functions()
+    lists = amp_rewrite.load_lists("float16").keeping({f"{names['inner']}::m.": "calibration: 7e+04"})
+    report = rewrite_graph_def(graph_def, fetches=["fetch"], lists=lists).report
+    kept = report.decision("mm", function=names["inner"])
+    assert (kept.after, kept.rule, kept.reason, kept.source) == (
+        "float32", "keep-nodes", "calibration: 7e+04", f"{names['inner']}::m.")
+    assert report.decision("mm").after == report.decision("mm", function=names["outer"]).after == "float16"
+
+    everywhere = rewrite_graph_def(graph_def, fetches=["fetch"], lists=lists.keeping({"mm": ""})).report
+    assert {everywhere.decision("mm", function=f).rule for f in ("", names["outer"], names["inner"])} == {"keep-nodes"}
+    assert everywhere.vertices_converted == 0
 
 
 def test_node_on_another_device_type_is_not_painted():

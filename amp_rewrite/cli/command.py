@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                               " --tag_set (default: serve); the others are copied as they are")
         sub.add_argument("--lists", type=Path, help="overlay YAML that edits the op lists")
         sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
-                         help="keep nodes whose name matches REGEX in float32 (repeatable)")
+                         help="keep nodes whose name matches REGEX in float32, as deny ops; FUNCTION::REGEX only"
+                              " in that library function (repeatable)")
         sub.add_argument("--fetch", action="append", default=[], metavar="NAME[:PORT]",
                          help="GraphDef only: an output whose dtype must not change (repeatable; default: the"
                               " nodes nothing reads)")

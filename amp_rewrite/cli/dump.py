@@ -46,13 +46,13 @@ EVENTS_FILE = "events.out.tfevents.0.amp_rewrite"
 # Node classes, shared by the drawing and the report: (fill colour, legend text).
 CLASS_TO_STYLE = {
     "converted": ("#9be29b", "converted to the target type"),
-    "deny": ("#f4a3a3", "kept float32: deny list or downstream of a deny op"),
+    "deny": ("#f4a3a3", "kept float32: deny list, keep_nodes, or downstream of either"),
     "infer": ("#f7e08a", "kept float32: infer op"),
     "clear": ("#d6d6d6", "kept float32: clear op"),
     "other": ("#ffffff", "not painted, or no float32 type attribute"),
     "cast": ("#a9cdf2", "Cast inserted by the pass"),
 }
-_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value})
+_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def _lists_yaml(lists: OpLists) -> str:
         "sources": list(lists.sources),
         "force_all": lists.force_all,
         "infer_as_deny": lists.infer_as_deny,
-        "keep_nodes": list(lists.keep_nodes),
+        "keep_nodes": {entry: lists.keep_reasons.get(entry, "") for entry in lists.keep_nodes},  # an overlay's form
         **{colour.value: sorted(getattr(lists, colour.value)) for colour in Colour},
     }
     header = "# The effective op lists of this rewrite: built-in lists, overlay and environment.\n"

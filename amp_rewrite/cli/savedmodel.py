@@ -11,7 +11,6 @@ by the next run to the same destination.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import os
 import re
@@ -249,10 +248,11 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:
-    """The lists for ``target`` with an overlay file and extra ``keep`` node regexes."""
+    """The lists for ``target`` with an overlay file and extra ``keep`` entries (``--keep``:
+    node regexes, ``FUNCTION::REGEX`` for one function), given no reason."""
     op_lists = load_lists(target, overlay)
     keep = tuple(keep)
-    return dataclasses.replace(op_lists, keep_nodes=op_lists.keep_nodes + keep) if keep else op_lists
+    return op_lists.keeping(dict.fromkeys(keep, "")) if keep else op_lists
 
 
 def check_outside(source: Path, destination: Path, what: str = "destination") -> None:

@@ -94,6 +94,8 @@ class PaintContext:
     list_links: frozenset[Vertex] = frozenset()  # linked variant slots TensorLists may cross
     # Loop values of functional While ops whose bodies keep their signatures: never painted.
     pinned: frozenset[Vertex] = frozenset()
+    # Unprocessed nodes a keep_nodes entry keeps -> why: never painted, and deny ops for step 7.2.
+    kept: Mapping[str, Reason] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
     _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
     ops: Mapping[str, str] = field(init=False, repr=False)  # node -> op
@@ -472,7 +474,8 @@ def propagate_deny_forward(
 ) -> dict[Vertex, Reason]:
     """Step 7.2: deny spreads from deny ops through clear/infer ops that lead to deny/infer ops.
 
-    Not restricted to processed nodes. ``deny_seeds`` (``cross_function``) are roots too:
+    Not restricted to processed nodes. Beyond grappler, the float32 vertices of kept nodes
+    (``ctx.kept``) are roots like a deny op's. ``deny_seeds`` (``cross_function``) are roots too:
     vertices whose value comes from a deny path across a function boundary. Returns the
     newly denied vertices with reasons.
     """
@@ -480,15 +483,18 @@ def propagate_deny_forward(
         return {}
     graph = ctx.types.graph
     lists = ctx.lists
-    ops, stoppers, clear = ctx.ops, lists.deny | lists.infer, lists.clear
+    ops, stoppers, clear, kept = ctx.ops, lists.deny | lists.infer, lists.clear, ctx.kept
     denied = set(deny)
-    stopper_vertices, roots = [], []  # roots: the deny ops' vertices
+    stopper_vertices, roots = [], []  # roots: the deny ops' and kept nodes' vertices
     for v in _vertices(ctx):
         op = ops[v.node]
         if op in stoppers:
             stopper_vertices.append(v)
             if v not in denied and ctx.colour(v.node) is Colour.DENY:
                 roots.append(v)
+                continue
+        if kept and v.node in kept and v not in denied and v in ctx.float32:
+            roots.append(v)
     # Pinned loop values are clear ops all the same: deny passes through them.
     upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
@@ -503,11 +509,12 @@ def propagate_deny_forward(
             if vertex not in denied:
                 denied.add(vertex)
                 if vertex == root:
-                    added[vertex] = Reason(Rule.DENY_LIST, f"op {op} is on the deny list")
+                    added[vertex] = kept.get(root.node) or Reason(Rule.DENY_LIST, f"op {op} is on the deny list")
                     continue
                 if propagated is None:
-                    propagated = Reason(Rule.DENY_PROPAGATION,
-                                        f"downstream of deny op {op} ('{root.node}') through clear/infer ops", root.node)
+                    what = f"kept node '{root.node}'" if root.node in kept else f"deny op {op} ('{root.node}')"
+                    propagated = Reason(Rule.DENY_PROPAGATION, f"downstream of {what} through clear/infer ops",
+                                        root.node)
                 added[vertex] = propagated
     return added
 
@@ -647,7 +654,8 @@ def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Ve
 
 
 def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Vertex], dict[Vertex, Reason]]:
-    """Step 7.9: NextIteration and the Merge nodes it feeds share one colour (v1 while loops)."""
+    """Step 7.9: NextIteration and the Merge nodes it feeds share one colour (v1 while loops);
+    a kept NextIteration keeps its Merges float32."""
     allow = set(allow)
     reasons: dict[Vertex, Reason] = {}
     t = TypeAttr("T")
@@ -664,7 +672,7 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
                 )
             merges.append(Vertex(consumer, t))
         next_iteration = Vertex(node, t)
-        if all(m in allow for m in merges):
+        if all(m in allow for m in merges) and node not in ctx.kept:
             if next_iteration not in allow:
                 allow.add(next_iteration)
                 reasons[next_iteration] = Reason(Rule.RECURRENT_EDGE, "matches the colour of the Merge node(s) it feeds")
@@ -672,16 +680,18 @@ def match_recurrent_edges(ctx: PaintContext, allow: set[Vertex]) -> tuple[set[Ve
             for vertex in merges + [next_iteration]:
                 if vertex in allow:
                     allow.discard(vertex)
-                    reasons[vertex] = Reason(Rule.RECURRENT_EDGE, f"recurrent edge of '{node}': a Merge it feeds stays float32", node)
+                    why = "it is kept" if node in ctx.kept else "a Merge it feeds stays float32"
+                    reasons[vertex] = Reason(Rule.RECURRENT_EDGE, f"recurrent edge of '{node}': {why}", node)
     return allow, reasons
 
 
 def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Vertex, Reason]:
-    """Step 7.10: a float32-producing Cast whose consumers are all ALLOW produces the target directly."""
+    """Step 7.10: a float32-producing Cast whose consumers are all ALLOW produces the target
+    directly, unless it is kept (grappler asks this of unprocessed Casts too)."""
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
     for node, op in ctx.ops.items():
-        if op != "Cast":
+        if op != "Cast" or node in ctx.kept:
             continue
         vertex = Vertex(node, dst)
         if not ctx.is_float32(vertex):
@@ -775,6 +785,9 @@ def paint(
 
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
     """Why one vertex has its final colour."""
+    kept = ctx.kept.get(vertex.node)
+    if kept is not None:  # whatever else denied it, the entry decided
+        return kept
     if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
         return Reason(Rule.NOT_PROCESSED, skipped[vertex.node])
     reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one

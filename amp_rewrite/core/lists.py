@@ -18,7 +18,17 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
        keep_nodes: ["model/head/.*", "logits"]  # node names or regexes (re.fullmatch) kept
                                                 # float32; beyond grappler, tensorflow#40562
 
-   To move an op, remove it from its list and add it to the other.
+   To move an op, remove it from its list and add it to the other. ``keep_nodes`` may
+   also map each entry to a one-line reason (calibration writes its measurements so)::
+
+       keep_nodes:
+         model/dense/MatMul: "calibration: output 0 reached 2.1e+05, over float16's 1.6e+04"
+         "__inference_call_123::dense_1/BiasAdd": ""   # "" or the list form: no reason
+
+   An entry ``FUNCTION::PATTERN`` matches only in the library function named FUNCTION
+   (``:`` never occurs in a node name); one without ``::`` matches in every item. A kept
+   node stays float32 and acts as a deny op (``colouring.propagate_deny_forward``).
+   ``OpLists.keeping`` adds entries to loaded lists (the CLI's ``--keep``).
 3. TensorFlow's variables, with TensorFlow's semantics, read here and nowhere else:
    ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD`` then ``..._REMOVE`` for LIST in
    ALLOWLIST, INFERLIST, DENYLIST, CLEARLIST, then the legacy WHITELIST, GRAYLIST,
@@ -33,6 +43,7 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import functools
@@ -72,6 +83,7 @@ _LIST_TO_ENV_NAMES = {
 }
 _OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes")
 _EDIT_KEYS = ("add", "remove")
+_SCOPE = "::"  # FUNCTION::PATTERN in keep_nodes
 _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slower converted
 _BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
@@ -104,8 +116,10 @@ class OpLists:
     infer_as_deny: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
     sources: tuple[str, ...] = ()
+    keep_reasons: Mapping[str, str] = field(default_factory=dict, compare=False)  # keep_nodes entry -> reason
     _op_to_colour: Mapping[str, Colour] = field(init=False, repr=False, compare=False)
-    _keep_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+    # (entry, function or None for every item, pattern), in keep_nodes order.
+    _keep_patterns: tuple[tuple[str, str | None, re.Pattern[str]], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", lookup_target(self.target).name)
@@ -114,6 +128,7 @@ class OpLists:
         object.__setattr__(self, "keep_nodes", tuple(self.keep_nodes))
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+        object.__setattr__(self, "keep_reasons", MappingProxyType(dict(self.keep_reasons)))
         op_to_colour: dict[str, Colour] = {}
         for colour in Colour:
             for op in sorted(getattr(self, colour.value)):
@@ -126,20 +141,37 @@ class OpLists:
                 op_to_colour[op] = colour
         object.__setattr__(self, "_op_to_colour", MappingProxyType(op_to_colour))
         object.__setattr__(self, "_keep_patterns", _compile_keep_nodes(self.keep_nodes, "OpLists"))
+        _check_keep_reasons(self.keep_reasons, self.keep_nodes, "OpLists", "keep_reasons")
 
     def colour(self, op: str) -> Colour | None:
         """The list ``op`` is in, or None if it is in none."""
         return self._op_to_colour.get(op)
 
-    def keeps(self, node_name: str) -> bool:
-        """True if ``node_name`` is a keep_nodes entry or fully matches one as a regex."""
-        return any(pattern.fullmatch(node_name) for pattern in self._keep_patterns)
+    def keep_entry(self, node_name: str, function: str = "") -> str | None:
+        """The first keep_nodes entry that keeps ``node_name`` of ``function`` ("": the main
+        graph), or None: an unscoped entry matching the name in full as a regex, or a
+        ``FUNCTION::PATTERN`` entry whose FUNCTION is ``function`` and whose PATTERN matches."""
+        for entry, scope, pattern in self._keep_patterns:
+            if (scope is None or scope == function) and pattern.fullmatch(node_name):
+                return entry
+        return None
+
+    def keeps(self, node_name: str, function: str = "") -> bool:
+        """True if a keep_nodes entry keeps ``node_name`` of ``function`` (``keep_entry``)."""
+        return self.keep_entry(node_name, function) is not None
+
+    def keeping(self, entries: Mapping[str, str]) -> OpLists:
+        """These lists with more keep_nodes entries, entry -> one-line reason ("": none given).
+        An entry already there keeps its place, and takes the new reason if one is given."""
+        keep_nodes = tuple(dict.fromkeys((*self.keep_nodes, *entries)))
+        keep_reasons = {**self.keep_reasons, **{entry: reason for entry, reason in entries.items() if reason}}
+        return dataclasses.replace(self, keep_nodes=keep_nodes, keep_reasons=keep_reasons)
 
     def __reduce__(self) -> tuple[type[OpLists], tuple[object, ...]]:
         # Rebuild through __init__ (mappingproxy cannot be pickled), so copy and pickle work.
         lists = tuple(getattr(self, name) for name in _LIST_NAMES)
         return OpLists, (self.target, *lists, self.keep_nodes, self.force_all, self.infer_as_deny, dict(self.reasons),
-                         self.sources)
+                         self.sources, dict(self.keep_reasons))
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={len(getattr(self, name))} ops" for name in _LIST_NAMES)
@@ -192,9 +224,10 @@ def _build(
     draft = _Draft(_read_builtin(builtin_path, target))
     sources = [str(builtin_path)]
     keep_nodes: tuple[str, ...] = ()
+    keep_reasons: dict[str, str] = {}
     # 2. User overlay.
     if overlay is not None:
-        edits, keep_nodes = _read_overlay(Path(overlay), os.fspath(overlay))
+        edits, keep_nodes, keep_reasons = _read_overlay(Path(overlay), os.fspath(overlay))
         draft.apply(edits, os.fspath(overlay))
         sources.append(os.fspath(overlay))
     # 3. TensorFlow's variables; TENSOR_CORES_ONLY acts first, TREAT_INFER_AS_DENY last (spec §4).
@@ -223,6 +256,7 @@ def _build(
         infer_as_deny=level == "TREAT_INFER_AS_DENY",
         reasons=draft.reasons(),
         sources=tuple(sources),
+        keep_reasons=keep_reasons,
     )
     _warn_unregistered(draft.user_added(lists))
     return lists
@@ -393,11 +427,13 @@ def _read_builtin(path: Path, target: Target) -> _BuiltinFile:
     return _BuiltinFile(shown, MappingProxyType(name_to_op_to_reason))
 
 
-def _read_overlay(path: Path, shown: str) -> tuple[dict[str, dict[str, tuple[str, ...]]], tuple[str, ...]]:
-    """Validated overlay: (list -> {add, remove} -> ops, keep_nodes)."""
+def _read_overlay(
+    path: Path, shown: str
+) -> tuple[dict[str, dict[str, tuple[str, ...]]], tuple[str, ...], dict[str, str]]:
+    """Validated overlay: (list -> {add, remove} -> ops, keep_nodes, keep_nodes entry -> reason)."""
     data = _read_yaml(path, shown)
     if data is None:  # an empty file edits nothing
-        return {}, ()
+        return {}, (), {}
     _check_mapping(data, shown, "the file", _OVERLAY_KEYS)
     edits: dict[str, dict[str, tuple[str, ...]]] = {}
     for name in _LIST_NAMES:
@@ -408,9 +444,27 @@ def _read_overlay(path: Path, shown: str) -> tuple[dict[str, dict[str, tuple[str
             continue
         _check_mapping(section, shown, repr(name), _EDIT_KEYS, example="{add: [Foo], remove: [Bar]}")
         edits[name] = {action: _strings(section.get(action), shown, f"{name}.{action}") for action in _EDIT_KEYS}
-    keep_nodes = _strings(data.get("keep_nodes"), shown, "keep_nodes")
-    _compile_keep_nodes(keep_nodes, shown)
-    return edits, keep_nodes
+    keep_nodes, keep_reasons = _keep_nodes(data.get("keep_nodes"), shown)
+    _compile_keep_nodes(keep_nodes, shown, indexed=not isinstance(data.get("keep_nodes"), dict))
+    return edits, keep_nodes, keep_reasons
+
+
+def _keep_nodes(value: object, shown: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """An overlay's keep_nodes, a list of entries or a mapping entry -> reason: (entries, entry -> reason)."""
+    if not isinstance(value, dict):
+        if value is not None and not isinstance(value, list):
+            raise ListsError(
+                f"{shown}: keep_nodes must be a list like [logits, 'head/.*'] or a mapping like"
+                f" {{logits: reason}}, not {type(value).__name__} {value!r}"
+            )
+        return _strings(value, shown, "keep_nodes"), {}
+    for entry in value:
+        if not isinstance(entry, str) or not entry:
+            raise ListsError(
+                f"{shown}: keep_nodes key {entry!r} is {type(entry).__name__}, not a node name or regex; quote it"
+            )
+    _check_keep_reasons(value, value, shown, "keep_nodes")
+    return tuple(value), {entry: reason for entry, reason in value.items() if reason}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -473,14 +527,42 @@ def _strings(value: object, shown: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _compile_keep_nodes(patterns: Iterable[str], shown: str) -> tuple[re.Pattern[str], ...]:
+def _check_keep_reasons(entry_to_reason: Mapping[object, object], entries: Iterable[str], shown: str,
+                        where: str) -> None:
+    """Every reason is one line of text, for an entry of ``entries``."""
+    known = set(entries)
+    for entry, reason in entry_to_reason.items():
+        if not isinstance(reason, str) or "\n" in reason or "\r" in reason:
+            raise ListsError(
+                f"{shown}: {where} entry {entry!r} has reason {reason!r} ({type(reason).__name__}), not one line of"
+                " text; quote it on one line, or write \"\" for none"
+            )
+        if entry not in known:
+            raise ListsError(f"{shown}: {where} has a reason for {entry!r}, which is not a keep_nodes entry; add it")
+
+
+def _compile_keep_nodes(
+    entries: Iterable[str], shown: str, *, indexed: bool = True
+) -> tuple[tuple[str, str | None, re.Pattern[str]], ...]:
+    """(entry, function or None, compiled pattern) per entry; FUNCTION::PATTERN scopes one."""
     compiled = []
-    for i, pattern in enumerate(patterns):
+    for i, entry in enumerate(entries):
+        where = f"keep_nodes[{i}]" if indexed else "keep_nodes entry"
+        if not isinstance(entry, str) or not entry:
+            raise ListsError(f"{shown}: {where} is {type(entry).__name__} {entry!r}, not a non-empty node name or regex")
+        scope, scoped, pattern = entry.partition(_SCOPE)
+        if not scoped:
+            scope, pattern = None, entry
+        elif not scope or not pattern:
+            raise ListsError(
+                f"{shown}: {where} {entry!r} has nothing {'before' if not scope else 'after'} '{_SCOPE}';"
+                f" write FUNCTION{_SCOPE}PATTERN, or PATTERN alone to match in every function"
+            )
         try:
-            compiled.append(re.compile(pattern))
+            compiled.append((entry, scope, re.compile(pattern)))
         except re.error as error:
             raise ListsError(
-                f"{shown}: keep_nodes[{i}] {pattern!r} is not a valid regular expression ({error}); "
+                f"{shown}: {where} {entry!r} is not a valid regular expression ({error}); "
                 "fix it or escape special characters with a backslash"
             ) from error
     return tuple(compiled)

@@ -1,6 +1,6 @@
 """Steps 4-5 of the rewrite (``amp_rewrite.core.rewrite``; spec §2.1 steps 4-5) on one
-item: which nodes the pass may paint (spec §1.5), and the batch-norm upgrade that comes
-before any colouring.
+item: which nodes the pass may paint (spec §1.5) and which ones keep_nodes keeps, and the
+batch-norm upgrade that comes before any colouring.
 
 Both read the item's working node graph; the upgrade is the one change made to it before
 colouring, as grappler makes it (even when nothing is converted afterwards).
@@ -13,6 +13,8 @@ import networkx as nx
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.core.lists import OpLists
+from amp_rewrite.core.program import MAIN_GRAPH
+from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.target import Target
 
 # Grappler feeds every placeholder, and feeds are preserved: inputs keep their dtype.
@@ -32,30 +34,40 @@ def device_type(device: str) -> str | None:
 
 
 def find_processed_nodes(
-    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Nodes the pass may paint (→ kernel device type) and, for the others, why not.
+    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists, function: str = MAIN_GRAPH
+) -> tuple[dict[str, str], dict[str, str], dict[str, Reason]]:
+    """Nodes the pass may paint (→ kernel device type), for the others why not, and of
+    those the kept ones (→ their reason).
 
     Not painted: fetched nodes, placeholders and ``_grappler_do_not_remove`` nodes
-    (grappler's preserved set), nodes matching the lists' ``keep_nodes``, and nodes placed on another device
-    type. An empty device means the target's device.
+    (grappler's preserved set), nodes a keep_nodes entry keeps in ``function`` (the item;
+    MAIN_GRAPH for the main graph), and nodes placed on another device type. An empty
+    device means the target's device. Kept nodes are not grappler's: they also act as deny
+    ops (``colouring.propagate_deny_forward``).
     """
     wanted = target.device_type
     preserved = set(fetches)
-    keeps = lists.keeps if lists.keep_nodes else None
+    keep_entry = lists.keep_entry if lists.keep_nodes else None
+    entry_to_reason: dict[str, Reason] = {}
     device_to_kind: dict[str, str | None] = {}  # a graph has few device strings; None: another device type
     processed: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    kept: dict[str, Reason] = {}
     for name, data in nodes._node.items():
         node_def = data["node_def"]
+        entry = keep_entry(name, function) if keep_entry is not None else None
         if name in preserved:
             skipped[name] = "fetched: its outputs keep their dtype"
         elif node_def.op in GRAPH_INPUTS:
             skipped[name] = "a graph input (feed): keeps its dtype"
         elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
             skipped[name] = "marked _grappler_do_not_remove"
-        elif keeps is not None and keeps(name):
-            skipped[name] = "matches keep_nodes in the lists"
+        elif entry is not None:
+            if entry not in entry_to_reason:
+                text = lists.keep_reasons.get(entry) or f"matches keep_nodes entry {entry!r}"
+                entry_to_reason[entry] = Reason(Rule.KEEP_NODES, text, entry)
+            kept[name] = entry_to_reason[entry]
+            skipped[name] = kept[name].text
         else:
             device = node_def.device
             if device not in device_to_kind:
@@ -66,7 +78,7 @@ def find_processed_nodes(
                 processed[name] = kind
             else:
                 skipped[name] = f"placed on '{device}', not a {wanted} device"
-    return processed, skipped
+    return processed, skipped, kept
 
 
 def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Collection[str]) -> int:

@@ -6,7 +6,8 @@ The steps, numbered alike here, in the code below and in its DEBUG log lines (th
 1-2. ``lists.load_lists``: the four lists for the target, with TensorFlow's variables
      (spec §2.1 steps 1-2). Once per rewrite; then, for every item (spec §1.2):
 3.   ``graph_io.to_networkx``: the working copy of the item, the only graph changed.
-4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4).
+4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4),
+     and which ones keep_nodes keeps (deny ops in step 7.2).
 5.   ``preparation.upgrade_batch_norm_ops``: FusedBatchNorm(Grad) → V2 (spec §2.1 step 5).
 6.   ``typegraph.build_type_graph``: the (node, type attribute) vertex graph (spec §2.1 step 6,
      §2.2), and ``colouring.find_tensor_lists``: its TensorList clusters and the implicit
@@ -177,8 +178,9 @@ def _prepare(
         raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
     log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes))
     # 4. Which nodes may be painted.
-    processed, skipped = preparation.find_processed_nodes(nodes, target, fetches, op_lists)
-    log.debug("%s: step 4 processed nodes: %d, skipped %d", function or "main graph", len(processed), len(skipped))
+    processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function)
+    log.debug("%s: step 4 processed nodes: %d, skipped %d (kept %d)", function or "main graph", len(processed),
+              len(skipped), len(kept))
     # 5. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
     upgraded = preparation.upgrade_batch_norm_ops(nodes, processed)
     log.debug("%s: step 5 batch-norm upgrade: %d nodes", function or "main graph", upgraded)
@@ -188,7 +190,7 @@ def _prepare(
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
-                       pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles)
+                       pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept)
     tensor_lists = colouring.find_tensor_lists(ctx)
     typegraph.add_implicit_edges(types, tensor_lists.edges)
     log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",

@@ -34,7 +34,10 @@ class Rule(enum.Enum):
     RECURRENT_EDGE = "recurrent-edge", "a loop's NextIteration follows the Merge it feeds"
     # ... or kept float32 (spec §2.3 passes 2 and 7; the rest explain what no pass touched).
     DENY_LIST = "deny-list", "op is on the deny list (numerically unsafe in low precision)"
-    DENY_PROPAGATION = "deny-propagation", "clear or infer op downstream of a deny op"
+    DENY_PROPAGATION = "deny-propagation", "clear or infer op downstream of a deny op or a kept node"
+    KEEP_NODES = (
+        "keep-nodes", "kept float32 by a keep_nodes entry, a user's choice or calibration's measurement; acts as a deny op"
+    )
     UNCONVERTIBLE = "unconvertible", "the type attribute cannot take the target type"
     INFER_ISOLATED = "infer-isolated", "infer op neither between allow ops nor directly after one"
     CLEAR_ISOLATED = "clear-isolated", "clear op not connected to an allow op through clear ops"
@@ -43,7 +46,7 @@ class Rule(enum.Enum):
         "slower-converted", "op taken off grappler's lists: its low-precision kernel is slower than float32's"
     )
     NOT_PROCESSED = (
-        "not-processed", "the pass may not touch the node: fetched, a graph input, keep_nodes, or another device"
+        "not-processed", "the pass may not touch the node: fetched, a graph input, do-not-remove, or another device"
     )
     NO_KERNEL = "no-kernel", "TensorFlow has no low-precision kernel for the op on that device"
     LOOP_VALUE = "loop-value", "loop value of a functional While whose body and cond keep float32"
