@@ -54,6 +54,7 @@ class ItemStats:
     vertices_converted: int
     casts_added: int
     casts_to_target: int  # excluding casts of Const and variable outputs, as grappler counts
+    float8_matmuls: int = 0  # target float8: matmuls whose operands became float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class PendingDecisions:
     ops: Mapping[str, str]               # node -> op
     converted: Collection[Vertex]        # the vertices that became the target
     reasons: Mapping[Vertex, Reason]     # a reason for every float32 vertex with a type attr
+    # (node, attr) -> (rule, reason) replacing the colouring's, e.g. a float8 matmul's scales
+    overrides: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
     def decisions(self) -> Iterator[Decision]:
         attr_names: dict[object, str] = {}
@@ -79,6 +82,9 @@ class PendingDecisions:
                 attr_name = attr_names[attr] = str(attr)
             rule, text, source = self.reasons[vertex]
             rule = rule.value
+            override = self.overrides.get((node, attr_name)) if self.overrides else None
+            if override is not None:
+                (rule, text), source = override, ""
             after = self.target if vertex in self.converted else "float32"
             # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
             yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,
@@ -131,14 +137,22 @@ class Report:
     def casts_to_target(self) -> int:
         return self._total("casts_to_target", None)
 
+    @property
+    def float8_matmuls(self) -> int:
+        return self._total("float8_matmuls", None)
+
     def summary(self, function: str | None = None) -> str:
         """Grappler's log line, word for word, for one item or (None) all of them."""
         converted, nodes = self._total("vertices_converted", function), self._total("nodes_before", function)
         casts = self._total("casts_to_target", function)
-        return (
-            f"Converted {converted}/{nodes} nodes to {self.target} precision"
-            f" using {casts} cast(s) to {self.target} (excluding Const and Variable casts)"
+        painted = self.pending[0].target if self.pending else self.target  # float8 paints float16
+        line = (
+            f"Converted {converted}/{nodes} nodes to {painted} precision"
+            f" using {casts} cast(s) to {painted} (excluding Const and Variable casts)"
         )
+        if painted != self.target:
+            line += f"; {self._total('float8_matmuls', function)} matmul(s) on float8_e4m3fn operands"
+        return line
 
     def kept_float32(self) -> dict[str, int]:
         """How many vertices stayed float32, by rule, most common first."""

@@ -16,6 +16,9 @@ The steps, numbered alike here, in the code below and in its DEBUG log lines (th
      with ``cross_function``, ``boundaries.paint_linked`` repeats it across function boundaries.
 8.   ``casts.change_types_and_insert_casts``: the painted dtypes and the casts (spec §2.6).
 9.   Back to a GraphDef, and a function body back into its FunctionDef.
+10.  Target float8 only: ``float8.quantize_matmuls`` gives the matmuls step 8 converted
+     float8_e4m3fn operands (before step 9's FunctionDef), and ``float8.mark_xla_must_compile``
+     marks the functions holding one for XLA.
 """
 from __future__ import annotations
 
@@ -24,14 +27,15 @@ import functools
 import gc
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, float8, functions, graph_io, preparation, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
-from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.errors import AmpRewriteError, GraphError
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
@@ -77,10 +81,15 @@ def rewrite_graph_def(
     cross_function: bool = False,
     entry_functions: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
+    amax: Mapping[tuple[str, str, int], float] | None = None,
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
-    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``.
+    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``;
+    ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8.py).
+    ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32
+    tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
+    activation operand missing from it stays float16.
     ``fetches``: node (or tensor) names whose outputs must keep their dtype.
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
@@ -90,9 +99,11 @@ def rewrite_graph_def(
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
     ``progress(done, total)`` is called as items are prepared and finished.
     """
-    target = lookup_target(target)  # the one check of the user's string
+    target = lookup_target(target, quantized=True)  # the one check of the user's string
+    _check_amax(target, amax)
+    colouring_target = lookup_target(target.colouring)
     # 1-2. The lists.
-    op_lists = load_lists(target, lists)
+    op_lists = load_lists(colouring_target, lists)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
@@ -101,18 +112,27 @@ def rewrite_graph_def(
         names = functions.reachable_functions(graph_def, program.library)
         links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
                  else boundaries.Links(()))
-        output, stats, decisions = _rewrite_items(program, target, fetch_nodes, op_lists, names, links,
-                                                  progress or (lambda done, total: None))
+        output, stats, decisions = _rewrite_items(program, colouring_target, fetch_nodes, op_lists, names, links,
+                                                  progress or (lambda done, total: None), amax)
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
+def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | None) -> None:
+    if target.name == float8.TARGET_NAME and amax is None:
+        raise AmpRewriteError("target 'float8' needs amax, the largest |x| of each float32 tensor on calibration"
+                              " inputs ((function, node, port) -> float); calibrate the model first")
+    if target.name != float8.TARGET_NAME and amax is not None:
+        raise AmpRewriteError(f"amax applies to target 'float8', not {target.name!r}; leave it out")
+
+
 def _rewrite_items(
     program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
+    amax: Mapping[tuple[str, str, int], float] | None = None,
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
-    """Steps 3-9 (module doc) on every item: the main graph, then each function body."""
+    """Steps 3-10 (module doc) on every item: the main graph, then each function body."""
     total = 2 * (len(names) + 1)
     items = {MAIN_GRAPH: _prepare(program.graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH, program)}
     progress(1, total)
@@ -129,10 +149,14 @@ def _rewrite_items(
                                             {name: item.tensor_lists for name, item in items.items()}, links)
     else:
         paintings = {name: colouring.paint(item.ctx, item.tensor_lists) for name, item in items.items()}
-    output, stats, decisions = None, [], []
+    output, stats, decisions, compiled = None, [], [], []
     for name, item in items.items():
         with _naming(name):
             graph, item_stats, item_decisions = _finish(item, paintings[name], name)
+            if amax is not None:
+                graph, item_stats, item_decisions = _quantize(graph, item_stats, item_decisions, name, amax)
+                if item_stats.float8_matmuls and name != MAIN_GRAPH:
+                    compiled.append(name)
         if name == MAIN_GRAPH:
             output = graph
         else:
@@ -143,7 +167,21 @@ def _rewrite_items(
         stats.append(item_stats)
         decisions.append(item_decisions)
         progress(len(items) + len(stats), total)
+    float8.mark_xla_must_compile(output, compiled)
     return output, tuple(stats), tuple(decisions)
+
+
+def _quantize(
+    graph: graph_pb2.GraphDef, stats: ItemStats, decisions: PendingDecisions, function: str,
+    amax: Mapping[tuple[str, str, int], float],
+) -> tuple[graph_pb2.GraphDef, ItemStats, PendingDecisions]:
+    """Step 10 (module doc) on one item: its converted matmuls' operands to float8."""
+    converted = {vertex.node for vertex in decisions.converted if vertex.attr.name == "T"}
+    graph, found = float8.quantize_matmuls(graph, function=function, amax=amax, converted=converted)
+    quantized = sum(decision.quantized for decision in found)
+    log.debug("%s: step 10 float8: %d of %d matmuls quantized", function or "main graph", quantized, len(found))
+    overrides = {(decision.node, "T"): (decision.rule, decision.text) for decision in found}
+    return graph, replace(stats, float8_matmuls=quantized), replace(decisions, overrides=overrides)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,286 @@
+"""The float8 step: the matmuls the float16 rewrite converted take float8_e4m3fn operands.
+
+Each operand of a converted MatMul, BatchMatMul(V2), two-operand Einsum or Conv2D is
+quantized with a per-tensor scale and dequantized right before the matmul, in the form
+XLA's GPU GEMM rewriter (``MatchFp8Param`` in ``gemm_rewriter.cc``) fuses into a cuBLASLt
+FP8 GEMM on compute capability 8.9+ with CUDA 12 (cuDNN's fused-conv rewriter does the
+same for convolutions):
+
+    x ─ Mul(scale) ─ ClipByValue(±448) ─ Cast(float8_e4m3fn) ─ Cast(float16) ─ Mul(1/scale) ─ MatMul
+
+XLA lowers the last three to ``convert(f8) → multiply(·, broadcast(scalar)) → dot``. E4M3FN
+has no infinity and a cast of a value beyond ±448 gives NaN, hence the clip. The scale is
+``448 / amax`` rounded down to a power of two: then ``scale`` and ``1/scale`` are exact in
+float16 (subnormals included), so dequantizing undoes the scaling exactly and the only
+error is E4M3's rounding; the power of two costs at most one binade at the bottom of E4M3's
+range, not precision (Transformer Engine's first scaling recipe did the same).
+
+Where amax comes from, per operand (found through the rewrite's own casts and Identity):
+
+* a ``Const``: its value;
+* a ``ReadVariableOp`` (also through Reshape, Transpose, ...): computed in the graph, ``Max(Abs(w))`` on every call, so the scale
+  follows whatever the variable holds; the GEMM rewriter takes any scalar as the scale;
+* anything else (an activation): ``amax[(function, node, port)]``, the calibration's
+  largest finite |x| of that float32 tensor. Without one, the matmul stays float16 and the
+  report says why.
+
+XLA only sees this in functions it compiles: ``mark_xla_must_compile`` marks the library
+functions that hold a float8 matmul as ``tf.function(jit_compile=True)`` does.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+from tensorflow.python.framework import tensor_util
+
+from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.core.graph_io import parse_tensor_name
+
+TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
+Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
+
+FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
+FLOAT8_MAX = 448.0  # E4M3FN's largest finite value
+# The matmuls whose two operands are quantized: op -> number of data inputs it must have.
+MATMUL_OPS = {"MatMul": 2, "BatchMatMul": 2, "BatchMatMulV2": 2, "Einsum": 2, "Conv2D": 2}
+# Scale exponents such that 2**e and 2**-e are exact in the matmul's dtype.
+_EXPONENTS = {types_pb2.DT_HALF: (-24, 15), types_pb2.DT_FLOAT: (-126, 126)}
+_AMP_SUFFIX = "AutoMixedPrecision"  # the rewrite's own casts (casts.SUFFIX)
+_VARIABLE_READS = frozenset({"ReadVariableOp"})
+# Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
+_SAME_VALUES = frozenset({"Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
+XLA_MUST_COMPILE = "_XlaMustCompile"  # what tf.function(jit_compile=True) puts on the function and its calls
+
+# Decision rules (the values rules.Rule would give them; see the report's Decision.rule).
+RULE_FLOAT8 = "float8-matmul"
+RULE_NO_AMAX = "float8-no-amax"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one operand of a float8 matmul is scaled."""
+
+    tensor: str         # the float32 tensor the amax is of ("node:port"), named as in the input graph
+    kind: str           # "activation" (calibration amax), "constant" (its value) or "variable" (in-graph)
+    amax: float | None  # None for a variable: computed on every call
+    scale: float | None
+
+    def describe(self) -> str:
+        if self.amax is None:
+            return f"{self.tensor} ({self.kind}) amax and scale computed in the graph"
+        return f"{self.tensor} ({self.kind}) amax {self.amax:.4g} scale {self.scale:g}"
+
+
+@dataclass(frozen=True)
+class Float8Decision:
+    """What happened to one converted matmul: quantized (``operands``) or left float16 (``missing``)."""
+
+    node: str
+    op: str
+    operands: tuple[Operand, ...] = ()
+    missing: tuple[str, ...] = ()  # activation tensors without an amax
+    why_not: str = ""              # another reason it stays float16
+
+    @property
+    def quantized(self) -> bool:
+        return not self.missing and not self.why_not
+
+    @property
+    def rule(self) -> str:
+        return RULE_FLOAT8 if self.quantized else RULE_NO_AMAX
+
+    @property
+    def text(self) -> str:
+        if self.quantized:
+            return "float8_e4m3fn operands: " + "; ".join(operand.describe() for operand in self.operands)
+        if self.why_not:
+            return f"stays float16: {self.why_not}"
+        return (f"stays float16: no calibration amax for {', '.join(map(repr, self.missing))};"
+                " calibrate with inputs that reach it")
+
+
+def power_of_two_scale(amax: float, dtype: int = types_pb2.DT_HALF) -> float:
+    """``448 / amax`` rounded down to a power of two, within what ``dtype`` holds exactly
+    with its reciprocal; the largest such scale for ``amax == 0``."""
+    low, high = _EXPONENTS[dtype]
+    if amax <= 0.0:
+        return 2.0 ** high
+    exponent = math.floor(math.log2(FLOAT8_MAX / amax))
+    if 2.0 ** exponent * amax > FLOAT8_MAX:  # log2's rounding just below a power of two
+        exponent -= 1
+    return 2.0 ** min(max(exponent, low), high)
+
+
+def quantize_matmuls(
+    graph_def: graph_pb2.GraphDef, *, function: str, amax: Amax, converted: Collection[str],
+) -> tuple[graph_pb2.GraphDef, tuple[Float8Decision, ...]]:
+    """The float8 step on one item (the main graph, or ``function``'s body with ``_Arg`` and
+    ``_Retval`` nodes): a new GraphDef, and one decision per matmul in ``converted`` (the
+    nodes the float16 rewrite converted). ``graph_def`` is not modified."""
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    nodes = {node.name: node for node in output.node}
+    builder = _Builder(output, nodes)
+    decisions = []
+    for node in list(output.node):
+        if node.op not in MATMUL_OPS or node.name not in converted:
+            continue
+        dtype = node.attr["T"].type
+        data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+        if len(data_inputs) != MATMUL_OPS[node.op] or dtype not in _EXPONENTS:
+            decisions.append(Float8Decision(node.name, node.op, why_not=f"{len(data_inputs)} operands"
+                                            if dtype in _EXPONENTS else "not float16 or float32"))
+            continue
+        operands = [_operand(nodes, tensor, function, amax, dtype) for tensor in data_inputs]
+        missing = tuple(operand.tensor for operand in operands if operand.kind == "activation"
+                        and operand.amax is None)
+        if missing:
+            decisions.append(Float8Decision(node.name, node.op, missing=missing))
+            continue
+        for position, (tensor, operand) in enumerate(zip(data_inputs, operands)):
+            node.input[position] = builder.dequantized(tensor, operand, dtype)
+        decisions.append(Float8Decision(node.name, node.op, tuple(operands)))
+    return output, tuple(decisions)
+
+
+def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: str, amax: Amax,
+             dtype: int) -> Operand:
+    """Where ``tensor``'s amax comes from: the float32 tensor behind the rewrite's casts,
+    then, through ops that only move values (Identity, Reshape, ...), a Const, a variable
+    read or neither."""
+    ref = parse_tensor_name(tensor)
+    while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
+        ref = parse_tensor_name(nodes[ref.node].input[0])
+    source = f"{ref.node}:{ref.port}"
+    origin = nodes[ref.node]
+    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
+        origin = nodes[parse_tensor_name(origin.input[0]).node]
+    if origin.op == "Const":
+        value = tensor_util.MakeNdarray(origin.attr["value"].tensor).astype(np.float64)
+        finite = np.abs(value[np.isfinite(value)])
+        found = float(finite.max()) if finite.size else 0.0
+        return Operand(source, "constant", found, power_of_two_scale(found, dtype))
+    if origin.op in _VARIABLE_READS:
+        return Operand(source, "variable", None, None)
+    found = amax.get((function, ref.node, ref.port))
+    if found is None:
+        return Operand(source, "activation", None, None)
+    if not (isinstance(found, (int, float, np.floating)) and math.isfinite(found) and found >= 0):
+        raise AmpRewriteError(
+            f"amax for {function or 'the main graph'} tensor '{source}' is {found!r}; it must be the largest"
+            " finite |x| (a number >= 0): recalibrate"
+        )
+    found = float(found)
+    return Operand(source, "activation", found, power_of_two_scale(found, dtype))
+
+
+class _Builder:
+    """Adds the quantize/dequantize nodes to one item: one chain per (tensor, dtype), shared by
+    every matmul that reads the tensor, named ``<node>-<port>-Float8-<id>/<step>`` after the
+    float32 tensor the amax is of."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef]) -> None:
+        self.graph_def, self.nodes = graph_def, nodes
+        self.chains: dict[tuple[str, int], str] = {}
+
+    def dequantized(self, tensor: str, operand: Operand, dtype: int) -> str:
+        ref = parse_tensor_name(tensor)
+        key = (f"{ref.node}:{ref.port}", dtype)
+        if key not in self.chains:
+            self.chains[key] = self._chain(f"{ref.node}:{ref.port}", operand, dtype)
+        return self.chains[key]
+
+    def _chain(self, tensor: str, operand: Operand, dtype: int) -> str:
+        source = parse_tensor_name(operand.tensor)  # named after the float32 tensor, not the rewrite's cast
+        index = 0
+        while f"{source.node}-{source.port}-Float8-{index}/unscaled" in self.nodes:
+            index += 1
+        base = f"{source.node}-{source.port}-Float8-{index}"
+        device = self.nodes[parse_tensor_name(tensor).node].device
+        add = lambda step, op, inputs, **attrs: self._add(f"{base}/{step}", op, inputs, device, attrs)
+        if operand.scale is not None:
+            scale = self._const(f"{base}/scale", operand.scale, dtype, device)
+            unscale = self._const(f"{base}/unscale", 1.0 / operand.scale, dtype, device)
+        else:
+            scale, unscale = self._scales_in_graph(base, tensor, dtype, device)
+        scaled = add("scaled", "Mul", [tensor, scale], T=dtype)
+        low = self._const(f"{base}/min", -FLOAT8_MAX, dtype, device)
+        high = self._const(f"{base}/max", FLOAT8_MAX, dtype, device)
+        clipped = add("clipped", "ClipByValue", [scaled, low, high], T=dtype)
+        quantized = add("quantized", "Cast", [clipped], SrcT=dtype, DstT=FLOAT8, Truncate=False)
+        dequantized = add("dequantized", "Cast", [quantized], SrcT=FLOAT8, DstT=dtype, Truncate=False)
+        return add("unscaled", "Mul", [dequantized, unscale], T=dtype)
+
+    def _scales_in_graph(self, base: str, tensor: str, dtype: int, device: str) -> tuple[str, str]:
+        """``2**e`` and ``2**-e`` with ``e = floor(log2(448 / max|w|))`` clipped to ``dtype``'s
+        exact range, computed in float32 on every call (a variable's weights)."""
+        f32 = types_pb2.DT_FLOAT
+        add = lambda step, op, inputs, **attrs: self._add(f"{base}/{step}", op, inputs, device, attrs)
+        low, high = _EXPONENTS[dtype]
+        magnitude = add("abs", "Abs", [tensor], T=dtype)
+        flat = add("flat", "Reshape", [magnitude, self._const(f"{base}/flat_shape", [-1], types_pb2.DT_INT32, device)],
+                   T=dtype, Tshape=types_pb2.DT_INT32)
+        amax = add("amax", "Max", [flat, self._const(f"{base}/axis", 0, types_pb2.DT_INT32, device)],
+                   T=dtype, Tidx=types_pb2.DT_INT32, keep_dims=False)
+        if dtype != f32:
+            amax = add("amax_float32", "Cast", [amax], SrcT=dtype, DstT=f32, Truncate=False)
+        ratio = add("ratio", "RealDiv", [self._const(f"{base}/float8_max", FLOAT8_MAX, f32, device), amax], T=f32)
+        log2 = add("log2", "Mul", [add("log", "Log", [ratio], T=f32),
+                                   self._const(f"{base}/inverse_ln2", 1.0 / math.log(2.0), f32, device)], T=f32)
+        exponent = add("exponent", "ClipByValue", [add("floor", "Floor", [log2], T=f32),
+                                                   self._const(f"{base}/exponent_min", low, f32, device),
+                                                   self._const(f"{base}/exponent_max", high, f32, device)], T=f32)
+        two = self._const(f"{base}/two", 2.0, f32, device)
+        scale = add("scale_float32", "Pow", [two, exponent], T=f32)
+        unscale = add("unscale_float32", "Pow", [two, add("negated", "Neg", [exponent], T=f32)], T=f32)
+        if dtype != f32:
+            scale = add("scale", "Cast", [scale], SrcT=f32, DstT=dtype, Truncate=False)
+            unscale = add("unscale", "Cast", [unscale], SrcT=f32, DstT=dtype, Truncate=False)
+        return scale, unscale
+
+    def _add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
+        node = self.graph_def.node.add(name=name, op=op, input=inputs, device=device)
+        for key, value in attrs.items():
+            if isinstance(value, bool):
+                node.attr[key].b = value
+            else:
+                node.attr[key].type = value
+        self.nodes[name] = node
+        return name
+
+    def _const(self, name: str, value: float | list[int], dtype: int, device: str) -> str:
+        node = self.graph_def.node.add(name=name, op="Const", device=device)
+        node.attr["dtype"].type = dtype
+        numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
+                       types_pb2.DT_INT32: np.int32}[dtype]
+        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(np.asarray(value, numpy_dtype)))
+        self.nodes[name] = node
+        return name
+
+
+def mark_xla_must_compile(graph_def: graph_pb2.GraphDef, names: Iterable[str]) -> None:
+    """Marks library functions ``names`` and every call of them for XLA, as
+    ``tf.function(jit_compile=True)`` does: ``_XlaMustCompile`` and ``_noinline`` on the
+    function, ``_XlaMustCompile`` on each call node. Changes ``graph_def`` (the rewrite's output)."""
+    names = set(names)
+    if not names:
+        return
+    for function in graph_def.library.function:
+        if function.signature.name in names:
+            function.attr[XLA_MUST_COMPILE].b = True
+            function.attr["_noinline"].b = True
+
+    def mark_calls(nodes: Iterable[node_def_pb2.NodeDef]) -> None:
+        for node in nodes:
+            called = node.op in names or any(
+                value.HasField("func") and value.func.name in names for key, value in node.attr.items() if key == "f")
+            if called:
+                node.attr[XLA_MUST_COMPILE].b = True
+
+    mark_calls(graph_def.node)
+    for function in graph_def.library.function:
+        mark_calls(function.node_def)

@@ -1,0 +1,286 @@
+"""Target float8: the float16 rewrite, then converted matmuls take scaled float8_e4m3fn operands.
+
+Checked three ways: structure (which matmuls, which scales, the report), numbers (the
+rewritten graph runs under XLA on CPU within ``FLOAT8.tolerance`` of float32 on held-out
+inputs) and the HLO XLA sees (every dot and convolution reads ``multiply(convert(f8),
+broadcast(scalar))``, the shape ``MatchFp8Param`` in XLA's GPU GEMM rewriter fuses).
+Calibration is not in the package yet: ``testing.float8.tensor_amax`` runs the float32
+graph and takes each float32 tensor's largest |x|, the statistic calibration will hand over.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2, types_pb2
+
+from amp_rewrite import AmpRewriteError, rewrite_graph_def
+from amp_rewrite.core import float8
+from amp_rewrite.core.target import FLOAT8, lookup_target
+from amp_rewrite.testing.float8 import tensor_amax as _amax, xla_function as _xla_function
+from amp_rewrite.testing.models import build_model_graph
+
+ROOT = Path(__file__).resolve().parent.parent
+HALF = types_pb2.DT_HALF
+
+
+# --- helpers: the HLO XLA sees -----------------------------------------------------------------
+
+
+class _Instruction(NamedTuple):
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\((.*)$")
+# What may sit between the dequantizing multiply and the dot (MatchFp8Param's list, no collectives).
+_COMMUTING = frozenset({"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape", "select", "slice",
+                        "transpose"})
+
+
+def _instructions(hlo: str) -> dict[str, _Instruction]:
+    found = {}
+    for line in hlo.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            name, shape, opcode, rest = match.groups()
+            depth, end = 1, 0
+            for end, char in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(char, 0)
+                if depth == 0:
+                    break
+            found[name] = _Instruction(shape, opcode, tuple(re.findall(r"%([\w.\-]+)", rest[:end])))
+    return found
+
+
+def _reads_scaled_float8(instructions: Mapping[str, _Instruction], name: str) -> bool:
+    """``name`` is, up to commuting ops, multiply(convert(f8e4m3fn x), broadcast(scalar))."""
+    instruction = instructions[name]
+    while instruction.opcode in _COMMUTING:
+        instruction = instructions[instruction.operands[0]]
+    if instruction.opcode != "multiply":
+        return False
+    a, b = (instructions[operand] for operand in instruction.operands)
+    for convert, broadcast in ((a, b), (b, a)):
+        if convert.opcode == "convert" and instructions[convert.operands[0]].type.startswith("f8e4m3fn[") \
+                and broadcast.opcode == "broadcast" and instructions[broadcast.operands[0]].type.endswith("[]"):
+            return True
+    return False
+
+
+def _dots(hlo: str) -> dict[str, bool]:
+    """Every dot and convolution of ``hlo`` -> whether both operands read a scaled float8 tensor."""
+    instructions = _instructions(hlo)
+    return {name: all(_reads_scaled_float8(instructions, operand) for operand in instruction.operands)
+            for name, instruction in instructions.items() if instruction.opcode in ("dot", "convolution")}
+
+
+def _relative_error(new: np.ndarray, old: np.ndarray) -> float:
+    """The validator's measure: max |new - old| over max |old|."""
+    old, new = np.asarray(old, np.float64), np.asarray(new, np.float64)
+    return float(np.max(np.abs(new - old)) / np.max(np.abs(old)))
+
+
+# --- one matmul, by hand -------------------------------------------------------------------------
+
+
+def _matmul_graph(weight: np.ndarray) -> graph_pb2.GraphDef:
+    """x (placeholder) @ w (Const) -> out (Identity, fetched): allow1 is the only allow op."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, weight.shape[0]], name="x")
+        product = tf.matmul(x, tf.constant(weight, name="w"), name="allow1")
+        tf.identity(product, name="out")
+    return graph.as_graph_def()
+
+
+def _fake_quantized(value: np.ndarray, scale: float) -> np.ndarray:
+    """What the graph computes for one operand: float16, scaled, clipped, E4M3, unscaled."""
+    scaled = np.clip(value.astype(np.float16) * np.float16(scale), -448, 448)
+    return scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+
+
+def test_a_matmul_computes_the_product_of_its_fake_quantized_operands():
+    """Rule: each operand is x * scale, clipped to ±448, cast to E4M3 and back, times 1/scale,
+    with scale = 448/amax rounded down to a power of two (amax: calibration for x, the value for w)."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((32, 16)).astype(np.float32) * 0.05
+    calibration, held_out = rng.standard_normal((8, 32)).astype(np.float32), rng.standard_normal((8, 32))
+    held_out = (held_out * 1.5).astype(np.float32)  # beyond the calibrated amax: must saturate, not NaN
+    graph_def = _matmul_graph(weight)
+    amax = _amax(graph_def, [{"x:0": calibration}])
+    result = rewrite_graph_def(graph_def, target="float8", fetches=["out"], amax=amax)
+
+    decision = result.report.decision("allow1")
+    x_scale, w_scale = float8.power_of_two_scale(amax[("", "x", 0)]), float8.power_of_two_scale(np.abs(weight).max())
+    assert (decision.rule, decision.after) == (float8.RULE_FLOAT8, "float16")
+    assert f"x:0 (activation) amax {amax[('', 'x', 0)]:.4g} scale {x_scale:g}" in decision.reason
+    assert f"w:0 (constant) amax {np.abs(weight).max():.4g} scale {w_scale:g}" in decision.reason
+    assert 224 < amax[("", "x", 0)] * x_scale <= 448 and 224 < np.abs(weight).max() * w_scale <= 448
+    float16 = rewrite_graph_def(graph_def, target="float16", fetches=["out"])
+    added = {n.name: n.op for n in result.graph_def.node} .items() - {n.name: n.op for n in float16.graph_def.node}.items()
+    assert sorted(op for _, op in added).count("Cast") == 2 * 2  # to E4M3 and back, per operand
+    quantized = [n for n in result.graph_def.node if n.op == "Cast" and n.attr["DstT"].type == float8.FLOAT8]
+    assert sorted(n.name for n in quantized) == ["w-0-Float8-0/quantized", "x-0-Float8-0/quantized"]
+
+    (out,) = _xla_function(result.graph_def, ["x:0"], ["out"])(tf.constant(held_out))
+    expected = _fake_quantized(held_out, x_scale) @ _fake_quantized(weight, w_scale)
+    assert np.all(np.isfinite(out.numpy()))
+    np.testing.assert_allclose(out.numpy(), expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max())
+
+
+def test_an_activation_without_amax_keeps_the_matmul_float16_and_says_why():
+    """Rule: no calibration amax for an activation operand: the matmul stays on the float16 path."""
+    graph_def = _matmul_graph(np.ones((4, 4), np.float32))
+    result = rewrite_graph_def(graph_def, target="float8", fetches=["out"], amax={})
+    decision = result.report.decision("allow1")
+    assert decision.rule == float8.RULE_NO_AMAX and decision.after == "float16"
+    assert "no calibration amax for 'x:0'" in decision.reason
+    assert not any(n.op == "Cast" and n.attr["DstT"].type == float8.FLOAT8 for n in result.graph_def.node)
+    assert result.report.float8_matmuls == 0
+    float16 = rewrite_graph_def(graph_def, target="float16", fetches=["out"])
+    assert result.graph_def == float16.graph_def  # exactly the float16 rewrite
+
+
+def test_float8_needs_amax_and_amax_needs_float8():
+    """Rule: the errors say what is missing and what to do; the caller's graph is untouched."""
+    graph_def = _matmul_graph(np.ones((4, 4), np.float32))
+    before = graph_def.SerializeToString()
+    with pytest.raises(AmpRewriteError, match="target 'float8' needs amax"):
+        rewrite_graph_def(graph_def, target="float8")
+    with pytest.raises(AmpRewriteError, match="amax applies to target 'float8', not 'float16'"):
+        rewrite_graph_def(graph_def, target="float16", amax={})
+    with pytest.raises(AmpRewriteError, match=r"amax for the main graph tensor 'x:0' is nan"):
+        rewrite_graph_def(graph_def, target="float8", amax={("", "x", 0): float("nan")})
+    rewrite_graph_def(graph_def, target="float8", fetches=["out"], amax={("", "x", 0): 1.0})
+    assert graph_def.SerializeToString() == before
+
+
+def test_float8_is_a_rewrite_target_but_has_no_lists_of_its_own():
+    """Rule: float8 colours as float16 (its dtype, casts and lists); list-taking callers refuse it."""
+    assert lookup_target("float8", quantized=True) is FLOAT8
+    assert (FLOAT8.dtype, FLOAT8.cast_kind, FLOAT8.colouring) == (HALF, "CastToFp16", "float16")
+    with pytest.raises(AmpRewriteError, match="unknown target 'float8'; use one of float16, bfloat16"):
+        lookup_target("float8")
+
+
+@pytest.mark.parametrize("amax, scale", [(448.0, 1.0), (447.0, 1.0), (449.0, 0.5), (3.2, 128.0), (0.41, 1024.0),
+                                         (0.0, 2.0 ** 15), (1e-9, 2.0 ** 15), (1e9, 2.0 ** -22)])
+def test_the_scale_is_448_over_amax_rounded_down_to_a_power_of_two(amax: float, scale: float):
+    """Rule: amax * scale <= 448 always (no saturation on calibration data), within float16's exact range."""
+    assert float8.power_of_two_scale(amax) == scale
+
+
+# --- a function in the library: marked for XLA ---------------------------------------------------
+
+
+def test_a_function_with_a_float8_matmul_is_marked_for_xla_like_jit_compile():
+    """Rule: the function body that holds a float8 matmul gets _XlaMustCompile and _noinline,
+    and so does every call of it, as tf.function(jit_compile=True) writes them."""
+    weight = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+
+    @tf.function
+    def inner(x):
+        return tf.matmul(x, tf.constant(weight), name="allow1")
+
+    concrete = tf.function(lambda x: inner(x) + 1.0).get_concrete_function(tf.TensorSpec([2, 8], tf.float32, name="x"))
+    graph_def = concrete.graph.as_graph_def()
+    (name,) = [f.signature.name for f in graph_def.library.function]
+    result = rewrite_graph_def(graph_def, target="float8", amax={(name, "x", 0): 2.0})
+    (function,) = result.graph_def.library.function
+    assert function.attr["_XlaMustCompile"].b and function.attr["_noinline"].b
+    (call,) = [node for node in result.graph_def.node if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert call.attr["_XlaMustCompile"].b
+    assert result.report.decision("allow1", function=name).rule == float8.RULE_FLOAT8
+    assert not any(f.attr.get("_XlaMustCompile") for f in graph_def.library.function)  # input untouched
+
+
+# --- three models: numbers under XLA on CPU, and the HLO shape --------------------------------
+
+
+def _inputs(model, seed: int) -> dict[str, np.ndarray]:
+    rng, x = np.random.default_rng(seed), model.feeds["x:0"]
+    if x.dtype == np.int32:
+        return {"x:0": rng.integers(0, 100, size=x.shape, dtype=np.int32)}
+    return {"x:0": rng.standard_normal(x.shape).astype(np.float32)}
+
+
+@pytest.fixture(scope="module", params=["mlp", "cnn", "transformer"])
+def rewritten(request):
+    model = build_model_graph(request.param, training=False, batch=16)
+    amax = _amax(model.graph_def, [_inputs(model, seed) for seed in range(4)], model.variables)
+    result = rewrite_graph_def(model.graph_def, target="float8", fetches=model.fetches, amax=amax)
+    return model, result
+
+
+def test_every_converted_matmul_of_the_models_is_float8(rewritten):
+    """Rule: with amax for every activation, every matmul the float16 rewrite converted is float8."""
+    model, result = rewritten
+    matmuls = [d for d in result.report.decisions if d.op in float8.MATMUL_OPS]
+    assert matmuls and all(d.rule == float8.RULE_FLOAT8 for d in matmuls)
+    assert result.report.float8_matmuls == len(matmuls)
+    assert "matmul(s) on float8_e4m3fn operands" in result.report.summary()
+    # Keras weights are variables: their scale is computed in the graph on every call.
+    assert all("(variable) amax and scale computed in the graph" in d.reason for d in matmuls if d.op != "Einsum")
+
+
+def test_the_models_stay_within_tolerance_of_float32_under_xla(rewritten):
+    """Rule: on inputs the amax did not come from, every output is within FLOAT8.tolerance of float32."""
+    model, result = rewritten
+    reference = _xla_function(model.graph_def, ["x:0"], model.fetches, model.variables)
+    quantized = _xla_function(result.graph_def, ["x:0"], model.fetches, model.variables)
+    errors = []
+    for seed in range(100, 103):
+        x = tf.constant(_inputs(model, seed)["x:0"])
+        errors += [_relative_error(new, old) for new, old in zip(quantized(x), reference(x))]
+    print(f"{model.name}: float8 max relative error {max(errors):.4f} over {len(errors)} outputs")
+    assert max(errors) <= FLOAT8.tolerance
+
+
+def test_xla_sees_every_matmul_read_scaled_float8_operands(rewritten):
+    """Rule: in the HLO, each dot and convolution reads multiply(convert(f8e4m3fn), broadcast(scalar))
+    on both sides, through nothing but ops MatchFp8Param lets commute with dequantization."""
+    model, result = rewritten
+    function = _xla_function(result.graph_def, ["x:0"], model.fetches, model.variables)
+    dots = _dots(function.experimental_get_compiler_ir(tf.constant(_inputs(model, 0)["x:0"]))(stage="hlo"))
+    assert len(dots) == result.report.float8_matmuls
+    assert all(dots.values()), [name for name, ok in dots.items() if not ok]
+    plain = _xla_function(model.graph_def, ["x:0"], model.fetches, model.variables)
+    plain_dots = _dots(plain.experimental_get_compiler_ir(tf.constant(_inputs(model, 0)["x:0"]))(stage="hlo"))
+    assert plain_dots and not any(plain_dots.values())  # the check can fail
+
+
+# --- the GPU check's CPU branch --------------------------------------------------------------
+
+
+def test_the_gpu_check_says_why_it_does_not_run_here_and_exits_0():
+    """Rule: without a GPU of compute capability 8.9+, tools/bench_fp8_gpu.py prints one line and exits 0."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8_gpu.py")], capture_output=True,
+                          text=True, env=environ, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines() == [
+        "bench_fp8_gpu: skipped: no GPU visible to TensorFlow; FP8 GEMMs need compute capability 8.9+ and CUDA 12"]
+
+
+def test_the_gpu_check_runs_its_whole_path_on_tiny_models_with_smoke(tmp_path: Path):
+    """Rule: --smoke builds, calibrates, rewrites, dumps HLO and times all three variants on the CPU."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8_gpu.py"), "--smoke", "--runs", "2",
+                           "--dump", str(tmp_path)], capture_output=True, text=True, env=environ, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [row.split(" | ")[:2] for row in rows] == [["| " + m, v] for m in ("bert", "mlp")
+                                                       for v in ("float32", "float16", "float8")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{m}-{v}.txt" for m in ("bert", "mlp") for v in ("float32", "float16", "float8"))
