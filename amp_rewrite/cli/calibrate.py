@@ -178,11 +178,11 @@ def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, Tens
     touching = _tensors_of(graph_def, set(stats))
     kept = {}
     for function, node in sorted(converted_nodes(result)):
-        for key in touching.get((function, node), ()):
-            if key in out_of_range:
-                side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
-                kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
-                break
+        violations = [key for key in touching.get((function, node), ()) if key in out_of_range]
+        if violations:  # the largest tensor decides; the output first where it is out of range too
+            key = max(violations, key=lambda k: (stats[k].max_abs, k[:2] == (function, node)))
+            side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
+            kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
     return kept
 
 
@@ -273,6 +273,11 @@ def calibrate(
                            max_rounds=max_rounds, thresholds=thresholds, source=shown)
 
 
+def check_max_rounds(max_rounds: int) -> None:
+    if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
+        raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
+
+
 def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
               cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
               thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
@@ -280,8 +285,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
     (``validate.plan_feeds``); ``say`` gets one line per step and round."""
     target = lookup_target(target)
-    if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
-        raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
+    check_max_rounds(max_rounds)
     thresholds = thresholds or Thresholds.for_target(target)
     keys = statistics.model_tensors(model)
     say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
@@ -315,6 +319,8 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     calibration = Calibration(target.name, high.stats, keep, range_kept, tuple(rounds), lists.keeping(keep), result,
                               thresholds, source)
     if not calibration.ok:
-        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s)"
-            f" (--max-rounds {max_rounds}); keep more nodes with --keep, or use --max-rounds up to {MAX_ROUNDS_LIMIT}")
+        why = (f"the cap of {max_rounds} validation run(s) (--max-rounds) was reached" if len(rounds) >= max_rounds
+               else "no converted node drifts from float32 enough to blame")
+        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s): {why}; keep more"
+            f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
     return calibration

@@ -278,6 +278,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate, steps)
         result, lists = calibration.result, calibration.lists
+        if not calibration.ok and not args.keep_failed:
+            print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
+                  " (--keep-failed writes it anyway)", file=sys.stderr)
+            return EXIT_VALIDATION
     feeds = None
     if args.validate or args.inputs:
         from amp_rewrite.cli import validate
@@ -324,6 +328,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
+    calibrate.check_max_rounds(args.max_rounds)
     if model.kind == "graphdef" and not validate.compared_outputs(model):
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
