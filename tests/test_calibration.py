@@ -57,10 +57,11 @@ def _graph_model(graph_def: graph_pb2.GraphDef) -> Model:
     return Model(Path("<GraphDef>"), "graphdef", graph_def, graph_sinks(graph_def), (), fetches_are_sinks=True)
 
 
-def _expected(value: np.ndarray) -> tuple[float, int, int]:
+def _expected(value: np.ndarray) -> tuple[float, int, int, float]:
     a = np.abs(value.astype(np.float64)).ravel()
     nonzero = a[a > 0]
-    return float(a.max(initial=0.0)), int(nonzero.size), int(np.count_nonzero(nonzero < TINY))
+    return float(a.max(initial=0.0)), int(nonzero.size), int(np.count_nonzero(nonzero < TINY)), \
+        float(nonzero[nonzero < TINY].sum())
 
 
 def test_statistics_equal_numpy_for_every_main_graph_tensor() -> None:
@@ -83,11 +84,12 @@ def test_statistics_equal_numpy_for_every_main_graph_tensor() -> None:
     for key in keys:
         if key[1] in constants:
             values[key] = values[key][:1]
-        largest, nonzero, small = zip(*(_expected(v) for v in values[key]))
+        largest, nonzero, small, small_abs = zip(*(_expected(v) for v in values[key]))
         stats = run.stats[key]
         assert stats.max_abs == pytest.approx(max(largest), rel=1e-6), key
         assert (stats.nonzero, stats.small, stats.nonfinite) == (sum(nonzero), sum(small), 0), key
         assert stats.count == sum(v.size for v in values[key]), key
+        assert stats.small_abs == pytest.approx(sum(small_abs), rel=1e-6, abs=1e-30), key
         assert stats.rms == pytest.approx(math.sqrt(sum(float(np.square(v.astype(np.float64)).sum())
                                                         for v in values[key]) / stats.count), rel=1e-6), key
 
@@ -148,7 +150,8 @@ def test_small_share_rule_keeps_a_matmul_whose_inputs_are_subnormal_in_float16()
     graph_def = mlp_graph_def(scale=1e-6)
     result = amp_rewrite.calibrate(graph_def, inputs(0))
     assert "matmul1" in result.keep
-    assert "of its non-zero values below the smallest normal 6.1e-05" in result.keep["matmul1"]
+    assert "has 100% of its magnitude in values below the smallest normal 6.1e-05 (100% of its non-zero values)" \
+        in result.keep["matmul1"]
     assert amp_rewrite.calibrate(graph_def, inputs(0), target="bfloat16").keep == {}
 
 

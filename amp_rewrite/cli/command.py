@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-magnitude", type=float, metavar="X",
                          help="calibration: largest |value| a converted node may see (float16 default 16384)")
         sub.add_argument("--small-share", type=float, metavar="S",
-                         help="calibration: largest share of non-zero values below the target's smallest normal"
-                              " (default 0.5)")
+                         help="calibration: largest share of a tensor's magnitude in values below the target's"
+                              " smallest normal (default 0.5)")
 
     convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
                                   description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
