@@ -228,8 +228,11 @@ def test_cli_convert_calibrate_is_finite_on_held_out_inputs_and_matches_calibrat
     calib, held = _npz(tmp_path / "calib.npz", 5000.0, 0), _npz(tmp_path / "held.npz", 5000.0, 1)
     plain = run_cli("convert", dense_model, tmp_path / "plain", "--inputs", held)
     assert plain.code == 1 and "FAIL serving_default/y" in plain.out
-    calibrated = run_cli("convert", dense_model, tmp_path / "calibrated", "--calibrate", calib, "--inputs", held)
+    calibrated = run_cli("convert", dense_model, tmp_path / "calibrated", "--calibrate", calib, "--inputs", held,
+                         "--dump", tmp_path / "dump")
     assert_ok(calibrated)
+    report = (tmp_path / "dump" / "report.html").read_text(encoding="utf-8")
+    assert "keep-nodes" in report and re.search(r"calibration: (output 0|input '[^']+') reached", report)
     assert "calibration: range rules keep" in calibrated.out and "ok   serving_default/y" in calibrated.out
     assert_ok(run_cli("calibrate", dense_model, "--inputs", calib, "--out", tmp_path / "keep.yaml"))
     assert "keep_nodes" in (tmp_path / "keep.yaml").read_text()
@@ -237,6 +240,8 @@ def test_cli_convert_calibrate_is_finite_on_held_out_inputs_and_matches_calibrat
     graphs = [read_model(tmp_path / name).graph_def.SerializeToString(deterministic=True)
               for name in ("calibrated", "replayed")]
     assert graphs[0] == graphs[1]
+    inspected = run_cli("inspect", dense_model, "--lists", tmp_path / "keep.yaml")
+    assert re.search(r"Stayed float32 \(model\): .*keep-nodes \d", inspected.out) or "keep-nodes" in inspected.out
     explained = run_cli("explain", dense_model, "MatMul", "--lists", tmp_path / "keep.yaml")
     assert "rule: keep-nodes" in explained.out and re.search(r"why: +calibration: .* reached [\d.e+]+, over", explained.out)
 
