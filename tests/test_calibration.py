@@ -267,3 +267,42 @@ def test_cli_calibrate_bad_input_is_one_line_exit_2(
     line = error_line(run_cli("calibrate", dense_model, *out, *filled))
     assert expected in line
     assert not (tmp_path / "keep.yaml").exists() and not (dense_model / "keep.yaml").exists()
+
+
+def cancelling_graph_def() -> graph_pb2.GraphDef:
+    """MatMul → +1000 → −1000 → MatMul: the add and subtract sit between allow ops, so the
+    rewrite converts them, and bfloat16 (8-bit mantissa: steps of 8 near 1000) wipes out
+    the O(1) values they carry: a precision loss no range rule sees."""
+    w1, w2 = _weights(1, (WIDTH, 32), 0.2), _weights(2, (32, 4), 0.2)
+
+    @tf.function
+    def cancelling(x: tf.Tensor) -> tf.Tensor:
+        hidden = tf.matmul(x, w1, name="matmul1")
+        shifted = tf.subtract(tf.add(hidden, 1000.0, name="shift"), 1000.0, name="unshift")
+        return tf.matmul(shifted, w2, name="matmul2")
+
+    return cancelling.get_concrete_function(tf.TensorSpec([None, WIDTH], tf.float32)).graph.as_graph_def()
+
+
+def test_repair_keeps_the_cancelling_ops_float32_for_bfloat16() -> None:
+    """bfloat16: the plain rewrite's output is far over 5e-2; repair keeps the ops whose own
+    output drifts (the shift and unshift, not the matmuls) and ends within tolerance on
+    held-out inputs too."""
+    graph_def = cancelling_graph_def()
+    result = amp_rewrite.calibrate(graph_def, inputs(0), target="bfloat16")
+    assert not result.rounds[0].checks[0].ok(lookup_target("bfloat16"))
+    assert result.ok and result.range_kept == 0 and 2 <= result.validation_runs <= 5
+    assert "unshift" in result.keep and "drifted" in result.keep["unshift"]
+    assert "matmul1" not in result.keep and "matmul2" not in result.keep
+    held_out = inputs(1)
+    plain = amp_rewrite.rewrite_graph_def(graph_def, target="bfloat16", fetches=graph_sinks(graph_def))
+    errors = {}
+    for name, rewritten in (("plain", plain.graph_def), ("calibrated", result.result.graph_def)):
+        outputs = []
+        for graph in (graph_def, rewritten):
+            with tf.Graph().as_default() as g:
+                tf.graph_util.import_graph_def(graph, name="")
+            with tf.compat.v1.Session(graph=g) as session:
+                outputs.append(session.run("matmul2:0", {"x:0": held_out["x"]}).astype(np.float64))
+        errors[name] = np.abs(outputs[1] - outputs[0]).max() / np.abs(outputs[0]).max()
+    assert errors["plain"] > 5e-2 >= errors["calibrated"], errors

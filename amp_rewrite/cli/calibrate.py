@@ -205,31 +205,43 @@ def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
 
 def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
           low: Mapping[TensorKey, TensorStats], already: Mapping[str, str]) -> dict[str, str]:
-    """The converted nodes most responsible for the drift: their output's drift minus the
-    largest their inputs carried in, keeping each within ``_BLAME_SHARE`` of the worst."""
+    """The converted nodes most responsible for the drift, keeping each within
+    ``_BLAME_SHARE`` of the worst. A node's own drift is its output's minus the largest its
+    inputs carried in. A converted node answers for its own; a float32 node that amplifies
+    drift (``(a + 1000) - 1000`` cancelling what low precision rounded off) passes it to
+    the converted nodes that feed it, where the error was made."""
     target = result.report.target
+    converted = {k for k in converted_nodes(result) if keep_entry(*k) not in already}
     touching = _tensors_of(graph_def, set(high))
-    local: dict[tuple[str, str], tuple[float, float, float]] = {}
-    for function, node in converted_nodes(result):
-        if keep_entry(function, node) in already:
-            continue
-        keys = touching.get((function, node), ())
+    blamed: dict[tuple[str, str], tuple[float, str]] = {}
+
+    def charge(node: tuple[str, str], own: float, why: str) -> None:
+        if node in converted and not own <= blamed.get(node, (-1.0, ""))[0]:
+            blamed[node] = (own, why)
+
+    for (function, node), keys in touching.items():
         outputs = [k for k in keys if k[:2] == (function, node)]
         inputs = [k for k in keys if k[:2] != (function, node)]
         out = max((_drift(low.get(k), high.get(k)) for k in outputs), default=0.0)
         carried = max((_drift(low.get(k), high.get(k)) for k in inputs), default=0.0)
         own = out if math.isinf(out) and not math.isinf(carried) else out - carried
-        if own > 0:
+        if not own > 0:
+            continue
+        if math.isinf(out):
             largest = max((high[k].max_abs for k in outputs if k in high), default=0.0)
-            local[(function, node)] = (own, out, largest)
-    if not local:
+            why = f"output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
+        else:
+            why = f"output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own"
+        if (function, node) in converted:
+            charge((function, node), own, why)
+        else:  # an amplifier: the error came in with its inputs
+            for key in inputs:
+                charge(key[:2], own, f"{target} rounding that float32 node '{node}' amplifies: its {why}")
+    if not blamed:
         return {}
-    worst = max(own for own, _, _ in local.values())
-    chosen = {k: v for k, v in local.items() if v[0] >= _BLAME_SHARE * worst or math.isinf(v[0])}
-    return {keep_entry(*k): (f"calibration: output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
-                             if math.isinf(out) else
-                             f"calibration: output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own")
-            for k, (own, out, largest) in sorted(chosen.items())}
+    worst = max(own for own, _ in blamed.values())
+    return {keep_entry(*node): f"calibration: {why}" for node, (own, why) in sorted(blamed.items())
+            if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
 def _checks(high: statistics.Run, low: statistics.Run) -> tuple[OutputCheck, ...]:
