@@ -306,3 +306,21 @@ def test_repair_keeps_the_cancelling_ops_float32_for_bfloat16() -> None:
                 outputs.append(session.run("matmul2:0", {"x:0": held_out["x"]}).astype(np.float64))
         errors[name] = np.abs(outputs[1] - outputs[0]).max() / np.abs(outputs[0]).max()
     assert errors["plain"] > 5e-2 >= errors["calibrated"], errors
+
+
+def test_cli_random_calibration_inputs_the_model_rejects_ask_for_real_ones(tmp_path: Path) -> None:
+    """A gather whose indices random ids (0-9) overrun: exit 2 naming the signature and the
+    random inputs, and how to pass real ones; nothing written."""
+    class Gather(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32)])
+        def pick(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"out": tf.gather(tf.matmul(x, tf.eye(4)), ids, axis=1)}
+
+    module = Gather()
+    tf.saved_model.save(module, str(tmp_path / "gather"), signatures={"pick": module.pick})
+    run = run_cli("calibrate", tmp_path / "gather", "--out", tmp_path / "keep.yaml")
+    assert run.code == 2 and "Traceback" not in run.err
+    line = run.err.strip().splitlines()[-1]
+    assert line.startswith("amp-rewrite: error: ") and "signature 'pick': the model fails on random inputs" in line
+    assert line.endswith("pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)")
+    assert not (tmp_path / "keep.yaml").exists()

@@ -285,7 +285,7 @@ def calibrate(
         model = read_model(source, fetches, tag_set)
     data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
-    shown = "random inputs" if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
+    shown = statistics.RANDOM_INPUTS if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
     return run_calibration(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
                            max_rounds=max_rounds, thresholds=thresholds, source=shown)
 
@@ -306,7 +306,8 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     thresholds = thresholds or Thresholds.for_target(target)
     keys = statistics.model_tensors(model)
     say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
-    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal)
+    described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
+    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal, described)
     result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     keep: dict[str, str] = {}
     while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in keep}:

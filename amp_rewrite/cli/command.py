@@ -324,7 +324,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None, steps: _Steps) -> Any:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
-    from amp_rewrite.cli import calibrate, validate
+    from amp_rewrite.cli import calibrate, statistics, validate
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
@@ -340,7 +340,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target), args.max_magnitude, args.small_share)
     result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
                                  max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
-                                 source="random inputs" if random else str(data))
+                                 source=statistics.RANDOM_INPUTS if random else str(data))
     kept = len(result.keep)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")

@@ -325,10 +325,15 @@ def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str
             for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
 
 
+RANDOM_INPUTS = "random inputs"
+
+
 def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
-            small_below: float) -> Run:
+            small_below: float, described: str = "the calibration inputs") -> Run:
     """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
-    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``."""
+    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``;
+    ``described`` names them in the error a model that fails on them gets (``RANDOM_INPUTS``:
+    made from the signatures)."""
     constants = constant_stats(graph_def, keys, small_below)
     run_keys = [k for k in keys if k not in constants]
     signatures = signatures_of(model)
@@ -355,8 +360,11 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                     values, _ = session.run((dict(fetched), target), feed_dict=fed)
                 except (tf.errors.OpError, ValueError, TypeError) as error:
                     where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
-                    raise ModelError(f"{where}: the model fails on the calibration inputs ({_message(error)});"
-                                     " check them against the model's inputs") from None
+                    advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
+                              if described == RANDOM_INPUTS else "; check them against the model's inputs")
+                    what = f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)" if described == RANDOM_INPUTS \
+                        else described
+                    raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
         largest, totals = session.run(read)
     stats = dict(constants)
