@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import yaml
 from tensorflow.core.framework import graph_pb2
 
 from amp_rewrite.cli import statistics, validate
+from amp_rewrite.core import functions
 from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model, rewrite_model
 from amp_rewrite.cli.statistics import TensorKey, TensorStats
 from amp_rewrite.core.errors import AmpRewriteError
@@ -102,7 +103,7 @@ class Round:
     """One validation run of the repair: each output's error, and the nodes kept after it."""
 
     checks: tuple[OutputCheck, ...]
-    kept: Mapping[str, str]
+    kept: Mapping[tuple[str, str], str]
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ class Calibration:
     target: str
     stats: Mapping[TensorKey, TensorStats]  # the float32 model's tensors
     keep: Mapping[str, str]                 # keep_nodes entry → the measurement that decided it
-    range_kept: int                         # how many of ``keep`` the range rules decided
+    kept: Mapping[tuple[str, str], str]     # the nodes those entries name, (function, node) → the same
+    range_kept: int                         # how many of ``kept`` the range rules decided
     rounds: tuple[Round, ...]
     lists: OpLists                          # the lists the rewrite used, with ``keep``
     result: RewriteResult                   # the calibrated rewrite
@@ -139,16 +141,35 @@ class Calibration:
                   f"# Range rules: safe magnitude {self.thresholds.max_magnitude:.6g}, at most"
                   f" {self.thresholds.max_small_share:.0%} of a tensor's magnitude in values below"
                   f" {self.thresholds.smallest_normal:.3g};"
-                  f" {self.range_kept} node(s) kept by them, {len(self.keep) - self.range_kept} by repair"
+                  f" {self.range_kept} node(s) kept by them, {len(self.kept) - self.range_kept} by repair"
                   f" ({self.validation_runs} validation run(s)).\n"
                   f"# Use it without data: amp-rewrite convert SRC DST --target {self.target} --lists THIS_FILE\n")
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def keep_entry(function: str, node: str) -> str:
-    """The keep_nodes entry naming exactly ``node`` of ``function`` (``""``: the main graph)."""
-    pattern = re.escape(node)
-    return pattern if function == MAIN_GRAPH else f"{function}::{pattern}"
+def keep_entries(kept: Mapping[tuple[str, str], str], graph_def) -> dict[str, str]:
+    """keep_nodes entries (→ reason) naming exactly the ``kept`` (function, node)s: a node
+    name kept wherever the rewrite meets it is one plain entry (a model's functions that
+    share their layers' node names, and also the live rewrite's traces); otherwise
+    ``FUNCTION::name`` per function. A main-graph node has no qualified form: its plain
+    entry also keeps its namesakes in functions float32, which is safe."""
+    program = program_of(graph_def)
+    items = [MAIN_GRAPH, *functions.reachable_functions(graph_def, program.library)]
+    where: dict[str, set[str]] = {}
+    for item in items:
+        for node_def in program.item(item).node:
+            where.setdefault(node_def.name, set()).add(item)
+    by_name: dict[str, dict[str, str]] = {}
+    for (function, node), why in kept.items():
+        by_name.setdefault(node, {})[function] = why
+    entries: dict[str, str] = {}
+    for node, functions_kept in sorted(by_name.items()):
+        if set(functions_kept) >= where.get(node, set()):
+            entries[re.escape(node)] = max(functions_kept.values(), key=len)  # one reason: the copies measure alike
+            continue
+        for function, why in sorted(functions_kept.items()):
+            entries[re.escape(node) if function == MAIN_GRAPH else f"{function}::{re.escape(node)}"] = why
+    return entries
 
 
 def converted_nodes(result: RewriteResult) -> set[tuple[str, str]]:
@@ -175,8 +196,8 @@ def _tensors_of(graph_def, keys: set[TensorKey]) -> dict[tuple[str, str], list[T
 
 
 def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, TensorStats],
-                thresholds: Thresholds) -> dict[str, str]:
-    """keep_nodes entries for the converted nodes that read or write an out-of-range tensor."""
+                thresholds: Thresholds) -> dict[tuple[str, str], str]:
+    """(function, node) → why, for the converted nodes that read or write an out-of-range tensor."""
     out_of_range = {key: why for key, s in stats.items() if (why := thresholds.violation(s))}
     if not out_of_range:
         return {}
@@ -187,7 +208,7 @@ def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, Tens
         if violations:  # the largest tensor decides; the output first where it is out of range too
             key = max(violations, key=lambda k: (stats[k].max_abs, k[:2] == (function, node)))
             side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
-            kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
+            kept[(function, node)] = f"calibration: {side} {out_of_range[key]}"
     return kept
 
 
@@ -204,14 +225,14 @@ def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
 
 
 def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
-          low: Mapping[TensorKey, TensorStats], already: Mapping[str, str]) -> dict[str, str]:
+          low: Mapping[TensorKey, TensorStats], already: Collection[tuple[str, str]]) -> dict[tuple[str, str], str]:
     """The converted nodes most responsible for the drift, keeping each within
     ``_BLAME_SHARE`` of the worst. A node's own drift is its output's minus the largest its
     inputs carried in. A converted node answers for its own; a float32 node that amplifies
     drift (``(a + 1000) - 1000`` cancelling what low precision rounded off) passes it to
     the converted nodes that feed it, where the error was made."""
     target = result.report.target
-    converted = {k for k in converted_nodes(result) if keep_entry(*k) not in already}
+    converted = converted_nodes(result) - set(already)
     touching = _tensors_of(graph_def, set(high))
     blamed: dict[tuple[str, str], tuple[float, str]] = {}
 
@@ -240,7 +261,7 @@ def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats
     if not blamed:
         return {}
     worst = max(own for own, _ in blamed.values())
-    return {keep_entry(*node): f"calibration: {why}" for node, (own, why) in sorted(blamed.items())
+    return {node: f"calibration: {why}" for node, (own, why) in sorted(blamed.items())
             if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
@@ -309,11 +330,16 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
     high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal, described)
     result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
-    keep: dict[str, str] = {}
-    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in keep}:
-        keep.update(added)
-        result = rewrite_model(model, target=target.name, lists=lists.keeping(keep), cross_function=cross_function)
-    range_kept = len(keep)
+    kept: dict[tuple[str, str], str] = {}
+
+    def rewrite() -> RewriteResult:
+        return rewrite_model(model, target=target.name, lists=lists.keeping(keep_entries(kept, model.graph_def)),
+                             cross_function=cross_function)
+
+    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in kept}:
+        kept.update(added)
+        result = rewrite()
+    range_kept = len(kept)
     say(f"calibration: range rules keep {range_kept} node(s) float32")
     rounds: list[Round] = []
     while True:
@@ -327,15 +353,16 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
             rounds.append(Round(checks, {}))
             say(f"calibration: validation run {len(rounds)}: {summary}")
             break
-        added = blame(result, model.graph_def, high.stats, low.stats, keep)
+        added = blame(result, model.graph_def, high.stats, low.stats, kept)
         rounds.append(Round(checks, added))
         say(f"calibration: validation run {len(rounds)}: {summary}; keeping {len(added)} more node(s) float32")
         if not added:
             break
-        keep.update(added)
-        result = rewrite_model(model, target=target.name, lists=lists.keeping(keep), cross_function=cross_function)
-    calibration = Calibration(target.name, high.stats, keep, range_kept, tuple(rounds), lists.keeping(keep), result,
-                              thresholds, source)
+        kept.update(added)
+        result = rewrite()
+    keep = keep_entries(kept, model.graph_def)
+    calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds), lists.keeping(keep),
+                              result, thresholds, source)
     if not calibration.ok:
         why = (f"the cap of {max_rounds} validation run(s) (--max-rounds) was reached" if len(rounds) >= max_rounds
                else "no converted node drifts from float32 enough to blame")

@@ -341,7 +341,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
                                  max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
                                  source=statistics.RANDOM_INPUTS if random else str(data))
-    kept = len(result.keep)
+    kept = len(result.kept)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
     return result
