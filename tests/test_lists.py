@@ -126,8 +126,14 @@ def test_builtin_lists_do_not_warn():
 
 def test_unknown_target_lists_allowed_values():
     """A bad target is a ValueError naming the allowed ones."""
-    with pytest.raises(ValueError, match="unknown target 'float8'; use one of float16, bfloat16"):
-        load_lists("float8")
+    with pytest.raises(ValueError, match="unknown target 'float4'; use one of float16, bfloat16, float8"):
+        load_lists("float4")
+
+
+def test_float8_colours_with_float16s_lists():
+    """float8 is the float16 rewrite plus a step: its lists are float16's, overlay and all."""
+    assert load_lists("float8", environ={}) is load_lists("float16", environ={})
+    assert load_lists("float8", environ={}).target == "float16"
 
 
 def test_oplists_overlay_is_returned_as_is():

@@ -192,9 +192,10 @@ def load_lists(
     An ``OpLists`` overlay is taken as already loaded and returned unchanged.
     ``environ`` defaults to ``os.environ``. Raises ListsError for any invalid input.
     With no overlay and none of the variables set, every call returns the same lists
-    (``OpLists`` is immutable): the pass loads them on each rewrite.
+    (``OpLists`` is immutable): the pass loads them on each rewrite. A target built on
+    another's colouring (float8) gets that target's lists (float16's).
     """
-    target = lookup_target(target)
+    target = _colouring(target)
     if isinstance(overlay, OpLists):
         if overlay.target != target.name:
             raise ListsError(
@@ -333,8 +334,13 @@ class _Draft:
 
 def held_float32(target: str | Target) -> frozenset[str]:
     """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
-    target = lookup_target(target)
+    target = _colouring(target)
     return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
+
+
+def _colouring(target: str | Target) -> Target:
+    """The target whose lists ``target`` colours with: itself, or float16 for float8."""
+    return lookup_target(lookup_target(target, quantized=True).colouring)
 
 
 def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, int, str]) -> str:

@@ -68,8 +68,8 @@ class PendingDecisions:
     ops: Mapping[str, str]               # node -> op
     converted: Collection[Vertex]        # the vertices that became the target
     reasons: Mapping[Vertex, Reason]     # a reason for every float32 vertex with a type attr
-    # (node, attr) -> (rule, reason) replacing the colouring's, e.g. a float8 matmul's scales
-    overrides: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    # (node, attr) -> the reason replacing the colouring's, e.g. a float8 matmul's scales
+    overrides: Mapping[tuple[str, str], Reason] = field(default_factory=dict)
 
     def decisions(self) -> Iterator[Decision]:
         attr_names: dict[object, str] = {}
@@ -80,11 +80,9 @@ class PendingDecisions:
             attr_name = attr_names.get(attr)
             if attr_name is None:
                 attr_name = attr_names[attr] = str(attr)
-            rule, text, source = self.reasons[vertex]
-            rule = rule.value
             override = self.overrides.get((node, attr_name)) if self.overrides else None
-            if override is not None:
-                (rule, text), source = override, ""
+            rule, text, source = self.reasons[vertex] if override is None else override
+            rule = rule.value
             after = self.target if vertex in self.converted else "float32"
             # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
             yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,
