@@ -45,6 +45,7 @@ from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 
 TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
@@ -61,6 +62,58 @@ _VARIABLE_READS = frozenset({"ReadVariableOp"})
 # Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
 _SAME_VALUES = frozenset({"Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
 XLA_MUST_COMPILE = "_XlaMustCompile"  # what tf.function(jit_compile=True) puts on the function and its calls
+_SCOPE = "::"  # FUNCTION::node in an overlay's amax and lossy keys, as in keep_nodes
+
+
+@dataclass(frozen=True)
+class Float8Calibration:
+    """What calibration hands the float8 step, as an overlay's ``amax`` and ``lossy`` hold it."""
+
+    amax: Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x|
+    lossy: Mapping[tuple[str, str], str]         # (function, node) -> the FP8 error measured there
+
+
+def key_text(key: tuple[str, ...]) -> str:
+    """``(function, node, port)`` → ``FUNCTION::node:port`` (``node:port`` in the main graph);
+    ``(function, node)`` → ``FUNCTION::node``: how an overlay names a tensor or a matmul."""
+    function, node, *port = key
+    name = f"{node}:{port[0]}" if port else node
+    return f"{function}{_SCOPE}{name}" if function else name
+
+
+def parse_key(text: str, *, port: bool) -> tuple:
+    """``key_text``'s inverse; ValueError naming the form expected."""
+    function, scoped, name = text.rpartition(_SCOPE) if _SCOPE in text else ("", "", text)
+    form = "FUNCTION::node:port or node:port" if port else "FUNCTION::node or node"
+    if not name or (scoped and not function):
+        raise ValueError(f"{text!r} is not {form}")
+    if not port:
+        if ":" in name:
+            raise ValueError(f"{text!r} is not {form} (a node name has no ':')")
+        return function, name
+    node, _, number = name.rpartition(":")
+    if not node or not number.isdigit():
+        raise ValueError(f"{text!r} is not {form}")
+    return function, node, int(number)
+
+
+def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, str, int]]:
+    """(function, node, port) of every tensor a two-operand matmul of ``graph_def`` (main graph
+    and library functions) reads that is not a weight: the amax the float8 step asks for."""
+    program = program_of(graph_def)
+    found = set()
+    for function in program.names:
+        body = program.item(function)
+        nodes = {node.name: node for node in body.node}
+        for node in body.node:
+            data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+            if node.op not in MATMUL_OPS or len(data_inputs) != MATMUL_OPS[node.op]:
+                continue
+            for tensor in data_inputs:
+                ref = parse_tensor_name(tensor)
+                if ref.node in nodes and _origin(nodes, ref.node).op not in ("Const", *_VARIABLE_READS):
+                    found.add((function, ref.node, ref.port))
+    return frozenset(found)
 
 
 
@@ -171,9 +224,7 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
     while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
         ref = parse_tensor_name(nodes[ref.node].input[0])
     source = f"{ref.node}:{ref.port}"
-    origin = nodes[ref.node]
-    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
-        origin = nodes[parse_tensor_name(origin.input[0]).node]
+    origin = _origin(nodes, ref.node)
     if origin.op == "Const":
         return Operand(source, "constant", None, None)
     if origin.op in _VARIABLE_READS:
@@ -188,6 +239,14 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
         )
     found = float(found)
     return Operand(source, "activation", found, power_of_two_scale(found, dtype))
+
+
+def _origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
+    """The node whose values ``name`` passes on, through ops that only move values and the rewrite's casts."""
+    origin = nodes[name]
+    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
+        origin = nodes[parse_tensor_name(origin.input[0]).node]
+    return origin
 
 
 class _Builder:

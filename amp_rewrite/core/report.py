@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.target import NAME_TO_TARGET
+from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
 
 if TYPE_CHECKING:
     from amp_rewrite.core.rules import Reason
@@ -139,11 +139,16 @@ class Report:
     def float8_matmuls(self) -> int:
         return self._total("float8_matmuls", None)
 
+    @property
+    def painted(self) -> str:
+        """The dtype converted vertices got: the target's, or float16 for float8 (its colouring)."""
+        return lookup_target(self.target, quantized=True).colouring
+
     def summary(self, function: str | None = None) -> str:
         """Grappler's log line, word for word, for one item or (None) all of them."""
         converted, nodes = self._total("vertices_converted", function), self._total("nodes_before", function)
         casts = self._total("casts_to_target", function)
-        painted = self.pending[0].target if self.pending else self.target  # float8 paints float16
+        painted = self.painted
         line = (
             f"Converted {converted}/{nodes} nodes to {painted} precision"
             f" using {casts} cast(s) to {painted} (excluding Const and Variable casts)"
