@@ -174,6 +174,25 @@ def test_a_const_operand_keeps_the_matmul_float16_and_says_why():
     assert result.graph_def == rewrite_graph_def(graph_def, target="float16", fetches=["out"]).graph_def
 
 
+def test_the_xla_bridge_folds_even_a_float8_const_weight_to_float16():
+    """Why Const operands stay float16: a weight stored as a float8_e4m3fn Const, cast and
+    scaled, reaches XLA's dot as one float16 constant (folded before the first HLO), so the
+    GEMM rewriter would see no FP8 operand. The activation's chain, a parameter, survives."""
+    weight = np.random.default_rng(0).standard_normal((16, 8)).astype(ml_dtypes.float8_e4m3fn)
+
+    @tf.function(jit_compile=True)
+    def matmul(x):
+        w = tf.cast(tf.constant(weight), tf.float16) * tf.constant(0.5, tf.float16)
+        scaled = tf.cast(tf.clip_by_value(tf.cast(x, tf.float16), -448.0, 448.0), tf.dtypes.experimental.float8_e4m3fn)
+        return tf.matmul(tf.cast(scaled, tf.float16) * tf.constant(0.5, tf.float16), w)
+
+    instructions = _instructions(matmul.experimental_get_compiler_ir(tf.ones((4, 16)))(stage="hlo"))
+    (dot,) = [i for i in instructions.values() if i.opcode == "dot"]
+    w = instructions[dot.operands[1]]
+    assert (w.opcode, w.type.split("[")[0]) == ("constant", "f16")
+    assert _reads_scaled_float8(instructions, dot.operands[0])
+
+
 def test_a_lossy_matmul_stays_float16_with_the_measured_error():
     """Rule: a matmul in ``lossy`` (calibration measured FP8 too lossy there) stays on the float16
     path with rule float8-lossy and the measurement; the others are still quantized."""
