@@ -116,7 +116,6 @@ def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, s
     return frozenset(found)
 
 
-
 @dataclass(frozen=True)
 class Operand:
     """How one operand of a float8 matmul is scaled."""
