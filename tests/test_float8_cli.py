@@ -164,3 +164,19 @@ def test_a_matmul_fp8_loses_stays_float16_as_lossy(files):
     quantized = run_cli("convert", files["mlp"], files["root"] / "lossy_bad", "--target", "float8", "--lists", path,
                         "--inputs", files["outlier_heldout"])
     assert quantized.code == 1 and "FAIL serving_default/output_0" in quantized.out
+
+
+def test_a_frozen_graph_keeps_its_const_weight_matmuls_float16_without_a_float8_run(files):
+    """Rule: a GraphDef file's weights are Consts, folded to float16 before XLA: its matmuls stay
+    float16 (float8-const-operand, said per node), and no float8 validation run is spent on it."""
+    from cli_models import GRAPH_FETCHES, graph_def_with_deny_path, write_graph_def
+
+    source = write_graph_def(graph_def_with_deny_path(), files["root"] / "frozen.pb")
+    fetches = [arg for fetch in GRAPH_FETCHES for arg in ("--fetch", fetch)]
+    run = run_cli("convert", source, files["root"] / "frozen_fp8.pb", "--target", "float8", "--calibrate", *fetches,
+                  "--dump", files["root"] / "frozen_dump")
+    assert run.code == 0, run.err
+    assert "calibration: float8: no matmul quantized (float8-const-operand 2); no float8 run needed" in run.out
+    assert "1 validation run(s)" in run.out
+    page = (files["root"] / "frozen_dump" / "report.html").read_text(encoding="utf-8")
+    assert page.count("is folded into a float16 constant before XLA sees it") == 2

@@ -20,6 +20,7 @@ The decisions are ``keep_nodes`` entries with the measurement that made each
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
@@ -358,6 +359,11 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     while True:
         result = rewrite_model(model, target=target.name, lists=base.lists, cross_function=cross_function, amax=amax,
                                lossy=lossy)
+        if not rounds and not result.report.float8_matmuls:  # the float16 rewrite, validated already
+            why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
+            say("calibration: float8: no matmul quantized (" + (", ".join(f"{rule} {n}" for rule, n in why.most_common())
+                                                                or "no converted matmul") + "); no float8 run needed")
+            break
         low = statistics.collect(model, result.graph_def, feeds, keys, base.thresholds.smallest_normal)
         checks = _checks(high, low)
         failing = [c for c in checks if not c.ok(target)]
