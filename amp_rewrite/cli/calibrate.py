@@ -272,7 +272,8 @@ def calibrate(
     by input name (SavedModel signature inputs, GraphDef placeholders), all fed as one
     batch; None: random inputs (real data is better). Returns the statistics
     (``.stats``), the decisions (``.keep``; ``.overlay()`` is the YAML for ``lists=``)
-    and the calibrated rewrite (``.result``).
+    and the calibrated rewrite (``.result``); target float8 also the amax and lossy
+    matmuls (``.float8``, for ``rewrite_graph_def(amax=..., lossy=...)``).
     """
     target = lookup_target(target, quantized=True)
     if isinstance(source, graph_pb2.GraphDef):
