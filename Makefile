@@ -22,13 +22,15 @@ test: install
 demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
 
-# Pass time vs grappler, bfloat16 vs float32 op kernels, then model speed-ups vs float32 (writes BENCHMARKS.md); both
+# Pass time vs grappler, bfloat16 vs float32 op kernels, model speed-ups vs float32 (writes BENCHMARKS.md), then
+# calibration's cost on ResNet50 and BERT-base; all
 # run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_pass.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_ops.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_calibration.py || status=$$?; \
 	exit $$status
 
 # A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).

@@ -6,7 +6,8 @@ under the op lists alone comes out finite and within tolerance.
    largest magnitude and the share of its non-zero values below the target's smallest
    normal number.
 2. **Range rules**: a node the rewrite would convert whose input or output tensors exceed
-   the safe magnitude, or mostly fall below the smallest normal, is kept float32. Kept
+   the safe magnitude, or carry most of their magnitude in values below the smallest
+   normal, is kept float32. Kept
    nodes act as deny ops (``keep_nodes``), so this repeats until no converted node
    touches such a tensor; it needs no further run.
 3. **Repair by validation**: the rewrite runs on the calibration inputs, instrumented
@@ -47,7 +48,10 @@ from amp_rewrite.core.target import Target, lookup_target
 # float16's largest finite value is 65504; a tensor calibrated above a quarter of it is
 # kept float32: held-out inputs may run larger than the calibration ones.
 FLOAT16_SAFE_MAGNITUDE = 16384.0
-# A tensor whose non-zero values are mostly subnormal in the target loses its precision.
+# A tensor whose magnitude (sum of |x|) is mostly carried by values below the target's
+# smallest normal loses its precision. By mass, not by count: a sharp softmax has half its
+# values below 6.1e-5 (BERT with query kernels x4), but they carry under 0.1% of its mass
+# and keeping it float32 changes nothing (tools/calibration_models_report.py).
 SMALL_SHARE = 0.5
 DEFAULT_MAX_ROUNDS = 5
 RANDOM_FEEDS = 2  # random calibration batches when no data is given
@@ -62,7 +66,7 @@ class Thresholds:
 
     max_magnitude: float  # safe largest |x|; math.inf: none
     smallest_normal: float
-    max_small_share: float = SMALL_SHARE
+    max_small_share: float = SMALL_SHARE  # of the magnitude: see SMALL_SHARE
 
     @classmethod
     def for_target(cls, target: Target, max_magnitude: float | None = None,
@@ -81,9 +85,9 @@ class Thresholds:
         """Why the tensor is out of range, or ""."""
         if stats.max_abs > self.max_magnitude:
             return f"reached {stats.max_abs:.3g}, over the safe magnitude {self.max_magnitude:.3g}"
-        if self.smallest_normal and stats.small_share > self.max_small_share:
-            return (f"has {stats.small_share:.0%} of its non-zero values below the smallest normal"
-                    f" {self.smallest_normal:.3g}")
+        if self.smallest_normal and stats.small_mass > self.max_small_share:
+            return (f"has {stats.small_mass:.0%} of its magnitude in values below the smallest normal"
+                    f" {self.smallest_normal:.3g} ({stats.small_share:.0%} of its non-zero values)")
         return ""
 
 
@@ -144,7 +148,8 @@ class Calibration:
             data["lossy"] = {float8.key_text(key): why for key, why in sorted(self.float8.lossy.items())}
         header = (f"# Written by amp-rewrite calibrate for target {self.target}, from {self.source or 'calibration data'}.\n"
                   f"# Range rules: safe magnitude {self.thresholds.max_magnitude:.6g}, at most"
-                  f" {self.thresholds.max_small_share:.0%} of non-zero values below {self.thresholds.smallest_normal:.3g};"
+                  f" {self.thresholds.max_small_share:.0%} of a tensor's magnitude in values below"
+                  f" {self.thresholds.smallest_normal:.3g};"
                   f" {self.range_kept} node(s) kept by them, {len(self.keep) - self.range_kept} by repair"
                   f" ({self.validation_runs} validation run(s)).\n"
                   + (f"# float8: amax of {len(self.float8.amax)} matmul operand(s) (largest |x| in float32);"
@@ -192,11 +197,11 @@ def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, Tens
     touching = _tensors_of(graph_def, set(stats))
     kept = {}
     for function, node in sorted(converted_nodes(result)):
-        for key in touching.get((function, node), ()):
-            if key in out_of_range:
-                side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
-                kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
-                break
+        violations = [key for key in touching.get((function, node), ()) if key in out_of_range]
+        if violations:  # the largest tensor decides; the output first where it is out of range too
+            key = max(violations, key=lambda k: (stats[k].max_abs, k[:2] == (function, node)))
+            side = f"output {key[2]}" if key[:2] == (function, node) else f"input '{key[1]}:{key[2]}'"
+            kept[keep_entry(function, node)] = f"calibration: {side} {out_of_range[key]}"
     return kept
 
 
@@ -214,31 +219,43 @@ def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
 
 def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
           low: Mapping[TensorKey, TensorStats], already: Mapping[str, str]) -> dict[str, str]:
-    """The converted nodes most responsible for the drift: their output's drift minus the
-    largest their inputs carried in, keeping each within ``_BLAME_SHARE`` of the worst."""
+    """The converted nodes most responsible for the drift, keeping each within
+    ``_BLAME_SHARE`` of the worst. A node's own drift is its output's minus the largest its
+    inputs carried in. A converted node answers for its own; a float32 node that amplifies
+    drift (``(a + 1000) - 1000`` cancelling what low precision rounded off) passes it to
+    the converted nodes that feed it, where the error was made."""
     target = result.report.target
+    converted = {k for k in converted_nodes(result) if keep_entry(*k) not in already}
     touching = _tensors_of(graph_def, set(high))
-    local: dict[tuple[str, str], tuple[float, float, float]] = {}
-    for function, node in converted_nodes(result):
-        if keep_entry(function, node) in already:
-            continue
-        keys = touching.get((function, node), ())
+    blamed: dict[tuple[str, str], tuple[float, str]] = {}
+
+    def charge(node: tuple[str, str], own: float, why: str) -> None:
+        if node in converted and not own <= blamed.get(node, (-1.0, ""))[0]:
+            blamed[node] = (own, why)
+
+    for (function, node), keys in touching.items():
         outputs = [k for k in keys if k[:2] == (function, node)]
         inputs = [k for k in keys if k[:2] != (function, node)]
         out = max((_drift(low.get(k), high.get(k)) for k in outputs), default=0.0)
         carried = max((_drift(low.get(k), high.get(k)) for k in inputs), default=0.0)
         own = out if math.isinf(out) and not math.isinf(carried) else out - carried
-        if own > 0:
+        if not own > 0:
+            continue
+        if math.isinf(out):
             largest = max((high[k].max_abs for k in outputs if k in high), default=0.0)
-            local[(function, node)] = (own, out, largest)
-    if not local:
+            why = f"output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
+        else:
+            why = f"output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own"
+        if (function, node) in converted:
+            charge((function, node), own, why)
+        else:  # an amplifier: the error came in with its inputs
+            for key in inputs:
+                charge(key[:2], own, f"{target} rounding that float32 node '{node}' amplifies: its {why}")
+    if not blamed:
         return {}
-    worst = max(own for own, _, _ in local.values())
-    chosen = {k: v for k, v in local.items() if v[0] >= _BLAME_SHARE * worst or math.isinf(v[0])}
-    return {keep_entry(*k): (f"calibration: output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
-                             if math.isinf(out) else
-                             f"calibration: output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own")
-            for k, (own, out, largest) in sorted(chosen.items())}
+    worst = max(own for own, _ in blamed.values())
+    return {keep_entry(*node): f"calibration: {why}" for node, (own, why) in sorted(blamed.items())
+            if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
 def _checks(high: statistics.Run, low: statistics.Run) -> tuple[OutputCheck, ...]:
@@ -283,9 +300,14 @@ def calibrate(
         model = read_model(source, fetches, tag_set)
     data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
-    shown = "random inputs" if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
+    shown = statistics.RANDOM_INPUTS if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
     return run_calibration(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
                            max_rounds=max_rounds, thresholds=thresholds, source=shown)
+
+
+def check_max_rounds(max_rounds: int) -> None:
+    if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
+        raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
 
 
 def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
@@ -299,12 +321,12 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     if target.colouring != target.name:
         return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
                                 max_rounds=max_rounds, thresholds=thresholds, say=say, source=source)
-    if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
-        raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
+    check_max_rounds(max_rounds)
     thresholds = thresholds or Thresholds.for_target(target)
     keys = statistics.model_tensors(model)
     say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
-    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal)
+    described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
+    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal, described)
     result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     keep: dict[str, str] = {}
     while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in keep}:
@@ -334,8 +356,10 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     calibration = Calibration(target.name, high.stats, keep, range_kept, tuple(rounds), lists.keeping(keep), result,
                               thresholds, source, outputs=high.outputs)
     if not calibration.ok:
-        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s)"
-            f" (--max-rounds {max_rounds}); keep more nodes with --keep, or use --max-rounds up to {MAX_ROUNDS_LIMIT}")
+        why = (f"the cap of {max_rounds} validation run(s) (--max-rounds) was reached" if len(rounds) >= max_rounds
+               else "no converted node drifts from float32 enough to blame")
+        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s): {why}; keep more"
+            f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
     return calibration
 
 

@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-magnitude", type=float, metavar="X",
                          help="calibration: largest |value| a converted node may see (float16 default 16384)")
         sub.add_argument("--small-share", type=float, metavar="S",
-                         help="calibration: largest share of non-zero values below the target's smallest normal"
-                              " (default 0.5)")
+                         help="calibration: largest share of a tensor's magnitude in values below the target's"
+                              " smallest normal (default 0.5)")
 
     convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
                                   description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
@@ -303,6 +303,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate, steps)
         result, lists = calibration.result, calibration.lists
+        if not calibration.ok and not args.keep_failed:
+            print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
+                  " (--keep-failed writes it anyway)", file=sys.stderr)
+            return EXIT_VALIDATION
     feeds = None
     if args.validate or args.inputs:
         from amp_rewrite.cli import validate
@@ -345,10 +349,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None, steps: _Steps) -> Any:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
-    from amp_rewrite.cli import calibrate, validate
+    from amp_rewrite.cli import calibrate, statistics, validate
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
+    calibrate.check_max_rounds(args.max_rounds)
     if model.kind == "graphdef" and not validate.compared_outputs(model):
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
@@ -361,7 +366,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
                                                  args.small_share)
     result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
                                  max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
-                                 source="random inputs" if random else str(data))
+                                 source=statistics.RANDOM_INPUTS if random else str(data))
     kept = len(result.keep)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")

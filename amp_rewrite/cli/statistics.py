@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
-from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import deprecation
 
@@ -39,11 +39,13 @@ from amp_rewrite.core.program import MAIN_GRAPH, program_of
 TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
 
 PREFIX = "amp_rewrite_statistics"
-FOLD_FUNCTION = f"{PREFIX}_fold"
 _MAX_VARIABLE = f"{PREFIX}_max"
 _SUM_VARIABLE = f"{PREFIX}_sums"
-_SUMS = ("nonfinite", "nonzero", "small", "sum_abs", "sum_sq", "count")
+_SUMS = ("nonfinite", "nonzero", "small", "sum_abs", "small_abs", "sum_sq", "count")
 FLOAT_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
+_NO_GRAPPLER = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(
+    rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True),
+    optimizer_options=tf.compat.v1.OptimizerOptions(opt_level=tf.compat.v1.OptimizerOptions.L0))).SerializeToString()
 _STATEFUL_FORM = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case",
                   "PartitionedCall": "StatefulPartitionedCall"}
 
@@ -57,6 +59,7 @@ class TensorStats:
     nonzero: int     # finite non-zero elements
     small: int       # of those, below the threshold asked for (the target's smallest normal)
     sum_abs: float
+    small_abs: float  # the part of sum_abs the small values carry
     sum_sq: float
     count: int       # elements seen
 
@@ -64,6 +67,11 @@ class TensorStats:
     def small_share(self) -> float:
         """The share of non-zero values below the threshold."""
         return self.small / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def small_mass(self) -> float:
+        """The share of the magnitude (sum of |x|) that values below the threshold carry."""
+        return self.small_abs / self.sum_abs if self.sum_abs else 0.0
 
     @property
     def rms(self) -> float:
@@ -139,90 +147,99 @@ def _stats_of(value: np.ndarray, small_below: float) -> TensorStats:
     a = np.abs(np.asarray(value, dtype=np.float64)).ravel()
     finite = a[np.isfinite(a)]
     nonzero = finite[finite > 0]
-    return TensorStats(float(finite.max(initial=0.0)), int(a.size - finite.size), int(nonzero.size),
-                       int(np.count_nonzero(nonzero < small_below)), float(finite.sum()), float(np.square(finite).sum()),
-                       int(a.size))
+    small = nonzero[nonzero < small_below]
+    return TensorStats(float(finite.max(initial=0.0)), int(a.size - finite.size), int(nonzero.size), int(small.size),
+                       float(finite.sum()), float(small.sum()), float(np.square(finite).sum()), int(a.size))
 
 
-def _fold_function(size: int, small_below: float) -> function_pb2.FunctionDef:
-    """``fold(values, sizes, indices)``: ``values`` holds the flattened tensors one after
-    another, ``sizes[i]`` elements each, folded into the statistics variables at
-    ``indices[i]``. One function for every item and any number of tensors, traced once."""
-    with tf.Graph().as_default():
-        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([None], tf.int32),
-                                      tf.TensorSpec([None], tf.int32)], autograph=False)
-        def fold(values: tf.Tensor, sizes: tf.Tensor, indices: tf.Tensor) -> None:
-            maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[size], shared_name=_MAX_VARIABLE)
-            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[size, len(_SUMS)], shared_name=_SUM_VARIABLE)
-            count = tf.size(sizes)
-            # element → the tensor it came from: count the tensors that start at or before it
-            starts = tf.math.cumsum(sizes, exclusive=True)[1:]
-            total = tf.size(values)
-            segments = tf.math.cumsum(tf.math.bincount(starts, minlength=total + 1)[:total])
-            magnitude = tf.abs(values)
-            finite = tf.math.is_finite(magnitude)
-            kept = tf.where(finite, magnitude, tf.zeros_like(magnitude))
-            nonzero = kept > 0
-            small = tf.logical_and(nonzero, kept < small_below)
-            wide = tf.cast(kept, tf.float64)
-            columns = tf.stack([tf.cast(tf.logical_not(finite), tf.float64), tf.cast(nonzero, tf.float64),
-                                tf.cast(small, tf.float64), wide, wide * wide, tf.ones_like(wide)], axis=1)
-            rows = tf.math.unsorted_segment_sum(columns, segments, count)
-            largest = tf.maximum(tf.math.unsorted_segment_max(kept, segments, count), 0.0)  # empty: -inf
-            tf.raw_ops.ResourceScatterMax(resource=maxima, indices=indices, updates=largest)
-            tf.raw_ops.ResourceScatterAdd(resource=sums, indices=indices, updates=rows)
+class _Body:
+    """Adds nodes to one item's body, each named under ``prefix``."""
 
-        function_def = function_pb2.FunctionDef()
-        function_def.CopyFrom(fold.get_concrete_function().function_def)
-    function_def.signature.name = FOLD_FUNCTION
-    return function_def
+    def __init__(self, body: graph_pb2.GraphDef, prefix: str) -> None:
+        self.body, self.prefix = body, prefix
+
+    def node(self, name: str, op: str, inputs: Sequence[str] = (), **attrs: object) -> str:
+        node = self.body.node.add(name=f"{self.prefix}/{name}", op=op, input=list(inputs))
+        for key, value in attrs.items():
+            if isinstance(value, bool):
+                node.attr[key].b = value
+            elif isinstance(value, int) and key in ("N", "axis"):
+                node.attr[key].i = value
+            elif isinstance(value, int):
+                node.attr[key].type = value
+            elif isinstance(value, np.ndarray):
+                node.attr[key].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+            elif isinstance(value, tf.TensorShape):
+                node.attr[key].shape.CopyFrom(value.as_proto())
+            else:
+                node.attr[key].s = str(value).encode()
+        return node.name
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        return self.node(name, "Const", dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value)
 
 
-def _const(body: graph_pb2.GraphDef, name: str, value: np.ndarray) -> str:
-    node = body.node.add(name=name, op="Const")
-    node.attr["dtype"].type = types_pb2.DT_INT32
-    node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value, tf.int32))
-    return name
+_F32, _F64, _I32, _BOOL = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32, types_pb2.DT_BOOL
 
 
-def _add_fold_call(body: graph_pb2.GraphDef, name: str, found: Sequence[tuple[int, str, int]]) -> None:
-    """Nodes in ``body`` that flatten each (index, tensor, dtype) of ``found``, concatenate
-    them and call the fold function once; ``name`` is the call's."""
-    shape = _const(body, f"{name}/flat", np.array([-1], np.int32))
-    flats, sizes = [], []
+def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int, str, int]], size: int,
+               small_below: float) -> list[str]:
+    """Nodes in ``body`` that reduce each (index, tensor, dtype) of ``found`` to its largest
+    finite |x| and its counts and sums, and fold them into the statistics variables at
+    their indices; returns the two stateful nodes, which a run (or a body's control
+    outputs) must reach. Plain nodes, no function: TensorFlow instantiates nothing new, and
+    each tensor is reduced as soon as it exists, so no more of it is kept alive."""
+    b = _Body(body, prefix)
+    flat, axis = b.const("flat", np.array([-1], np.int32)), b.const("axis", np.array([0], np.int32))
+    zero, small = b.const("zero", np.array(0.0, np.float32)), b.const("small", np.array(small_below, np.float32))
+    zero64 = b.const("zero64", np.array(0.0, np.float64))
+    largest, rows = [], []
     for index, tensor, dtype in found:
-        if dtype != types_pb2.DT_FLOAT:
-            cast = body.node.add(name=f"{name}/cast_{index}", op="Cast", input=[tensor])
-            cast.attr["SrcT"].type, cast.attr["DstT"].type = dtype, types_pb2.DT_FLOAT
-            cast.attr["Truncate"].b = False
-            tensor = cast.name
-        flat = body.node.add(name=f"{name}/flat_{index}", op="Reshape", input=[tensor, shape])
-        flat.attr["T"].type, flat.attr["Tshape"].type = types_pb2.DT_FLOAT, types_pb2.DT_INT32
-        count = body.node.add(name=f"{name}/size_{index}", op="Size", input=[flat.name])
-        count.attr["T"].type, count.attr["out_type"].type = types_pb2.DT_FLOAT, types_pb2.DT_INT32
-        flats.append(flat.name)
-        sizes.append(count.name)
-    axis = _const(body, f"{name}/axis", np.array(0, np.int32))
-    values = body.node.add(name=f"{name}/values", op="ConcatV2", input=[*flats, axis])
-    values.attr["N"].i, values.attr["T"].type, values.attr["Tidx"].type = len(flats), types_pb2.DT_FLOAT, types_pb2.DT_INT32
-    packed = body.node.add(name=f"{name}/sizes", op="Pack", input=sizes)
-    packed.attr["N"].i, packed.attr["T"].type, packed.attr["axis"].i = len(sizes), types_pb2.DT_INT32, 0
-    indices = _const(body, f"{name}/indices", np.array([i for i, _, _ in found], np.int32))
-    call = body.node.add(name=name, op="StatefulPartitionedCall", input=[values.name, packed.name, indices])
-    call.attr["Tin"].list.type.extend([types_pb2.DT_FLOAT, types_pb2.DT_INT32, types_pb2.DT_INT32])
-    call.attr["Tout"].list.SetInParent()
-    call.attr["f"].func.name = FOLD_FUNCTION
-    for attr in ("config", "config_proto", "executor_type"):
-        call.attr[attr].s = b""
+        n = f"t{index}"
+        if dtype != _F32:
+            tensor = b.node(f"{n}/cast", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
+        values = b.node(f"{n}/flat", "Reshape", [tensor, flat], T=_F32, Tshape=_I32)
+        magnitude = b.node(f"{n}/abs", "Abs", [values], T=_F32)
+        finite = b.node(f"{n}/finite", "IsFinite", [magnitude], T=_F32)
+        kept = b.node(f"{n}/kept", "SelectV2", [finite, magnitude, zero], T=_F32)
+        nonzero = b.node(f"{n}/nonzero", "Greater", [kept, zero], T=_F32)
+        tiny = b.node(f"{n}/small", "LogicalAnd", [nonzero, b.node(f"{n}/below", "Less", [kept, small], T=_F32)])
+        wide = b.node(f"{n}/wide", "Cast", [kept], SrcT=_F32, DstT=_F64, Truncate=False)
+
+        def total(name: str, value: str, dtype: int = _F64) -> str:
+            if dtype == _BOOL:
+                value = b.node(f"{n}/{name}/f64", "Cast", [value], SrcT=_BOOL, DstT=_F64, Truncate=False)
+            return b.node(f"{n}/{name}", "Sum", [value, axis], T=_F64, Tidx=_I32, keep_dims=False)
+
+        count = b.node(f"{n}/count", "Cast", [b.node(f"{n}/size", "Size", [values], T=_F32, out_type=_I32)],
+                       SrcT=_I32, DstT=_F64, Truncate=False)
+        row = [total("nonfinite", b.node(f"{n}/infinite", "LogicalNot", [finite]), _BOOL),
+               total("nonzeros", nonzero, _BOOL), total("smalls", tiny, _BOOL), total("sum_abs", wide),
+               total("small_abs", b.node(f"{n}/small_values", "SelectV2", [tiny, wide, zero64], T=_F64)),
+               total("sum_sq", b.node(f"{n}/square", "Square", [wide], T=_F64)), count]
+        rows.append(b.node(f"{n}/row", "Pack", row, N=len(row), T=_F64, axis=0))
+        peak = b.node(f"{n}/max", "Max", [kept, axis], T=_F32, Tidx=_I32, keep_dims=False)
+        largest.append(b.node(f"{n}/largest", "Maximum", [peak, zero], T=_F32))  # the max of nothing is -inf
+    indices = b.const("indices", np.array([i for i, _, _ in found], np.int32))
+    maxima = b.node("maxima", "VarHandleOp", dtype=_F32, shape=tf.TensorShape([size]), shared_name=_MAX_VARIABLE,
+                    container="")
+    sums = b.node("sums", "VarHandleOp", dtype=_F64, shape=tf.TensorShape([size, len(_SUMS)]),
+                  shared_name=_SUM_VARIABLE, container="")
+    return [b.node("fold_max", "ResourceScatterMax",
+                   [maxima, indices, b.node("largest", "Pack", largest, N=len(largest), T=_F32, axis=0)],
+                   dtype=_F32, Tindices=_I32),
+            b.node("fold_sums", "ResourceScatterAdd",
+                   [sums, indices, b.node("rows", "Pack", rows, N=len(rows), T=_F64, axis=0)],
+                   dtype=_F64, Tindices=_I32)]
 
 
 def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
                main_groups: Sequence[Collection[str]] = ()) -> tuple[graph_pb2.GraphDef, list[str]]:
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
-    out) into the statistics variables, at its position in ``keys``: one call per function
-    body, and in the main graph one per group of ``main_groups`` (node names: what one run
-    computes, e.g. a signature's ancestors; a key in none is left out). Returns the copy and
-    the main graph's calls, by group: a run must ask for its group's call."""
+    out) into the statistics variables, at its position in ``keys``: in each function body
+    (its control outputs), and in the main graph once per group of ``main_groups`` (node
+    names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
+    Returns the copy and, per group, the main graph's node a run must ask for."""
     program = program_of(graph_def)
     by_item: dict[str, list[tuple[int, TensorKey]]] = {}
     for index, key in enumerate(keys):
@@ -246,34 +263,35 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
                 chosen = [f[:3] for f in found if f[3] in group and f[0] not in taken]
                 taken.update(f[0] for f in chosen)
                 name = f"{PREFIX}/main_{group_number}"
+                folds = _add_folds(body, name, chosen, len(keys), small_below) if chosen else []
+                body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
                 main_calls.append(name)
-                if chosen:
-                    _add_fold_call(body, name, chosen)
-                else:
-                    body.node.add(name=name, op="NoOp")
             del output.node[:]
             output.node.extend(body.node)
             continue
         if not found:
             continue
-        name = f"{PREFIX}/fold"
-        _add_fold_call(body, name, [f[:3] for f in found])
+        folds = _add_folds(body, PREFIX, [f[:3] for f in found], len(keys), small_below)
         function_def = functions.to_function_def(body, program.library[item], program.op_defs)
-        function_def.signature.control_output.append(name)
-        function_def.control_ret[name] = name
+        for fold in folds:
+            function_def.signature.control_output.append(fold)
+            function_def.control_ret[fold] = fold
         output.library.function[program.positions[item]].CopyFrom(function_def)
-    output.library.function.append(_fold_function(len(keys), small_below))
     _make_stateful(output)
     return output, main_calls
 
 
 def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
     """Stateless control flow and calls → stateful (their bodies now have side effects);
-    no XLA compilation (the fold function uses resource variables XLA cannot place)."""
+    no XLA compilation (the folds use resource variables XLA cannot place), and no grappler
+    on the bodies a call instantiates (its config_proto): the graph runs as it is written,
+    and grappler takes seconds per thousand nodes the statistics add."""
     node_lists = [graph_def.node] + [f.node_def for f in graph_def.library.function]
     for nodes in node_lists:
         for node_def in nodes:
             node_def.op = _STATEFUL_FORM.get(node_def.op, node_def.op)
+            if "config_proto" in node_def.attr:
+                node_def.attr["config_proto"].s = _NO_GRAPPLER
             for attr in ("_XlaMustCompile", "_XlaCompile"):
                 if attr in node_def.attr:
                     del node_def.attr[attr]
@@ -307,17 +325,21 @@ def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str
             for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
 
 
+RANDOM_INPUTS = "random inputs"
+
+
 def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
-            small_below: float) -> Run:
+            small_below: float, described: str = "the calibration inputs") -> Run:
     """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
-    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``."""
+    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``;
+    ``described`` names them in the error a model that fails on them gets (``RANDOM_INPUTS``:
+    made from the signatures)."""
     constants = constant_stats(graph_def, keys, small_below)
     run_keys = [k for k in keys if k not in constants]
     signatures = signatures_of(model)
     groups = [_ancestors(graph_def, outputs.values()) for _, outputs in signatures.values()]
     instrumented, main_calls = instrument(graph_def, run_keys, small_below, groups)
-    config = tf.compat.v1.ConfigProto()
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
     with _loaded(model, instrumented, config) as session:
         graph = session.graph
         with graph.as_default():
@@ -338,8 +360,11 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                     values, _ = session.run((dict(fetched), target), feed_dict=fed)
                 except (tf.errors.OpError, ValueError, TypeError) as error:
                     where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
-                    raise ModelError(f"{where}: the model fails on the calibration inputs ({_message(error)});"
-                                     " check them against the model's inputs") from None
+                    advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
+                              if described == RANDOM_INPUTS else "; check them against the model's inputs")
+                    what = f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)" if described == RANDOM_INPUTS \
+                        else described
+                    raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
         largest, totals = session.run(read)
     stats = dict(constants)
@@ -347,8 +372,8 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
         row = totals[index]
         if row[-1] == 0:
             continue  # never ran: a branch not taken, a loop that did not iterate
-        stats[key] = TensorStats(float(largest[index]), *(int(v) for v in row[:3]), float(row[3]), float(row[4]),
-                                 int(row[5]))
+        stats[key] = TensorStats(float(largest[index]), *(int(v) for v in row[:3]), *(float(v) for v in row[3:6]),
+                                 int(row[6]))
     return Run(stats, outputs)
 
 

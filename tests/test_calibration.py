@@ -1,0 +1,326 @@
+"""Calibration (``amp_rewrite.cli.statistics`` and ``amp_rewrite.cli.calibrate``):
+
+1. the statistics of one instrumented run equal NumPy's on the same tensors, in the main
+   graph, in a called function's body and across a loop's iterations;
+2. range rules keep float32 the converted nodes that read or write a tensor over the safe
+   magnitude or mostly below the smallest normal, and nothing else;
+3. repair by validation finds an overflow the range rules were told not to see, within
+   the cap on runs, and says so when the cap is reached;
+4. the overlay reproduces the calibrated rewrite byte for byte without data;
+5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+from tensorflow.core.framework import graph_pb2
+
+import amp_rewrite
+from amp_rewrite.cli import calibrate, statistics, validate
+from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model
+from amp_rewrite.core.target import lookup_target
+
+from test_cli import assert_ok, error_line, run_cli
+
+TINY = float(np.finfo(np.float16).tiny)
+WIDTH = 64
+
+
+def _weights(seed: int, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def mlp_graph_def(scale: float = 1.0) -> graph_pb2.GraphDef:
+    """x → MatMul(w1) → Relu → MatMul(w2) → Mean: a frozen two-layer MLP; inputs × ``scale``
+    set how large the first MatMul's outputs get."""
+    w1, w2 = _weights(1, (WIDTH, 128), 1.0), _weights(2, (128, 8), 0.1)
+
+    @tf.function
+    def mlp(x: tf.Tensor) -> tf.Tensor:
+        hidden = tf.nn.relu(tf.matmul(x * scale, w1, name="matmul1"), name="relu1")
+        return tf.matmul(hidden, w2, name="matmul2")
+
+    return mlp.get_concrete_function(tf.TensorSpec([None, WIDTH], tf.float32)).graph.as_graph_def()
+
+
+def inputs(seed: int, rows: int = 16) -> dict[str, np.ndarray]:
+    return {"x": _weights(100 + seed, (rows, WIDTH), 1.0)}
+
+
+def _graph_model(graph_def: graph_pb2.GraphDef) -> Model:
+    return Model(Path("<GraphDef>"), "graphdef", graph_def, graph_sinks(graph_def), (), fetches_are_sinks=True)
+
+
+def _expected(value: np.ndarray) -> tuple[float, int, int, float]:
+    a = np.abs(value.astype(np.float64)).ravel()
+    nonzero = a[a > 0]
+    return float(a.max(initial=0.0)), int(nonzero.size), int(np.count_nonzero(nonzero < TINY)), \
+        float(nonzero[nonzero < TINY].sum())
+
+
+def test_statistics_equal_numpy_for_every_main_graph_tensor() -> None:
+    """Every float tensor of a frozen graph: largest |x|, non-zero count, small count and
+    element count over two feeds equal NumPy's on the same tensors fetched directly
+    (a constant's, read from its value, counts once)."""
+    graph_def = mlp_graph_def()
+    model = _graph_model(graph_def)
+    feeds = {validate.GRAPH: [inputs(0), inputs(1, rows=3)]}
+    keys = statistics.float_tensors(graph_def)
+    run = statistics.collect(model, graph_def, feeds, keys, TINY)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as session:
+        values = {key: [session.run(f"{key[1]}:{key[2]}", {"x:0": feed["x"]}) for feed in feeds[validate.GRAPH]]
+                  for key in keys}
+    assert {k[1] for k in keys} >= {"x", "matmul1", "relu1", "matmul2"}
+    constants = {n.name for n in graph_def.node if n.op == "Const"}  # read from the graph, once
+    for key in keys:
+        if key[1] in constants:
+            values[key] = values[key][:1]
+        largest, nonzero, small, small_abs = zip(*(_expected(v) for v in values[key]))
+        stats = run.stats[key]
+        assert stats.max_abs == pytest.approx(max(largest), rel=1e-6), key
+        assert (stats.nonzero, stats.small, stats.nonfinite) == (sum(nonzero), sum(small), 0), key
+        assert stats.count == sum(v.size for v in values[key]), key
+        assert stats.small_abs == pytest.approx(sum(small_abs), rel=1e-6, abs=1e-30), key
+        assert stats.rms == pytest.approx(math.sqrt(sum(float(np.square(v.astype(np.float64)).sum())
+                                                        for v in values[key]) / stats.count), rel=1e-6), key
+
+
+def test_statistics_reach_function_bodies_and_every_loop_iteration() -> None:
+    """A called function's tensors and a While body's: the body's MatMul doubles its
+    input three times, so its largest |x| is 8 × the input's, seen only on the last iteration."""
+    @tf.function
+    def tripled(v: tf.Tensor) -> tf.Tensor:
+        return tf.multiply(v, 3.0, name="tripled")
+
+    @tf.function
+    def model(x: tf.Tensor) -> tf.Tensor:
+        _, y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.matmul(y, 2.0 * tf.eye(4), name="doubled")),
+                             [0, x])
+        return tripled(y)
+
+    graph_def = model.get_concrete_function(tf.TensorSpec([2, 4], tf.float32)).graph.as_graph_def()
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3.0
+    keys = statistics.float_tensors(graph_def)
+    run = statistics.collect(_graph_model(graph_def), graph_def, {validate.GRAPH: [{"x": x}]}, keys, TINY)
+    by_node = {(k[1]): (k, s) for k, s in run.stats.items() if k[0]}
+    (doubled_key, doubled), (tripled_key, tripled_stats) = by_node["while/doubled"], by_node["tripled"]
+    assert doubled_key[0] != tripled_key[0]  # two different function bodies
+    assert doubled.max_abs == 8 * np.abs(x).max() and doubled.count == 3 * x.size
+    assert tripled_stats.max_abs == 24 * np.abs(x).max() and tripled_stats.count == x.size
+
+
+def test_range_rules_keep_the_overflowing_matmul_and_what_reads_it() -> None:
+    """matmul1's outputs reach ~3e4 on inputs × 1000 (over 16384, under 65504): it and relu1,
+    which reads them, stay float32 with the measurement as reason; matmul2, fed by relu1's
+    float32 output ~3e4, too; the plain rewrite's outputs are still finite here, so only the
+    range rule (not repair) decided, in one validation run."""
+    graph_def = mlp_graph_def(scale=1000.0)
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    assert set(result.keep) == {"matmul1", "relu1", "matmul2"}
+    assert result.range_kept == 3 and result.validation_runs == 1 and result.ok
+    assert re.fullmatch(r"calibration: output 0 reached 2\.\d\de\+04, over the safe magnitude 1\.64e\+04",
+                        result.keep["matmul1"])
+    decisions = {d.node: d for d in result.result.report.decisions}
+    assert decisions["matmul1"].rule == "keep-nodes" and not decisions["matmul1"].converted
+
+
+def test_range_rules_keep_nothing_on_a_well_scaled_model() -> None:
+    """Inputs of unit scale: every tensor is far inside float16's range; the calibrated
+    rewrite equals the plain one."""
+    graph_def = mlp_graph_def()
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    plain = amp_rewrite.rewrite_graph_def(graph_def, fetches=graph_sinks(graph_def))
+    assert result.keep == {} and result.ok
+    assert result.result.graph_def.SerializeToString(deterministic=True) == \
+        plain.graph_def.SerializeToString(deterministic=True)
+
+
+def test_small_share_rule_keeps_a_matmul_whose_inputs_are_subnormal_in_float16() -> None:
+    """Inputs × 1e-6: all of matmul1's inputs are below float16's smallest normal (6.1e-5),
+    so it stays float32 by the small-share rule; bfloat16 (float32's exponent range) keeps nothing."""
+    graph_def = mlp_graph_def(scale=1e-6)
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    assert "matmul1" in result.keep
+    assert "has 100% of its magnitude in values below the smallest normal 6.1e-05 (100% of its non-zero values)" \
+        in result.keep["matmul1"]
+    assert amp_rewrite.calibrate(graph_def, inputs(0), target="bfloat16").keep == {}
+
+
+def test_repair_finds_an_overflow_the_range_rules_were_told_not_to_see() -> None:
+    """With the safe magnitude at infinity, inputs × 5000 overflow matmul1 in float16: the
+    first validation run fails, repair blames the node whose own output turned non-finite,
+    and the outputs end within tolerance in at most 5 runs."""
+    graph_def = mlp_graph_def(scale=5000.0)
+    thresholds = calibrate.Thresholds(math.inf, TINY)
+    result = amp_rewrite.calibrate(graph_def, inputs(0), thresholds=thresholds)
+    assert result.ok and 2 <= result.validation_runs <= 5 and result.range_kept == 0
+    assert "matmul1" in result.keep and "turned non-finite in float16" in result.keep["matmul1"]
+    assert not result.rounds[0].checks[0].ok(lookup_target("float16"))  # the plain rewrite failed
+
+
+def test_the_cap_on_runs_is_reported() -> None:
+    """One run allowed and the range rules blind: calibration stops over tolerance and says why."""
+    graph_def = mlp_graph_def(scale=5000.0)
+    lines: list[str] = []
+    model = _graph_model(graph_def)
+    feeds, _ = validate.plan_feeds(model, inputs(0), 1)
+    result = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
+                                       max_rounds=1, thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append)
+    assert not result.ok and result.validation_runs == 1
+    assert "the cap of 1 validation run(s) (--max-rounds) was reached" in lines[-1]
+
+
+def test_overlay_reproduces_the_calibrated_rewrite_without_data(tmp_path: Path) -> None:
+    """The overlay's keep_nodes, loaded as lists, give the calibrated GraphDef byte for byte;
+    each entry carries its measurement."""
+    graph_def = mlp_graph_def(scale=1000.0)
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    overlay = tmp_path / "keep.yaml"
+    overlay.write_text(result.overlay(), encoding="utf-8")
+    assert yaml.safe_load(overlay.read_text())["keep_nodes"] == dict(result.keep)
+    again = amp_rewrite.rewrite_graph_def(graph_def, fetches=graph_sinks(graph_def), lists=overlay)
+    assert again.graph_def.SerializeToString(deterministic=True) == \
+        result.result.graph_def.SerializeToString(deterministic=True)
+
+
+# --------------------------------------------------------------------------------------
+# The CLI on a SavedModel whose compute is in function bodies
+
+
+class Dense(tf.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = tf.Variable(_weights(1, (WIDTH, 128), 1.0))
+        self.w2 = tf.Variable(_weights(2, (128, 8), 0.1))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32, name="x")])
+    def __call__(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": tf.matmul(tf.nn.relu(tf.matmul(x, self.w1)), self.w2)}
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calibration") / "dense"
+    module = Dense()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
+    return path
+
+
+def _npz(path: Path, scale: float, seed: int) -> Path:
+    np.savez(path, x=inputs(seed)["x"] * scale)
+    return path
+
+
+def test_cli_convert_calibrate_is_finite_on_held_out_inputs_and_matches_calibrate_out(
+        tmp_path: Path, dense_model: Path) -> None:
+    """Inputs × 5000: the plain conversion fails validation on held-out inputs (non-finite);
+    with --calibrate on other inputs it passes, and `calibrate --out` + `convert --lists`
+    writes the same graph without data."""
+    calib, held = _npz(tmp_path / "calib.npz", 5000.0, 0), _npz(tmp_path / "held.npz", 5000.0, 1)
+    plain = run_cli("convert", dense_model, tmp_path / "plain", "--inputs", held)
+    assert plain.code == 1 and "FAIL serving_default/y" in plain.out
+    calibrated = run_cli("convert", dense_model, tmp_path / "calibrated", "--calibrate", calib, "--inputs", held,
+                         "--dump", tmp_path / "dump")
+    assert_ok(calibrated)
+    report = (tmp_path / "dump" / "report.html").read_text(encoding="utf-8")
+    assert "keep-nodes" in report and re.search(r"calibration: (output 0|input '[^']+') reached", report)
+    assert "calibration: range rules keep" in calibrated.out and "ok   serving_default/y" in calibrated.out
+    assert_ok(run_cli("calibrate", dense_model, "--inputs", calib, "--out", tmp_path / "keep.yaml"))
+    assert "keep_nodes" in (tmp_path / "keep.yaml").read_text()
+    assert_ok(run_cli("convert", dense_model, tmp_path / "replayed", "--lists", tmp_path / "keep.yaml"))
+    graphs = [read_model(tmp_path / name).graph_def.SerializeToString(deterministic=True)
+              for name in ("calibrated", "replayed")]
+    assert graphs[0] == graphs[1]
+    inspected = run_cli("inspect", dense_model, "--lists", tmp_path / "keep.yaml")
+    assert re.search(r"Stayed float32 \(model\): .*keep-nodes \d", inspected.out) or "keep-nodes" in inspected.out
+    explained = run_cli("explain", dense_model, "MatMul", "--lists", tmp_path / "keep.yaml")
+    assert "rule: keep-nodes" in explained.out and re.search(r"why: +calibration: .* reached [\d.e+]+, over", explained.out)
+
+
+def test_cli_calibrate_without_data_warns_that_real_data_is_better(tmp_path: Path, dense_model: Path) -> None:
+    run = run_cli("calibrate", dense_model, "--out", tmp_path / "keep.yaml")
+    assert_ok(run)
+    assert "calibrating on random inputs" in run.err and "real data is better" in run.err
+    assert "from random inputs" in (tmp_path / "keep.yaml").read_text()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--max-rounds", "11"), "--max-rounds 11: use 1 to 10"),
+    (("--inputs", "{missing}"), "no array for input(s) of signature 'serving_default': x"),
+    (("--out", "{src}/keep.yaml"), "choose a overlay file outside it"),
+])
+def test_cli_calibrate_bad_input_is_one_line_exit_2(
+        tmp_path: Path, dense_model: Path, args: tuple[str, ...], expected: str) -> None:
+    missing = tmp_path / "other.npz"
+    np.savez(missing, y=np.zeros((2, WIDTH), np.float32))
+    filled = [a.format(missing=missing, src=dense_model) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "keep.yaml")]
+    line = error_line(run_cli("calibrate", dense_model, *out, *filled))
+    assert expected in line
+    assert not (tmp_path / "keep.yaml").exists() and not (dense_model / "keep.yaml").exists()
+
+
+def cancelling_graph_def() -> graph_pb2.GraphDef:
+    """MatMul → +1000 → −1000 → MatMul: the add and subtract sit between allow ops, so the
+    rewrite converts them, and bfloat16 (8-bit mantissa: steps of 8 near 1000) wipes out
+    the O(1) values they carry: a precision loss no range rule sees."""
+    w1, w2 = _weights(1, (WIDTH, 32), 0.2), _weights(2, (32, 4), 0.2)
+
+    @tf.function
+    def cancelling(x: tf.Tensor) -> tf.Tensor:
+        hidden = tf.matmul(x, w1, name="matmul1")
+        shifted = tf.subtract(tf.add(hidden, 1000.0, name="shift"), 1000.0, name="unshift")
+        return tf.matmul(shifted, w2, name="matmul2")
+
+    return cancelling.get_concrete_function(tf.TensorSpec([None, WIDTH], tf.float32)).graph.as_graph_def()
+
+
+def test_repair_keeps_the_cancelling_ops_float32_for_bfloat16() -> None:
+    """bfloat16: the plain rewrite's output is far over 5e-2; repair keeps the ops whose own
+    output drifts (the shift and unshift, not the matmuls) and ends within tolerance on
+    held-out inputs too."""
+    graph_def = cancelling_graph_def()
+    result = amp_rewrite.calibrate(graph_def, inputs(0), target="bfloat16")
+    assert not result.rounds[0].checks[0].ok(lookup_target("bfloat16"))
+    assert result.ok and result.range_kept == 0 and 2 <= result.validation_runs <= 5
+    assert "unshift" in result.keep and "drifted" in result.keep["unshift"]
+    assert "matmul1" not in result.keep and "matmul2" not in result.keep
+    held_out = inputs(1)
+    plain = amp_rewrite.rewrite_graph_def(graph_def, target="bfloat16", fetches=graph_sinks(graph_def))
+    errors = {}
+    for name, rewritten in (("plain", plain.graph_def), ("calibrated", result.result.graph_def)):
+        outputs = []
+        for graph in (graph_def, rewritten):
+            with tf.Graph().as_default() as g:
+                tf.graph_util.import_graph_def(graph, name="")
+            with tf.compat.v1.Session(graph=g) as session:
+                outputs.append(session.run("matmul2:0", {"x:0": held_out["x"]}).astype(np.float64))
+        errors[name] = np.abs(outputs[1] - outputs[0]).max() / np.abs(outputs[0]).max()
+    assert errors["plain"] > 5e-2 >= errors["calibrated"], errors
+
+
+def test_cli_random_calibration_inputs_the_model_rejects_ask_for_real_ones(tmp_path: Path) -> None:
+    """A gather whose indices random ids (0-9) overrun: exit 2 naming the signature and the
+    random inputs, and how to pass real ones; nothing written."""
+    class Gather(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32)])
+        def pick(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"out": tf.gather(tf.matmul(x, tf.eye(4)), ids, axis=1)}
+
+    module = Gather()
+    tf.saved_model.save(module, str(tmp_path / "gather"), signatures={"pick": module.pick})
+    run = run_cli("calibrate", tmp_path / "gather", "--out", tmp_path / "keep.yaml")
+    assert run.code == 2 and "Traceback" not in run.err
+    line = run.err.strip().splitlines()[-1]
+    assert line.startswith("amp-rewrite: error: ") and "signature 'pick': the model fails on random inputs" in line
+    assert line.endswith("pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)")
+    assert not (tmp_path / "keep.yaml").exists()
