@@ -15,7 +15,7 @@ from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
     from amp_rewrite.cli.calibrate import Calibration, calibrate
-    from amp_rewrite.core.lists import Colour, OpLists, load_lists
+    from amp_rewrite.core.lists import Colour, OpLists, load_float8, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _NAME_TO_MODULE = {
     "Calibration": "cli.calibrate", "calibrate": "cli.calibrate",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
+    "load_float8": "core.lists",
     "Decision": "core.report", "Report": "core.report",
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
@@ -44,6 +45,7 @@ __all__ = [
     "calibrate",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
+    "load_float8",
     "load_lists",
     "mixed_precision",
     "rewrite_graph_def",

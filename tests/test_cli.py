@@ -1124,8 +1124,11 @@ def amp_rewrite_version() -> str:
 
 
 def test_parser_targets_are_the_targets() -> None:
-    """The parser spells the targets out (no TensorFlow import for --help); they must be core's."""
-    assert cli.TARGET_NAMES == tuple(amp_rewrite.TARGETS)
+    """The parser spells the targets out (no TensorFlow import for --help); they must be core's,
+    float8 (built on float16's colouring) included."""
+    from amp_rewrite.core.target import NAME_TO_QUANTIZED_TARGET
+
+    assert cli.TARGET_NAMES == (*amp_rewrite.TARGETS, *NAME_TO_QUANTIZED_TARGET)
 
 
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import recorded_grappler
 from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core import lists as lists_module
 from amp_rewrite.core.lists import ENV_PREFIX as P
-from amp_rewrite.core.lists import Colour, OpLists, held_float32, load_lists
+from amp_rewrite.core.lists import Colour, OpLists, held_float32, load_float8, load_lists
 from amp_rewrite.core.target import TARGETS
 from amp_rewrite.testing.reference import grappler_environ
 
@@ -126,8 +127,36 @@ def test_builtin_lists_do_not_warn():
 
 def test_unknown_target_lists_allowed_values():
     """A bad target is a ValueError naming the allowed ones."""
-    with pytest.raises(ValueError, match="unknown target 'float8'; use one of float16, bfloat16"):
-        load_lists("float8")
+    with pytest.raises(ValueError, match="unknown target 'float4'; use one of float16, bfloat16, float8"):
+        load_lists("float4")
+
+
+def test_an_overlay_holds_float8s_amax_and_lossy_matmuls(tmp_path):
+    """Rule: ``amax`` (tensor -> largest |x|) and ``lossy`` (matmul -> why) are read by
+    load_float8 with FUNCTION:: scopes; load_lists leaves them to it, and both refuse bad ones."""
+    path = write(tmp_path, 'keep_nodes: [head]\namax: {"x:0": 3.5, "f::dense/Relu:0": 2}\n'
+                           'lossy: {"f::dense/MatMul": "calibration: drifted 0.9"}\n')
+    found = load_float8(path)
+    assert dict(found.amax) == {("", "x", 0): 3.5, ("f", "dense/Relu", 0): 2.0}
+    assert dict(found.lossy) == {("f", "dense/MatMul"): "calibration: drifted 0.9"}
+    assert load_lists("float8", path, environ={}).keep_nodes == ("head",)
+    assert load_float8(write(tmp_path, "keep_nodes: [head]\n", "plain.yaml")) is None
+    for text, message in [('amax: {"x": 1.0}', "amax key 'x' is not FUNCTION::node:port or node:port"),
+                          ('amax: {"x:0": -1}', "amax 'x:0' is -1, not the largest"),
+                          ('amax: {"x:0": .nan}', "amax 'x:0' is nan"),
+                          ('lossy: {"m": "why"}', "'lossy' without 'amax'"),
+                          ('amax: {}\nlossy: {"m:0": "why"}', "a node name has no ':'")]:
+        bad = write(tmp_path, text + "\n", "bad.yaml")
+        with pytest.raises(ListsError, match=re.escape(message)):
+            load_float8(bad)
+        with pytest.raises(ListsError, match=re.escape(message)):
+            load_lists("float16", bad, environ={})
+
+
+def test_float8_colours_with_float16s_lists():
+    """float8 is the float16 rewrite plus a step: its lists are float16's, overlay and all."""
+    assert load_lists("float8", environ={}) is load_lists("float16", environ={})
+    assert load_lists("float8", environ={}).target == "float16"
 
 
 def test_oplists_overlay_is_returned_as_is():

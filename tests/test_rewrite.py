@@ -37,10 +37,10 @@ def _node(graph_def, name):
 
 def test_unknown_target_lists_the_allowed_values():
     """One error for an unknown target, whichever entry point meets it first; it names the
-    targets that entry point takes (the rewrite also takes float8, which has no lists)."""
+    targets that entry point takes (both take float8, whose lists are float16's)."""
     with pytest.raises(ValueError, match="^unknown target 'int8'; use one of float16, bfloat16, float8$"):
         rewrite_graph_def(_chain(), target="int8")
-    with pytest.raises(ValueError, match="^unknown target 'int8'; use one of float16, bfloat16$"):
+    with pytest.raises(ValueError, match="^unknown target 'int8'; use one of float16, bfloat16, float8$"):
         amp_rewrite.load_lists("int8")
 
 

@@ -21,11 +21,12 @@ The decisions are ``keep_nodes`` entries with the measurement that made each
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +37,13 @@ from amp_rewrite.cli import statistics, validate
 from amp_rewrite.core import functions
 from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model, rewrite_model
 from amp_rewrite.cli.statistics import TensorKey, TensorStats
+from amp_rewrite.core import float8
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import Target, lookup_target
 
 # float16's largest finite value is 65504; a tensor calibrated above a quarter of it is
@@ -69,9 +72,10 @@ class Thresholds:
     @classmethod
     def for_target(cls, target: Target, max_magnitude: float | None = None,
                    max_small_share: float | None = None) -> Thresholds:
-        """float16: 16384 and 6.1e-5. bfloat16 has float32's exponent range: no range rule
-        fires for it, and its 8-bit mantissa is left to repair by validation."""
-        if target.name == "float16":
+        """float16 (and float8, which colours as float16): 16384 and 6.1e-5. bfloat16 has
+        float32's exponent range: no range rule fires for it, and its 8-bit mantissa is left
+        to repair by validation."""
+        if target.colouring == "float16":
             default, smallest = FLOAT16_SAFE_MAGNITUDE, float(np.finfo(np.float16).tiny)
         else:
             default, smallest = math.inf, 0.0
@@ -120,6 +124,9 @@ class Calibration:
     result: RewriteResult                   # the calibrated rewrite
     thresholds: Thresholds
     source: str = ""                        # what the statistics came from, for the overlay's header
+    float8: float8.Float8Calibration | None = None  # target float8: the amax and lossy matmuls it used
+    # the float32 model's outputs on the calibration inputs, signature → one dict per feed
+    outputs: Mapping[str, Sequence[Mapping[str, np.ndarray]]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def validation_runs(self) -> int:
@@ -127,7 +134,8 @@ class Calibration:
 
     @property
     def ok(self) -> bool:
-        return bool(self.rounds) and all(c.ok(lookup_target(self.target)) for c in self.rounds[-1].checks)
+        target = lookup_target(self.target, quantized=True)
+        return bool(self.rounds) and all(c.ok(target) for c in self.rounds[-1].checks)
 
     def overlay(self, base: Mapping | None = None) -> str:
         """An overlay YAML reproducing the calibrated rewrite: ``base`` (the overlay the
@@ -137,13 +145,19 @@ class Calibration:
         keep = dict.fromkeys(keep, "") if isinstance(keep, list) else dict(keep)
         keep.update(self.keep)
         data["keep_nodes"] = keep
+        if self.float8 is not None:
+            data["amax"] = {float8.key_text(key): value for key, value in sorted(self.float8.amax.items())}
+            data["lossy"] = {float8.key_text(key): why for key, why in sorted(self.float8.lossy.items())}
         header = (f"# Written by amp-rewrite calibrate for target {self.target}, from {self.source or 'calibration data'}.\n"
                   f"# Range rules: safe magnitude {self.thresholds.max_magnitude:.6g}, at most"
                   f" {self.thresholds.max_small_share:.0%} of a tensor's magnitude in values below"
                   f" {self.thresholds.smallest_normal:.3g};"
                   f" {self.range_kept} node(s) kept by them, {len(self.kept) - self.range_kept} by repair"
                   f" ({self.validation_runs} validation run(s)).\n"
-                  f"# Use it without data: amp-rewrite convert SRC DST --target {self.target} --lists THIS_FILE\n")
+                  + (f"# float8: amax of {len(self.float8.amax)} matmul operand(s) (largest |x| in float32);"
+                     f" {self.result.report.float8_matmuls} matmul(s) on float8, {len(self.float8.lossy)} kept float16"
+                     " as too lossy.\n" if self.float8 is not None else "")
+                  + f"# Use it without data: amp-rewrite convert SRC DST --target {self.target} --lists THIS_FILE\n")
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
@@ -296,9 +310,10 @@ def calibrate(
     by input name (SavedModel signature inputs, GraphDef placeholders), all fed as one
     batch; None: random inputs (real data is better). Returns the statistics
     (``.stats``), the decisions (``.keep``; ``.overlay()`` is the YAML for ``lists=``)
-    and the calibrated rewrite (``.result``).
+    and the calibrated rewrite (``.result``); target float8 also the amax and lossy
+    matmuls (``.float8``, for ``rewrite_graph_def(amax=..., lossy=...)``).
     """
-    target = lookup_target(target)
+    target = lookup_target(target, quantized=True)
     if isinstance(source, graph_pb2.GraphDef):
         names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
         model = Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
@@ -321,8 +336,12 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
               thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
               source: str = "") -> Calibration:
     """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
-    (``validate.plan_feeds``); ``say`` gets one line per step and round."""
-    target = lookup_target(target)
+    (``validate.plan_feeds``); ``say`` gets one line per step and round. Target float8:
+    this for float16, then ``calibrate_float8``."""
+    target = lookup_target(target, quantized=True)
+    if target.colouring != target.name:
+        return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
+                                max_rounds=max_rounds, thresholds=thresholds, say=say, source=source)
     check_max_rounds(max_rounds)
     thresholds = thresholds or Thresholds.for_target(target)
     keys = statistics.model_tensors(model)
@@ -362,10 +381,88 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         result = rewrite()
     keep = keep_entries(kept, model.graph_def)
     calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds), lists.keeping(keep),
-                              result, thresholds, source)
+                              result, thresholds, source, outputs=high.outputs)
     if not calibration.ok:
         why = (f"the cap of {max_rounds} validation run(s) (--max-rounds) was reached" if len(rounds) >= max_rounds
                else "no converted node drifts from float32 enough to blame")
         say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s): {why}; keep more"
             f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
     return calibration
+
+
+def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lists: OpLists,
+                     cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
+                     thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
+                     source: str = "") -> Calibration:
+    """Target float8: calibration for float16 (the colouring float8 builds on), then the
+    float8 step with amax from the float32 statistics, validated like the repair: each
+    validation run instruments the float8 rewrite (the quantize and dequantize ops are graph
+    ops, so it runs as FP8 without XLA), and the quantized matmuls whose own output drifts
+    from float32's by more than the float8 tolerance stay float16 (``lossy_matmuls``); then
+    it runs again, up to ``max_rounds`` float8 runs."""
+    base = run_calibration(model, feeds, target=target.colouring, lists=lists, cross_function=cross_function,
+                           max_rounds=max_rounds, thresholds=thresholds, say=say, source=source)
+    high = statistics.Run(base.stats, base.outputs)
+    keys = statistics.model_tensors(model)
+    wanted = float8.activation_operands(model.graph_def)
+    amax = {key: s.max_abs for key, s in base.stats.items() if key in wanted}
+    lossy: dict[tuple[str, str], str] = {}
+    rounds: list[Round] = []
+    while True:
+        result = rewrite_model(model, target=target.name, lists=base.lists, cross_function=cross_function, amax=amax,
+                               lossy=lossy)
+        if not rounds and not result.report.float8_matmuls:  # the float16 rewrite, validated already
+            why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
+            say("calibration: float8: no matmul quantized (" + (", ".join(f"{rule} {n}" for rule, n in why.most_common())
+                                                                or "no converted matmul") + "); no float8 run needed")
+            break
+        low = statistics.collect(model, result.graph_def, feeds, keys, base.thresholds.smallest_normal)
+        checks = _checks(high, low)
+        failing = [c for c in checks if not c.ok(target)]
+        added = {key: why for key, why in lossy_matmuls(result, model.graph_def, high.stats, low.stats, target,
+                                                        bool(failing)).items() if key not in lossy}
+        summary = (f"{result.report.float8_matmuls} matmul(s) on float8, "
+                   + ("all outputs within tolerance" if not failing else
+                      f"{len(failing)} output(s) over tolerance {target.tolerance:g}"))
+        last = not added or len(rounds) + 1 >= max_rounds
+        rounds.append(Round(checks, {} if last else dict(added)))
+        if last:
+            left = f"; {len(added)} lossy matmul(s) left (--max-rounds {max_rounds})" if added else ""
+            say(f"calibration: float8 validation run {len(rounds)}: {summary}{left}")
+            break
+        say(f"calibration: float8 validation run {len(rounds)}: {summary}; keeping {len(added)} matmul(s) float16")
+        lossy.update(added)
+    calibration = replace(base, target=target.name, rounds=base.rounds + tuple(rounds), result=result,
+                          float8=float8.Float8Calibration(amax, lossy))
+    if not calibration.ok:
+        say(f"calibration: float8 outputs still over tolerance {target.tolerance:g} after {len(rounds)} float8"
+            f" validation run(s) (--max-rounds {max_rounds}); use --max-rounds up to {MAX_ROUNDS_LIMIT}, or target"
+            f" {target.colouring} for this model")
+    return calibration
+
+
+def lossy_matmuls(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
+                  low: Mapping[TensorKey, TensorStats], target: Target, failing: bool) -> dict[tuple[str, str], str]:
+    """(function, node) → the measurement, for each float8 matmul whose own output drift
+    (``blame``'s: its output's drift less the most its inputs carried in) is over the
+    target's tolerance. With outputs ``failing`` and none over it, the worst ones (within
+    ``_BLAME_SHARE`` of the worst), so each run moves towards tolerance."""
+    touching = _tensors_of(graph_def, set(high))
+    own_drift: dict[tuple[str, str], tuple[float, float]] = {}
+    for d in result.report.decisions:
+        if d.rule != Rule.FLOAT8_MATMUL.value:
+            continue
+        keys = touching.get((d.function, d.node), ())
+        out = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] == (d.function, d.node)), default=0.0)
+        carried = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] != (d.function, d.node)), default=0.0)
+        own = out if math.isinf(out) and not math.isinf(carried) else out - carried
+        if own > 0:
+            own_drift[(d.function, d.node)] = (own, out)
+    chosen = {key: v for key, v in own_drift.items() if v[0] > target.tolerance}
+    if failing and not chosen and own_drift:
+        worst = max(own for own, _ in own_drift.values())
+        chosen = {key: v for key, v in own_drift.items() if v[0] >= _BLAME_SHARE * worst}
+    return {key: ("calibration: output turned non-finite in float8" if math.isinf(out) else
+                  f"calibration: output drifted {out:.3g} from float32 in float8, {own:.3g} of it its own"
+                  f" (tolerance {target.tolerance:g})")
+            for key, (own, out) in sorted(chosen.items())}

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130
 RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
-TARGET_NAMES = ("float16", "bfloat16")  # core.target.TARGETS, spelled here so --help needs no TensorFlow
+# core.target's TARGETS and quantized targets, spelled here so --help needs no TensorFlow
+TARGET_NAMES = ("float16", "bfloat16", "float8")
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
 # DepthwiseConv2dNative is not here: its filter's last dim is the channel multiplier, which no user can change.
 TENSOR_CORE_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D", "Conv2DBackpropInput",
@@ -47,6 +48,7 @@ examples:
   amp-rewrite convert graph.pb graph_fp16.pb --fetch logits --fetch probs:0
   amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
   amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml   # then: convert ... --lists keep.yaml
+  amp-rewrite convert my_model/ my_model_fp8/ --target float8 --calibrate calib.npz --inputs held_out.npz
   amp-rewrite inspect my_model/
   amp-rewrite explain my_model/ dense/MatMul
   amp-rewrite dump my_model/ report/
@@ -84,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
         sub.add_argument("--target", choices=TARGET_NAMES, default="float16",
-                         help="float16 (NVIDIA GPUs, default) or bfloat16 (CPUs with AVX512-BF16/AMX)")
+                         help="float16 (NVIDIA GPUs, default), bfloat16 (CPUs with AVX512-BF16/AMX) or float8"
+                              " (float16 with float8_e4m3fn matmuls under XLA, compute capability 8.9+; needs"
+                              " calibration: convert --calibrate, or --lists from calibrate --target float8)")
         sub.add_argument("--tag-set", metavar="TAGS",
                          help="SavedModel: the MetaGraphDef to convert, tags comma-separated as saved_model_cli's"
                               " --tag_set (default: serve); the others are copied as they are")
@@ -225,15 +229,36 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
 
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
+    float8 = _float8_calibration(args)
     model = read_model(args.src, args.fetch, args.tag_set)
     steps("rewriting")
     try:
-        result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function)
+        result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function, **float8)
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
     steps.done()
     _say(args, *_model_lines(model))
     return model, result, lists
+
+
+def _float8_calibration(args: argparse.Namespace) -> dict[str, Any]:
+    """Target float8: ``amax`` and ``lossy`` for the rewrite, from the --lists overlay (as
+    ``calibrate --target float8`` writes it), or none yet in a run that calibrates (the
+    float16 path until calibration measures them). Other targets: nothing."""
+    if args.target != "float8":
+        return {}
+    from amp_rewrite.core.lists import load_float8
+
+    found = load_float8(args.lists) if args.lists else None
+    if found is not None:
+        return {"amax": found.amax, "lossy": found.lossy}
+    if args.command == "calibrate" or getattr(args, "calibrate", None) is not None:
+        return {"amax": {}}
+    what = f"{args.lists} has no amax" if args.lists else "--target float8 needs the amax of each matmul input"
+    calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " if args.command == "convert" \
+        else "pass "
+    raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
+                          " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
 
 
 def _model_lines(model: Model) -> list[str]:
@@ -337,13 +362,17 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     if random:
         print(f"amp-rewrite: warning: calibrating on random inputs ({calibrate.RANDOM_FEEDS} batches, N(0,1) floats,"
               " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
-    thresholds = calibrate.Thresholds.for_target(lookup_target(args.target), args.max_magnitude, args.small_share)
+    thresholds = calibrate.Thresholds.for_target(lookup_target(args.target, quantized=True), args.max_magnitude,
+                                                 args.small_share)
     result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
                                  max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
                                  source=statistics.RANDOM_INPUTS if random else str(data))
     kept = len(result.kept)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
+    if result.float8 is not None:
+        _say(args, f"Calibration: {result.result.report.float8_matmuls} matmul(s) on float8_e4m3fn operands,"
+                   f" {len(result.float8.lossy)} kept float16 as too lossy in float8")
     return result
 
 
@@ -377,7 +406,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
         errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random)
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random)
-    target = lookup_target(args.target)
+    target = lookup_target(args.target, quantized=True)
     runs = 1 if args.inputs else max(args.validate, 1)
     failed = [e for e in errors if not e.ok(target)]
     _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
@@ -421,8 +450,11 @@ def _model_headline(report: Report, items: Sequence[Any]) -> str:
     converted = sum(item.vertices_converted for item in items)
     nodes = sum(item.nodes_before for item in items)
     casts = sum(item.casts_to_target for item in items)
-    return (f"Model: converted {converted}/{nodes} nodes to {report.target} using {casts} cast(s) to"
-            f" {report.target} (excluding Const and Variable casts)")
+    line = (f"Model: converted {converted}/{nodes} nodes to {report.painted} using {casts} cast(s) to"
+            f" {report.painted} (excluding Const and Variable casts)")
+    if report.painted != report.target:
+        line += f"; {sum(item.float8_matmuls for item in items)} matmul(s) on float8_e4m3fn operands"
+    return line
 
 
 def _plumbing_line(report: Report, kinds: dict[str, str]) -> str:
@@ -462,14 +494,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
          *([kinds.get(item.function, "model")] if args.all else [])]
         for item in shown
     ]
-    header = ["function", "nodes", "converted", f"casts to {report.target}", "kept float32 (top reasons)"]
+    header = ["function", "nodes", "converted", f"casts to {report.painted}", "kept float32 (top reasons)"]
     print(_table(rows, header + (["role"] if args.all else [])))
     if kinds:
         print(_model_headline(report, model_items))
         if not args.all:
             print(_plumbing_line(report, kinds))
     print(report.summary())
-    if lookup_target(args.target).device_type == "GPU":  # Tensor Cores
+    if lookup_target(args.target, quantized=True).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
         if hints:
             print("\nTensor Core hints (converted ops with static dims that are not multiples of 8):")

@@ -30,6 +30,7 @@ from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.report import Decision, Report, dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
+from amp_rewrite.core.target import lookup_target
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def write_dump(
     them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
     """
     plumbing = dict(plumbing or {})
-    if lists.target != result.report.target:
+    painted = lookup_target(result.report.target, quantized=True).colouring  # float8 colours with float16's lists
+    if lists.target != painted:
         raise ValueError(
             f"lists are for {lists.target!r} but the rewrite converted to {result.report.target!r};"
             " pass the OpLists that rewrite_graph_def used"
@@ -119,7 +121,7 @@ def write_dump(
     for item in items:
         dot = _dot(
             item, function_to_classes[item.function], function_to_decisions[item.function], after_op_defs,
-            title, result.report.target,
+            title, result.report.painted,
         )
         dot_path = _write(root / "graphs" / f"{item.stem}.dot", dot)
         written.append(dot_path)
@@ -493,7 +495,7 @@ def _report_html(
     plumbing_block = "" if not plumbing_rows else _PLUMBING_TEMPLATE.format(
         count=len(plumbing_rows), nodes=sum(function_to_stats[f].nodes_before for f in plumbing if f in function_to_stats),
         kinds=_e(", ".join(f"{kind} {n}" for kind, n in sorted(plumbing_kinds.items()))),
-        target=_e(report.target), rows="\n".join(plumbing_rows))
+        painted=_e(report.painted), rows="\n".join(plumbing_rows))
     legend = "".join(
         f'<span class="legend"><span class="sw {name}"></span>{_e(text)}</span>'
         for name, (_, text) in CLASS_TO_STYLE.items()
@@ -502,6 +504,9 @@ def _report_html(
     return _HTML_TEMPLATE.format(
         title=_e(title),
         target=_e(report.target),
+        painted=_e(report.painted),
+        float8_card="" if report.painted == report.target else
+        f'<div class="card"><b>{report.float8_matmuls}</b><span>matmuls on float8_e4m3fn</span></div>\n',
         lists=_e(" + ".join(Path(source).name for source in lists.sources) or "built-in"),
         nodes=sum(stats.nodes_before for stats in model_stats),
         converted=sum(stats.vertices_converted for stats in model_stats),
@@ -603,7 +608,7 @@ _SCRIPT = """
 _PLUMBING_TEMPLATE = """<details id="plumbing"><summary>TensorFlow's plumbing, not the model: {count} item(s), {nodes} nodes
 ({kinds}); counted in the "all" line only, their decisions are in after/*.pbtxt</summary>
 <table>
-<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {target}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
+<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {painted}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
 <tbody>
 {rows}
 </tbody>
@@ -627,15 +632,15 @@ _HTML_TEMPLATE = """<!DOCTYPE html>
 <div class="cards">
 <div class="card"><b>{nodes}</b><span>nodes before</span></div>
 <div class="card"><b>{converted}</b><span>vertices converted</span></div>
-<div class="card"><b>{casts_to_target}</b><span>casts to {target}</span></div>
+<div class="card"><b>{casts_to_target}</b><span>casts to {painted}</span></div>
 <div class="card"><b>{kept}</b><span>vertices kept float32</span></div>
-</div>
+{float8_card}</div>
 <ul class="summary"><li><b>all</b>: {summary}</li>
 {summary_lines}</ul>
 
 <h2>Items</h2>
 <table id="items">
-<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {target}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
+<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {painted}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
 <tbody>
 {item_rows}
 </tbody>

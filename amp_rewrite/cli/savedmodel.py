@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
@@ -241,10 +241,14 @@ def plumbing_kinds(model: Model) -> dict[str, str]:
     return kinds
 
 
-def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False) -> RewriteResult:
-    """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes."""
+def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False,
+                  amax: Mapping[tuple[str, str, int], float] | None = None,
+                  lossy: Mapping[tuple[str, str], str] | None = None) -> RewriteResult:
+    """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes.
+    ``amax`` and ``lossy``: target float8's calibration (``rewrite_graph_def``)."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
-                             cross_function=cross_function, entry_functions=model.entry_functions)
+                             cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
+                             lossy=lossy)
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:

@@ -17,12 +17,18 @@ range, not precision (Transformer Engine's first scaling recipe did the same).
 
 Where amax comes from, per operand (found through the rewrite's own casts and Identity):
 
-* a ``Const``: its value;
-* a ``ReadVariableOp`` (also through Reshape, Transpose, ...): computed in the graph, ``Max(Abs(w))`` on every call, so the scale
-  follows whatever the variable holds; the GEMM rewriter takes any scalar as the scale;
+* a ``ReadVariableOp`` (also through Reshape, Transpose, ...): computed in the graph,
+  ``Max(Abs(w))`` on every call, so the scale follows whatever the variable holds; the GEMM
+  rewriter takes any scalar as the scale;
 * anything else (an activation): ``amax[(function, node, port)]``, the calibration's
   largest finite |x| of that float32 tensor. Without one, the matmul stays float16 and the
   report says why.
+
+A matmul stays float16, with its reason, where FP8 would cost accuracy and give no FP8
+GEMM: an operand that is a ``Const`` (TensorFlow's XLA bridge folds a constant subgraph,
+a float8_e4m3fn ``Const`` included, into a float16 constant before XLA sees it: measured
+in the HLO of a ``jit_compile`` function), and the matmuls calibration measured too lossy
+(``lossy``).
 
 XLA only sees this in functions it compiles: ``mark_xla_must_compile`` marks the library
 functions that hold a float8 matmul as ``tf.function(jit_compile=True)`` does.
@@ -39,6 +45,8 @@ from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.program import program_of
+from amp_rewrite.core.rules import Reason, Rule
 
 TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
 Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
@@ -54,10 +62,58 @@ _VARIABLE_READS = frozenset({"ReadVariableOp"})
 # Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
 _SAME_VALUES = frozenset({"Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
 XLA_MUST_COMPILE = "_XlaMustCompile"  # what tf.function(jit_compile=True) puts on the function and its calls
+_SCOPE = "::"  # FUNCTION::node in an overlay's amax and lossy keys, as in keep_nodes
 
-# Decision rules (the values rules.Rule would give them; see the report's Decision.rule).
-RULE_FLOAT8 = "float8-matmul"
-RULE_NO_AMAX = "float8-no-amax"
+
+@dataclass(frozen=True)
+class Float8Calibration:
+    """What calibration hands the float8 step, as an overlay's ``amax`` and ``lossy`` hold it."""
+
+    amax: Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x|
+    lossy: Mapping[tuple[str, str], str]         # (function, node) -> the FP8 error measured there
+
+
+def key_text(key: tuple[str, ...]) -> str:
+    """``(function, node, port)`` → ``FUNCTION::node:port`` (``node:port`` in the main graph);
+    ``(function, node)`` → ``FUNCTION::node``: how an overlay names a tensor or a matmul."""
+    function, node, *port = key
+    name = f"{node}:{port[0]}" if port else node
+    return f"{function}{_SCOPE}{name}" if function else name
+
+
+def parse_key(text: str, *, port: bool) -> tuple:
+    """``key_text``'s inverse; ValueError naming the form expected."""
+    function, scoped, name = text.rpartition(_SCOPE) if _SCOPE in text else ("", "", text)
+    form = "FUNCTION::node:port or node:port" if port else "FUNCTION::node or node"
+    if not name or (scoped and not function):
+        raise ValueError(f"{text!r} is not {form}")
+    if not port:
+        if ":" in name:
+            raise ValueError(f"{text!r} is not {form} (a node name has no ':')")
+        return function, name
+    node, _, number = name.rpartition(":")
+    if not node or not number.isdigit():
+        raise ValueError(f"{text!r} is not {form}")
+    return function, node, int(number)
+
+
+def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, str, int]]:
+    """(function, node, port) of every tensor a two-operand matmul of ``graph_def`` (main graph
+    and library functions) reads that is not a weight: the amax the float8 step asks for."""
+    program = program_of(graph_def)
+    found = set()
+    for function in program.names:
+        body = program.item(function)
+        nodes = {node.name: node for node in body.node}
+        for node in body.node:
+            data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+            if node.op not in MATMUL_OPS or len(data_inputs) != MATMUL_OPS[node.op]:
+                continue
+            for tensor in data_inputs:
+                ref = parse_tensor_name(tensor)
+                if ref.node in nodes and _origin(nodes, ref.node).op not in ("Const", *_VARIABLE_READS):
+                    found.add((function, ref.node, ref.port))
+    return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -65,8 +121,8 @@ class Operand:
     """How one operand of a float8 matmul is scaled."""
 
     tensor: str         # the float32 tensor the amax is of ("node:port"), named as in the input graph
-    kind: str           # "activation" (calibration amax), "constant" (its value) or "variable" (in-graph)
-    amax: float | None  # None for a variable: computed on every call
+    kind: str           # "activation" (calibration amax), "variable" (in-graph) or "constant" (never quantized)
+    amax: float | None  # None for a variable (computed on every call), or an activation without one
     scale: float | None
 
     def describe(self) -> str:
@@ -77,30 +133,23 @@ class Operand:
 
 @dataclass(frozen=True)
 class Float8Decision:
-    """What happened to one converted matmul: quantized (``operands``) or left float16 (``missing``)."""
+    """What happened to one converted matmul: quantized (``operands``), or left float16 (``kept``, why)."""
 
     node: str
     op: str
     operands: tuple[Operand, ...] = ()
-    missing: tuple[str, ...] = ()  # activation tensors without an amax
-    why_not: str = ""              # another reason it stays float16
+    kept: Reason | None = None
 
     @property
     def quantized(self) -> bool:
-        return not self.missing and not self.why_not
+        return self.kept is None
 
     @property
-    def rule(self) -> str:
-        return RULE_FLOAT8 if self.quantized else RULE_NO_AMAX
-
-    @property
-    def text(self) -> str:
-        if self.quantized:
-            return "float8_e4m3fn operands: " + "; ".join(operand.describe() for operand in self.operands)
-        if self.why_not:
-            return f"stays float16: {self.why_not}"
-        return (f"stays float16: no calibration amax for {', '.join(map(repr, self.missing))};"
-                " calibrate with inputs that reach it")
+    def reason(self) -> Reason:
+        if self.kept is not None:
+            return self.kept
+        text = "float8_e4m3fn operands: " + "; ".join(operand.describe() for operand in self.operands)
+        return Reason(Rule.FLOAT8_MATMUL, text)
 
 
 def power_of_two_scale(amax: float, dtype: int = types_pb2.DT_HALF) -> float:
@@ -117,10 +166,13 @@ def power_of_two_scale(amax: float, dtype: int = types_pb2.DT_HALF) -> float:
 
 def quantize_matmuls(
     graph_def: graph_pb2.GraphDef, *, function: str, amax: Amax, converted: Collection[str],
+    lossy: Mapping[str, str] | None = None,
 ) -> tuple[graph_pb2.GraphDef, tuple[Float8Decision, ...]]:
     """The float8 step on one item (the main graph, or ``function``'s body with ``_Arg`` and
-    ``_Retval`` nodes): a new GraphDef, and one decision per matmul in ``converted`` (the
-    nodes the float16 rewrite converted). ``graph_def`` is not modified."""
+    ``_Retval`` nodes): a new GraphDef, and one decision per two-operand matmul in
+    ``converted`` (the nodes the float16 rewrite converted). ``lossy``: node -> the error
+    calibration measured, for the matmuls to leave float16. ``graph_def`` is not modified."""
+    lossy = lossy or {}
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
@@ -132,19 +184,34 @@ def quantize_matmuls(
         dtype = node.attr["T"].type
         data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
         if len(data_inputs) != MATMUL_OPS[node.op] or dtype not in _EXPONENTS:
-            decisions.append(Float8Decision(node.name, node.op, why_not=f"{len(data_inputs)} operands"
-                                            if dtype in _EXPONENTS else "not float16 or float32"))
-            continue
+            continue  # a one-operand Einsum: no product to quantize
         operands = [_operand(nodes, tensor, function, amax, dtype) for tensor in data_inputs]
-        missing = tuple(operand.tensor for operand in operands if operand.kind == "activation"
-                        and operand.amax is None)
-        if missing:
-            decisions.append(Float8Decision(node.name, node.op, missing=missing))
+        kept = _kept(operands, lossy.get(node.name))
+        if kept is not None:
+            decisions.append(Float8Decision(node.name, node.op, tuple(operands), kept))
             continue
         for position, (tensor, operand) in enumerate(zip(data_inputs, operands)):
             node.input[position] = builder.dequantized(tensor, operand, dtype)
         decisions.append(Float8Decision(node.name, node.op, tuple(operands)))
     return output, tuple(decisions)
+
+
+def _kept(operands: Iterable[Operand], lossy: str | None) -> Reason | None:
+    """Why a matmul with these operands stays float16, or None: it is quantized."""
+    operands = tuple(operands)
+    constants = [operand.tensor for operand in operands if operand.kind == "constant"]
+    if constants:
+        return Reason(Rule.FLOAT8_CONST_OPERAND,
+                      f"stays float16: Const operand {', '.join(map(repr, constants))} is folded into a float16"
+                      " constant before XLA sees it, so FP8 would add its error without an FP8 GEMM; hold the weight"
+                      " in a variable, as a SavedModel does")
+    missing = [operand.tensor for operand in operands if operand.kind == "activation" and operand.amax is None]
+    if missing:
+        return Reason(Rule.FLOAT8_NO_AMAX, f"stays float16: no calibration amax for {', '.join(map(repr, missing))};"
+                                           " calibrate with inputs that reach it")
+    if lossy is not None:
+        return Reason(Rule.FLOAT8_LOSSY, f"stays float16: {lossy}")
+    return None
 
 
 def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: str, amax: Amax,
@@ -156,14 +223,9 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
     while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
         ref = parse_tensor_name(nodes[ref.node].input[0])
     source = f"{ref.node}:{ref.port}"
-    origin = nodes[ref.node]
-    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
-        origin = nodes[parse_tensor_name(origin.input[0]).node]
+    origin = _origin(nodes, ref.node)
     if origin.op == "Const":
-        value = tensor_util.MakeNdarray(origin.attr["value"].tensor).astype(np.float64)
-        finite = np.abs(value[np.isfinite(value)])
-        found = float(finite.max()) if finite.size else 0.0
-        return Operand(source, "constant", found, power_of_two_scale(found, dtype))
+        return Operand(source, "constant", None, None)
     if origin.op in _VARIABLE_READS:
         return Operand(source, "variable", None, None)
     found = amax.get((function, ref.node, ref.port))
@@ -176,6 +238,14 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
         )
     found = float(found)
     return Operand(source, "activation", found, power_of_two_scale(found, dtype))
+
+
+def _origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
+    """The node whose values ``name`` passes on, through ops that only move values and the rewrite's casts."""
+    origin = nodes[name]
+    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
+        origin = nodes[parse_tensor_name(origin.input[0]).node]
+    return origin
 
 
 class _Builder:

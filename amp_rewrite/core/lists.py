@@ -29,6 +29,13 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
    (``:`` never occurs in a node name); one without ``::`` matches in every item. A kept
    node stays float32 and acts as a deny op (``colouring.propagate_deny_forward``).
    ``OpLists.keeping`` adds entries to loaded lists (the CLI's ``--keep``).
+   Target float8's calibration lives in the overlay too, read by ``load_float8``, not by
+   ``load_lists`` (it only checks them)::
+
+       amax:  {"dense/Relu:0": 3.25, "__inference_call_123::dense/Relu:0": 3.25}  # tensor -> largest |x|
+       lossy: {"__inference_call_123::dense_2/MatMul": "calibration: ..."}       # matmul -> its FP8 error
+
+   Names are literal (no regex); ``FUNCTION::`` names a library function's tensor or node.
 3. TensorFlow's variables, with TensorFlow's semantics, read here and nowhere else:
    ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD`` then ``..._REMOVE`` for LIST in
    ALLOWLIST, INFERLIST, DENYLIST, CLEARLIST, then the legacy WHITELIST, GRAYLIST,
@@ -47,6 +54,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import os
 import re
 import string
@@ -59,6 +67,7 @@ from types import MappingProxyType
 
 import yaml
 
+from amp_rewrite.core import float8
 from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
 
@@ -81,7 +90,8 @@ _LIST_TO_ENV_NAMES = {
     "infer": ("INFERLIST", "GRAYLIST"),
     "clear": ("CLEARLIST",),
 }
-_OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes")
+_FLOAT8_KEYS = ("amax", "lossy")  # target float8's calibration: load_float8
+_OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes", *_FLOAT8_KEYS)
 _EDIT_KEYS = ("add", "remove")
 _SCOPE = "::"  # FUNCTION::PATTERN in keep_nodes
 _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slower converted
@@ -192,9 +202,10 @@ def load_lists(
     An ``OpLists`` overlay is taken as already loaded and returned unchanged.
     ``environ`` defaults to ``os.environ``. Raises ListsError for any invalid input.
     With no overlay and none of the variables set, every call returns the same lists
-    (``OpLists`` is immutable): the pass loads them on each rewrite.
+    (``OpLists`` is immutable): the pass loads them on each rewrite. A target built on
+    another's colouring (float8) gets that target's lists (float16's).
     """
-    target = lookup_target(target)
+    target = _colouring(target)
     if isinstance(overlay, OpLists):
         if overlay.target != target.name:
             raise ListsError(
@@ -207,6 +218,18 @@ def load_lists(
     if overlay is None and not any(environ.get(var) for var in _VARIABLES):
         return _builtin_lists(builtin_path, target)
     return _build(target, builtin_path, overlay, environ)
+
+
+def load_float8(overlay: str | os.PathLike[str]) -> float8.Float8Calibration | None:
+    """Target float8's calibration in an overlay file (``amax`` and ``lossy``, module doc), as
+    ``rewrite_graph_def(amax=..., lossy=...)`` takes it; None if the file has no ``amax``.
+    Raises ListsError for any invalid input."""
+    shown = os.fspath(overlay)
+    data = _read_yaml(Path(overlay), shown)
+    if data is None:
+        return None
+    _check_mapping(data, shown, "the file", _OVERLAY_KEYS)
+    return _read_float8(data, shown)
 
 
 @functools.cache
@@ -333,8 +356,13 @@ class _Draft:
 
 def held_float32(target: str | Target) -> frozenset[str]:
     """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
-    target = lookup_target(target)
+    target = _colouring(target)
     return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
+
+
+def _colouring(target: str | Target) -> Target:
+    """The target whose lists ``target`` colours with: itself, or float16 for float8."""
+    return lookup_target(lookup_target(target, quantized=True).colouring)
 
 
 def _conflict_message(op: str, first: tuple[str, int, str], second: tuple[str, int, str]) -> str:
@@ -446,7 +474,43 @@ def _read_overlay(
         edits[name] = {action: _strings(section.get(action), shown, f"{name}.{action}") for action in _EDIT_KEYS}
     keep_nodes, keep_reasons = _keep_nodes(data.get("keep_nodes"), shown)
     _compile_keep_nodes(keep_nodes, shown, indexed=not isinstance(data.get("keep_nodes"), dict))
+    _read_float8(data, shown)  # checked here too: a bad file fails whichever reads it first
     return edits, keep_nodes, keep_reasons
+
+
+def _read_float8(data: Mapping[str, object], shown: str) -> float8.Float8Calibration | None:
+    """An overlay's ``amax`` and ``lossy``, validated; None without ``amax``."""
+    amax_data, lossy_data = data.get("amax"), data.get("lossy")
+    if amax_data is None:
+        if lossy_data:
+            raise ListsError(f"{shown}: 'lossy' without 'amax'; write both, as amp-rewrite calibrate --target float8"
+                             " does, or remove 'lossy'")
+        return None
+    _check_mapping(amax_data, shown, "amax", None, example="{'dense/Relu:0': 3.25}")
+    _check_mapping(lossy_data or {}, shown, "lossy", None, example="{'dense/MatMul': 'calibration: ...'}")
+    amax: dict[tuple[str, str, int], float] = {}
+    for text, value in amax_data.items():
+        key = _float8_key(text, shown, "amax", port=True)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ListsError(f"{shown}: amax {text!r} is {value!r}, not the largest |x| (a finite number >= 0);"
+                             " recalibrate")
+        amax[key] = float(value)
+    lossy: dict[tuple[str, str], str] = {}
+    for text, reason in (lossy_data or {}).items():
+        key = _float8_key(text, shown, "lossy", port=False)
+        if not isinstance(reason, str) or "\n" in reason or "\r" in reason:
+            raise ListsError(f"{shown}: lossy {text!r} has reason {reason!r}, not one line of text; quote it on one line")
+        lossy[key] = reason
+    return float8.Float8Calibration(MappingProxyType(amax), MappingProxyType(lossy))
+
+
+def _float8_key(text: object, shown: str, where: str, *, port: bool) -> tuple:
+    if not isinstance(text, str):
+        raise ListsError(f"{shown}: {where} key {text!r} is {type(text).__name__}, not a name; quote it")
+    try:
+        return float8.parse_key(text, port=port)
+    except ValueError as error:
+        raise ListsError(f"{shown}: {where} key {error}; names are as amp-rewrite calibrate writes them") from None
 
 
 def _keep_nodes(value: object, shown: str) -> tuple[tuple[str, ...], dict[str, str]]:

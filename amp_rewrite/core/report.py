@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.target import NAME_TO_TARGET
+from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
 
 if TYPE_CHECKING:
     from amp_rewrite.core.rules import Reason
@@ -68,8 +68,8 @@ class PendingDecisions:
     ops: Mapping[str, str]               # node -> op
     converted: Collection[Vertex]        # the vertices that became the target
     reasons: Mapping[Vertex, Reason]     # a reason for every float32 vertex with a type attr
-    # (node, attr) -> (rule, reason) replacing the colouring's, e.g. a float8 matmul's scales
-    overrides: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    # (node, attr) -> the reason replacing the colouring's, e.g. a float8 matmul's scales
+    overrides: Mapping[tuple[str, str], Reason] = field(default_factory=dict)
 
     def decisions(self) -> Iterator[Decision]:
         attr_names: dict[object, str] = {}
@@ -80,11 +80,9 @@ class PendingDecisions:
             attr_name = attr_names.get(attr)
             if attr_name is None:
                 attr_name = attr_names[attr] = str(attr)
-            rule, text, source = self.reasons[vertex]
-            rule = rule.value
             override = self.overrides.get((node, attr_name)) if self.overrides else None
-            if override is not None:
-                (rule, text), source = override, ""
+            rule, text, source = self.reasons[vertex] if override is None else override
+            rule = rule.value
             after = self.target if vertex in self.converted else "float32"
             # tuple.__new__ skips Decision's Python-level constructor: thousands per graph.
             yield _new_tuple(Decision, (self.function, node, self.ops[node], attr_name, "float32", after, rule, text,
@@ -141,11 +139,16 @@ class Report:
     def float8_matmuls(self) -> int:
         return self._total("float8_matmuls", None)
 
+    @property
+    def painted(self) -> str:
+        """The dtype converted vertices got: the target's, or float16 for float8 (its colouring)."""
+        return lookup_target(self.target, quantized=True).colouring
+
     def summary(self, function: str | None = None) -> str:
         """Grappler's log line, word for word, for one item or (None) all of them."""
         converted, nodes = self._total("vertices_converted", function), self._total("nodes_before", function)
         casts = self._total("casts_to_target", function)
-        painted = self.pending[0].target if self.pending else self.target  # float8 paints float16
+        painted = self.painted
         line = (
             f"Converted {converted}/{nodes} nodes to {painted} precision"
             f" using {casts} cast(s) to {painted} (excluding Const and Variable casts)"

@@ -82,6 +82,7 @@ def rewrite_graph_def(
     entry_functions: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
     amax: Mapping[tuple[str, str, int], float] | None = None,
+    lossy: Mapping[tuple[str, str], str] | None = None,
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
@@ -90,6 +91,8 @@ def rewrite_graph_def(
     ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32
     tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
     activation operand missing from it stays float16.
+    ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for
+    matmuls to leave float16 (rule ``float8-lossy``).
     ``fetches``: node (or tensor) names whose outputs must keep their dtype.
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
@@ -100,10 +103,10 @@ def rewrite_graph_def(
     ``progress(done, total)`` is called as items are prepared and finished.
     """
     target = lookup_target(target, quantized=True)  # the one check of the user's string
-    _check_amax(target, amax)
+    _check_amax(target, amax, lossy)
     colouring_target = lookup_target(target.colouring)
-    # 1-2. The lists.
-    op_lists = load_lists(colouring_target, lists)
+    # 1-2. The lists (float8's are float16's).
+    op_lists = load_lists(target, lists)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
@@ -113,24 +116,26 @@ def rewrite_graph_def(
         links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
                  else boundaries.Links(()))
         output, stats, decisions = _rewrite_items(program, colouring_target, fetch_nodes, op_lists, names, links,
-                                                  progress or (lambda done, total: None), amax)
+                                                  progress or (lambda done, total: None), amax, lossy or {})
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
-def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | None) -> None:
+def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | None,
+                lossy: Mapping[tuple[str, str], str] | None) -> None:
     if target.name == float8.TARGET_NAME and amax is None:
         raise AmpRewriteError("target 'float8' needs amax, the largest |x| of each float32 tensor on calibration"
                               " inputs ((function, node, port) -> float); calibrate the model first")
-    if target.name != float8.TARGET_NAME and amax is not None:
-        raise AmpRewriteError(f"amax applies to target 'float8', not {target.name!r}; leave it out")
+    for name, value in (("amax", amax), ("lossy", lossy)):
+        if target.name != float8.TARGET_NAME and value is not None:
+            raise AmpRewriteError(f"{name} applies to target 'float8', not {target.name!r}; leave it out")
 
 
 def _rewrite_items(
     program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
-    amax: Mapping[tuple[str, str, int], float] | None = None,
+    amax: Mapping[tuple[str, str, int], float] | None = None, lossy: Mapping[tuple[str, str], str] | None = None,
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     """Steps 3-10 (module doc) on every item: the main graph, then each function body."""
     total = 2 * (len(names) + 1)
@@ -154,7 +159,8 @@ def _rewrite_items(
         with _naming(name):
             graph, item_stats, item_decisions = _finish(item, paintings[name], name)
             if amax is not None:
-                graph, item_stats, item_decisions = _quantize(graph, item_stats, item_decisions, name, amax)
+                item_lossy = {node: why for (function, node), why in (lossy or {}).items() if function == name}
+                graph, item_stats, item_decisions = _quantize(graph, item_stats, item_decisions, name, amax, item_lossy)
                 if item_stats.float8_matmuls and name != MAIN_GRAPH:
                     compiled.append(name)
         if name == MAIN_GRAPH:
@@ -173,14 +179,14 @@ def _rewrite_items(
 
 def _quantize(
     graph: graph_pb2.GraphDef, stats: ItemStats, decisions: PendingDecisions, function: str,
-    amax: Mapping[tuple[str, str, int], float],
+    amax: Mapping[tuple[str, str, int], float], lossy: Mapping[str, str],
 ) -> tuple[graph_pb2.GraphDef, ItemStats, PendingDecisions]:
     """Step 10 (module doc) on one item: its converted matmuls' operands to float8."""
     converted = {vertex.node for vertex in decisions.converted if vertex.attr.name == "T"}
-    graph, found = float8.quantize_matmuls(graph, function=function, amax=amax, converted=converted)
+    graph, found = float8.quantize_matmuls(graph, function=function, amax=amax, converted=converted, lossy=lossy)
     quantized = sum(decision.quantized for decision in found)
     log.debug("%s: step 10 float8: %d of %d matmuls quantized", function or "main graph", quantized, len(found))
-    overrides = {(decision.node, "T"): (decision.rule, decision.text) for decision in found}
+    overrides = {(decision.node, "T"): decision.reason for decision in found}
     return graph, replace(stats, float8_matmuls=quantized), replace(decisions, overrides=overrides)
 
 

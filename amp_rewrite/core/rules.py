@@ -28,6 +28,15 @@ class Rule(enum.Enum):
     INFER_AFTER_ALLOW = "infer-after-allow", "infer op fed directly by an allow op"
     CLEAR_PROPAGATION = "clear-propagation", "clear op connected to an allow op through clear ops"
     EXISTING_CAST = "existing-cast", "a Cast already in the graph whose consumers are all converted"
+    # ... and, target float8 only, what the float8 step did to a converted matmul (core/float8.py) ...
+    FLOAT8_MATMUL = "float8-matmul", "matmul whose operands are quantized to float8_e4m3fn with per-tensor scales"
+    FLOAT8_NO_AMAX = (
+        "float8-no-amax", "allowed matmul kept float16: no calibration amax for an activation operand"
+    )
+    FLOAT8_LOSSY = "float8-lossy", "allowed matmul kept float16: calibration measured too large an FP8 error at it"
+    FLOAT8_CONST_OPERAND = (
+        "float8-const-operand", "allowed matmul kept float16: a Const operand is folded to float16 before XLA, so no FP8 GEMM"
+    )
     # ... either way (spec §2.3 passes 0, 3, 8, 9; cross_function) ...
     CROSS_FUNCTION = "cross-function", "shares its type with the other side of a function or loop boundary"
     TENSOR_LIST = "tensor-list", "a TensorList and its users share one element type"
