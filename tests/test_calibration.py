@@ -324,3 +324,27 @@ def test_cli_random_calibration_inputs_the_model_rejects_ask_for_real_ones(tmp_p
     assert line.startswith("amp-rewrite: error: ") and "signature 'pick': the model fails on random inputs" in line
     assert line.endswith("pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)")
     assert not (tmp_path / "keep.yaml").exists()
+
+
+def test_overlay_works_in_the_live_rewrite_without_data(tmp_path: Path) -> None:
+    """The overlay calibration writes for a tf.function's graph keeps the live rewrite of
+    that function finite too: plain node names match the live trace's nodes."""
+    w1, w2 = _weights(1, (WIDTH, 128), 1.0), _weights(2, (128, 8), 0.1)
+
+    def mlp(x: tf.Tensor) -> tf.Tensor:
+        hidden = tf.nn.relu(tf.matmul(x, w1, name="matmul1"), name="relu1")
+        return tf.matmul(hidden, w2, name="matmul2")
+
+    spec = tf.TensorSpec([None, WIDTH], tf.float32)
+    graph_def = tf.function(mlp).get_concrete_function(spec).graph.as_graph_def()
+    x = inputs(0)["x"] * 5000.0
+    overlay = tmp_path / "keep.yaml"
+    overlay.write_text(amp_rewrite.calibrate(graph_def, {"x": x}).overlay(), encoding="utf-8")
+    expected = mlp(tf.constant(x)).numpy()
+    outputs = {}
+    for name, lists in (("plain", None), ("overlay", overlay)):
+        with amp_rewrite.mixed_precision("float16", lists=lists):
+            outputs[name] = tf.function(mlp)(tf.constant(x)).numpy()  # a new trace, rewritten live
+    assert not np.all(np.isfinite(outputs["plain"]))
+    assert np.all(np.isfinite(outputs["overlay"]))
+    assert np.abs(outputs["overlay"] - expected).max() <= 1e-2 * np.abs(expected).max()
