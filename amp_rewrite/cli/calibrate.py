@@ -148,7 +148,8 @@ class Calibration:
         if self.float8 is not None:
             data["amax"] = {float8.key_text(key): value for key, value in sorted(self.float8.amax.items())}
             data["lossy"] = {float8.key_text(key): why for key, why in sorted(self.float8.lossy.items())}
-        header = (f"# Written by amp-rewrite calibrate for target {self.target}, from {self.source or 'calibration data'}.\n"
+        source = self.source or "calibration data"
+        header = (f"# Written by amp-rewrite calibrate for target {self.target}, from {source}.\n"
                   f"# Range rules: safe magnitude {self.thresholds.max_magnitude:.6g}, at most"
                   f" {self.thresholds.max_small_share:.0%} of a tensor's magnitude in values below"
                   f" {self.thresholds.smallest_normal:.3g};"
@@ -321,7 +322,8 @@ def calibrate(
         model = read_model(source, fetches, tag_set)
     data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
-    shown = statistics.RANDOM_INPUTS if inputs is None else (str(data) if isinstance(data, Path) else "the arrays given")
+    shown = (statistics.RANDOM_INPUTS if inputs is None
+             else str(data) if isinstance(data, Path) else "the arrays given")
     return run_calibration(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
                            max_rounds=max_rounds, thresholds=thresholds, source=shown)
 
@@ -332,9 +334,9 @@ def check_max_rounds(max_rounds: int) -> None:
 
 
 def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
-              cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
-              thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
-              source: str = "") -> Calibration:
+                    cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
+                    thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
+                    source: str = "") -> Calibration:
     """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
     (``validate.plan_feeds``); ``say`` gets one line per step and round. Target float8:
     this for float16, then ``calibrate_float8``."""
@@ -355,7 +357,8 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         return rewrite_model(model, target=target.name, lists=lists.keeping(keep_entries(kept, model.graph_def)),
                              cross_function=cross_function)
 
-    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items() if k not in kept}:
+    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items()
+                    if k not in kept}:
         kept.update(added)
         result = rewrite()
     range_kept = len(kept)
@@ -366,8 +369,9 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         checks = _checks(high, low)
         failing = [c for c in checks if not c.ok(target)]
         worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf, default=None)
-        summary = "all outputs within tolerance" if not failing else \
-            f"{len(failing)} output(s) over tolerance {target.tolerance:g}, worst {worst.signature}/{worst.output} {worst.error:.3g}"
+        summary = "all outputs within tolerance" if not failing else (
+            f"{len(failing)} output(s) over tolerance {target.tolerance:g},"
+            f" worst {worst.signature}/{worst.output} {worst.error:.3g}")
         if not failing or len(rounds) + 1 >= max_rounds:
             rounds.append(Round(checks, {}))
             say(f"calibration: validation run {len(rounds)}: {summary}")
@@ -413,8 +417,8 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
                                lossy=lossy)
         if not rounds and not result.report.float8_matmuls:  # the float16 rewrite, validated already
             why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
-            say("calibration: float8: no matmul quantized (" + (", ".join(f"{rule} {n}" for rule, n in why.most_common())
-                                                                or "no converted matmul") + "); no float8 run needed")
+            found = ", ".join(f"{rule} {n}" for rule, n in why.most_common()) or "no converted matmul"
+            say(f"calibration: float8: no matmul quantized ({found}); no float8 run needed")
             break
         low = statistics.collect(model, result.graph_def, feeds, keys, base.thresholds.smallest_normal)
         checks = _checks(high, low)

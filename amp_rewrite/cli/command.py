@@ -301,7 +301,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
     if args.calibrate is not None:
-        calibration = _calibrate(args, model, lists, args.calibrate, steps)
+        calibration = _calibrate(args, model, lists, args.calibrate)
         result, lists = calibration.result, calibration.lists
         if not calibration.ok and not args.keep_failed:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
@@ -347,7 +347,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None, steps: _Steps) -> Any:
+def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None) -> Any:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
     from amp_rewrite.cli import calibrate, statistics, validate
     from amp_rewrite.core.target import lookup_target
@@ -364,9 +364,11 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
               " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target, quantized=True), args.max_magnitude,
                                                  args.small_share)
-    result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists, cross_function=args.cross_function,
-                                 max_rounds=args.max_rounds, thresholds=thresholds, say=lambda line: _say(args, line),
-                                 source=statistics.RANDOM_INPUTS if random else str(data))
+    result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists,
+                                       cross_function=args.cross_function, max_rounds=args.max_rounds,
+                                       thresholds=thresholds,
+                                       say=lambda line: _say(args, line),
+                                       source=statistics.RANDOM_INPUTS if random else str(data))
     kept = len(result.kept)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
@@ -384,7 +386,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_outside(args.src, args.out, "overlay file")
     steps = _Steps(args)
     model, _, lists = _rewrite(args, steps)
-    calibration = _calibrate(args, model, lists, args.inputs, steps)
+    calibration = _calibrate(args, model, lists, args.inputs)
     base = yaml.safe_load(args.lists.read_text(encoding="utf-8")) if args.lists else None
     if args.keep:
         base = dict(base or {})
@@ -618,7 +620,8 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     return [name for name in path if not re.search(r"-CastTo\w+-\d+-AutoMixedPrecision$", name)]
 
 
-COMMANDS = {"convert": cmd_convert, "calibrate": cmd_calibrate, "inspect": cmd_inspect, "explain": cmd_explain, "dump": cmd_dump}
+COMMANDS = {"convert": cmd_convert, "calibrate": cmd_calibrate, "inspect": cmd_inspect, "explain": cmd_explain,
+            "dump": cmd_dump}
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def output_dtypes(node_def: node_def_pb2.NodeDef, op_defs: Mapping) -> list[int]
     return dtypes
 
 
-def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey], small_below: float) -> dict[TensorKey, TensorStats]:
+def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
+                   small_below: float) -> dict[TensorKey, TensorStats]:
     """Statistics of the keys that are float constants, from their values."""
     program = program_of(graph_def)
     by_item: dict[str, list[TensorKey]] = {}
@@ -344,7 +345,8 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
         graph = session.graph
         with graph.as_default():
             maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[len(run_keys)], shared_name=_MAX_VARIABLE)
-            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[len(run_keys), len(_SUMS)], shared_name=_SUM_VARIABLE)
+            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[len(run_keys), len(_SUMS)],
+                                          shared_name=_SUM_VARIABLE)
             initialize = tf.group(
                 tf.raw_ops.AssignVariableOp(resource=maxima, value=tf.zeros([len(run_keys)])),
                 tf.raw_ops.AssignVariableOp(resource=sums, value=tf.zeros([len(run_keys), len(_SUMS)], tf.float64)))
@@ -362,8 +364,8 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                     where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
                     advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
                               if described == RANDOM_INPUTS else "; check them against the model's inputs")
-                    what = f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)" if described == RANDOM_INPUTS \
-                        else described
+                    what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
+                            if described == RANDOM_INPUTS else described)
                     raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
         largest, totals = session.run(read)
@@ -404,15 +406,11 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
                 with deprecation.silence():  # the TF1 loader is what TensorFlow Serving uses: no advice wanted
                     tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
             except (ValueError, RuntimeError, tf.errors.OpError) as error:
-                raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration ({_first_line(error)})") from None
+                raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration"
+                                 f" ({_message(error)})") from None
             yield session
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
 
 
 def model_tensors(model: Model) -> list[TensorKey]:
