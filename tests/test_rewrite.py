@@ -387,3 +387,23 @@ def test_a_kernel_label_decides_alone_like_grappler(target):
     assert dtype_of(rewrites.ours, "plain") != float32
     assert dtype_of(rewrites.ours, "labelled") == float32
     assert rewrites.report.decision("labelled").rule == "no-kernel"
+
+
+def test_float8_target_needs_tensorflow_2_18() -> None:
+    """XLA before TensorFlow 2.18 drops a round trip through float8: there the float8 target
+    is refused with one line saying why; from 2.18 on the same call rewrites."""
+    from amp_rewrite.core import float8
+
+    @tf.function
+    def matmul(x: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(x, tf.ones([4, 4]), name="mm")
+
+    graph_def = matmul.get_concrete_function(tf.TensorSpec([2, 4])).graph.as_graph_def()
+    amax = {("", "x", 0): 1.0}
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) < float8.MIN_TENSORFLOW:
+        with pytest.raises(amp_rewrite.AmpRewriteError, match=r"target 'float8' needs TensorFlow 2\.18 or newer: "
+                                                              r"TensorFlow [\d.]+'s XLA drops a round trip"):
+            amp_rewrite.rewrite_graph_def(graph_def, target="float8", amax=amax)
+    else:
+        result = amp_rewrite.rewrite_graph_def(graph_def, target="float8", amax=amax)
+        assert result.report.target == "float8"

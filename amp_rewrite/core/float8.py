@@ -49,6 +49,21 @@ from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 
 TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
+# XLA before TensorFlow 2.18 folds convert(convert(x, float8), wider) into convert(x, wider):
+# the float8 rounding and the pattern FP8 GEMMs need both vanish (2.16.2 and 2.17.1, CPU).
+MIN_TENSORFLOW = (2, 18)
+
+
+def check_tensorflow() -> None:
+    """Refuse the float8 target where XLA would silently undo it."""
+    from tensorflow.python.framework import versions
+
+    found = tuple(int(part) for part in versions.__version__.split(".")[:2])
+    if found < MIN_TENSORFLOW:
+        raise AmpRewriteError(
+            f"target 'float8' needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))} or newer: TensorFlow"
+            f" {versions.__version__}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
+            " upgrade TensorFlow, or use target float16")
 Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
 
 FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN

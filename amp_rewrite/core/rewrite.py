@@ -124,6 +124,8 @@ def rewrite_graph_def(
 
 def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | None,
                 lossy: Mapping[tuple[str, str], str] | None) -> None:
+    if target.name == float8.TARGET_NAME:
+        float8.check_tensorflow()
     if target.name == float8.TARGET_NAME and amax is None:
         raise AmpRewriteError("target 'float8' needs amax, the largest |x| of each float32 tensor on calibration"
                               " inputs ((function, node, port) -> float); calibrate the model first")
