@@ -44,7 +44,7 @@ from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
-from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.core.target import FLOAT16, Target, lookup_target
 
 # float16's largest finite value is 65504; a tensor calibrated above a quarter of it is
 # kept float32: held-out inputs may run larger than the calibration ones.
@@ -75,7 +75,7 @@ class Thresholds:
         """float16 (and float8, which colours as float16): 16384 and 6.1e-5. bfloat16 has
         float32's exponent range: no range rule fires for it, and its 8-bit mantissa is left
         to repair by validation."""
-        if target.colouring == "float16":
+        if lookup_target(target.colouring) is FLOAT16:
             default, smallest = FLOAT16_SAFE_MAGNITUDE, float(np.finfo(np.float16).tiny)
         else:
             default, smallest = math.inf, 0.0
@@ -162,18 +162,22 @@ class Calibration:
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def keep_entries(kept: Mapping[tuple[str, str], str], graph_def) -> dict[str, str]:
-    """keep_nodes entries (→ reason) naming exactly the ``kept`` (function, node)s: a node
-    name kept wherever the rewrite meets it is one plain entry (a model's functions that
-    share their layers' node names, and also the live rewrite's traces); otherwise
-    ``FUNCTION::name`` per function. A main-graph node has no qualified form: its plain
-    entry also keeps its namesakes in functions float32, which is safe."""
+def node_items(graph_def) -> dict[str, set[str]]:
+    """Node name → the items the rewrite meets it in (the main graph, reachable functions)."""
     program = program_of(graph_def)
-    items = [MAIN_GRAPH, *functions.reachable_functions(graph_def, program.library)]
     where: dict[str, set[str]] = {}
-    for item in items:
+    for item in [MAIN_GRAPH, *functions.reachable_functions(graph_def, program.library)]:
         for node_def in program.item(item).node:
             where.setdefault(node_def.name, set()).add(item)
+    return where
+
+
+def keep_entries(kept: Mapping[tuple[str, str], str], where: Mapping[str, set[str]]) -> dict[str, str]:
+    """keep_nodes entries (→ reason) naming exactly the ``kept`` (function, node)s, given
+    ``node_items``: a node name kept wherever the rewrite meets it is one plain entry (a
+    model's functions that share their layers' node names, and also the live rewrite's
+    traces); otherwise ``FUNCTION::name`` per function. A main-graph node has no qualified
+    form: its plain entry also keeps its namesakes in functions float32, which is safe."""
     by_name: dict[str, dict[str, str]] = {}
     for (function, node), why in kept.items():
         by_name.setdefault(node, {})[function] = why
@@ -192,7 +196,10 @@ def converted_nodes(result: RewriteResult) -> set[tuple[str, str]]:
     return {(d.function, d.node) for d in result.report.decisions if d.converted}
 
 
-def _tensors_of(graph_def, keys: set[TensorKey]) -> dict[tuple[str, str], list[TensorKey]]:
+Touching = Mapping[tuple[str, str], Sequence[TensorKey]]  # (function, node) → the tensors it reads and writes
+
+
+def tensors_of(graph_def, keys: set[TensorKey]) -> Touching:
     """(function, node) → the float tensors it reads and writes, among ``keys``."""
     program = program_of(graph_def)
     items = sorted({k[0] for k in keys})
@@ -210,13 +217,13 @@ def _tensors_of(graph_def, keys: set[TensorKey]) -> dict[tuple[str, str], list[T
     return touching
 
 
-def range_keeps(result: RewriteResult, graph_def, stats: Mapping[TensorKey, TensorStats],
+def range_keeps(result: RewriteResult, touching: Touching, stats: Mapping[TensorKey, TensorStats],
                 thresholds: Thresholds) -> dict[tuple[str, str], str]:
-    """(function, node) → why, for the converted nodes that read or write an out-of-range tensor."""
+    """(function, node) → why, for the converted nodes that read or write an out-of-range
+    tensor; ``touching``: ``tensors_of`` the model and ``stats``' keys."""
     out_of_range = {key: why for key, s in stats.items() if (why := thresholds.violation(s))}
     if not out_of_range:
         return {}
-    touching = _tensors_of(graph_def, set(stats))
     kept = {}
     for function, node in sorted(converted_nodes(result)):
         violations = [key for key in touching.get((function, node), ()) if key in out_of_range]
@@ -239,7 +246,16 @@ def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
     return max(rel(low.max_abs, high.max_abs), rel(low.rms, high.rms))
 
 
-def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
+def _own_drift(node: tuple[str, str], keys: Sequence[TensorKey], high: Mapping[TensorKey, TensorStats],
+               low: Mapping[TensorKey, TensorStats]) -> tuple[float, float]:
+    """(own, out): the drift of ``node``'s outputs, less the largest its inputs carried in
+    (infinite where only it turned non-finite); ``keys``: the tensors it reads and writes."""
+    out = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] == node), default=0.0)
+    carried = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] != node), default=0.0)
+    return (out if math.isinf(out) and not math.isinf(carried) else out - carried), out
+
+
+def blame(result: RewriteResult, touching: Touching, high: Mapping[TensorKey, TensorStats],
           low: Mapping[TensorKey, TensorStats], already: Collection[tuple[str, str]]) -> dict[tuple[str, str], str]:
     """The converted nodes most responsible for the drift, keeping each within
     ``_BLAME_SHARE`` of the worst. A node's own drift is its output's minus the largest its
@@ -248,7 +264,6 @@ def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats
     the converted nodes that feed it, where the error was made."""
     target = result.report.target
     converted = converted_nodes(result) - set(already)
-    touching = _tensors_of(graph_def, set(high))
     blamed: dict[tuple[str, str], tuple[float, str]] = {}
 
     def charge(node: tuple[str, str], own: float, why: str) -> None:
@@ -256,22 +271,18 @@ def blame(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats
             blamed[node] = (own, why)
 
     for (function, node), keys in touching.items():
-        outputs = [k for k in keys if k[:2] == (function, node)]
-        inputs = [k for k in keys if k[:2] != (function, node)]
-        out = max((_drift(low.get(k), high.get(k)) for k in outputs), default=0.0)
-        carried = max((_drift(low.get(k), high.get(k)) for k in inputs), default=0.0)
-        own = out if math.isinf(out) and not math.isinf(carried) else out - carried
+        own, out = _own_drift((function, node), keys, high, low)
         if not own > 0:
             continue
         if math.isinf(out):
-            largest = max((high[k].max_abs for k in outputs if k in high), default=0.0)
+            largest = max((high[k].max_abs for k in keys if k[:2] == (function, node) and k in high), default=0.0)
             why = f"output turned non-finite in {target} (float32's largest |x| {largest:.3g})"
         else:
             why = f"output drifted {out:.3g} from float32 in {target}, {own:.3g} of it its own"
         if (function, node) in converted:
             charge((function, node), own, why)
         else:  # an amplifier: the error came in with its inputs
-            for key in inputs:
+            for key in (k for k in keys if k[:2] != (function, node)):
                 charge(key[:2], own, f"{target} rounding that float32 node '{node}' amplifies: its {why}")
     if not blamed:
         return {}
@@ -352,12 +363,13 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal, described)
     result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     kept: dict[tuple[str, str], str] = {}
+    touching, where = tensors_of(model.graph_def, set(high.stats)), node_items(model.graph_def)  # read once
 
     def rewrite() -> RewriteResult:
-        return rewrite_model(model, target=target.name, lists=lists.keeping(keep_entries(kept, model.graph_def)),
+        return rewrite_model(model, target=target.name, lists=lists.keeping(keep_entries(kept, where)),
                              cross_function=cross_function)
 
-    while added := {k: v for k, v in range_keeps(result, model.graph_def, high.stats, thresholds).items()
+    while added := {k: v for k, v in range_keeps(result, touching, high.stats, thresholds).items()
                     if k not in kept}:
         kept.update(added)
         result = rewrite()
@@ -376,14 +388,14 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
             rounds.append(Round(checks, {}))
             say(f"calibration: validation run {len(rounds)}: {summary}")
             break
-        added = blame(result, model.graph_def, high.stats, low.stats, kept)
+        added = blame(result, touching, high.stats, low.stats, kept)
         rounds.append(Round(checks, added))
         say(f"calibration: validation run {len(rounds)}: {summary}; keeping {len(added)} more node(s) float32")
         if not added:
             break
         kept.update(added)
         result = rewrite()
-    keep = keep_entries(kept, model.graph_def)
+    keep = keep_entries(kept, where)
     calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds), lists.keeping(keep),
                               result, thresholds, source, outputs=high.outputs)
     if not calibration.ok:
@@ -412,6 +424,7 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     amax = {key: s.max_abs for key, s in base.stats.items() if key in wanted}
     lossy: dict[tuple[str, str], str] = {}
     rounds: list[Round] = []
+    touching = tensors_of(model.graph_def, set(high.stats))
     while True:
         result = rewrite_model(model, target=target.name, lists=base.lists, cross_function=cross_function, amax=amax,
                                lossy=lossy)
@@ -423,7 +436,7 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
         low = statistics.collect(model, result.graph_def, feeds, keys, base.thresholds.smallest_normal)
         checks = _checks(high, low)
         failing = [c for c in checks if not c.ok(target)]
-        added = {key: why for key, why in lossy_matmuls(result, model.graph_def, high.stats, low.stats, target,
+        added = {key: why for key, why in lossy_matmuls(result, touching, high.stats, low.stats, target,
                                                         bool(failing)).items() if key not in lossy}
         summary = (f"{result.report.float8_matmuls} matmul(s) on float8, "
                    + ("all outputs within tolerance" if not failing else
@@ -445,21 +458,17 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     return calibration
 
 
-def lossy_matmuls(result: RewriteResult, graph_def, high: Mapping[TensorKey, TensorStats],
+def lossy_matmuls(result: RewriteResult, touching: Touching, high: Mapping[TensorKey, TensorStats],
                   low: Mapping[TensorKey, TensorStats], target: Target, failing: bool) -> dict[tuple[str, str], str]:
     """(function, node) → the measurement, for each float8 matmul whose own output drift
     (``blame``'s: its output's drift less the most its inputs carried in) is over the
     target's tolerance. With outputs ``failing`` and none over it, the worst ones (within
     ``_BLAME_SHARE`` of the worst), so each run moves towards tolerance."""
-    touching = _tensors_of(graph_def, set(high))
     own_drift: dict[tuple[str, str], tuple[float, float]] = {}
     for d in result.report.decisions:
         if d.rule != Rule.FLOAT8_MATMUL.value:
             continue
-        keys = touching.get((d.function, d.node), ())
-        out = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] == (d.function, d.node)), default=0.0)
-        carried = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] != (d.function, d.node)), default=0.0)
-        own = out if math.isinf(out) and not math.isinf(carried) else out - carried
+        own, out = _own_drift((d.function, d.node), touching.get((d.function, d.node), ()), high, low)
         if own > 0:
             own_drift[(d.function, d.node)] = (own, out)
     chosen = {key: v for key, v in own_drift.items() if v[0] > target.tolerance}
