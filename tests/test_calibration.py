@@ -1,4 +1,4 @@
-"""Calibration (``amp_rewrite.cli.statistics`` and ``amp_rewrite.cli.calibrate``):
+"""Calibration (``amp_rewrite.calibration.statistics`` and ``amp_rewrite.calibration.calibrate``):
 
 1. the statistics of one instrumented run equal NumPy's on the same tensors, in the main
    graph, in a called function's body and across a loop's iterations;
@@ -22,8 +22,8 @@ import yaml
 from tensorflow.core.framework import graph_pb2
 
 import amp_rewrite
-from amp_rewrite.cli import calibrate, statistics, validate
-from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model
+from amp_rewrite.calibration import calibrate, statistics, validate
+from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model
 from amp_rewrite.core.target import lookup_target
 
 from test_cli import assert_ok, error_line, run_cli

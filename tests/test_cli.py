@@ -32,7 +32,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 import amp_rewrite
-from amp_rewrite.cli import command as cli, savedmodel
+from amp_rewrite.cli import command as cli
+from amp_rewrite.calibration import savedmodel
 
 from cli_models import (
     ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,

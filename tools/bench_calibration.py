@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (tools/bench.py: the models)
 from bench_pass import machine_line  # noqa: E402
 
-from amp_rewrite.cli import calibrate, validate  # noqa: E402
-from amp_rewrite.cli.savedmodel import read_model  # noqa: E402
+from amp_rewrite.calibration import calibrate, validate  # noqa: E402
+from amp_rewrite.calibration.savedmodel import read_model  # noqa: E402
 from amp_rewrite.core.lists import load_lists  # noqa: E402
 
 SAMPLES = 8

@@ -23,7 +23,7 @@ if os.path.basename(sys.argv[0]) == "amp-rewrite":
 from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402  (no TensorFlow: plain Python)
 
 if TYPE_CHECKING:
-    from amp_rewrite.cli.savedmodel import Model
+    from amp_rewrite.calibration.savedmodel import Model
     from amp_rewrite.core.lists import OpLists
     from amp_rewrite.core.report import Report
     from amp_rewrite.core.rewrite import RewriteResult
@@ -182,7 +182,7 @@ def _on_interrupt() -> dict[int, Any]:
     raised from a handler can be swallowed by TensorFlow's C++ callbacks (the run then went
     on and exited 0), so the handler cleans up itself. Returns the handlers it replaced."""
     def interrupt(signum: int, frame: object) -> None:
-        staging = sys.modules.get("amp_rewrite.cli.savedmodel")
+        staging = sys.modules.get("amp_rewrite.calibration.savedmodel")
         if staging is not None:
             staging.abandon_staging()
         sys.stderr.write(INTERRUPTED + "\n")
@@ -225,7 +225,7 @@ class _Steps:
 
 def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteResult, OpLists]:
     steps("loading TensorFlow")
-    from amp_rewrite.cli.savedmodel import effective_lists, read_model, rewrite_model
+    from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
 
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
@@ -264,7 +264,7 @@ def _float8_calibration(args: argparse.Namespace) -> dict[str, Any]:
 def _model_lines(model: Model) -> list[str]:
     """What the run took as the model: the MetaGraphDef converted and those left alone, or a
     GraphDef's outputs when no --fetch named them."""
-    from amp_rewrite.cli.savedmodel import tag_set_text
+    from amp_rewrite.calibration.savedmodel import tag_set_text
 
     if model.kind == "graphdef":
         if model.fetches_are_sinks:
@@ -281,7 +281,7 @@ def _model_lines(model: Model) -> list[str]:
 def _summary_lines(model: Model, report: Report) -> list[str]:
     """The model's headline and why its vertices stayed float32, then grappler's line over
     every item (TensorFlow's plumbing included), as inspect prints them."""
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     kinds = plumbing_kinds(model)
     lines = [_model_headline(report, [i for i in report.items if i.function not in kinds])] if kinds else []
@@ -294,7 +294,7 @@ def _summary_lines(model: Model, report: Report) -> list[str]:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from amp_rewrite.cli.savedmodel import check_outside, remove_leftovers, write_model
+    from amp_rewrite.calibration.savedmodel import check_outside, remove_leftovers, write_model
 
     if args.dump:
         check_outside(args.src, args.dump, "dump directory")
@@ -309,7 +309,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             return EXIT_VALIDATION
     feeds = None
     if args.validate or args.inputs:
-        from amp_rewrite.cli import validate
+        from amp_rewrite.calibration import validate
 
         if model.kind == "graphdef" and not validate.compared_outputs(model):
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
@@ -349,7 +349,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None) -> Any:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
-    from amp_rewrite.cli import calibrate, statistics, validate
+    from amp_rewrite.calibration import calibrate, statistics, validate
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
@@ -381,7 +381,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import yaml
 
-    from amp_rewrite.cli.savedmodel import check_outside, write_text_atomically
+    from amp_rewrite.calibration.savedmodel import check_outside, write_text_atomically
 
     check_outside(args.src, args.out, "overlay file")
     steps = _Steps(args)
@@ -400,7 +400,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
     """Compare the source with the staged copy and print each output's error; returns how
     many outputs are over tolerance."""
-    from amp_rewrite.cli import validate
+    from amp_rewrite.calibration import validate
     from amp_rewrite.core.target import lookup_target
 
     random = args.inputs is None
@@ -420,7 +420,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace,
           steps: _Steps) -> None:
     from amp_rewrite.cli.dump import write_dump
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     steps(f"writing the dump to {directory}")
     write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
@@ -430,7 +430,7 @@ def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, 
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from amp_rewrite.cli.savedmodel import check_outside
+    from amp_rewrite.calibration.savedmodel import check_outside
 
     check_outside(args.src, args.dir, "dump directory")
     steps = _Steps(args)
@@ -475,7 +475,7 @@ def _plumbing_line(report: Report, kinds: dict[str, str]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
     from amp_rewrite.core.target import lookup_target
 
     model, result, _ = _rewrite(args, _Steps(args))
@@ -572,7 +572,7 @@ HOW_TO_LIST_NODES = "node names are in the before/*.pbtxt files `amp-rewrite dum
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from amp_rewrite.cli.savedmodel import ModelError
+    from amp_rewrite.calibration.savedmodel import ModelError
     from amp_rewrite.core.program import MAIN_GRAPH
     from amp_rewrite.core.rules import Rule
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
-from amp_rewrite.cli.savedmodel import Model, ModelError, output_count
+from amp_rewrite.calibration.savedmodel import Model, ModelError, output_count
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
 

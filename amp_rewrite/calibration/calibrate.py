@@ -33,10 +33,10 @@ import numpy as np
 import yaml
 from tensorflow.core.framework import graph_pb2
 
-from amp_rewrite.cli import statistics, validate
+from amp_rewrite.calibration import statistics, validate
 from amp_rewrite.core import functions
-from amp_rewrite.cli.savedmodel import Model, graph_sinks, read_model, rewrite_model
-from amp_rewrite.cli.statistics import TensorKey, TensorStats
+from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model, rewrite_model
+from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import float8
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name

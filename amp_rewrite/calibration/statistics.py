@@ -30,8 +30,8 @@ from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import deprecation
 
-from amp_rewrite.cli.savedmodel import Model, ModelError, plumbing_kinds
-from amp_rewrite.cli.validate import GRAPH, Feeds, compared_outputs
+from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
+from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
