@@ -1,7 +1,7 @@
-"""The ``amp-rewrite`` command and what only it needs: SavedModel I/O, validation, the dump.
+"""The ``amp-rewrite`` command and what only it needs: the dump.
 
 ``main`` is the console script's entry point (``amp_rewrite.cli:main``). It imports the
-command only when called, so importing ``amp_rewrite.cli.savedmodel`` from a library or a
+command only when called, so importing ``amp_rewrite.cli.dump`` from a library or a
 test never quiets TensorFlow's stderr the way the command does at start-up.
 """
 from __future__ import annotations
