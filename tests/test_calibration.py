@@ -2,8 +2,9 @@
 
 1. the statistics of one instrumented run equal NumPy's on the same tensors, in the main
    graph, in a called function's body and across a loop's iterations;
-2. range rules keep float32 the converted nodes that read or write a tensor over the safe
-   magnitude or mostly below the smallest normal, and nothing else;
+2. range rules keep float32 the converted nodes that read or write a tensor over the
+   format's limit or mostly below the smallest normal, and nothing else; tensors between
+   the safe magnitude and the limit are tried, and kept only if the validation run needs it;
 3. repair by validation finds an overflow the range rules were told not to see, within
    the cap on runs, and says so when the cap is reached;
 4. the overlay reproduces the calibrated rewrite byte for byte without data;
@@ -119,18 +120,39 @@ def test_statistics_reach_function_bodies_and_every_loop_iteration() -> None:
 
 
 def test_range_rules_keep_the_overflowing_matmul_and_what_reads_it() -> None:
-    """matmul1's outputs reach ~3e4 on inputs × 1000 (over 16384, under 65504): it and relu1,
+    """matmul1's outputs reach ~1.3e5 on inputs × 5000, over float16's 65504: it and relu1,
     which reads them, stay float32 with the measurement as reason; matmul2, fed by relu1's
-    float32 output ~3e4, too; the plain rewrite's outputs are still finite here, so only the
-    range rule (not repair) decided, in one validation run."""
-    graph_def = mlp_graph_def(scale=1000.0)
+    float32 output, too; only the range rule (not repair) decided, in one validation run."""
+    graph_def = mlp_graph_def(scale=5000.0)
     result = amp_rewrite.calibrate(graph_def, inputs(0))
     assert set(result.keep) == {"matmul1", "relu1", "matmul2"}
     assert result.range_kept == 3 and result.validation_runs == 1 and result.ok
-    assert re.fullmatch(r"calibration: output 0 reached 2\.\d\de\+04, over the safe magnitude 1\.64e\+04",
+    assert re.fullmatch(r"calibration: output 0 reached 1\.\d\de\+05, over the format's largest value 6\.55e\+04",
                         result.keep["matmul1"])
     decisions = {d.node: d for d in result.result.report.decisions}
     assert decisions["matmul1"].rule == "keep-nodes" and not decisions["matmul1"].converted
+
+
+def test_values_between_the_safe_magnitude_and_the_limit_are_tried_and_kept_only_if_validation_needs_it() -> None:
+    """Inputs × 1000: matmul1 peaks at ~2.6e4, over the safe magnitude 16384 and far under
+    65504: tried in float16, it stays converted (nothing kept, the plain rewrite's graph).
+    Inputs × 2200: it peaks at ~5.6e4, within 1.25x of 65504 in the validation run: kept,
+    with the run's measurement as reason."""
+    lines: list[str] = []
+    graph_def = mlp_graph_def(scale=1000.0)
+    model = _graph_model(graph_def)
+    feeds, _ = validate.plan_feeds(model, inputs(0), 1)
+    tried = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
+                                      say=lines.append)
+    assert tried.keep == {} and tried.ok and tried.validation_runs == 1
+    assert "3 node(s) over the safe magnitude 1.64e+04 are tried in float16" in "\n".join(lines)
+    plain = amp_rewrite.rewrite_graph_def(graph_def, fetches=graph_sinks(graph_def))
+    assert tried.result.graph_def.SerializeToString(deterministic=True) == \
+        plain.graph_def.SerializeToString(deterministic=True)
+    close = amp_rewrite.calibrate(mlp_graph_def(scale=2200.0), inputs(0))
+    assert set(close.keep) == {"matmul1", "relu1", "matmul2"} and close.range_kept == 0 and close.ok
+    assert re.fullmatch(r"calibration: output 0 reached 5\.\d\de\+04 in low precision, within 1\.25x of the"
+                        r" format's largest value 6\.55e\+04 \(float32: 5\.\d\de\+04\)", close.keep["matmul1"])
 
 
 def test_range_rules_keep_nothing_on_a_well_scaled_model() -> None:
@@ -164,7 +186,7 @@ def test_repair_finds_an_overflow_the_range_rules_were_told_not_to_see() -> None
     result = amp_rewrite.calibrate(graph_def, inputs(0), thresholds=thresholds)
     assert result.ok and 2 <= result.validation_runs <= 5 and result.range_kept == 0
     assert "matmul1" in result.keep and "turned non-finite in float16" in result.keep["matmul1"]
-    assert not result.rounds[0].checks[0].ok(lookup_target("float16"))  # the plain rewrite failed
+    assert not result.rounds[0].checks[0].within(lookup_target("float16").tolerance)  # the plain rewrite failed
 
 
 def test_the_cap_on_runs_is_reported() -> None:
@@ -182,7 +204,7 @@ def test_the_cap_on_runs_is_reported() -> None:
 def test_overlay_reproduces_the_calibrated_rewrite_without_data(tmp_path: Path) -> None:
     """The overlay's keep_nodes, loaded as lists, give the calibrated GraphDef byte for byte;
     each entry carries its measurement."""
-    graph_def = mlp_graph_def(scale=1000.0)
+    graph_def = mlp_graph_def(scale=5000.0)
     result = amp_rewrite.calibrate(graph_def, inputs(0))
     overlay = tmp_path / "keep.yaml"
     overlay.write_text(result.overlay(), encoding="utf-8")
@@ -290,7 +312,7 @@ def test_repair_keeps_the_cancelling_ops_float32_for_bfloat16() -> None:
     held-out inputs too."""
     graph_def = cancelling_graph_def()
     result = amp_rewrite.calibrate(graph_def, inputs(0), target="bfloat16")
-    assert not result.rounds[0].checks[0].ok(lookup_target("bfloat16"))
+    assert not result.rounds[0].checks[0].within(lookup_target("bfloat16").tolerance)
     assert result.ok and result.range_kept == 0 and 2 <= result.validation_runs <= 5
     assert "unshift" in result.keep and "drifted" in result.keep["unshift"]
     assert "matmul1" not in result.keep and "matmul2" not in result.keep

@@ -1,14 +1,17 @@
 """Statistics of a model's tensors over calibration inputs, from one instrumented run per feed.
 
 Every float tensor asked for — in the main graph and inside library function bodies,
-where a SavedModel's and a ``tf.function``'s compute lives — gets a call to one small
-stateful function that folds the tensor into two resource variables shared by name: the
-largest finite magnitude (``ResourceScatterMax``) and counts and sums
-(``ResourceScatterAdd``). A function body lists its calls as control outputs, so
-TensorFlow runs them, and stateless control flow and calls become their stateful forms,
-so nothing prunes them. The model then runs in a TF1 Session (a SavedModel through
-TensorFlow's own loader, which restores variables and runs init ops) once per feed, and
-the variables are read back. Constants need no run: their statistics come from their values.
+where a SavedModel's and a ``tf.function``'s compute lives — is reduced in the graph by a
+few plain nodes (``_add_folds``): each element's magnitude goes to one of four buckets
+(zero, non-zero below the target's smallest normal, finite, non-finite) and a segment sum
+and max per bucket give its counts, sums and largest value, folded into two resource
+variables shared by name (``ResourceScatterAdd``, ``ResourceScatterMax``). A function body
+lists its folds as control outputs, so TensorFlow runs them, and stateless control flow
+and calls become their stateful forms, so nothing prunes them. The model then runs in a
+TF1 Session (a SavedModel through TensorFlow's own loader, which restores variables and
+runs init ops) once per feed, and the variables are read back. Constants need no run:
+their statistics come from their values. Signatures that compute the same outputs from
+the same inputs (a Keras export's ``serve`` and ``serving_default``) run once.
 
 A tensor is named by its ``TensorKey``: ``(function, node, port)``, with function ``""``
 for the main graph and a function body's arguments named like its ``_Arg`` nodes.
@@ -25,23 +28,27 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, types_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import deprecation
 
 from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
-from amp_rewrite.core import functions, support
+from amp_rewrite.core import functions
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.typegraph import output_dtypes
 
 TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
 
 PREFIX = "amp_rewrite_statistics"
 _MAX_VARIABLE = f"{PREFIX}_max"
 _SUM_VARIABLE = f"{PREFIX}_sums"
-_SUMS = ("nonfinite", "nonzero", "small", "sum_abs", "small_abs", "sum_sq", "count")
+# Each element's |x| falls in one bucket; per bucket, its count, sum of |x| and sum of x².
+_ZERO, _SMALL, _FINITE, _NONFINITE = range(4)
+_BUCKETS = 4
+_MOMENTS = 3  # count, sum of |x|, sum of x²
 FLOAT_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
 _NO_GRAPPLER = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(
     rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True),
@@ -104,29 +111,6 @@ def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] =
     return keys
 
 
-def output_dtypes(node_def: node_def_pb2.NodeDef, op_defs: Mapping) -> list[int]:
-    """The dtype of each output port, attrs left out taking their defaults; [] for an unknown op."""
-    op_def = support.resolve_op_def(node_def, op_defs)
-    if op_def is None:
-        return []
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
-
-    def attr(name: str):
-        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
-
-    dtypes: list[int] = []
-    for arg in op_def.output_arg:
-        if arg.type_list_attr:
-            value = attr(arg.type_list_attr)
-            dtypes.extend(value.list.type if value is not None else ())
-            continue
-        count = attr(arg.number_attr).i if arg.number_attr and attr(arg.number_attr) is not None else 1
-        value = attr(arg.type_attr) if arg.type_attr else None
-        dtype = arg.type if not arg.type_attr else (value.type if value is not None else types_pb2.DT_INVALID)
-        dtypes.extend([dtype] * count)
-    return dtypes
-
-
 def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
                    small_below: float) -> dict[TensorKey, TensorStats]:
     """Statistics of the keys that are float constants, from their values."""
@@ -172,6 +156,8 @@ class _Body:
                 node.attr[key].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
             elif isinstance(value, tf.TensorShape):
                 node.attr[key].shape.CopyFrom(value.as_proto())
+            elif isinstance(value, list):
+                node.attr[key].list.f.extend(value)
             else:
                 node.attr[key].s = str(value).encode()
         return node.name
@@ -180,58 +166,62 @@ class _Body:
         return self.node(name, "Const", dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value)
 
 
-_F32, _F64, _I32, _BOOL = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32, types_pb2.DT_BOOL
+_F32, _F64, _I32 = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32
+_SMALLEST_POSITIVE = float(np.finfo(np.float32).tiny)  # below it, |x| counts as 0: TensorFlow flushes subnormals
 
 
 def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int, str, int]], size: int,
                small_below: float) -> list[str]:
-    """Nodes in ``body`` that reduce each (index, tensor, dtype) of ``found`` to its largest
-    finite |x| and its counts and sums, and fold them into the statistics variables at
-    their indices; returns the two stateful nodes, which a run (or a body's control
-    outputs) must reach. Plain nodes, no function: TensorFlow instantiates nothing new, and
-    each tensor is reduced as soon as it exists, so no more of it is kept alive."""
+    """Nodes in ``body`` that reduce each (index, tensor, dtype) of ``found`` and fold it
+    into the statistics variables at its index; returns the two stateful nodes, which a
+    run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
+    instantiates nothing new, and each tensor is reduced as soon as it exists, so no
+    more of it is kept alive.
+
+    |x| is bucketed (``Bucketize``: zero, small, finite, non-finite: NaN and ±Inf sort
+    last); per bucket, ``UnsortedSegmentMax`` gives the largest |x|, ``Bincount`` the
+    count and ``UnsortedSegmentSum`` the sums of |x| and x² (float64). Eight passes over
+    the elements, each a cheap one: on a calibration batch the elements, not the nodes,
+    are what costs (``_stats_from`` reads them back)."""
     b = _Body(body, prefix)
-    flat, axis = b.const("flat", np.array([-1], np.int32)), b.const("axis", np.array([0], np.int32))
-    zero, small = b.const("zero", np.array(0.0, np.float32)), b.const("small", np.array(small_below, np.float32))
-    zero64 = b.const("zero64", np.array(0.0, np.float64))
-    largest, rows = [], []
+    buckets, none = b.const("buckets", np.array(_BUCKETS, np.int32)), b.const("no_weights", np.zeros(0, np.float64))
+    boundaries = [_SMALLEST_POSITIVE, max(small_below, _SMALLEST_POSITIVE), math.inf]
+    rows, maxima = [], []
     for index, tensor, dtype in found:
         n = f"t{index}"
-        if dtype != _F32:
-            tensor = b.node(f"{n}/cast", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
-        values = b.node(f"{n}/flat", "Reshape", [tensor, flat], T=_F32, Tshape=_I32)
-        magnitude = b.node(f"{n}/abs", "Abs", [values], T=_F32)
-        finite = b.node(f"{n}/finite", "IsFinite", [magnitude], T=_F32)
-        kept = b.node(f"{n}/kept", "SelectV2", [finite, magnitude, zero], T=_F32)
-        nonzero = b.node(f"{n}/nonzero", "Greater", [kept, zero], T=_F32)
-        tiny = b.node(f"{n}/small", "LogicalAnd", [nonzero, b.node(f"{n}/below", "Less", [kept, small], T=_F32)])
-        wide = b.node(f"{n}/wide", "Cast", [kept], SrcT=_F32, DstT=_F64, Truncate=False)
-
-        def total(name: str, value: str, dtype: int = _F64) -> str:
-            if dtype == _BOOL:
-                value = b.node(f"{n}/{name}/f64", "Cast", [value], SrcT=_BOOL, DstT=_F64, Truncate=False)
-            return b.node(f"{n}/{name}", "Sum", [value, axis], T=_F64, Tidx=_I32, keep_dims=False)
-
-        count = b.node(f"{n}/count", "Cast", [b.node(f"{n}/size", "Size", [values], T=_F32, out_type=_I32)],
-                       SrcT=_I32, DstT=_F64, Truncate=False)
-        row = [total("nonfinite", b.node(f"{n}/infinite", "LogicalNot", [finite]), _BOOL),
-               total("nonzeros", nonzero, _BOOL), total("smalls", tiny, _BOOL), total("sum_abs", wide),
-               total("small_abs", b.node(f"{n}/small_values", "SelectV2", [tiny, wide, zero64], T=_F64)),
-               total("sum_sq", b.node(f"{n}/square", "Square", [wide], T=_F64)), count]
-        rows.append(b.node(f"{n}/row", "Pack", row, N=len(row), T=_F64, axis=0))
-        peak = b.node(f"{n}/max", "Max", [kept, axis], T=_F32, Tidx=_I32, keep_dims=False)
-        largest.append(b.node(f"{n}/largest", "Maximum", [peak, zero], T=_F32))  # the max of nothing is -inf
+        if dtype != _F32:  # Bucketize takes no half or bfloat16
+            tensor = b.node(f"{n}/float32", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
+        magnitude = b.node(f"{n}/abs", "Abs", [tensor], T=_F32)
+        bucket = b.node(f"{n}/bucket", "Bucketize", [magnitude], T=_F32, boundaries=boundaries)
+        maxima.append(b.node(f"{n}/max", "UnsortedSegmentMax", [magnitude, bucket, buckets], T=_F32, Tindices=_I32,
+                             Tnumsegments=_I32))
+        wide = b.node(f"{n}/wide", "Cast", [magnitude], SrcT=_F32, DstT=_F64, Truncate=False)
+        row = [b.node(f"{n}/count", "Bincount", [bucket, buckets, none], T=_F64),
+               b.node(f"{n}/sum_abs", "UnsortedSegmentSum", [wide, bucket, buckets], T=_F64, Tindices=_I32,
+                      Tnumsegments=_I32),
+               b.node(f"{n}/sum_sq", "UnsortedSegmentSum", [b.node(f"{n}/square", "Square", [wide], T=_F64), bucket,
+                                                            buckets], T=_F64, Tindices=_I32, Tnumsegments=_I32)]
+        rows.append(b.node(f"{n}/row", "Pack", row, N=len(row), T=_F64, axis=1))
     indices = b.const("indices", np.array([i for i, _, _ in found], np.int32))
-    maxima = b.node("maxima", "VarHandleOp", dtype=_F32, shape=tf.TensorShape([size]), shared_name=_MAX_VARIABLE,
-                    container="")
-    sums = b.node("sums", "VarHandleOp", dtype=_F64, shape=tf.TensorShape([size, len(_SUMS)]),
-                  shared_name=_SUM_VARIABLE, container="")
+    max_variable = b.node("maxima", "VarHandleOp", dtype=_F32, shape=tf.TensorShape([size, _BUCKETS]),
+                          shared_name=_MAX_VARIABLE, container="")
+    sum_variable = b.node("sums", "VarHandleOp", dtype=_F64, shape=tf.TensorShape([size, _BUCKETS, _MOMENTS]),
+                          shared_name=_SUM_VARIABLE, container="")
     return [b.node("fold_max", "ResourceScatterMax",
-                   [maxima, indices, b.node("largest", "Pack", largest, N=len(largest), T=_F32, axis=0)],
+                   [max_variable, indices, b.node("largest", "Pack", maxima, N=len(maxima), T=_F32, axis=0)],
                    dtype=_F32, Tindices=_I32),
             b.node("fold_sums", "ResourceScatterAdd",
-                   [sums, indices, b.node("rows", "Pack", rows, N=len(rows), T=_F64, axis=0)],
+                   [sum_variable, indices, b.node("rows", "Pack", rows, N=len(rows), T=_F64, axis=0)],
                    dtype=_F64, Tindices=_I32)]
+
+
+def _stats_from(largest: np.ndarray, sums: np.ndarray) -> TensorStats:
+    """``TensorStats`` from one tensor's per-bucket maxima and (count, sum |x|, sum x²)."""
+    counts, sum_abs, sum_sq = sums[:, 0], sums[:, 1], sums[:, 2]
+    finite = [_ZERO, _SMALL, _FINITE]
+    return TensorStats(max(0.0, float(largest[finite].max())), int(counts[_NONFINITE]),
+                       int(counts[_SMALL] + counts[_FINITE]), int(counts[_SMALL]), float(sum_abs[finite].sum()),
+                       float(sum_abs[_SMALL]), float(sum_sq[finite].sum()), int(counts.sum()))
 
 
 def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
@@ -242,7 +232,7 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
     Returns the copy and, per group, the main graph's node a run must ask for."""
     program = program_of(graph_def)
-    by_item: dict[str, list[tuple[int, TensorKey]]] = {}
+    by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
     for index, key in enumerate(keys):
         by_item.setdefault(key[0], []).append((index, key))
     output = graph_pb2.GraphDef()
@@ -329,6 +319,85 @@ def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str
 RANDOM_INPUTS = "random inputs"
 
 
+def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
+                    feeds: Feeds) -> dict[str, str]:
+    """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
+    main-graph computation once its input placeholders are named by input name and each
+    called function by its body (a Keras export's ``serve`` and ``serving_default`` call
+    two wrappers that differ only in name and argument labels)."""
+    nodes = {node.name: node for node in graph_def.node}
+    bodies = {f.signature.name: f for f in graph_def.library.function}
+    body_keys: dict[str, bytes] = {}
+
+    def body_key(name: str) -> bytes:
+        if name not in body_keys:
+            body = function_pb2.FunctionDef()
+            body.CopyFrom(bodies[name])
+            body.signature.name = ""
+            body.ClearField("arg_attr")
+            body_keys[name] = body.SerializeToString(deterministic=True)
+        return body_keys[name]
+
+    def node_key(node_def, inputs_key: tuple) -> tuple:
+        attrs = []
+        for name, value in sorted(node_def.attr.items()):
+            if value.HasField("func") and value.func.name in bodies:
+                called = attr_value_pb2.AttrValue()
+                called.CopyFrom(value)
+                called.func.name = ""
+                attrs.append((name, body_key(value.func.name), called.SerializeToString(deterministic=True)))
+            else:
+                attrs.append((name, value.SerializeToString(deterministic=True)))
+        return node_def.op, node_def.device, tuple(attrs), inputs_key
+
+    def signature_key(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> tuple | None:
+        placeholders = {parse_tensor_name(tensor).node: name for name, tensor in inputs.items()}
+        ancestors = _ancestors(graph_def, outputs.values())
+        keys: dict[str, tuple] = {}
+        expanded: set[str] = set()
+        pending = sorted(ancestors)
+        while pending:  # post-order without recursion: TF1 graphs can be deep
+            name = pending.pop()
+            if name in keys:
+                continue
+            node_def = nodes[name]
+            if name in placeholders:
+                keys[name] = ("input", placeholders[name])
+                continue
+            sources = [parse_tensor_name(t) for t in node_def.input]
+            waiting = [ref.node for ref in sources if ref.node not in keys and ref.node in nodes]
+            if waiting:
+                if name in expanded:
+                    return None  # a cycle (TF1 control flow): no key, so no twin
+                expanded.add(name)
+                pending.extend([name, *waiting])
+                continue
+            if not any(keys.get(ref.node, ("",))[0] != "shared" for ref in sources):
+                keys[name] = ("shared", name)  # reads no signature input: the same node for every signature
+                continue
+            keys[name] = node_key(node_def, tuple((keys.get(ref.node), ref.port, ref.is_control) for ref in sources))
+        return tuple((name, keys.get(parse_tensor_name(t).node), parse_tensor_name(t).port)
+                     for name, t in sorted(outputs.items()))
+
+    def same_feeds(a: str, b: str) -> bool:
+        first, second = feeds.get(a, [{}]), feeds.get(b, [{}])
+        return len(first) == len(second) and all(
+            x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
+
+    seen: dict[tuple, str] = {}
+    same: dict[str, str] = {}
+    for key, (inputs, outputs) in signatures.items():
+        found = signature_key(inputs, outputs)
+        if found is None:
+            continue
+        twin = seen.get(found)
+        if twin is not None and same_feeds(twin, key):
+            same[key] = twin
+        else:
+            seen.setdefault(found, key)
+    return same
+
+
 def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
             small_below: float, described: str = "the calibration inputs") -> Run:
     """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
@@ -338,23 +407,27 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
     constants = constant_stats(graph_def, keys, small_below)
     run_keys = [k for k in keys if k not in constants]
     signatures = signatures_of(model)
-    groups = [_ancestors(graph_def, outputs.values()) for _, outputs in signatures.values()]
+    same = same_signatures(graph_def, signatures, feeds)
+    groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items() if key not in same]
     instrumented, main_calls = instrument(graph_def, run_keys, small_below, groups)
     config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
+    size = len(run_keys)
     with _loaded(model, instrumented, config) as session:
         graph = session.graph
-        with graph.as_default():
-            maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[len(run_keys)], shared_name=_MAX_VARIABLE)
-            sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[len(run_keys), len(_SUMS)],
-                                          shared_name=_SUM_VARIABLE)
-            initialize = tf.group(
-                tf.raw_ops.AssignVariableOp(resource=maxima, value=tf.zeros([len(run_keys)])),
-                tf.raw_ops.AssignVariableOp(resource=sums, value=tf.zeros([len(run_keys), len(_SUMS)], tf.float64)))
-            read = (tf.raw_ops.ReadVariableOp(resource=maxima, dtype=tf.float32),
-                    tf.raw_ops.ReadVariableOp(resource=sums, dtype=tf.float64))
-        session.run(initialize)
+        if size:
+            with graph.as_default():
+                maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[size, _BUCKETS], shared_name=_MAX_VARIABLE)
+                sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[size, _BUCKETS, _MOMENTS],
+                                              shared_name=_SUM_VARIABLE)
+                initialize = tf.group(
+                    tf.raw_ops.AssignVariableOp(resource=maxima, value=tf.zeros([size, _BUCKETS])),
+                    tf.raw_ops.AssignVariableOp(resource=sums, value=tf.zeros([size, _BUCKETS, _MOMENTS], tf.float64)))
+                read = (tf.raw_ops.ReadVariableOp(resource=maxima, dtype=tf.float32),
+                        tf.raw_ops.ReadVariableOp(resource=sums, dtype=tf.float64))
+            session.run(initialize)
         outputs: dict[str, list[dict[str, np.ndarray]]] = {}
-        for (key, (inputs, fetched)), call in zip(signatures.items(), main_calls):
+        run_signatures = [(key, entry) for key, entry in signatures.items() if key not in same]
+        for (key, (inputs, fetched)), call in zip(run_signatures, main_calls):
             target = graph.get_operation_by_name(call)
             for feed in feeds.get(key, [{}]):
                 fed = {inputs[name]: value for name, value in feed.items()}
@@ -368,14 +441,14 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                             if described == RANDOM_INPUTS else described)
                     raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
-        largest, totals = session.run(read)
+        largest, totals = session.run(read) if size else (None, None)
+    for key, twin in same.items():
+        outputs[key] = outputs[twin]
     stats = dict(constants)
     for index, key in enumerate(run_keys):
-        row = totals[index]
-        if row[-1] == 0:
+        if totals[index, :, 0].sum() == 0:
             continue  # never ran: a branch not taken, a loop that did not iterate
-        stats[key] = TensorStats(float(largest[index]), *(int(v) for v in row[:3]), *(float(v) for v in row[3:6]),
-                                 int(row[6]))
+        stats[key] = _stats_from(largest[index], totals[index])
     return Run(stats, outputs)
 
 

@@ -9,6 +9,7 @@ signature, so every caller stays valid.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Iterable, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
@@ -18,6 +19,26 @@ from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
 
 RETVAL_SUFFIX = "_RetVal"
+# A traced tf.function's name: TensorFlow's prefix, the Python name, then a process-wide
+# counter (two for a backward function), which a new process or another export changes.
+_TRACED_NAME = re.compile(r"(__inference_|__forward_|__backward_)(.+?)((?:_\d+){1,2})")
+
+
+@functools.lru_cache(maxsize=None)
+def stable_name(function: str) -> str:
+    """The name a traced function keeps across processes and exports: without TensorFlow's
+    counter (``__inference___call___23578`` → ``__inference___call__``); other names as they are."""
+    found = _TRACED_NAME.fullmatch(function)
+    if found is None:
+        return function
+    prefix, name, counters = found.groups()
+    kept = counters.count("_") - (2 if prefix == "__backward_" else 1)
+    return prefix + name + "".join(f"_{part}" for part in counters.split("_")[1:][:kept])
+
+
+def scope_matches(scope: str, function: str) -> bool:
+    """Whether an overlay's ``FUNCTION::`` scope names ``function``: its exact name, or its ``stable_name``."""
+    return scope == function or scope == stable_name(function)
 
 
 def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> list[tuple[str, int]]:
