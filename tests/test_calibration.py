@@ -119,6 +119,29 @@ def test_statistics_reach_function_bodies_and_every_loop_iteration() -> None:
     assert tripled_stats.max_abs == 24 * np.abs(x).max() and tripled_stats.count == x.size
 
 
+def test_large_tensors_are_bucketed_on_a_sample_and_their_largest_value_is_exact() -> None:
+    """A tensor known to hold 32768 elements per batch item is bucketed on every 32nd
+    element (1024 per item), while its largest |x| comes from all of them: an outlier off
+    the sampled grid is still its max, a NaN off the grid still makes it non-finite, and
+    its RMS is the sample's, within 2% of NumPy's over every element."""
+    @tf.function
+    def double(x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(tf.multiply(x, 2.0, name="double"), axis=[1, 2], name="total")
+
+    graph_def = double.get_concrete_function(tf.TensorSpec([None, 64, 512])).graph.as_graph_def(add_shapes=True)
+    assert statistics.sampling_stride([-1, 64, 512]) == 32 and statistics.sampling_stride([-1, 8, 8]) == 1
+    x = np.random.default_rng(0).standard_normal((4, 64, 512)).astype(np.float32)
+    x[1, 7, 300] = 10.0  # flat index 36140: 36140 % 32 == 12, off the sampled grid
+    key = ("", "double", 0)
+    model = _graph_model(graph_def)
+    stats = statistics.collect(model, graph_def, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
+    assert stats.max_abs == 20.0 and stats.nonfinite == 0 and stats.count == x.size
+    assert stats.rms == pytest.approx(float(np.sqrt(np.mean(np.square(2.0 * x.astype(np.float64))))), rel=0.02)
+    x[2, 3, 5] = np.nan  # flat index 67077, off the grid too
+    broken = statistics.collect(model, graph_def, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
+    assert broken.nonfinite >= 1
+
+
 def test_range_rules_keep_the_overflowing_matmul_and_what_reads_it() -> None:
     """matmul1's outputs reach ~1.3e5 on inputs × 5000, over float16's 65504: it and relu1,
     which reads them, stay float32 with the measurement as reason; matmul2, fed by relu1's

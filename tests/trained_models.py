@@ -21,7 +21,8 @@ Base models (trained):
   progression, 25-346).
 
 Variants with the same function, rescaled so their values really leave float16's range
-(for ReLU layers, ``relu(a·z)·W/a == relu(z)·W`` for ``a > 0``: the same outputs in float32):
+(for ReLU layers, ``relu(a·z)·W/a == relu(z)·W`` for ``a > 0``: the same outputs in float32;
+the factor is taken back in two steps of its square root, through the second hidden layer):
 
 * ``digits_mlp_raw``: takes raw pixels ×1e4 (up to 1.6e5, over float16's 65504), the first
   kernel divided to match.
@@ -118,10 +119,16 @@ def _rescale(model, name: str) -> None:
     if name == "digits_mlp_raw":  # inputs raw pixels ×1e4 instead of pixels / 16
         first.set_weights([kernel / (16.0 * _RAW_SCALE), bias])
         return
+    # ×scale in the first layer, back by its square root in each of the next two, so no
+    # weight gets small enough to be subnormal in float16 (which a range rule would see)
     scale = _PEAK_2E4_SCALE if name == "digits_mlp_2e4" else _DIABETES_OVERFLOW_SCALE
+    root = float(np.sqrt(scale))
     first.set_weights([kernel * scale, bias * scale])
     kernel2, bias2 = second.get_weights()
-    second.set_weights([kernel2 / scale, bias2])
+    second.set_weights([kernel2 / root, bias2 * root])
+    last = model.layers[-1]
+    kernel3, bias3 = last.get_weights()
+    last.set_weights([kernel3 / root, bias3])
 
 
 def export(name: str, path: Path) -> Path:

@@ -43,8 +43,11 @@ from amp_rewrite.core.typegraph import output_dtypes
 TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
 
 PREFIX = "amp_rewrite_statistics"
-_MAX_VARIABLE = f"{PREFIX}_max"
-_SUM_VARIABLE = f"{PREFIX}_sums"
+_MAXIMA, _SUMS, _PEAKS = "maxima", "sums", "peaks"  # the variables, shared by name as PREFIX_<name>
+# A tensor whose batch items each hold more than this many elements is bucketed on a sample
+# of about _SAMPLES_PER_ITEM elements per item (its largest |x| still over all of them).
+_SAMPLE_ABOVE = 16384
+_SAMPLES_PER_ITEM = 1024
 # Each element's |x| falls in one bucket; per bucket, its count, sum of |x| and sum of x².
 _ZERO, _SMALL, _FINITE, _NONFINITE = range(4)
 _BUCKETS = 4
@@ -142,13 +145,14 @@ class _Body:
 
     def __init__(self, body: graph_pb2.GraphDef, prefix: str) -> None:
         self.body, self.prefix = body, prefix
+        self.consts: dict[str, str] = {}
 
     def node(self, name: str, op: str, inputs: Sequence[str] = (), **attrs: object) -> str:
         node = self.body.node.add(name=f"{self.prefix}/{name}", op=op, input=list(inputs))
         for key, value in attrs.items():
             if isinstance(value, bool):
                 node.attr[key].b = value
-            elif isinstance(value, int) and key in ("N", "axis"):
+            elif isinstance(value, int) and (key in ("N", "axis") or key.endswith("_mask")):
                 node.attr[key].i = value
             elif isinstance(value, int):
                 node.attr[key].type = value
@@ -163,35 +167,51 @@ class _Body:
         return node.name
 
     def const(self, name: str, value: np.ndarray) -> str:
-        return self.node(name, "Const", dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value)
+        """A Const named ``name``, made once: a second call with the name returns the first's."""
+        if name not in self.consts:
+            self.consts[name] = self.node(name, "Const", dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value)
+        return self.consts[name]
 
 
 _F32, _F64, _I32 = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32
 _SMALLEST_POSITIVE = float(np.finfo(np.float32).tiny)  # below it, |x| counts as 0: TensorFlow flushes subnormals
 
 
-def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int, str, int]], size: int,
+def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int, str, int, int]], size: int,
                small_below: float) -> list[str]:
-    """Nodes in ``body`` that reduce each (index, tensor, dtype) of ``found`` and fold it
-    into the statistics variables at its index; returns the two stateful nodes, which a
-    run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
-    instantiates nothing new, and each tensor is reduced as soon as it exists, so no
-    more of it is kept alive.
+    """Nodes in ``body`` that reduce each (index, tensor, dtype, stride) of ``found`` and
+    fold it into the statistics variables at its index; returns the stateful nodes, which
+    a run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
+    instantiates nothing new, and each tensor is reduced as soon as it exists, so no more
+    of it is kept alive.
 
     |x| is bucketed (``Bucketize``: zero, small, finite, non-finite: NaN and ±Inf sort
-    last); per bucket, ``UnsortedSegmentMax`` gives the largest |x|, ``Bincount`` the
-    count and ``UnsortedSegmentSum`` the sums of |x| and x² (float64). Eight passes over
-    the elements, each a cheap one: on a calibration batch the elements, not the nodes,
-    are what costs (``_stats_from`` reads them back)."""
+    last); per bucket, ``UnsortedSegmentMax`` gives the largest |x|, ``Bincount`` the count
+    and ``UnsortedSegmentSum`` the sums of |x| and x² (float64). Those kernels are serial
+    and ten times slower per element than a reduction, so a large tensor (``stride`` > 1)
+    is bucketed on every ``stride``-th element only, and its largest |x| comes from a
+    ``Max`` over all of it (non-finite if any element is: ``Max`` propagates NaN)."""
     b = _Body(body, prefix)
     buckets, none = b.const("buckets", np.array(_BUCKETS, np.int32)), b.const("no_weights", np.zeros(0, np.float64))
+    flat, axis = b.const("flat", np.array([-1], np.int32)), b.const("axis", np.array([0], np.int32))
+    start, infinity = axis, b.const("infinity", np.array(np.inf, np.float32))
     boundaries = [_SMALLEST_POSITIVE, max(small_below, _SMALLEST_POSITIVE), math.inf]
-    rows, maxima = [], []
-    for index, tensor, dtype in found:
+    rows, maxima, peaks, peaked = [], [], [], []
+    for index, tensor, dtype, stride in found:
         n = f"t{index}"
         if dtype != _F32:  # Bucketize takes no half or bfloat16
             tensor = b.node(f"{n}/float32", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
         magnitude = b.node(f"{n}/abs", "Abs", [tensor], T=_F32)
+        if stride > 1:
+            values = b.node(f"{n}/flat", "Reshape", [magnitude, flat], T=_F32, Tshape=_I32)
+            peak = b.node(f"{n}/peak", "Max", [values, axis], T=_F32, Tidx=_I32, keep_dims=False)
+            nan = b.node(f"{n}/nan", "IsNan", [peak], T=_F32)  # ScatterMax would drop a NaN: fold it as +Inf
+            peaks.append(b.node(f"{n}/flagged", "SelectV2", [nan, infinity, peak], T=_F32))
+            peaked.append(index)
+            magnitude = b.node(f"{n}/sample", "StridedSlice",
+                               [values, start, start, b.const(f"stride{stride}", np.array([stride], np.int32))],
+                               T=_F32, Index=_I32, begin_mask=0, end_mask=1, ellipsis_mask=0, new_axis_mask=0,
+                               shrink_axis_mask=0)
         bucket = b.node(f"{n}/bucket", "Bucketize", [magnitude], T=_F32, boundaries=boundaries)
         maxima.append(b.node(f"{n}/max", "UnsortedSegmentMax", [magnitude, bucket, buckets], T=_F32, Tindices=_I32,
                              Tnumsegments=_I32))
@@ -202,36 +222,68 @@ def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int,
                b.node(f"{n}/sum_sq", "UnsortedSegmentSum", [b.node(f"{n}/square", "Square", [wide], T=_F64), bucket,
                                                             buckets], T=_F64, Tindices=_I32, Tnumsegments=_I32)]
         rows.append(b.node(f"{n}/row", "Pack", row, N=len(row), T=_F64, axis=1))
-    indices = b.const("indices", np.array([i for i, _, _ in found], np.int32))
-    max_variable = b.node("maxima", "VarHandleOp", dtype=_F32, shape=tf.TensorShape([size, _BUCKETS]),
-                          shared_name=_MAX_VARIABLE, container="")
-    sum_variable = b.node("sums", "VarHandleOp", dtype=_F64, shape=tf.TensorShape([size, _BUCKETS, _MOMENTS]),
-                          shared_name=_SUM_VARIABLE, container="")
-    return [b.node("fold_max", "ResourceScatterMax",
-                   [max_variable, indices, b.node("largest", "Pack", maxima, N=len(maxima), T=_F32, axis=0)],
-                   dtype=_F32, Tindices=_I32),
-            b.node("fold_sums", "ResourceScatterAdd",
-                   [sum_variable, indices, b.node("rows", "Pack", rows, N=len(rows), T=_F64, axis=0)],
-                   dtype=_F64, Tindices=_I32)]
+
+    def fold(op: str, name: str, indices: Sequence[int], values: Sequence[str], dtype: int, shape: list[int]) -> str:
+        variable = b.node(name, "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
+                          shared_name=f"{PREFIX}_{name}", container="")
+        updates = b.node(f"{name}/updates", "Pack", values, N=len(values), T=dtype, axis=0)
+        at = b.const(f"{name}/indices", np.array(indices, np.int32))
+        return b.node(f"fold_{name}", op, [variable, at, updates], dtype=dtype, Tindices=_I32)
+
+    indices = [f[0] for f in found]
+    folds = [fold("ResourceScatterMax", _MAXIMA, indices, maxima, _F32, [_BUCKETS]),
+             fold("ResourceScatterAdd", _SUMS, indices, rows, _F64, [_BUCKETS, _MOMENTS])]
+    if peaks:
+        folds.append(fold("ResourceScatterMax", _PEAKS, peaked, peaks, _F32, []))
+    return folds
 
 
-def _stats_from(largest: np.ndarray, sums: np.ndarray) -> TensorStats:
-    """``TensorStats`` from one tensor's per-bucket maxima and (count, sum |x|, sum x²)."""
-    counts, sum_abs, sum_sq = sums[:, 0], sums[:, 1], sums[:, 2]
+def _stats_from(largest: np.ndarray, sums: np.ndarray, peak: float, stride: int) -> TensorStats:
+    """``TensorStats`` from one tensor's per-bucket maxima and (count, sum |x|, sum x²), on
+    every ``stride``-th element (scaled up by it), and its largest |x| over all elements
+    (``peak``, for ``stride`` > 1: exact where finite, else at least one element is not)."""
+    counts, sum_abs, sum_sq = sums[:, 0] * stride, sums[:, 1] * stride, sums[:, 2] * stride
     finite = [_ZERO, _SMALL, _FINITE]
-    return TensorStats(max(0.0, float(largest[finite].max())), int(counts[_NONFINITE]),
-                       int(counts[_SMALL] + counts[_FINITE]), int(counts[_SMALL]), float(sum_abs[finite].sum()),
-                       float(sum_abs[_SMALL]), float(sum_sq[finite].sum()), int(counts.sum()))
+    largest_finite = max(0.0, float(largest[finite].max()))
+    nonfinite = int(counts[_NONFINITE])
+    if stride > 1:
+        if math.isfinite(peak):
+            largest_finite = max(largest_finite, peak)
+        else:
+            nonfinite = max(nonfinite, 1)
+    return TensorStats(largest_finite, nonfinite, int(counts[_SMALL] + counts[_FINITE]), int(counts[_SMALL]),
+                       float(sum_abs[finite].sum()), float(sum_abs[_SMALL]), float(sum_sq[finite].sum()),
+                       int(counts.sum()))
+
+
+def sampling_stride(shape: Sequence[int] | None) -> int:
+    """Every how many elements a tensor of ``shape`` (-1: an unknown dim; None: unknown
+    rank) is bucketed: 1 (all of it) unless it is known to hold more than ``_SAMPLE_ABOVE``
+    elements per batch item (the first dim, where unknown; the whole tensor, a weight's,
+    where every dim is known), then as many as leave ``_SAMPLES_PER_ITEM`` per item."""
+    if not shape or any(d < 0 for d in shape[1:]):
+        return 1
+    per_item = int(np.prod(shape[1:] if shape[0] < 0 else shape))
+    return per_item // _SAMPLES_PER_ITEM if per_item > _SAMPLE_ABOVE else 1
+
+
+def _static_shape(node_def, port: int) -> list[int] | None:
+    shapes = node_def.attr["_output_shapes"].list.shape if "_output_shapes" in node_def.attr else ()
+    if port >= len(shapes) or shapes[port].unknown_rank:
+        return None
+    return [d.size for d in shapes[port].dim]
 
 
 def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
-               main_groups: Sequence[Collection[str]] = ()) -> tuple[graph_pb2.GraphDef, list[str]]:
+               main_groups: Sequence[Collection[str]] = ()) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
     names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
-    Returns the copy and, per group, the main graph's node a run must ask for."""
+    Returns the copy, per group the main graph's node a run must ask for, and per key
+    index its ``sampling_stride``."""
     program = program_of(graph_def)
+    strides: dict[int, int] = {}
     by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
     for index, key in enumerate(keys):
         by_item.setdefault(key[0], []).append((index, key))
@@ -247,29 +299,54 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
             node_def = nodes.get(key[1])
             dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
             if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
-                found.append((index, tensor_name(key[1], key[2]), dtypes[key[2]], key[1]))
+                strides[index] = sampling_stride(_static_shape(node_def, key[2]))
+                found.append((index, tensor_name(key[1], key[2]), dtypes[key[2]], strides[index], key[1]))
         if item == MAIN_GRAPH:
             taken: set[int] = set()
             for group_number, group in enumerate(main_groups):
-                chosen = [f[:3] for f in found if f[3] in group and f[0] not in taken]
+                chosen = [f[:4] for f in found if f[4] in group and f[0] not in taken]
                 taken.update(f[0] for f in chosen)
                 name = f"{PREFIX}/main_{group_number}"
                 folds = _add_folds(body, name, chosen, len(keys), small_below) if chosen else []
                 body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
                 main_calls.append(name)
+            if keys:
+                _add_access(body, len(keys))
             del output.node[:]
             output.node.extend(body.node)
             continue
         if not found:
             continue
-        folds = _add_folds(body, PREFIX, [f[:3] for f in found], len(keys), small_below)
+        folds = _add_folds(body, PREFIX, [f[:4] for f in found], len(keys), small_below)
         function_def = functions.to_function_def(body, program.library[item], program.op_defs)
         for fold in folds:
             function_def.signature.control_output.append(fold)
             function_def.control_ret[fold] = fold
         output.library.function[program.positions[item]].CopyFrom(function_def)
     _make_stateful(output)
-    return output, main_calls
+    return output, main_calls, strides
+
+
+_VARIABLES = ((_MAXIMA, _F32, [_BUCKETS]), (_SUMS, _F64, [_BUCKETS, _MOMENTS]), (_PEAKS, _F32, []))
+INITIALIZE = f"{PREFIX}/initialize"  # the main graph's NoOp that zeroes the statistics variables
+
+
+def _read(name: str) -> str:
+    return f"{PREFIX}/read_{name}:0"
+
+
+def _add_access(body: graph_pb2.GraphDef, size: int) -> None:
+    """The main graph's nodes that zero the statistics variables (``INITIALIZE``) and read
+    them (``_read``): in the graph the session loads, so no run extends it afterwards."""
+    b = _Body(body, PREFIX)
+    assigns = []
+    for name, dtype, shape in _VARIABLES:
+        handle = b.node(f"handle_{name}", "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
+                        shared_name=f"{PREFIX}_{name}", container="")
+        zeros = b.const(f"zeros_{name}", np.zeros([size, *shape], tf.as_dtype(dtype).as_numpy_dtype))
+        assigns.append(b.node(f"assign_{name}", "AssignVariableOp", [handle, zeros], dtype=dtype))
+        b.node(f"read_{name}", "ReadVariableOp", [handle], dtype=dtype)
+    body.node.add(name=INITIALIZE, op="NoOp", input=[f"^{assign}" for assign in assigns])
 
 
 def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
@@ -409,22 +486,13 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
     signatures = signatures_of(model)
     same = same_signatures(graph_def, signatures, feeds)
     groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items() if key not in same]
-    instrumented, main_calls = instrument(graph_def, run_keys, small_below, groups)
+    instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups)
     config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
     size = len(run_keys)
     with _loaded(model, instrumented, config) as session:
         graph = session.graph
         if size:
-            with graph.as_default():
-                maxima = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[size, _BUCKETS], shared_name=_MAX_VARIABLE)
-                sums = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[size, _BUCKETS, _MOMENTS],
-                                              shared_name=_SUM_VARIABLE)
-                initialize = tf.group(
-                    tf.raw_ops.AssignVariableOp(resource=maxima, value=tf.zeros([size, _BUCKETS])),
-                    tf.raw_ops.AssignVariableOp(resource=sums, value=tf.zeros([size, _BUCKETS, _MOMENTS], tf.float64)))
-                read = (tf.raw_ops.ReadVariableOp(resource=maxima, dtype=tf.float32),
-                        tf.raw_ops.ReadVariableOp(resource=sums, dtype=tf.float64))
-            session.run(initialize)
+            session.run(INITIALIZE)
         outputs: dict[str, list[dict[str, np.ndarray]]] = {}
         run_signatures = [(key, entry) for key, entry in signatures.items() if key not in same]
         for (key, (inputs, fetched)), call in zip(run_signatures, main_calls):
@@ -441,14 +509,14 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                             if described == RANDOM_INPUTS else described)
                     raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
-        largest, totals = session.run(read) if size else (None, None)
+        read = session.run({name: _read(name) for name, _, _ in _VARIABLES}) if size else {}
     for key, twin in same.items():
         outputs[key] = outputs[twin]
     stats = dict(constants)
     for index, key in enumerate(run_keys):
-        if totals[index, :, 0].sum() == 0:
+        if index not in strides or read[_SUMS][index, :, 0].sum() == 0:
             continue  # never ran: a branch not taken, a loop that did not iterate
-        stats[key] = _stats_from(largest[index], totals[index])
+        stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]), strides[index])
     return Run(stats, outputs)
 
 

@@ -280,27 +280,23 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     float16 path until calibration measures them). Other targets: nothing. Checks the
     overlay's entries against the model first (``_check_overlay``); an overlay whose amax
     names nothing in the model gives no amax."""
+    from amp_rewrite.core import float8
     from amp_rewrite.core.lists import load_float8
 
     found = load_float8(args.lists) if args.lists and args.target == "float8" else None
+    calibrating = args.command == "calibrate" or getattr(args, "calibrate", None) is not None
+    usable = found is not None and bool(float8.resolve(found, model.graph_def)[0].amax)
+    if args.target == "float8" and not calibrating and not usable:
+        what = (f"{args.lists} has no amax" if found is None else f"no amax in {args.lists} names a tensor of"
+                f" {args.src}") if args.lists else "--target float8 needs the amax of each matmul input"
+        calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " \
+            if args.command == "convert" else "pass "
+        raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
+                              " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
     _check_overlay(args, model, lists, found)
     if args.target != "float8":
         return {}
-    if found is not None and found.amax:
-        from amp_rewrite.core import float8
-
-        resolved, _ = float8.resolve(found, model.graph_def)
-        if resolved.amax:
-            return {"amax": found.amax, "lossy": found.lossy}
-    calibrating = args.command == "calibrate" or getattr(args, "calibrate", None) is not None
-    if calibrating:
-        return {"amax": {}}
-    what = (f"{args.lists} has no amax" if found is None else f"no amax in {args.lists} names a tensor of {args.src}"
-            ) if args.lists else "--target float8 needs the amax of each matmul input"
-    calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " if args.command == "convert" \
-        else "pass "
-    raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
-                          " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
+    return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
 
 
 def _model_lines(model: Model) -> list[str]:
