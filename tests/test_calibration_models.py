@@ -5,7 +5,7 @@ calibration and the held-out inputs), and the plain float16 rewrite — ``amp-re
 convert --target float16``, op lists only — is not, on held-out inputs, by the model's
 own mechanism: non-finite outputs where a value overflows, finite outputs over the
 tolerance where values lose their precision. The errors are measured here (max |new −
-old| / max |old|, the CLI's measure) and must agree with the CLI's verdict.
+old| / max |old|) and the CLI's verdict (its default metric, p99-rel) must agree.
 """
 from __future__ import annotations
 

@@ -110,8 +110,8 @@ def measure(name: str, workdir: Path) -> str:
     (count,) = {len(value) for value in data.values()}
     split = "; ".join(f"{phase} {spent:.1f} s ({spent / seconds:.0%})" for phase, spent in parts.items())
     verdict = "within" if seconds <= GOAL * first else "over"
-    return (f"{name} ({count} samples): calibration {seconds:.1f} s; float32 first call {first:.2f} s (load {load:.1f} s"
-            f" before it); ratio {seconds / first:.1f}x ({verdict} the goal of {GOAL:g}x); {result.validation_runs}"
+    return (f"{name} ({count} samples): calibration {seconds:.1f} s; float32 first call {first:.2f} s"
+            f" (load {load:.1f} s before it); ratio {seconds / first:.1f}x ({verdict} the goal of {GOAL:g}x); {result.validation_runs}"
             f" validation run(s), {len(result.kept)} node(s) kept float32; outputs"
             f" {'within' if result.ok else 'OVER'} tolerance\n  where the time goes: {split}")
 

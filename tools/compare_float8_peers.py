@@ -71,7 +71,7 @@ def measure(name: str, workdir: Path) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Layer Add does not have a `quantize` method implemented", per layer
         keras_model.quantize("float8")
-    quantized = sum(1 for layer in keras_model._flatten_layers() if getattr(layer, "quantization_mode", None) == "float8")
+    quantized = sum(getattr(layer, "quantization_mode", None) == "float8" for layer in keras_model._flatten_layers())
     theirs = keras_model.predict(array, verbose=0)
     rows.append(f"| {name} | Keras quantize(\"float8\") | {_errors(reference[output], theirs)} | "
                 f"{_score(name, theirs, labels):.4f} | {quantized} layer(s) float8 |")

@@ -49,8 +49,8 @@ def main() -> int:
             extra["amax"] = {key: s.max_abs for key, s in stats.items()}
         rewritten = rewrite_model(model, target=args.target, lists=lists, **extra)
         feeds, _ = validate.plan_feeds(model, inputs, 1)
-        (reference,) = statistics.collect(model, model.graph_def, feeds, [], 0.0).outputs["serving_default"][0].values()
-        (candidate,) = statistics.collect(model, rewritten.graph_def, feeds, [], 0.0).outputs["serving_default"][0].values()
+        (reference,), (candidate,) = (statistics.collect(model, graph_def, feeds, [], 0.0).outputs["serving_default"][0]
+                                      .values() for graph_def in (model.graph_def, rewritten.graph_def))
     rng = np.random.default_rng(0)
     subsets = [rng.choice(len(reference), SIZE, replace=False) for _ in range(SUBSETS)]
     print(f"{args.model}, {args.target} ({rewritten.report.float8_matmuls} matmul(s) on float8):"

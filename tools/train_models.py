@@ -60,7 +60,8 @@ def _only(inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(trained_models.BASE_MODELS)} (default: all)")
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"of {', '.join(trained_models.BASE_MODELS)} (default: all)")
     names = parser.parse_args().names or trained_models.BASE_MODELS
     unknown = [name for name in names if name not in trained_models.BASE_MODELS]
     if unknown:

@@ -254,7 +254,8 @@ def keep_entries(kept: Mapping[tuple[str, str], str], where: Mapping[str, set[st
             entries[re.escape(node)] = max(functions_kept.values(), key=len)  # one reason: the copies measure alike
             continue
         for function, why in sorted(functions_kept.items()):
-            entries[re.escape(node) if function == MAIN_GRAPH else f"{_scope(function, where)}::{re.escape(node)}"] = why
+            scoped = re.escape(node) if function == MAIN_GRAPH else f"{_scope(function, where)}::{re.escape(node)}"
+            entries[scoped] = why
     return entries
 
 
@@ -414,8 +415,8 @@ def _summary(checks: Sequence[OutputCheck], target: Target, metric: str) -> str:
     goal = GOAL_SHARE * target.tolerance
     verdict = ("within the goal" if worst.within(goal) else "over the goal" if worst.within(target.tolerance)
                else "over tolerance")
-    return (f"worst {worst.signature}/{worst.output} {validate.shown(metric)} {worst.error:.3g} ({verdict}; goal {goal:g},"
-            f" tolerance {target.tolerance:g})")
+    return (f"worst {worst.signature}/{worst.output} {validate.shown(metric)} {worst.error:.3g} ({verdict};"
+            f" goal {goal:g}, tolerance {target.tolerance:g})")
 
 
 def calibrate(
@@ -553,13 +554,15 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         kept.update(added)
         measured.update(needed)
         result = rewrite(kept)
+    best_round = best.round
     if best.result is not None:
         result, kept = best.result, best.kept
-    result, kept, given_back = _give_back(model, feeds, high, result, kept, measured, rewrite, target, measure,
-                                          thresholds, rounds, max_rounds, say, metric_name)
+        if best.score <= GOAL_SHARE:
+            result, kept, best_round = _give_back(model, feeds, high, result, kept, measured, rewrite, target,
+                                                  measure, thresholds, rounds, max_rounds, say, metric_name,
+                                                  best_round)
     keep = keep_entries(kept, where)
-    best_round = best.round if not given_back else len(rounds) - 1
-    calibration = Calibration(target.name, high.stats, keep, kept, min(range_kept, len(kept)), tuple(rounds),
+    calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds),
                               lists.keeping(keep), result, thresholds, source, metric=metric_name, best=best_round,
                               tolerance=target.tolerance, outputs=high.outputs)
     if not calibration.ok:
@@ -578,16 +581,15 @@ def _give_back(model: Model, feeds: validate.Feeds, high: statistics.Run, result
                kept: dict[tuple[str, str], str], measured: Collection[tuple[str, str]],
                rewrite: Callable[[Mapping], RewriteResult], target: Target, measure: validate.Metric,
                thresholds: Thresholds, rounds: list[Round], max_rounds: int, say: Callable[[str], None],
-               metric_name: str) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
+               metric_name: str, best_round: int) -> tuple[RewriteResult, dict[tuple[str, str], str], int]:
     """Repair keeps every node within ``_BLAME_SHARE`` of the worst, so a MatMul or Conv2D
     can be kept along with the one that needed it. Each such matmul that repair kept (not
     one ``measured`` out of range: past the format's limit, or within the headroom of it)
     is tried converted alone, in the runs left, and given back when the outputs stay
-    within the goal."""
+    within the goal. Returns the result, its kept nodes and the round it was measured in."""
     ops = {(d.function, d.node): d.op for d in result.report.decisions}
     candidates = [node for node in kept if node not in measured and ops.get(node) in _GIVE_BACK_OPS]
     goal = GOAL_SHARE * target.tolerance
-    given = False
     for node in candidates:
         if len(rounds) >= max_rounds:
             break
@@ -597,11 +599,11 @@ def _give_back(model: Model, feeds: validate.Feeds, high: statistics.Run, result
                          measure)
         fine = all(c.within(goal) for c in checks)
         rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
-        say(f"calibration: validation run {len(rounds)}: {node[1]} converted alone: {_summary(checks, target, metric_name)};"
-            f" {'given back to ' + target.name if fine else 'kept float32'}")
+        say(f"calibration: validation run {len(rounds)}: {node[1]} converted alone:"
+            f" {_summary(checks, target, metric_name)}; {'given back to ' + target.name if fine else 'kept float32'}")
         if fine:
-            kept, result, given = trial, candidate, True
-    return result, kept, given
+            kept, result, best_round = trial, candidate, len(rounds) - 1
+    return result, kept, best_round
 
 
 def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lists: OpLists,

@@ -99,17 +99,27 @@ class Run:
 
 def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
     """Every float output the pass may convert: in the main graph and in each function
-    the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``."""
+    the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``, and
+    but the unread outputs of a node whose other outputs are read (a batch norm's reserve
+    spaces): nothing they hold reaches anything."""
     program = program_of(graph_def)
     skip = set(skip_functions)
     names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(graph_def, program.library) if n not in skip]
     keys = []
     for name in names:
-        for node_def in program.item(name).node:
+        body = program.item(name)
+        read: dict[str, set[int]] = {}
+        for node_def in body.node:
+            for tensor in node_def.input:
+                ref = parse_tensor_name(tensor)
+                if not ref.is_control:
+                    read.setdefault(ref.node, set()).add(ref.port)
+        for node_def in body.node:
             if node_def.op == "_Retval":
                 continue
+            ports = read.get(node_def.name)
             for port, dtype in enumerate(output_dtypes(node_def, program.op_defs)):
-                if dtype == types_pb2.DT_FLOAT:
+                if dtype == types_pb2.DT_FLOAT and (ports is None or port in ports):
                     keys.append((name, node_def.name, port))
     return keys
 

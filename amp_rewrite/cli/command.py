@@ -264,7 +264,7 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
         unmatched += float8.resolve(found, model.graph_def)[1]
     if not entries or not unmatched:
         return
-    where = " and ".join(part for part in (str(args.lists) if args.lists else "", "--keep" if args.keep else "") if part)
+    where = " and ".join(part for part in (str(args.lists or ""), "--keep" if args.keep else "") if part)
     example = f"e.g. {unmatched[0]!r}"
     if len(unmatched) == entries:
         raise AmpRewriteError(f"{where}: none of its {entries} entries names a node of {args.src} ({example}); it"

@@ -396,7 +396,8 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
         reference = output.node.add()
         reference.CopyFrom(node)
         reference.name = f"{name}-{PROBE}/float16"
-        reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor) for tensor in node.input]
+        reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
+                              for tensor in node.input]
         difference = output.node.add(name=f"{name}-{PROBE}/error", op="Sub", input=[name, reference.name],
                                      device=node.device)
         difference.attr["T"].type = node.attr["T"].type
@@ -408,7 +409,7 @@ def _chain_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str
     """The tensor a float8 chain (``_Builder._chain``) quantizes, given its ``unscaled`` output."""
     steps = ("Mul", "Cast", "Cast", "ClipByValue", "Mul")  # unscaled, dequantized, quantized, clipped, scaled
     ref = parse_tensor_name(tensor)
-    if not (ref.node.endswith("/unscaled") and f"-Float8-" in ref.node):
+    if not (ref.node.endswith("/unscaled") and "-Float8-" in ref.node):
         return tensor
     for op in steps:
         node = nodes[ref.node]

@@ -182,9 +182,11 @@ class OpLists:
         items = {"": [node.name for node in graph_def.node]}
         for function in graph_def.library.function:
             items[function.signature.name] = [node.name for node in function.node_def]
+        def matches(scope: str | None, pattern: re.Pattern[str], item: str, names: list[str]) -> bool:
+            return (scope is None or functions.scope_matches(scope, item)) and any(map(pattern.fullmatch, names))
+
         return [entry for entry, scope, pattern in self._keep_patterns
-                if not any((scope is None or functions.scope_matches(scope, item)) and any(map(pattern.fullmatch, names))
-                           for item, names in items.items())]
+                if not any(matches(scope, pattern, item, names) for item, names in items.items())]
 
     def keeping(self, entries: Mapping[str, str]) -> OpLists:
         """These lists with more keep_nodes entries, entry -> one-line reason ("": none given).
