@@ -483,17 +483,23 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
                     cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
                     thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
                     source: str = "", metric: str | validate.Metric = validate.DEFAULT_METRIC,
-                    tolerance: float | None = None) -> Calibration:
+                    tolerance: float | None = None, runner: statistics.Runner | None = None) -> Calibration:
     """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
     (``validate.plan_feeds``); ``say`` gets one line per step and run. ``tolerance``: the
-    error accepted, default the target's. Target float8: this for float16 against
-    float8's tolerance (repairing float16's rounding below what FP8 adds buys nothing),
-    then ``calibrate_float8``."""
+    error accepted, default the target's. ``runner``: the session to run in (one of its
+    own by default). Target float8: this for float16 against float8's tolerance
+    (repairing float16's rounding below what FP8 adds buys nothing), then ``calibrate_float8``."""
     target = lookup_target(target, quantized=True)
+    if runner is None:
+        with statistics.Runner(model, feeds) as runner:
+            return run_calibration(model, feeds, target=target, lists=lists, cross_function=cross_function,
+                                   max_rounds=max_rounds, thresholds=thresholds, say=say, source=source,
+                                   metric=metric, tolerance=tolerance, runner=runner)
     metric_name, measure = validate.lookup_metric(metric)
     if target.colouring != target.name:
         return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
-                                max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric)
+                                max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric,
+                                runner=runner)
     if tolerance is not None:
         target = replace(target, tolerance=tolerance)
     check_max_rounds(max_rounds)
@@ -501,7 +507,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     keys = statistics.model_tensors(model)
     say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
     described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
-    high = statistics.collect(model, model.graph_def, feeds, keys, thresholds.smallest_normal, described)
+    high = runner.collect(model.graph_def, keys, thresholds.smallest_normal, described)
     result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     kept: dict[tuple[str, str], str] = {}
     touching, where = tensors_of(model.graph_def, set(high.stats)), node_items(model.graph_def)  # read once
@@ -526,8 +532,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     stale = 0  # runs in a row no better than the best
     while True:
         instrumented = bool(tried_nodes) or bool(rounds)  # a first run on a model with nothing tried: outputs only
-        low = statistics.collect(model, result.graph_def, feeds, keys if instrumented else [],
-                                 thresholds.smallest_normal)
+        low = runner.collect(result.graph_def, keys if instrumented else [], thresholds.smallest_normal)
         checks = _checks(high, low, measure)
         round_ = Round(checks, {})
         needed = headroom_keeps(result, touching, high.stats, low.stats, thresholds) if instrumented else {}
@@ -544,7 +549,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
             say(f"calibration: validation run {len(rounds)}: {_summary(checks, target, metric_name)}{note}{stop}")
             break
         if not needed and not instrumented:  # the outputs-only run failed: measure every tensor
-            low = statistics.collect(model, result.graph_def, feeds, keys, thresholds.smallest_normal)
+            low = runner.collect(result.graph_def, keys, thresholds.smallest_normal)
         added = needed or blame(result, touching, high.stats, low.stats, kept)
         rounds.append(replace(round_, kept=added))
         say(f"calibration: validation run {len(rounds)}: {_summary(checks, target, metric_name)}{note};"
@@ -558,9 +563,8 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     if best.result is not None:
         result, kept = best.result, best.kept
         if best.score <= GOAL_SHARE:
-            result, kept, best_round = _give_back(model, feeds, high, result, kept, measured, rewrite, target,
-                                                  measure, thresholds, rounds, max_rounds, say, metric_name,
-                                                  best_round)
+            result, kept, best_round = _give_back(runner, high, result, kept, measured, rewrite, target, measure,
+                                                  thresholds, rounds, max_rounds, say, metric_name, best_round)
     keep = keep_entries(kept, where)
     calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds),
                               lists.keeping(keep), result, thresholds, source, metric=metric_name, best=best_round,
@@ -577,7 +581,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     return calibration
 
 
-def _give_back(model: Model, feeds: validate.Feeds, high: statistics.Run, result: RewriteResult,
+def _give_back(runner: statistics.Runner, high: statistics.Run, result: RewriteResult,
                kept: dict[tuple[str, str], str], measured: Collection[tuple[str, str]],
                rewrite: Callable[[Mapping], RewriteResult], target: Target, measure: validate.Metric,
                thresholds: Thresholds, rounds: list[Round], max_rounds: int, say: Callable[[str], None],
@@ -595,8 +599,7 @@ def _give_back(model: Model, feeds: validate.Feeds, high: statistics.Run, result
             break
         trial = {k: v for k, v in kept.items() if k != node}
         candidate = rewrite(trial)
-        checks = _checks(high, statistics.collect(model, candidate.graph_def, feeds, [], thresholds.smallest_normal),
-                         measure)
+        checks = _checks(high, runner.collect(candidate.graph_def, [], thresholds.smallest_normal), measure)
         fine = all(c.within(goal) for c in checks)
         rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
         say(f"calibration: validation run {len(rounds)}: {node[1]} converted alone:"
@@ -609,7 +612,8 @@ def _give_back(model: Model, feeds: validate.Feeds, high: statistics.Run, result
 def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lists: OpLists,
                      cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
                      thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
-                     source: str = "", metric: str | validate.Metric = validate.DEFAULT_METRIC) -> Calibration:
+                     source: str = "", metric: str | validate.Metric = validate.DEFAULT_METRIC,
+                     runner: statistics.Runner | None = None) -> Calibration:
     """Target float8: calibration for float16 (the colouring float8 builds on), then the
     float8 step with amax from the float32 statistics, then up to ``max_rounds`` float8 runs.
 
@@ -620,10 +624,15 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     the errors predicts (``_float8_count``); the runs after that halve the interval between
     the largest k that failed and the smallest that met the goal. The result is the run
     that met the goal with the most matmuls on float8, else the lowest error."""
+    if runner is None:
+        with statistics.Runner(model, feeds) as runner:
+            return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
+                                    max_rounds=max_rounds, thresholds=thresholds, say=say, source=source,
+                                    metric=metric, runner=runner)
     metric_name, measure = validate.lookup_metric(metric)
     base = run_calibration(model, feeds, target=target.colouring, lists=lists, cross_function=cross_function,
                            max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric,
-                           tolerance=target.tolerance)
+                           tolerance=target.tolerance, runner=runner)
     high = statistics.Run(base.stats, base.outputs)
     wanted = float8.activation_operands(model.graph_def)
     amax = {key: s.max_abs for key, s in base.stats.items() if key in wanted}
@@ -645,8 +654,7 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
             say(f"calibration: float8: no matmul quantized ({found}); no float8 run needed")
             break
         probed, probes = _with_probes(result.graph_def, quantized) if not rounds else (result.graph_def, {})
-        low = statistics.collect(model, probed, feeds, [key for pair in probes.values() for key in pair],
-                                 base.thresholds.smallest_normal)
+        low = runner.collect(probed, [key for pair in probes.values() for key in pair], base.thresholds.smallest_normal)
         for matmul, (reference, difference) in probes.items():
             if reference in low.stats and difference in low.stats:
                 errors[matmul] = _relative_rms(low.stats[difference], low.stats[reference])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, types_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import deprecation
@@ -48,6 +48,11 @@ _MAXIMA, _SUMS, _PEAKS = "maxima", "sums", "peaks"  # the variables, shared by n
 # of about _SAMPLES_PER_ITEM elements per item (its largest |x| still over all of them).
 _SAMPLE_ABOVE = 16384
 _SAMPLES_PER_ITEM = 1024
+# A Runner's session takes this many graphs after the one it loaded, then the next run loads
+# afresh: each run's executor copies the session's whole function library, which every added
+# graph grows (MobileNetV2's five float8 runs took about 7 s each in a session that kept
+# taking them, 3 to 4 s otherwise).
+_ADDED_PER_SESSION = 1
 # Each element's |x| falls in one bucket; per bucket, its count, sum of |x| and sum of x².
 _ZERO, _SMALL, _FINITE, _NONFINITE = range(4)
 _BUCKETS = 4
@@ -187,8 +192,8 @@ _F32, _F64, _I32 = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32
 _SMALLEST_POSITIVE = float(np.finfo(np.float32).tiny)  # below it, |x| counts as 0: TensorFlow flushes subnormals
 
 
-def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int, str, int, int]], size: int,
-               small_below: float) -> list[str]:
+def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[tuple[int, str, int, int]], size: int,
+               small_below: float, prefix: str = PREFIX) -> list[str]:
     """Nodes in ``body`` that reduce each (index, tensor, dtype, stride) of ``found`` and
     fold it into the statistics variables at its index; returns the stateful nodes, which
     a run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
@@ -200,8 +205,9 @@ def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int,
     and ``UnsortedSegmentSum`` the sums of |x| and x² (float64). Those kernels are serial
     and ten times slower per element than a reduction, so a large tensor (``stride`` > 1)
     is bucketed on every ``stride``-th element only, and its largest |x| comes from a
-    ``Max`` over all of it (non-finite if any element is: ``Max`` propagates NaN)."""
-    b = _Body(body, prefix)
+    ``Max`` over all of it (non-finite if any element is: ``Max`` propagates NaN). The nodes
+    are named under ``scope``; the variables are shared by ``prefix`` (``_shared``)."""
+    b = _Body(body, scope)
     buckets, none = b.const("buckets", np.array(_BUCKETS, np.int32)), b.const("no_weights", np.zeros(0, np.float64))
     flat, axis = b.const("flat", np.array([-1], np.int32)), b.const("axis", np.array([0], np.int32))
     start, infinity = axis, b.const("infinity", np.array(np.inf, np.float32))
@@ -235,7 +241,7 @@ def _add_folds(body: graph_pb2.GraphDef, prefix: str, found: Sequence[tuple[int,
 
     def fold(op: str, name: str, indices: Sequence[int], values: Sequence[str], dtype: int, shape: list[int]) -> str:
         variable = b.node(name, "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
-                          shared_name=f"{PREFIX}_{name}", container="")
+                          shared_name=_shared(prefix, name), container="")
         updates = b.node(f"{name}/updates", "Pack", values, N=len(values), T=dtype, axis=0)
         at = b.const(f"{name}/indices", np.array(indices, np.int32))
         return b.node(f"fold_{name}", op, [variable, at, updates], dtype=dtype, Tindices=_I32)
@@ -285,13 +291,15 @@ def _static_shape(node_def, port: int) -> list[int] | None:
 
 
 def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
-               main_groups: Sequence[Collection[str]] = ()) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
+               main_groups: Sequence[Collection[str]] = (), prefix: str = PREFIX,
+               ) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
     names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
     Returns the copy, per group the main graph's node a run must ask for, and per key
-    index its ``sampling_stride``."""
+    index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
+    share: one per run of a ``Runner``."""
     program = program_of(graph_def)
     strides: dict[int, int] = {}
     by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
@@ -316,18 +324,18 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
             for group_number, group in enumerate(main_groups):
                 chosen = [f[:4] for f in found if f[4] in group and f[0] not in taken]
                 taken.update(f[0] for f in chosen)
-                name = f"{PREFIX}/main_{group_number}"
-                folds = _add_folds(body, name, chosen, len(keys), small_below) if chosen else []
+                name = f"{prefix}/main_{group_number}"
+                folds = _add_folds(body, name, chosen, len(keys), small_below, prefix) if chosen else []
                 body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
                 main_calls.append(name)
             if keys:
-                _add_access(body, len(keys))
+                _add_access(body, len(keys), prefix)
             del output.node[:]
             output.node.extend(body.node)
             continue
         if not found:
             continue
-        folds = _add_folds(body, PREFIX, [f[:4] for f in found], len(keys), small_below)
+        folds = _add_folds(body, prefix, [f[:4] for f in found], len(keys), small_below, prefix)
         function_def = functions.to_function_def(body, program.library[item], program.op_defs)
         for fold in folds:
             function_def.signature.control_output.append(fold)
@@ -338,25 +346,32 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
 
 
 _VARIABLES = ((_MAXIMA, _F32, [_BUCKETS]), (_SUMS, _F64, [_BUCKETS, _MOMENTS]), (_PEAKS, _F32, []))
-INITIALIZE = f"{PREFIX}/initialize"  # the main graph's NoOp that zeroes the statistics variables
+def _shared(prefix: str, name: str) -> str:
+    """The name a statistics variable is shared by, in function bodies and the main graph."""
+    return f"{prefix}_{name}"
 
 
-def _read(name: str) -> str:
-    return f"{PREFIX}/read_{name}:0"
+def _initialize(prefix: str) -> str:
+    """The main graph's NoOp that zeroes the statistics variables."""
+    return f"{prefix}/initialize"
 
 
-def _add_access(body: graph_pb2.GraphDef, size: int) -> None:
-    """The main graph's nodes that zero the statistics variables (``INITIALIZE``) and read
+def _read(prefix: str, name: str) -> str:
+    return f"{prefix}/read_{name}:0"
+
+
+def _add_access(body: graph_pb2.GraphDef, size: int, prefix: str) -> None:
+    """The main graph's nodes that zero the statistics variables (``_initialize``) and read
     them (``_read``): in the graph the session loads, so no run extends it afterwards."""
-    b = _Body(body, PREFIX)
+    b = _Body(body, prefix)
     assigns = []
     for name, dtype, shape in _VARIABLES:
         handle = b.node(f"handle_{name}", "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
-                        shared_name=f"{PREFIX}_{name}", container="")
+                        shared_name=_shared(prefix, name), container="")
         zeros = b.const(f"zeros_{name}", np.zeros([size, *shape], tf.as_dtype(dtype).as_numpy_dtype))
         assigns.append(b.node(f"assign_{name}", "AssignVariableOp", [handle, zeros], dtype=dtype))
         b.node(f"read_{name}", "ReadVariableOp", [handle], dtype=dtype)
-    body.node.add(name=INITIALIZE, op="NoOp", input=[f"^{assign}" for assign in assigns])
+    body.node.add(name=_initialize(prefix), op="NoOp", input=[f"^{assign}" for assign in assigns])
 
 
 def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
@@ -487,30 +502,84 @@ def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tupl
 
 def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
             small_below: float, described: str = "the calibration inputs") -> Run:
-    """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed, folding
-    ``keys``; returns the statistics and the outputs. ``feeds``: ``validate.plan_feeds``;
-    ``described`` names them in the error a model that fails on them gets (``RANDOM_INPUTS``:
-    made from the signatures)."""
-    constants = constant_stats(graph_def, keys, small_below)
-    run_keys = [k for k in keys if k not in constants]
-    signatures = signatures_of(model)
-    same = same_signatures(graph_def, signatures, feeds)
-    groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items() if key not in same]
-    instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups)
-    config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
-    size = len(run_keys)
-    with _loaded(model, instrumented, config) as session:
-        graph = session.graph
+    """One ``Runner.collect`` in a session of its own."""
+    with Runner(model, feeds) as runner:
+        return runner.collect(graph_def, keys, small_below, described)
+
+
+class Runner:
+    """One TF1 Session for every run of a calibration. The first graph is loaded as the
+    model would be (a SavedModel through TensorFlow's own loader, which restores variables
+    and runs init ops); each later one is added to the same session: the functions it
+    changes under new names, the main-graph nodes it changes under a new scope, the rest
+    shared. A run then pays for what its rewrite changed, not for loading the model again
+    (``_add``)."""
+
+    def __init__(self, model: Model, feeds: Feeds) -> None:
+        self.model, self.feeds = model, feeds
+        self.session: tf.compat.v1.Session | None = None
+        self.library: dict[str, bytes] = {}   # the loaded functions (the first graph's)
+        self.main: dict[str, bytes] = {}      # the loaded main-graph nodes
+        self.runs = 0
+        self.added = 0  # graphs added to the session since it loaded
+        self._exit = contextlib.ExitStack()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit.close()
+
+    def collect(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+                described: str = "the calibration inputs") -> Run:
+        """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed,
+        folding ``keys``; returns the statistics and the outputs. ``described`` names the
+        feeds in the error a model that fails on them gets (``RANDOM_INPUTS``: made from
+        the signatures)."""
+        model, feeds = self.model, self.feeds
+        constants = constant_stats(graph_def, keys, small_below)
+        run_keys = [k for k in keys if k not in constants]
+        signatures = signatures_of(model)
+        same = same_signatures(graph_def, signatures, feeds)
+        groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items()
+                  if key not in same]
+        prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
+        instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups, prefix)
+        if self.added >= _ADDED_PER_SESSION:  # every run's executor copies the session's whole library
+            self.session, self.added = None, 0
+        if self.session is None:
+            config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
+            self.session = self._exit.enter_context(_loaded(model, instrumented, config))
+            self.library = {f.signature.name: f.SerializeToString(deterministic=True)
+                            for f in instrumented.library.function}
+            self.main = {n.name: n.SerializeToString(deterministic=True) for n in instrumented.node}
+            scope = {}
+        else:
+            try:
+                scope = self._add(instrumented, f"{PREFIX}_run{self.runs}")
+            except (ValueError, KeyError, tf.errors.OpError):  # what the session cannot take in, a new one loads
+                self.session = None
+                return self.collect(graph_def, keys, small_below, described)
+            self.added += 1
+        self.runs += 1
+
+        def named(tensor: str) -> str:  # a main-graph tensor or op as the session has it
+            ref = parse_tensor_name(tensor)
+            node = scope.get(ref.node, ref.node)
+            return f"{node}:{ref.port}" if ":" in tensor else node
+
+        session, size = self.session, len(run_keys)
         if size:
-            session.run(INITIALIZE)
+            session.run(named(_initialize(prefix)))
         outputs: dict[str, list[dict[str, np.ndarray]]] = {}
         run_signatures = [(key, entry) for key, entry in signatures.items() if key not in same]
         for (key, (inputs, fetched)), call in zip(run_signatures, main_calls):
-            target = graph.get_operation_by_name(call)
+            target = session.graph.get_operation_by_name(named(call))
+            fetches = {name: named(tensor_name(*parse_tensor_name(tensor))) for name, tensor in fetched.items()}
             for feed in feeds.get(key, [{}]):
-                fed = {inputs[name]: value for name, value in feed.items()}
+                fed = {named(inputs[name]): value for name, value in feed.items()}
                 try:
-                    values, _ = session.run((dict(fetched), target), feed_dict=fed)
+                    values, _ = session.run((fetches, target), feed_dict=fed)
                 except (tf.errors.OpError, ValueError, TypeError) as error:
                     where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
                     advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
@@ -519,15 +588,98 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
                             if described == RANDOM_INPUTS else described)
                     raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
-        read = session.run({name: _read(name) for name, _, _ in _VARIABLES}) if size else {}
-    for key, twin in same.items():
-        outputs[key] = outputs[twin]
-    stats = dict(constants)
-    for index, key in enumerate(run_keys):
-        if index not in strides or read[_SUMS][index, :, 0].sum() == 0:
-            continue  # never ran: a branch not taken, a loop that did not iterate
-        stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]), strides[index])
-    return Run(stats, outputs)
+        read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if size else {}
+        for key, twin in same.items():
+            outputs[key] = outputs[twin]
+        stats = dict(constants)
+        for index, key in enumerate(run_keys):
+            if index not in strides or read[_SUMS][index, :, 0].sum() == 0:
+                continue  # never ran: a branch not taken, a loop that did not iterate
+            stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]),
+                                     strides[index])
+        return Run(stats, outputs)
+
+    def _add(self, graph_def: graph_pb2.GraphDef, scope: str) -> dict[str, str]:
+        """Import ``graph_def`` into the loaded session's graph: each function that differs
+        from the loaded one of its name, and each function calling such a one, as
+        ``NAME_<scope>``; each main-graph node that differs from the loaded one (or reads
+        one that does) under ``scope/``, reading the rest from the loaded graph. Returns
+        main-graph node name → its name in the session."""
+        library = {f.signature.name: f for f in graph_def.library.function}
+        changed = {name for name, f in library.items()
+                   if self.library.get(name) != f.SerializeToString(deterministic=True)}
+        callees = {name: _called(f.node_def, library) for name, f in library.items()}
+        while grown := {name for name in library if name not in changed and callees[name] & changed}:
+            changed |= grown
+        renamed = {name: f"{name}_{scope}" for name in changed}
+        partial = graph_pb2.GraphDef()
+        partial.versions.CopyFrom(graph_def.versions)
+        for name in sorted(changed):
+            function = partial.library.function.add()
+            function.CopyFrom(library[name])
+            function.signature.name = renamed[name]
+            for node_def in function.node_def:
+                _rename_calls(node_def, renamed)
+        nodes = {}
+        for node_def in graph_def.node:
+            copy = node_def_pb2.NodeDef()
+            copy.CopyFrom(node_def)
+            _rename_calls(copy, renamed)
+            nodes[copy.name] = copy
+        moved = {name for name, node_def in nodes.items()
+                 if self.main.get(name) != node_def.SerializeToString(deterministic=True)}
+        readers: dict[str, set[str]] = {}
+        for name, node_def in nodes.items():
+            for tensor in node_def.input:
+                readers.setdefault(parse_tensor_name(tensor).node, set()).add(name)
+        pending = list(moved)
+        while pending:
+            for reader in readers.get(pending.pop(), ()):
+                if reader not in moved:
+                    moved.add(reader)
+                    pending.append(reader)
+        graph = self.session.graph
+        input_map = {}
+        for name in sorted(moved):
+            node_def = partial.node.add()
+            node_def.CopyFrom(nodes[name])
+            kept_inputs = []
+            for tensor in node_def.input:
+                ref = parse_tensor_name(tensor)
+                if ref.node in moved:
+                    kept_inputs.append(tensor)
+                elif ref.is_control:
+                    outputs = graph.get_operation_by_name(ref.node).outputs
+                    if outputs:  # a control input on an op without outputs cannot be mapped: it ran at load
+                        input_map[f"^{ref.node}"] = outputs[0]
+                        kept_inputs.append(tensor)
+                else:
+                    input_map[f"{ref.node}:{ref.port}"] = graph.get_tensor_by_name(f"{ref.node}:{ref.port}")
+                    kept_inputs.append(tensor)
+            node_def.input[:] = kept_inputs
+        with graph.as_default():
+            tf.graph_util.import_graph_def(partial, input_map=input_map, name=scope)
+        return {name: f"{scope}/{name}" for name in moved}
+
+
+def _called(node_defs: Iterable[node_def_pb2.NodeDef], library: Mapping[str, object]) -> set[str]:
+    """The library functions ``node_defs`` call: by op name or through a function attr."""
+    found = set()
+    for node_def in node_defs:
+        if node_def.op in library:
+            found.add(node_def.op)
+        for value in node_def.attr.values():
+            found.update(f.name for f in [value.func] + list(value.list.func) if f.name in library)
+    return found
+
+
+def _rename_calls(node_def: node_def_pb2.NodeDef, renamed: Mapping[str, str]) -> None:
+    """Point ``node_def``'s calls (its op, its function attrs) at ``renamed`` functions."""
+    node_def.op = renamed.get(node_def.op, node_def.op)
+    for value in node_def.attr.values():
+        for function in [value.func] + list(value.list.func):
+            if function.name in renamed:
+                function.name = renamed[function.name]
 
 
 @contextlib.contextmanager
