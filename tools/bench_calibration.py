@@ -9,8 +9,9 @@ a SavedModel and calibrated for float16 (``calibrate.run_calibration``, as
 ``tf.saved_model.load`` and then one first call of the signature on the same batch (the
 call that traces, optimizes and instantiates the model's functions); its load is printed
 beside it. The time of calibration is split into: instrumenting the graphs (Python), the
-TF1 loader (graph import and variable restore), the model runs (session.run), the
-rewrites, and the rest (Python: statistics, decisions).
+TF1 loader (graph import and variable restore), the model runs (session.run: function
+instantiation and compute), the rewrites, adding a rewrite to the loaded session
+(``statistics.Runner``), and the rest (Python: statistics, decisions).
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_calibration.py [--models mobilenet,bert,resnet50]
 """
@@ -68,6 +69,7 @@ _timed(statistics, "instrument", "instrumenting (Python)")
 _timed(tf.compat.v1.saved_model.loader, "load", "TF1 loader: import and restore")
 _timed(tf.compat.v1.Session, "run", "model runs (session.run)")
 _timed(calibrate, "rewrite_model", "rewrites")
+_timed(statistics.Runner, "_add", "adding a rewrite to the session")
 
 
 def _export(name: str, workdir: Path) -> tuple[Path, dict[str, np.ndarray]]:

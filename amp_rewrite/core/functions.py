@@ -43,11 +43,16 @@ def scope_matches(scope: str, function: str) -> bool:
 
 def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> list[tuple[str, int]]:
     """(output arg name, index within the arg) for each output port of the node."""
+    if support.registered_op_def(node_def.op) is op_def:
+        fixed = _fixed_output_args(node_def.op)
+        if fixed is not None:
+            return list(fixed)
     ports = []
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
 
-    def attr(name: str):
-        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
+    def attr(name: str):  # the op-def default only where the node lacks it: most nodes have every attr
+        if name in node_def.attr:
+            return node_def.attr[name]
+        return next((a.default_value for a in op_def.attr if a.name == name and a.HasField("default_value")), None)
 
     for arg in op_def.output_arg:
         if arg.type_list_attr:
@@ -58,6 +63,15 @@ def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> li
             count = 1
         ports.extend((arg.name, i) for i in range(count))
     return ports
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_output_args(op: str) -> tuple[tuple[str, int], ...] | None:
+    """A registered op's output ports when no attr sets their number, else None."""
+    op_def = support.registered_op_def(op)
+    if any(arg.type_list_attr or arg.number_attr for arg in op_def.output_arg):
+        return None
+    return tuple((arg.name, 0) for arg in op_def.output_arg)
 
 
 def is_parametrized(function: function_pb2.FunctionDef) -> bool:
