@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench fuzz matrix clean
+.PHONY: install test demo bench fuzz matrix dist clean
 
 # Re-install only when the package metadata changes.
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -41,5 +41,13 @@ fuzz: install
 matrix: install
 	$(PY) tools/matrix.py
 
+# The sdist and the wheel in dist/, built as a release is (python -m build, in an isolated
+# environment) and checked as PyPI checks them (twine check).
+dist: install
+	$(PY) -m pip install -q build twine
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) .matrix *.egg-info .pytest_cache
+	rm -rf $(VENV) .matrix *.egg-info .pytest_cache build dist

@@ -92,7 +92,7 @@ def test_builtin_file_holding_a_listed_op_is_refused(tmp_path, monkeypatch):
     """An op in the float32 section and in a list is a broken file, named with the fix."""
     text = (ROOT / "lists" / "bfloat16.yaml").read_text(encoding="utf-8")
     (tmp_path / "bfloat16.yaml").write_text(text.replace("    Selu: its", "    Mul: its"), encoding="utf-8")
-    monkeypatch.setattr(lists_module, "_BUILTIN_DIRS", (tmp_path,))
+    monkeypatch.setattr(lists_module, "_BUILTIN_DIR", tmp_path)
     with pytest.raises(ListsError, match=r"bfloat16.yaml: op 'Mul' is in both 'infer' and 'float32'; restore"):
         load_lists("bfloat16", environ={})
 
@@ -195,7 +195,7 @@ def test_overlay_adds_and_removes(tmp_path):
     assert lists.colour("Cumsum") is Colour.ALLOW and lists.colour("Mean") is Colour.ALLOW
     assert lists.colour("Exp") is None and lists.colour("Cumprod") is Colour.CLEAR
     assert "Mean" not in lists.reasons
-    assert lists.sources == (str(ROOT / "lists" / "float16.yaml"), str(path))
+    assert lists.sources == (str(ROOT / "amp_rewrite" / "lists" / "float16.yaml"), str(path))  # the package data
 
 
 def test_overlay_add_before_remove(tmp_path):
