@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -46,6 +46,7 @@ class Model:
     text: bool = False                  # read from text format (.pbtxt)
     meta_graph_index: int = 0           # SavedModel: the MetaGraphDef rewritten (the one --tag-set names)
     fetches_are_sinks: bool = False     # GraphDef without --fetch: the outputs are the nodes nobody reads
+    preserved: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (function, node) -> why: custom gradients
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
@@ -183,7 +184,8 @@ def _read_saved_model(path: Path, tag_set: str) -> Model:
     if _has_variables(meta) and not (path / "variables" / "variables.index").exists():
         raise ModelError(f"{path}: the variables/ folder is missing or incomplete; copy it from the original export")
     return Model(found[0].parent, "savedmodel", meta.graph_def, _preserved(meta), _entry_functions(meta),
-                 saved_model, text=found[0].suffix == ".pbtxt", meta_graph_index=matching[0])
+                 saved_model, text=found[0].suffix == ".pbtxt", meta_graph_index=matching[0],
+                 preserved=custom_gradient_nodes(meta))
 
 
 def _has_variables(meta: meta_graph_pb2.MetaGraphDef) -> bool:
@@ -199,6 +201,33 @@ def _preserved(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     tensors += [saver.filename_tensor_name, saver.save_tensor_name, saver.restore_op_name]
     names = {node.name for node in meta.graph_def.node}
     return tuple(sorted({parse_tensor_name(t).node for t in tensors if t} & names))
+
+
+def custom_gradient_nodes(meta: meta_graph_pb2.MetaGraphDef) -> dict[tuple[str, str], str]:
+    """(function, node) -> why, for the nodes whose dtypes a SavedModel's custom gradients
+    (``tf.custom_gradient``, ``tf.RegisterGradient``) depend on. The loader registers each
+    saved gradient function for the ops whose ``_gradient_op_type`` it was saved for; the
+    function was traced for those ops' dtypes, and reads tensors of the forward function by
+    name (``captured_tensor`` in the object graph). Rewritten to another dtype they fail
+    under ``tf.GradientTape`` ("Input 'b' of 'MatMul' Op has type float16 that does not
+    match type float32"), so they keep the dtypes the source had."""
+    library = {function.signature.name: function for function in meta.graph_def.library.function}
+    gradients = {g.registered_op_type: g.gradient_func for g in meta.graph_def.library.registered_gradients}
+    found = {}
+    for name, function in library.items():
+        for node in function.node_def:
+            op_type = node.attr["_gradient_op_type"].s.decode() if "_gradient_op_type" in node.attr else ""
+            if op_type in gradients:
+                found[(name, node.name)] = (f"has a custom gradient ({gradients[op_type]}), traced for the dtypes"
+                                            " the source had")
+    for saved in meta.object_graph_def.nodes:
+        if saved.WhichOneof("kind") != "captured_tensor":
+            continue
+        function, node = saved.captured_tensor.concrete_function, parse_tensor_name(saved.captured_tensor.name).node
+        if function in library and (any(n.name == node for n in library[function].node_def)
+                                    or any(a.name == node for a in library[function].signature.input_arg)):
+            found[(function, node)] = "read by a custom gradient function, traced for the dtype the source had"
+    return found
 
 
 def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
@@ -239,7 +268,7 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
     ``amax`` and ``lossy``: target float8's calibration (``rewrite_graph_def``)."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
                              cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
-                             lossy=lossy)
+                             lossy=lossy, preserved=model.preserved)
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:

@@ -83,6 +83,7 @@ def rewrite_graph_def(
     progress: Callable[[int, int], None] | None = None,
     amax: Mapping[tuple[str, str, int], float] | None = None,
     lossy: Mapping[tuple[str, str], str] | None = None,
+    preserved: Mapping[tuple[str, str], str] | None = None,
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
@@ -94,6 +95,8 @@ def rewrite_graph_def(
     ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for
     matmuls to leave float16 (rule ``float8-lossy``).
     ``fetches``: node (or tensor) names whose outputs must keep their dtype.
+    ``preserved``: ``(function, node) -> why`` for more nodes, in any item, that keep their
+    dtypes as fetches do (a SavedModel's custom gradients were traced for them).
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
     By default each function body is painted on its own, exactly like grappler, and keeps
@@ -116,7 +119,8 @@ def rewrite_graph_def(
         links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
                  else boundaries.Links(()))
         output, stats, decisions = _rewrite_items(program, colouring_target, fetch_nodes, op_lists, names, links,
-                                                  progress or (lambda done, total: None), amax, lossy or {})
+                                                  progress or (lambda done, total: None), amax, lossy or {},
+                                                  preserved or {})
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
@@ -138,16 +142,23 @@ def _rewrite_items(
     program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
     amax: Mapping[tuple[str, str, int], float] | None = None, lossy: Mapping[tuple[str, str], str] | None = None,
+    preserved: Mapping[tuple[str, str], str] | None = None,
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     """Steps 3-10 (module doc) on every item: the main graph, then each function body."""
     total = 2 * (len(names) + 1)
-    items = {MAIN_GRAPH: _prepare(program.graph_def, target, fetch_nodes, op_lists, links, MAIN_GRAPH, program)}
+    item_to_reasons: dict[str, dict[str, str]] = {}
+    for (function, node), why in (preserved or {}).items():
+        item_to_reasons.setdefault(function, {})[node] = why
+    reasons = item_to_reasons.get(MAIN_GRAPH, {})
+    items = {MAIN_GRAPH: _prepare(program.graph_def, target, (*fetch_nodes, *reasons), op_lists, links, MAIN_GRAPH,
+                                  program, reasons)}
     progress(1, total)
     for name in names:
         with _naming(name):
             body = program.item(name)
-            preserved = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name)
-            items[name] = _prepare(body, target, tuple(preserved), op_lists, links, name, program)
+            reasons = item_to_reasons.get(name, {})
+            kept = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name) | set(reasons)
+            items[name] = _prepare(body, target, tuple(kept), op_lists, links, name, program, reasons)
         progress(len(items), total)
     # 7. Colouring: each item alone (grappler), or linked across function boundaries.
     log.debug("step 7 colouring: %d item(s)%s", len(items), ", linked" if links.groups else "")
@@ -214,7 +225,7 @@ class _Item:
 
 def _prepare(
     graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
-    links: boundaries.Links, function: str, program: Program,
+    links: boundaries.Links, function: str, program: Program, reasons: Mapping[str, str] | None = None,
 ) -> _Item:
     """Steps 3-6 (module doc) on one item."""
     # 3. The working copy as a node graph; every fetch must exist.
@@ -224,7 +235,7 @@ def _prepare(
         raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
     log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes))
     # 4. Which nodes may be painted.
-    processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function)
+    processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function, reasons)
     log.debug("%s: step 4 processed nodes: %d, skipped %d (kept %d)", function or "main graph", len(processed),
               len(skipped), len(kept))
     # 5. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
