@@ -42,10 +42,11 @@ matrix: install
 	$(PY) tools/matrix.py
 
 # The sdist and the wheel in dist/, built as a release is (python -m build, in an isolated
-# environment) and checked as PyPI checks them (twine check).
+# environment) and checked as PyPI checks them (twine check). An old *.egg-info would add
+# the files it lists to the sdist: each build starts without one.
 dist: install
 	$(PY) -m pip install -q build twine
-	rm -rf dist
+	rm -rf dist build *.egg-info
 	$(PY) -m build --outdir dist .
 	$(PY) -m twine check --strict dist/*
 

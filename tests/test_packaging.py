@@ -18,7 +18,7 @@ import pytest
 from cli_models import save_module
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "amp_rewrite", "lists")  # what the build reads
+SOURCES = ("pyproject.toml", "MANIFEST.in", "README.md", "amp_rewrite", "lists")  # what the build reads
 # Runs the installed console script, after checking that amp_rewrite comes from the install.
 RUN_INSTALLED = """
 import runpy, sys
