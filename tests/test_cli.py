@@ -1211,8 +1211,8 @@ def test_parser_targets_are_the_targets() -> None:
 ], ids=["validate-negative", "validate-0", "max-rounds-11"])
 def test_counts_are_checked_before_anything_runs(workspace: Path, args: list[str], mention: str) -> None:
     """Counts are refused by the argument parser (exit 2), before TensorFlow is imported."""
-    run = run_cli("convert", workspace / "not-read", workspace / "never", *args)
-    assert run.code == 2 and run.err.strip().splitlines()[-1] == f"amp-rewrite: error: {mention}", run.err
+    line = error_line(run_cli("convert", workspace / "not-read", workspace / "never", *args))
+    assert line == f"amp-rewrite: error: {mention}; see amp-rewrite convert --help", line
 
 
 def test_a_saved_model_pb_path_says_to_pass_its_directory(workspace: Path, saved_models: Paths) -> None:

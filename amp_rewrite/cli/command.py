@@ -64,8 +64,7 @@ exit codes:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # usage errors: one line, exit 2
-        self.print_usage(sys.stderr)
-        print(f"amp-rewrite: error: {message}", file=sys.stderr)
+        print(f"amp-rewrite: error: {message}; see {self.prog} --help", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 

@@ -188,15 +188,18 @@ def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, run
         given = inputs if isinstance(inputs, Mapping) else load_inputs(inputs)
         inputs = Path("inputs") if isinstance(inputs, Mapping) else inputs
         names = sorted({spec.name for spec in specs})
+        problems = []
+        lacking = next((spec for spec in specs if spec.name not in given), None)
+        if lacking is not None:
+            where = "placeholder(s)" if lacking.signature == GRAPH else f"input(s) of signature '{lacking.signature}':"
+            missing = sorted(s.name for s in specs if s.signature == lacking.signature and s.name not in given)
+            problems.append(f"no array for {where} {', '.join(missing)}")
         unknown = sorted(set(given) - set(names))
         if unknown:
-            raise ModelError(f"{inputs}: array(s) {', '.join(map(repr, unknown))} match no input of the model; its"
-                             f" inputs are {', '.join(map(repr, names)) or 'none'}; rename or drop the array(s)")
-        for spec in specs:
-            if spec.name not in given:
-                where = "placeholder(s)" if spec.signature == GRAPH else f"input(s) of signature '{spec.signature}':"
-                missing = sorted(s.name for s in specs if s.signature == spec.signature and s.name not in given)
-                raise ModelError(f"{inputs}: no array for {where} {', '.join(missing)}")
+            problems.append(f"array(s) {', '.join(map(repr, unknown))} match no input of the model; its inputs are"
+                            f" {', '.join(map(repr, names)) or 'none'}; rename or drop the array(s)")
+        if problems:
+            raise ModelError(f"{inputs}: {'; '.join(problems)}")
         feed_by_signature: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
         for spec in specs:
             feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
