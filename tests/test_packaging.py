@@ -62,11 +62,30 @@ def test_the_wheel_holds_the_op_lists_and_its_command(wheel: Path) -> None:
     assert "amp-rewrite = amp_rewrite.cli:main" in entry_points
 
 
+def _installed_here() -> str:
+    """amp_rewrite's installation in this interpreter's environment, as a new process sees it."""
+    return subprocess.run([sys.executable, "-c", INSTALLED_HERE], capture_output=True, text=True, cwd="/",
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=60).stdout
+
+
+INSTALLED_HERE = """
+import importlib.metadata as m
+try:
+    print(m.distribution("amp_rewrite").locate_file(""))
+except m.PackageNotFoundError:
+    print("not installed")
+"""
+
+
 def test_the_wheel_installed_with_prefix_converts_from_there(wheel: Path, tmp_path: Path) -> None:
     """``pip install --prefix DIR`` puts the package outside the interpreter's prefix; its
-    ``amp-rewrite`` finds its own lists there (earlier: "built-in lists float16.yaml not found")."""
+    ``amp-rewrite`` finds its own lists there (earlier: "built-in lists float16.yaml not found").
+    The install leaves this environment's amp_rewrite in place (without --ignore-installed pip
+    uninstalls it first, even for another prefix)."""
     prefix = tmp_path / "prefix"
-    _pip("install", "-q", "--no-deps", "--no-index", "--prefix", prefix, wheel)
+    before = _installed_here()
+    _pip("install", "-q", "--no-deps", "--no-index", "--ignore-installed", "--prefix", prefix, wheel)
+    assert _installed_here() == before
     packages = next(prefix.rglob("amp_rewrite/__init__.py")).parents[1]
     script = next(prefix.rglob("bin/amp-rewrite"))
     save_module(tmp_path / "src")
