@@ -33,7 +33,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, f"the TF1 script failed:\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return {"stderr": done.stderr, **json.loads(lines[-1][len("RESULT "):])}
 
 
 def test_monitored_training_session_runs_every_hook_as_without_the_rewrite(report):
@@ -137,6 +137,14 @@ def test_an_op_that_would_change_a_running_node_is_refused_in_one_line(report):
     assert "\n" not in message and "'exp_input' (Exp)" in message and "'PartitionedCall' (PartitionedCall)" in message
     assert "cross_function=True" in message and "create them before the first run, or run them in a new Session" in message
     assert refused["first_again"] == refused["first"] == [[8.0] * 4] * 2
+
+
+def test_a_fixed_scale_that_skips_every_step_in_a_session_says_so_once(report):
+    """loss_scale=2**20 and an Inf loss in a Session: all 12 steps skipped (global_step and w
+    unchanged, the scale fixed), and one line on stderr says why and what to pass."""
+    assert report["fixed_scale"] == {"step": 0, "w": [1.0, 2.0], "scale": 2.0**20}
+    assert report["stderr"].count("the first 10 training steps were all skipped") == 1
+    assert 'fixed loss scale 1.04858e+06; pass a smaller loss_scale, or loss_scale="dynamic"' in report["stderr"]
 
 
 def test_readme_tf1_example_runs_as_written(report):

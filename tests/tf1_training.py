@@ -383,6 +383,26 @@ def refused_growth() -> dict:
     return out
 
 
+def fixed_scale_all_skipped() -> dict:
+    """A fixed loss_scale with a loss that is never finite, in a Session: 12 steps, all skipped;
+    the warning goes to the process' stderr (``test_tf1_training`` reads it)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant([1.0, 2.0]))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                               loss_scale=2.0**20, target=TARGET)
+        train = opt.minimize(tf.reduce_sum(w * w) * float("inf"), global_step=step)
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(init)
+        for _ in range(12):
+            sess.run(train)
+        out = {"step": int(sess.run(step)), "w": sess.run(w).tolist(), "scale": float(sess.run(opt.loss_scale))}
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    return out
+
+
 def readme_example(workdir: Path) -> dict:
     """The README's TF1 example (the ```python block with MonitoredTrainingSession), run as
     written with target= and its checkpoint directory replaced."""
@@ -413,6 +433,7 @@ def main() -> None:
         "structures": fetch_and_feed_structures(),
         "tf_keras": tf_keras_graph_mode_fit(),
         "refused": refused_growth(),
+        "fixed_scale": fixed_scale_all_skipped(),
         "readme": readme_example(workdir),
     }
     print("RESULT " + json.dumps(report))
