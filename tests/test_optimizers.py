@@ -571,9 +571,10 @@ def test_dynamic_scale_doubles_after_increment_period_finite_steps(family):
 
 
 @pytest.mark.parametrize("family", FAMILY_TO_STEPS)
-@pytest.mark.parametrize("loss_scale", [128, None], ids=["number", "None"])
+@pytest.mark.parametrize("loss_scale", [128, 0.5, None], ids=["number", "below-one", "None"])
 def test_fixed_scale_never_changes(family, loss_scale):
-    """A number (or None, meaning 1) is a fixed scale: finite and bad steps leave it alone."""
+    """A number (or None, meaning 1) is a fixed scale: finite and bad steps leave it alone
+    (below 1 too: a dynamic scale stops halving at 1, a fixed one is not raised to it)."""
     scales = FAMILY_TO_STEPS[family](loss_scale, [1, 1, 1, INF, 1])
     assert scales == [loss_scale or 1.0] * 5
 
@@ -606,6 +607,39 @@ def test_fixed_scale_still_skips_bad_steps(family):
         np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6,
                                    err_msg=f"{family}: a fixed loss scale applied a non-finite step")
     assert float(opt.loss_scale) == 128.0
+
+
+def test_a_skipped_step_leaves_the_weights_but_not_batch_norm_statistics():
+    """What a skipped step protects, in model.fit: an Inf loss (here a poisoned loss factor)
+    leaves every weight and slot alone, but BatchNormalization's moving statistics were already
+    updated by the forward pass, as with Keras' own loss-scale optimizer. A NaN *input* batch
+    makes the step skipped and the moving mean NaN (README: the remedy)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    poison = tf.Variable(1.0)
+    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1),
+                                                                            target="bfloat16"),
+                  loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
+    x, y = _regression_data()
+    model.fit(x, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    bn = model.layers[0]
+
+    def state() -> tuple:
+        return ([np.array(w.numpy()) for w in model.trainable_variables], np.array(bn.moving_mean.numpy()))
+
+    trainable, moving = state()
+    poison.assign(INF)
+    model.fit(x + 1.0, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    after, moved = state()
+    assert all(np.array_equal(a, b) for a, b in zip(trainable, after)), "the Inf step was applied"
+    assert not np.allclose(moved, moving), "the forward pass updates the moving mean"
+    poison.assign(1.0)
+    bad = x.copy()
+    bad[0, 0] = NAN
+    model.fit(bad, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    final, poisoned = state()
+    assert all(np.array_equal(a, b) for a, b in zip(after, final)), "the NaN-input step was applied"
+    assert np.isnan(poisoned[0]) and float(model.optimizer.loss_scale) == 2.0**13
 
 
 SKIPPED_WARNING = "the first 10 training steps were all skipped"
