@@ -316,6 +316,25 @@ def test_gradients_all_reduced_after_unscaling_give_the_float32_update(mirrored_
     np.testing.assert_allclose(actual, expected, rtol=0.05, atol=0.05 * np.max(np.abs(expected)))
 
 
+@pytest.mark.parametrize("contract", ["scale_loss", "get_unscaled_gradients"])
+def test_keras_variables_overwritten_with_their_gradient_get_it_as_passed(contract):
+    """A variable with ``overwrite_with_gradient`` (float8 scaling factors) is set to its
+    "gradient", which Keras never unscales: either contract leaves that value as the code
+    computed it, while the other variable's gradient is unscaled (SGD 0.5, gradient 2)."""
+    w, amax = keras.Variable([1.0]), keras.Variable([0.0])
+    amax.overwrite_with_gradient = True
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.5))
+    opt.build([w, amax])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * 2.0)
+        scaled = opt.scale_loss(loss) if contract == "scale_loss" else opt.get_scaled_loss(loss)
+    grads = [tape.gradient(scaled, w), tf.constant([5.0])]  # the new amax, computed as such
+    if contract == "get_unscaled_gradients":
+        grads = opt.get_unscaled_gradients(grads)
+    opt.apply(grads, [w, amax])
+    np.testing.assert_allclose([float(w.numpy()[0]), float(amax.numpy()[0])], [0.0, 5.0], rtol=1e-6)
+
+
 def test_keras_apply_with_both_or_neither_contract_says_what_to_pass():
     """The Keras 3 wrapper takes scaled gradients after scale_loss (Keras 3) and unscaled ones
     after get_scaled_loss/get_unscaled_gradients (tf_keras): calling both on one optimizer is

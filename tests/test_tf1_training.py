@@ -101,6 +101,7 @@ def test_make_callable_runs_the_mirror_on_every_path(report):
     assert callables["feed_list_total"] == callables["options_total"] == 64.0  # 2 × ones · 0.125, summed
     assert callables["options_executed"] == [BF16]
     assert callables["from_options"] == {"dtypes": ["float32", "float32"], "total": 32.0, "step": 4}
+    assert callables["fed_converted"] == 16.0  # a value fed to a tensor the copy computes in bfloat16
 
 
 def test_partial_run_runs_the_mirror(report):

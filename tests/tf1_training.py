@@ -255,6 +255,7 @@ def callables_and_partial_runs() -> dict:
     values = from_options(ones)
     out["from_options"] = {"dtypes": [str(v.dtype) for v in values], "total": float(values[1]),
                            "step": int(sess.run(step))}
+    out["fed_converted"] = float(sess.run(total, {y: np.full((4, 8), 0.5, np.float32)}))  # y: bfloat16 in the copy
     handle = sess.partial_run_setup([r1, r2], [a, b, x])
     out["partial_run"] = [float(sess.partial_run(handle, r1, {a: 1.0, b: 2.0})),
                           float(sess.partial_run(handle, r2, {x: ones}))]

@@ -7,7 +7,8 @@ nested calls) and registers the rewritten ones under the same names, so every ca
 custom training loops, ``model.fit``/``evaluate``/``predict``, and ``jit_compile=True``
 functions, which XLA compiles from the registered body — runs them. Functions traced
 before enabling keep their old bodies. A ``tf.compat.v1.Session`` created while the
-rewrite is on runs a rewritten copy of its graph instead (``session``).
+rewrite is on runs a rewritten copy of its graph instead (``session``). What enabling
+changes in the process is held by one ``LiveState``, which disabling puts back.
 """
 from __future__ import annotations
 
@@ -389,7 +390,7 @@ def _warn_if_cpu_placed(name: str, functions: list[function_pb2.FunctionDef], li
         warnings.warn(
             f"amp_rewrite: float16 rewrites GPU or unplaced nodes only, and {name}'s {placed[0].op} ops are placed on"
             " a CPU (as MirroredStrategy on CPUs places them), so it runs in float32; use target='bfloat16' on"
-            " CPUs. (Shown once.)", stacklevel=3)
+            " CPUs. (Shown once while enabled.)", stacklevel=3)
 
 
 def tensorflow_version() -> tuple[int, int]:
