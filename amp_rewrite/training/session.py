@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -64,15 +64,48 @@ class Mirror:
     sources: dict[str, node_def_pb2.NodeDef]  # the user's nodes that rewrite read, by name
     nodes: dict[str, node_def_pb2.NodeDef]  # as rewritten, by name
     functions: dict[str, function_pb2.FunctionDef]  # as rewritten, by name
+    # Looked up once per tensor and op (a running node never changes): runs map every element.
+    _outputs: dict[tuple[str, int], tuple[Any, tf.DType]] = field(default_factory=dict, repr=False)
+    _operations: dict[str, Any] = field(default_factory=dict, repr=False)
+    _fetches: dict[tuple[str, int], _Fetch] = field(default_factory=dict, repr=False)
 
     def output(self, name: str, index: int) -> tuple[Any, tf.DType]:
         """The mirror's output ``name:index`` (a TF_Output) and its dtype."""
-        tensor = self.graph.get_operation_by_name(name).outputs[index]
-        return tensor._as_tf_output(), tensor.dtype  # pylint: disable=protected-access
+        found = self._outputs.get((name, index))
+        if found is None:
+            tensor = self.graph.get_operation_by_name(name).outputs[index]
+            found = self._outputs[name, index] = (tensor._as_tf_output(), tensor.dtype)  # pylint: disable=protected-access
+        return found
 
     def operation(self, name: str) -> Any:
         """The mirror's operation ``name`` (a TF_Operation)."""
-        return self.graph.get_operation_by_name(name)._c_op  # pylint: disable=protected-access
+        found = self._operations.get(name)
+        if found is None:
+            found = self._operations[name] = self.graph.get_operation_by_name(name)._c_op  # pylint: disable=protected-access
+        return found
+
+    def fetch(self, user_output: Any) -> _Fetch:
+        """The mirror's output for the user graph's ``user_output`` (a TF_Output), and the dtype
+        to return its value in where the rewrite changed it."""
+        key = (_operation_name(user_output.oper), user_output.index)
+        found = self._fetches.get(key)
+        if found is None:
+            inner, dtype = self.output(*key)
+            user = c_api.TF_OperationOutputType(user_output)
+            found = self._fetches[key] = _Fetch(
+                inner, None if dtype.as_datatype_enum == user else tf.as_dtype(user).base_dtype.as_numpy_dtype)
+        return found
+
+    def feeds(self, feed_dict: dict) -> dict:
+        """``feed_dict`` (user TF_Output -> value) for the mirror: a value whose tensor the rewrite
+        converted is cast to the mirror's dtype."""
+        feeds = {}
+        for user_output, value in feed_dict.items():
+            inner, dtype = self.output(_operation_name(user_output.oper), user_output.index)
+            if dtype.as_numpy_dtype != value.dtype and value.dtype != object:  # object: a TensorHandle
+                value = value.astype(dtype.as_numpy_dtype)
+            feeds[inner] = value
+        return feeds
 
 
 def patch_session_init(active: Callable[[], Any]) -> Callable[[], None]:
@@ -164,17 +197,17 @@ class MirroredSession(session_lib.BaseSession):
                             run_metadata: Any) -> list:
         mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)]
                                    + [_operation_name(t) for t in target_list])
-        fetches = [self._map_fetch(mirror, output) for output in fetch_list]
+        fetches = [mirror.fetch(output) for output in fetch_list]
         results = c_api.TF_SessionRun_wrapper(
-            mirror.session._session, options, self._map_feeds(mirror, feed_dict),  # pylint: disable=protected-access
+            mirror.session._session, options, mirror.feeds(feed_dict),  # pylint: disable=protected-access
             [f.output for f in fetches], [mirror.operation(_operation_name(t)) for t in target_list], run_metadata)
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def _call_tf_sessionprun(self, handle: Any, feed_dict: dict, fetch_list: list) -> list:
         mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)])
-        fetches = [self._map_fetch(mirror, output) for output in fetch_list]
+        fetches = [mirror.fetch(output) for output in fetch_list]
         results = c_api.TF_SessionPRun_wrapper(mirror.session._session, handle,  # pylint: disable=protected-access
-                                               self._map_feeds(mirror, feed_dict), [f.output for f in fetches])
+                                               mirror.feeds(feed_dict), [f.output for f in fetches])
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def partial_run_setup(self, fetches: Any, feeds: Any = None) -> Any:
@@ -216,22 +249,6 @@ class MirroredSession(session_lib.BaseSession):
         super().close()
 
     # --- mapping onto the mirror -----------------------------------------------------------
-
-    def _map_feeds(self, mirror: Mirror, feed_dict: dict) -> dict:
-        feeds = {}
-        for output, value in feed_dict.items():
-            inner, dtype = mirror.output(_operation_name(output.oper), output.index)
-            if dtype.as_datatype_enum != c_api.TF_OperationOutputType(output) and value.dtype != object:
-                value = value.astype(dtype.as_numpy_dtype)
-            feeds[inner] = value
-        return feeds
-
-    def _map_fetch(self, mirror: Mirror, output: Any) -> _Fetch:
-        inner, dtype = mirror.output(_operation_name(output.oper), output.index)
-        user = c_api.TF_OperationOutputType(output)
-        if dtype.as_datatype_enum == user:
-            return _Fetch(inner)
-        return _Fetch(inner, tf.as_dtype(user).base_dtype.as_numpy_dtype)
 
     def _changed_dtype(self, mirror: Mirror, name: str, *, to_mirror: bool) -> Any:
         """For tensor ``name`` whose dtype the rewrite changed, the NumPy dtype a value must be
