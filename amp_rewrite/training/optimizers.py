@@ -91,7 +91,7 @@ def _float32_scale(value: Any, what: str) -> float:
         as_float32 = np.float32(value) if np.isfinite(value) else np.float32("nan")
     if not np.isfinite(as_float32) or as_float32 <= 0:
         raise ValueError(f"{what} must be a positive finite number in float32, where the scale is kept,"
-                         f" got {value!r} ({as_float32!r} in float32); pass one between 2**-126 and 2**127")
+                         f" got {value!r} ({float(as_float32)!r} in float32); pass one between 2**-126 and 2**127")
     return float(value)
 
 
