@@ -96,6 +96,11 @@ class PaintContext:
     pinned: frozenset[Vertex] = frozenset()
     # Unprocessed nodes a keep_nodes entry keeps -> why: never painted, and deny ops for step 7.2.
     kept: Mapping[str, Reason] = field(default_factory=dict)
+    # Nodes a running Session already runs (``rewrite_graph_def(frozen=)``): their converted
+    # vertices, ``frozen_allow``, are ALLOW from step 7.1 on, and no pass paints another of them
+    # (7.4-7.6 and 7.10; the others decide from neighbours that are frozen too).
+    frozen_nodes: frozenset[str] = frozenset()
+    frozen_allow: frozenset[Vertex] = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
     _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
     ops: Mapping[str, str] = field(init=False, repr=False)  # node -> op
@@ -257,6 +262,10 @@ def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
         return False
     values = tensor_util.MakeNdarray(node_def.attr["value"].tensor)
     return values.dtype.kind == "f" and bool(np.all(values <= 0))
+
+
+FROZEN_CONVERTED = Reason(Rule.FROZEN, "its node already runs converted in the Session's rewritten copy")
+FROZEN_FLOAT32 = Reason(Rule.FROZEN, "its node already runs float32 in the Session's rewritten copy")
 
 
 @dataclass(frozen=True)
@@ -526,7 +535,10 @@ def add_clear_and_infer_between_allow(
     graph, lists = ctx.types.graph, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)]
+    # Frozen converted vertices are roots too: the allow ops that made them so are frozen.
+    frozen, frozen_allow = ctx.frozen_nodes, ctx.frozen_allow
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)
+             or v in frozen_allow]
 
     allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
     is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
@@ -535,7 +547,7 @@ def add_clear_and_infer_between_allow(
         node = v.node
         op = ops[node]
         return (
-            op not in allow_ops and v not in deny and node in processed
+            op not in allow_ops and v not in deny and node in processed and node not in frozen
             and (op in infer_ops or node in bounded or is_clear(v))  # ctx.is_infer(node), inlined
             and v in float32 and has_target_kernel(v)
         )
@@ -576,7 +588,7 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
     processed = ctx.processed
     for vertex in _vertices(ctx):
         if (
-            vertex.node not in processed or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
+            vertex.node not in processed or vertex.node in ctx.frozen_nodes or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
             or vertex in added or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
         ):
             continue
@@ -596,12 +608,12 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
 
-    processed, float32 = ctx.processed, ctx.float32
+    processed, float32, frozen = ctx.processed, ctx.float32, ctx.frozen_nodes
     is_clear, has_target_kernel, reads_ref_variable = ctx.is_clear, ctx.has_target_kernel, ctx.reads_ref_variable
 
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and v.node in processed and is_clear(v)
+            v not in painted and v not in deny and v.node in processed and v.node not in frozen and is_clear(v)
             and v in float32 and has_target_kernel(v) and not reads_ref_variable(v.node)
         )
 
@@ -691,7 +703,7 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
     for node, op in ctx.ops.items():
-        if op != "Cast" or node in ctx.kept:
+        if op != "Cast" or node in ctx.kept or node in ctx.frozen_nodes:
             continue
         vertex = Vertex(node, dst)
         if not ctx.is_float32(vertex):
@@ -733,6 +745,7 @@ def paint(
         (v, Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary"))
         for v in seeds if v not in allow_found
     )
+    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.graph)
     note("7.1 allow list", allow_found)
     allow = set(allow_found)
     if not allow:
@@ -788,6 +801,8 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     kept = ctx.kept.get(vertex.node)
     if kept is not None:  # whatever else denied it, the entry decided
         return kept
+    if vertex.node in ctx.frozen_nodes and vertex not in painting.allow:
+        return FROZEN_FLOAT32
     if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
         return Reason(Rule.NOT_PROCESSED, skipped[vertex.node])
     reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one
