@@ -30,7 +30,7 @@ from conftest import (
     TARGET_TO_TOLERANCE,
     run_on_cpu,
 )
-from tensorflow.core.framework import function_pb2, types_pb2
+from tensorflow.core.framework import function_pb2, node_def_pb2, types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.python.framework import function as tf1_function
 
@@ -779,3 +779,67 @@ def test_bounded_exp_in_a_function_body(target: str) -> None:
         assert_colours(rewrites, lowered=["allow1", "allow2"], kept=["square", "bump"], function=body)
     _assert_functions_compared(rewrites, "__inference__gaussian")
     assert_numerics_match(rewrites, fetches, _feeds())
+
+
+# --------------------------------------------------------------------------------------
+# Which functions a node calls: one rule (``functions.called_functions``), TensorFlow's
+
+
+def _matmul_function(name: str) -> function_pb2.FunctionDef:
+    """name(x: float) -> (y: float): y = MatMul allow1(x, x)."""
+    function = function_pb2.FunctionDef()
+    function.signature.name = name
+    function.signature.input_arg.add(name="x", type=types_pb2.DT_FLOAT)
+    function.signature.output_arg.add(name="y", type=types_pb2.DT_FLOAT)
+    matmul = function.node_def.add(name="allow1", op="MatMul", input=["x", "x"])
+    matmul.attr["T"].type = types_pb2.DT_FLOAT
+    function.ret["y"] = "allow1:product:0"
+    return function
+
+
+def test_a_node_calls_its_op_and_its_func_attrs_but_not_names_bound_inside_them() -> None:
+    """A node calls its op, when a library defines it, and the functions its ``func`` and
+    ``list(func)`` attrs name; a name inside a func value's own attrs binds the callee's
+    attr and is no call. ``rename_calls`` renames exactly those names. A registered op
+    without a func attr calls nothing but itself."""
+    from amp_rewrite.core.functions import called_functions, rename_calls
+
+    node = node_def_pb2.NodeDef(name="call", op="Outer")
+    node.attr["f"].func.name = "body"
+    node.attr["f"].func.attr["inner"].func.name = "bound"
+    node.attr["branches"].list.func.add(name="then")
+    node.attr["branches"].list.func.add(name="else")
+    node.attr["T"].type = types_pb2.DT_FLOAT
+    assert sorted(called_functions(node)) == ["Outer", "body", "else", "then"]
+    rename_calls(node, {name: name.upper() for name in ("Outer", "body", "bound", "then", "else")})
+    assert sorted(called_functions(node)) == ["BODY", "ELSE", "OUTER", "THEN"]
+    assert node.attr["f"].func.attr["inner"].func.name == "bound"
+    matmul = node_def_pb2.NodeDef(name="m", op="MatMul")
+    matmul.attr["_stray"].func.name = "body"  # a private attr of an op that takes no function
+    assert list(called_functions(matmul)) == ["MatMul"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_function_named_only_inside_a_func_attr_is_not_reached(target: str) -> None:
+    """The rule is TensorFlow's (grappler reaches functions through ops and func attrs only):
+    ``outer`` is called with its attr ``inner`` bound to ``nested``, which nothing calls.
+    Grappler rewrites ``outer`` and drops ``nested`` from its library as unreachable; we
+    rewrite ``outer`` the same and leave ``nested`` as it was."""
+    graph_def = GraphDef()
+    x = graph_def.node.add(name="x", op="Placeholder")
+    x.attr["dtype"].type = types_pb2.DT_FLOAT
+    x.attr["shape"].shape.dim.add(size=4)
+    x.attr["shape"].shape.dim.add(size=4)
+    call = graph_def.node.add(name="call", op="PartitionedCall", input=["x"])
+    call.attr["f"].func.name = "outer"
+    call.attr["f"].func.attr["inner"].func.name = "nested"
+    call.attr["Tin"].list.type.append(types_pb2.DT_FLOAT)
+    call.attr["Tout"].list.type.append(types_pb2.DT_FLOAT)
+    graph_def.node.add(name="fetch", op="Identity", input=["call"]).attr["T"].type = types_pb2.DT_FLOAT
+    graph_def.library.function.extend([_matmul_function("outer"), _matmul_function("nested")])
+    rewrites = check_against_grappler(graph_def, target, ["fetch"])
+    assert "nested" not in {f.signature.name for f in rewrites.grappler.library.function}
+    assert [f.name for f in rewrites.agreement.functions] == ["outer"]
+    assert_colours(rewrites, lowered=["allow1"], casts=2, function="outer")
+    nested = next(f for f in rewrites.ours.library.function if f.signature.name == "nested")
+    assert nested == _matmul_function("nested")

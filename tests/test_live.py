@@ -34,6 +34,7 @@ from tensorflow.python.eager import context
 
 import amp_rewrite
 from amp_rewrite.training import live, optimizers
+from amp_rewrite.core.functions import called_functions
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_TO_LOW = {"float16": "DT_HALF", "bfloat16": "DT_BFLOAT16"}
@@ -103,9 +104,7 @@ def registered_compute(names: Iterable[str]) -> list[ComputeNode]:
         seen.add(name)
         function = ctx.get_function_def(name)
         found += _compute_nodes(name, function.node_def)
-        for node in function.node_def:
-            for value in node.attr.values():
-                todo += [value.func.name] if value.func.name else [f.name for f in value.list.func]
+        todo += [callee for node in function.node_def for callee in called_functions(node) if ctx.has_function(callee)]
     return found
 
 
