@@ -13,6 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["amp_rewrite", "amp_rewrite.*"]),
+    package_data={"amp_rewrite.cli": ["templates/*.j2"]},
     data_files=[("share/amp_rewrite/lists", [str(p) for p in sorted((HERE / "lists").glob("*.yaml"))])],
     install_requires=[
         "tensorflow>=2.16,<2.22",
@@ -20,7 +21,10 @@ setup(
         "pyyaml>=6.0",
         "protobuf>=4.21",
         "tqdm>=4.60",
+        "jinja2>=3.1",
     ],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6", "scikit-learn>=1.3", "tf-keras>=2.16,<2.22"]},
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "scikit-learn>=1.3", "tf-keras>=2.16,<2.22", "tensorboard>=2.16,<2.22"],
+    },
     entry_points={"console_scripts": ["amp-rewrite=amp_rewrite.cli:main"]},
 )
