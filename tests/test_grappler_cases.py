@@ -262,7 +262,7 @@ def test_fused_batch_norm() -> None:
     assert_colours(
         rewrites, lowered=["fbn1", "bng1", "infer1", "allow1", "allow2"], kept=["fbn1:U", "bng1:U"], casts=3
     )
-    for graph_def in (rewrites.ours, rewrites.grappler):
+    for _, graph_def in rewrites.results():
         assert (op_of(graph_def, "fbn1"), op_of(graph_def, "bng1")) == ("FusedBatchNormV2", "FusedBatchNormGradV2")
 
 
@@ -293,7 +293,7 @@ def test_existing_cast() -> None:
 
     rewrites = check_against_grappler(graph_def_of(build), "float16", ["fetch"])
     assert_colours(rewrites, lowered=["cst1:DstT", "allow1"], casts=1)
-    for graph_def in (rewrites.ours, rewrites.grappler):
+    for _, graph_def in rewrites.results():
         assert vertex_dtypes(graph_def)[("cst1", "SrcT")] == tf.bool.as_datatype_enum
 
 
@@ -818,6 +818,14 @@ def test_multi_paths_2(target: str) -> None:
 # The oracle itself (amp_rewrite.testing.reference): it must see differences and nothing else
 
 
+def _recorded_answer(original: GraphDef) -> GraphDef:
+    """grappler's float16 answer for ``original``, to test the comparison on."""
+    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    if grappler is None:
+        pytest.skip("no recorded grappler answer on this TensorFlow release: nothing to compare")
+    return grappler
+
+
 def _rename_node(graph_def: GraphDef, old: str, new: str) -> None:
     for node in graph_def.node:
         node.name = new if node.name == old else node.name
@@ -828,7 +836,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
     """grappler re-sorts nodes, writes "x" for "x:0" and numbers casts; none of it is a
     difference."""
     original = _build_simple()
-    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    grappler = _recorded_answer(original)
     ours = GraphDef()
     ours.CopyFrom(grappler)
     ours.node.sort(key=lambda node: node.name, reverse=True)
@@ -843,7 +851,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
 def test_compare_rewrites_reports_vertex_and_cast_differences() -> None:
     """A vertex with another dtype and a cast feeding other consumers are both reported."""
     original = _build_simple()
-    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    grappler = _recorded_answer(original)
     ours = GraphDef()
     ours.CopyFrom(grappler)
     clr3 = next(node for node in ours.node if node.name == "clr3")
