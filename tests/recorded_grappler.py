@@ -43,6 +43,7 @@ import re
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 from pathlib import Path
 
 import pytest
@@ -490,3 +491,9 @@ def _cpu_description() -> str:
         pass
     shown = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16") if flag in flags]
     return f"{model} ({', '.join(shown) or 'no AVX512'})"
+
+
+def skip_comparison() -> NoReturn:
+    """Skip a test that is nothing but a comparison with grappler, where ``rewrite`` or
+    ``lists`` has no answer on this release (None)."""
+    pytest.skip(f"no recorded grappler answer on TensorFlow {tf.__version__}: nothing to compare")

@@ -99,7 +99,7 @@ def test_default_mode_agrees_with_grappler_in_every_function(case: Case, target:
     tests/test_functions.py::test_keras_recurrent_training_step)."""
     grappler = case.grappler(target)
     if grappler is None:
-        pytest.skip("no recorded grappler answer on this TensorFlow release: nothing to compare")
+        recorded_grappler.skip_comparison()
     agreement = compare_rewrites(case.model.graph_def, case.default(target).graph_def, grappler)
     assert agreement.functions, "no function body was compared"
     expected = {} if case.model.name == "while_loop" else deviations.KERAS_LOOP_STEP
@@ -119,7 +119,7 @@ def test_cross_mode_runs_fewer_casts_than_grappler(case: Case, target: str) -> N
     run in all (casts of a Const do not count: constant folding removes them, spec §2.7)."""
     answer = case.grappler(target)
     if answer is None:
-        pytest.skip("no recorded grappler answer on this TensorFlow release: nothing to compare")
+        recorded_grappler.skip_comparison()
     ours = sum(c.run_time for c in item_cast_counts(case.cross(target).graph_def).values())
     grappler = sum(c.run_time for c in item_cast_counts(answer).values())
     assert ours < grappler, f"{case.model.name} ({target}): {ours} run-time casts, grappler {grappler}"
@@ -131,7 +131,7 @@ def test_cross_mode_runs_no_more_casts_per_loop_iteration(case: Case, target: st
     while_loop graph every loop runs fewer."""
     answer = case.grappler(target)
     if answer is None:
-        pytest.skip("no recorded grappler answer on this TensorFlow release: nothing to compare")
+        recorded_grappler.skip_comparison()
     ours, grappler = casts_per_iteration(case.cross(target).graph_def), casts_per_iteration(answer)
     assert ours and set(ours) == set(grappler), (sorted(ours), sorted(grappler))
     strictly = case.model.name in STRICTLY_FEWER_PER_ITERATION
