@@ -554,6 +554,24 @@ def test_nodes_on_another_device_are_not_painted(target: str, device: str) -> No
     assert_unchanged(rewrites)
 
 
+def test_kernel_check_asks_each_nodes_own_device_type() -> None:
+    """§1.5, bfloat16: a node placed on an XLA_CPU device is processed (its type contains
+    CPU) but has no bfloat16 Relu kernel there, so clr_xla stays float32 while the same op
+    on the CPU, clr_cpu, converts: one kernel answer per device type, not per op."""
+
+    def build() -> None:
+        x = tf.compat.v1.placeholder(FLOAT, [4, 4], name="x")
+        allow1 = raw.MatMul(a=x, b=x, name="allow1")
+        with tf.device("/device:XLA_CPU:0"):
+            clr_xla = raw.Relu(features=allow1, name="clr_xla")
+        clr_cpu = raw.Relu(features=raw.MatMul(a=clr_xla, b=x, name="allow2"), name="clr_cpu")
+        raw.Identity(input=raw.MatMul(a=clr_cpu, b=x, name="allow3"), name="fetch")
+
+    rewrites = check_against_grappler(graph_def_of(build), "bfloat16", ["fetch"])
+    assert_colours(rewrites, lowered=["allow1", "allow2", "clr_cpu", "allow3"], kept=["clr_xla"], casts=4)
+    assert rewrites.report.decision("clr_xla").rule == "no-kernel"
+
+
 def test_simple_bfloat16() -> None:
     """Case 38 Simple (BF16): Log is infer for bfloat16 (named deny2 in the C++ test) and is
     not directly after an allow vertex at pass 4, so like Simple only clr2, allow1, clr3

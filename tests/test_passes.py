@@ -126,18 +126,19 @@ def test_allow_spreads_both_ways_through_clear_ops_but_not_through_infer_ops():
     assert {reason.rule for reason in found.values()} == {Rule.CLEAR_PROPAGATION}
 
 
+def _conv_backprop_input() -> None:
+    """allow1: a Conv2DBackpropInput, whose ``input_sizes`` is a fixed int32 input."""
+    tf.raw_ops.Conv2DBackpropInput(
+        input_sizes=tf.constant([1, 4, 4, 1], name="sizes"), filter=x((1, 1, 1, 1)),
+        out_backprop=tf.ones([1, 4, 4, 1], name="grad"), strides=[1, 1, 1, 1], padding="SAME", name="allow1",
+    )
+
+
 def test_allow_op_vertices_the_op_definition_rejects_are_removed():
     """Step 7.7: an allow-list op's vertex whose op definition does not admit the target
     (here Conv2DBackpropInput's fixed int32 ``input_sizes``) leaves ALLOW (pass 7)."""
-    lists = OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(), infer=(), clear=())
-
-    def build():
-        tf.raw_ops.Conv2DBackpropInput(
-            input_sizes=tf.constant([1, 4, 4, 1], name="sizes"), filter=x((1, 1, 1, 1)),
-            out_backprop=tf.ones([1, 4, 4, 1], name="grad"), strides=[1, 1, 1, 1], padding="SAME", name="allow1",
-        )
-
-    ctx = context(build, lists=lists)
+    ctx = context(_conv_backprop_input, lists=OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(),
+                                                      infer=(), clear=()))
     allow = set(colouring.add_allowlist_ops(ctx))
     sizes = Vertex("allow1", TypeAttr(fixed=types_pb2.DT_INT32))
     assert t("allow1") | {sizes} <= allow
@@ -405,15 +406,8 @@ def test_a_vertex_ends_with_the_reason_of_the_step_that_decided_its_colour():
 def test_a_vertex_taken_out_of_allow_ends_with_the_reason_of_the_step_that_took_it():
     """``paint``: Conv2DBackpropInput's int32 ``input_sizes`` is ALLOW by the list (7.1) and
     taken out by 7.7: its reason is 7.7's, while ``T`` keeps the allow list's."""
-    lists = OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(), infer=(), clear=())
-
-    def build():
-        tf.raw_ops.Conv2DBackpropInput(
-            input_sizes=tf.constant([1, 4, 4, 1], name="sizes"), filter=x((1, 1, 1, 1)),
-            out_backprop=tf.ones([1, 4, 4, 1], name="grad"), strides=[1, 1, 1, 1], padding="SAME", name="allow1",
-        )
-
-    ctx = context(build, lists=lists)
+    ctx = context(_conv_backprop_input, lists=OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(),
+                                                      infer=(), clear=()))
     painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
     sizes = Vertex("allow1", TypeAttr(fixed=types_pb2.DT_INT32))
     assert sizes not in painting.allow and painting.reasons[sizes].rule is Rule.UNCONVERTIBLE

@@ -274,16 +274,6 @@ def _write_events(path: Path, graph_def: graph_pb2.GraphDef) -> Path:
     return path
 
 
-def _write_events(path: Path, graph_def: graph_pb2.GraphDef) -> Path:
-    """The events ``tf.summary.graph`` writes, with wall time 0 so the file is reproducible."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tf_record.TFRecordWriter(str(path)) as writer:
-        writer.write(event_pb2.Event(wall_time=0.0, file_version="brain.Event:2").SerializeToString())
-        graph = graph_def.SerializeToString(deterministic=True)
-        writer.write(event_pb2.Event(wall_time=0.0, step=0, graph_def=graph).SerializeToString())
-    return path
-
-
 # --------------------------------------------------------------------------------------
 # Graphviz
 
