@@ -154,7 +154,8 @@ def assert_colours(
     lowered, kept = list(lowered), list(kept)
     where = f" in function '{function}'" if function else ""
     original = function_body(rewrites.original, function) if function else rewrites.original
-    for label, result in rewrites.results()[:None if grappler else 1]:
+    results = rewrites.results() if grappler else rewrites.results()[:1]
+    for label, result in results:
         graph_def = function_body(result, function) if function else result
         problems = []
         for vertices, expected in ((lowered, low), (kept, types_pb2.DT_FLOAT)):
@@ -286,6 +287,9 @@ def assert_model_close_to_float32(model: ModelGraph, float32: GraphRun, graph_de
 
 
 _TESTS = Path(__file__).resolve().parent
+# What this run saw: whether tests were deselected, and how the tests ended that made no
+# grappler comparison for lack of an answer (outcome -> count).
+_RUN: dict = {"deselected": False, "without_answer": collections.Counter()}
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -298,9 +302,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Count how the tests that made no grappler comparison on this release ended."""
     if report.when == "call" and report.nodeid in recorded_grappler.tests_without_answer:
         _RUN["without_answer"][report.outcome] += 1
-
-
-_RUN: dict = {"deselected": False, "without_answer": collections.Counter()}
 
 
 def _whole_suite(session: pytest.Session) -> bool:

@@ -43,8 +43,8 @@ import re
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import tensorflow as tf
@@ -245,7 +245,8 @@ def _missing(question: dict, payload: bytes, key: str, reason: str | None) -> st
 
 def _what_differs(question: dict, payload: bytes) -> str:
     """How the questions this test asked when the recording was made differ from this
-    one, field by field (e.g. ", the recording asked this test about another graph")."""
+    one, field by field ("; the recording asked this test the same with another graph"),
+    or "" when the recording holds none of this test's."""
     asked = {**question, "graph": _digest(payload)}
     test = _current_test()
     recorded = [q for q in _store().index["answers"].values()
@@ -443,6 +444,9 @@ class _Store:
                 if key not in entries:
                     entries[key] = (question, self.key_to_answer[key])
                     kept += 1
+                else:  # asked again: by these tests and by those the other part of the suite holds
+                    tests = entries[key][0]["tests"]
+                    tests += [test for test in question.get("tests", ()) if test not in tests]
         index = {
             "tensorflow": tf.__version__,
             "cpu": _cpu_description(),
