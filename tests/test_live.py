@@ -33,8 +33,8 @@ from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.python.eager import context
 
 import amp_rewrite
-from amp_rewrite.training import live, optimizers
 from amp_rewrite.core.functions import called_functions
+from amp_rewrite.training import live, optimizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_TO_LOW = {"float16": "DT_HALF", "bfloat16": "DT_BFLOAT16"}
