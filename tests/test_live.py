@@ -36,6 +36,7 @@ from tensorflow.python.eager.polymorphic_function import transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
 import amp_rewrite
+from amp_rewrite.core.functions import called_functions
 from amp_rewrite.training import live, optimizers
 from amp_rewrite.training import session as amp_session
 
@@ -107,9 +108,7 @@ def registered_compute(names: Iterable[str]) -> list[ComputeNode]:
         seen.add(name)
         function = ctx.get_function_def(name)
         found += _compute_nodes(name, function.node_def)
-        for node in function.node_def:
-            for value in node.attr.values():
-                todo += [value.func.name] if value.func.name else [f.name for f in value.list.func]
+        todo += [callee for node in function.node_def for callee in called_functions(node) if ctx.has_function(callee)]
     return found
 
 

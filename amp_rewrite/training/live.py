@@ -21,12 +21,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
 from amp_rewrite.training import optimizers, session
+from amp_rewrite.core import functions
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
@@ -248,21 +249,11 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
 
 
 def _renamed_calls(function: function_pb2.FunctionDef, old_to_new: Mapping[str, str]) -> function_pb2.FunctionDef:
-    """A copy of ``function`` calling ``old_to_new``'s new names (call ops and func attrs)."""
+    """A copy of ``function`` calling ``old_to_new``'s new names (``functions.rename_calls``)."""
     copy = function_pb2.FunctionDef()
     copy.CopyFrom(function)
-
-    def rename(value: attr_value_pb2.AttrValue) -> None:
-        funcs = ([value.func] if value.HasField("func") else []) + list(value.list.func)
-        for func in funcs:
-            func.name = old_to_new.get(func.name, func.name)
-            for nested in func.attr.values():
-                rename(nested)
-
     for node in copy.node_def:
-        node.op = old_to_new.get(node.op, node.op)
-        for value in node.attr.values():
-            rename(value)
+        functions.rename_calls(node, old_to_new)
     return copy
 
 
@@ -282,19 +273,7 @@ def private_copies(
     never replaced in place. A function that calls a changed one changes too, to call the copy.
     """
     def callees(function: function_pb2.FunctionDef) -> set[str]:
-        names = set()
-
-        def collect(value: attr_value_pb2.AttrValue) -> None:
-            for func in ([value.func] if value.HasField("func") else []) + list(value.list.func):
-                names.add(func.name)
-                for nested in func.attr.values():
-                    collect(nested)
-
-        for node in function.node_def:
-            names.add(node.op)
-            for value in node.attr.values():
-                collect(value)
-        return names & set(rewritten)
+        return {name for node in function.node_def for name in functions.called_functions(node)} & set(rewritten)
 
     changed = {name for name, function in rewritten.items() if function != original[name]}
     name_to_callees = {name: callees(function) for name, function in rewritten.items()}
