@@ -181,3 +181,53 @@ def save_string_module(path: Path) -> None:
     """A signature whose only input is a string: random inputs cannot be made for it."""
     module = _Text()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+VOCABULARY = ("the", "cat", "sat", "on", "mat")  # any other token is id len(VOCABULARY): out of vocabulary
+
+
+class _Vocabulary(tf.Module):
+    """Tokens → ids (a StaticHashTable, as a vocabulary layer keeps it) → embedding → Dense."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(tf.constant(VOCABULARY), tf.range(len(VOCABULARY), dtype=tf.int64)),
+            default_value=len(VOCABULARY))
+        rng = np.random.default_rng(6)
+        self.embedding = tf.Variable(rng.standard_normal((len(VOCABULARY) + 1, 16)).astype(np.float32))
+        self.w = tf.Variable(rng.uniform(-0.3, 0.3, (16, 8)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.string, name="tokens")])
+    def serve(self, tokens: tf.Tensor) -> dict[str, tf.Tensor]:
+        vectors = tf.reduce_mean(tf.gather(self.embedding, self.table.lookup(tokens)), axis=1)
+        return {"scores": tf.matmul(vectors, self.w)}
+
+
+def save_vocabulary_module(path: Path) -> None:
+    """A vocabulary model: a [batch, tokens] string input looked up in a hash table."""
+    module = _Vocabulary()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+def save_tf1_text_model(path: Path) -> None:
+    """A TF1 ``Builder`` text model: sentences (a [batch] string placeholder) split on spaces,
+    hashed into 32 buckets, embedded, averaged, then a MatMul."""
+    graph = tf.Graph()
+    with graph.as_default():
+        sentences = tf.compat.v1.placeholder(tf.string, [None], name="sentences")
+        tokens = tf.compat.v1.string_split(sentences, " ")
+        ids = tf.SparseTensor(tokens.indices, tf.strings.to_hash_bucket_fast(tokens.values, 32), tokens.dense_shape)
+        rng = np.random.default_rng(7)
+        embedding = tf.compat.v1.get_variable("embedding", initializer=rng.standard_normal((32, 16)).astype(np.float32),
+                                              use_resource=True)
+        w = tf.compat.v1.get_variable("w", initializer=rng.uniform(-0.3, 0.3, (16, 8)).astype(np.float32),
+                                      use_resource=True)
+        pooled = tf.nn.embedding_lookup_sparse(embedding, ids, None, combiner="mean")
+        scores = tf.identity(tf.matmul(pooled, w, name="dense"), name="scores")
+        signature = tf.compat.v1.saved_model.predict_signature_def({"sentences": sentences}, {"scores": scores})
+        builder = tf.compat.v1.saved_model.Builder(str(path))
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={"serving_default": signature})
+        builder.save()

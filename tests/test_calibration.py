@@ -299,7 +299,7 @@ def test_cli_calibrate_without_data_warns_that_real_data_is_better(tmp_path: Pat
 
 
 @pytest.mark.parametrize("args, expected", [
-    (("--max-rounds", "11"), "--max-rounds 11: use 1 to 10"),
+    (("--max-rounds", "11"), "--max-rounds: '11': use a whole number from 1 to 10"),
     (("--inputs", "{missing}"), "no array for input(s) of signature 'serving_default': x"),
     (("--out", "{src}/keep.yaml"), "choose a overlay file outside it"),
 ])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Exactly the releases setup.py admits (tensorflow>=2.16,<2.22).
+# Exactly the releases pyproject.toml admits (tensorflow>=2.16,<2.22).
 RELEASES = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
     releases = argv or list(RELEASES)
     unknown = sorted(set(releases) - set(RELEASES))
     if unknown:
-        print(f"error: {', '.join(unknown)} not supported; setup.py admits {', '.join(RELEASES)}", file=sys.stderr)
+        print(f"error: {', '.join(unknown)} not supported; pyproject.toml admits {', '.join(RELEASES)}",
+              file=sys.stderr)
         return 2
     log_dir = ROOT / ".matrix"
     log_dir.mkdir(exist_ok=True)

@@ -2,31 +2,26 @@
 
 A SavedModel keeps its signatures, variables and assets: only the graph's function
 bodies of the chosen MetaGraphDef (``--tag-set``, default ``serve``) change, the others
-are copied as they were. The source is never written to; the destination is built in a
-temporary directory beside it (contents only, so its modes are the user's, whatever the
-source's) and moved into place only if nothing appeared there meanwhile, so a failure or
-an interrupted run leaves nothing half written, and a killed run's leftover is removed
-by the next run to the same destination.
+are copied as they were. The source is never written to; the destination is staged
+beside it (``staging``: contents only, so its modes are the user's, whatever the
+source's) and moved into place whole, or not at all.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
 import shutil
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from amp_rewrite.core.errors import AmpRewriteError
-from amp_rewrite.core import support
-from amp_rewrite.core.errors import GraphError
+from amp_rewrite.calibration.staging import check_destination, staged
+from amp_rewrite.core import functions, support
+from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
@@ -36,12 +31,6 @@ FINGERPRINT = "fingerprint.pb"
 DEFAULT_TAG_SET = "serve"
 KERAS_FILES = (".keras", ".h5", ".hdf5")
 TF_KERAS_METADATA = "keras_metadata.pb"   # written by tf_keras' model.save(dir), read by tf_keras.models.load_model
-STAGING_MARK = "amp-rewrite-partial"      # in the name of the temporary directory beside the destination
-LOCK_FILE = ".lock"                       # held (flock) by the run that writes the staging directory
-
-
-class ModelError(AmpRewriteError):
-    """A model file or directory cannot be read or written."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +46,7 @@ class Model:
     text: bool = False                  # read from text format (.pbtxt)
     meta_graph_index: int = 0           # SavedModel: the MetaGraphDef rewritten (the one --tag-set names)
     fetches_are_sinks: bool = False     # GraphDef without --fetch: the outputs are the nodes nobody reads
+    preserved: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (function, node) -> why: custom gradients
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
@@ -106,6 +96,8 @@ def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: st
                          " and convert that directory")
     if not path.exists():
         raise ModelError(f"{path}: no such file or directory; pass a SavedModel directory or a .pb/.pbtxt GraphDef")
+    if path.name in SAVED_MODEL_FILES and path.is_file():
+        raise ModelError(f"{path}: the graph file of a SavedModel; pass the directory {path.parent}")
     if path.is_dir():
         if fetches:
             raise ModelError(f"{path}: --fetch applies to GraphDef files; a SavedModel's outputs come from its signatures")
@@ -192,7 +184,8 @@ def _read_saved_model(path: Path, tag_set: str) -> Model:
     if _has_variables(meta) and not (path / "variables" / "variables.index").exists():
         raise ModelError(f"{path}: the variables/ folder is missing or incomplete; copy it from the original export")
     return Model(found[0].parent, "savedmodel", meta.graph_def, _preserved(meta), _entry_functions(meta),
-                 saved_model, text=found[0].suffix == ".pbtxt", meta_graph_index=matching[0])
+                 saved_model, text=found[0].suffix == ".pbtxt", meta_graph_index=matching[0],
+                 preserved=custom_gradient_nodes(meta))
 
 
 def _has_variables(meta: meta_graph_pb2.MetaGraphDef) -> bool:
@@ -210,12 +203,37 @@ def _preserved(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     return tuple(sorted({parse_tensor_name(t).node for t in tensors if t} & names))
 
 
+def custom_gradient_nodes(meta: meta_graph_pb2.MetaGraphDef) -> dict[tuple[str, str], str]:
+    """(function, node) -> why, for the nodes whose dtypes a SavedModel's custom gradients
+    (``tf.custom_gradient``, ``tf.RegisterGradient``) depend on. The loader registers each
+    saved gradient function for the ops whose ``_gradient_op_type`` it was saved for; the
+    function was traced for those ops' dtypes, and reads tensors of the forward function by
+    name (``captured_tensor`` in the object graph). Rewritten to another dtype they fail
+    under ``tf.GradientTape`` ("Input 'b' of 'MatMul' Op has type float16 that does not
+    match type float32"), so they keep the dtypes the source had."""
+    library = {function.signature.name: function for function in meta.graph_def.library.function}
+    gradients = {g.registered_op_type: g.gradient_func for g in meta.graph_def.library.registered_gradients}
+    found = {}
+    for name, function in library.items():
+        for node in function.node_def:
+            op_type = node.attr["_gradient_op_type"].s.decode() if "_gradient_op_type" in node.attr else ""
+            if op_type in gradients:
+                found[(name, node.name)] = (f"has a custom gradient ({gradients[op_type]}), traced for the dtypes"
+                                            " the source had")
+    for saved in meta.object_graph_def.nodes:
+        if saved.WhichOneof("kind") != "captured_tensor":
+            continue
+        function, node = saved.captured_tensor.concrete_function, parse_tensor_name(saved.captured_tensor.name).node
+        if function in library and (any(n.name == node for n in library[function].node_def)
+                                    or any(a.name == node for a in library[function].signature.input_arg)):
+            found[(function, node)] = "read by a custom gradient function, traced for the dtype the source had"
+    return found
+
+
 def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     """Functions called by name from outside the library: by the graph, or by a loader."""
     names = {f.signature.name for f in meta.graph_def.library.function}
-    called = {node.op for node in meta.graph_def.node} | {
-        value.func.name for node in meta.graph_def.node for value in node.attr.values() if value.HasField("func")
-    }
+    called = {name for node in meta.graph_def.node for name in functions.called_functions(node)}
     called |= set(meta.object_graph_def.concrete_functions)
     return tuple(sorted(called & names))
 
@@ -248,7 +266,7 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
     ``amax`` and ``lossy``: target float8's calibration (``rewrite_graph_def``)."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
                              cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
-                             lossy=lossy)
+                             lossy=lossy, preserved=model.preserved)
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:
@@ -257,132 +275,6 @@ def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep:
     op_lists = load_lists(target, overlay)
     keep = tuple(keep)
     return op_lists.keeping(dict.fromkeys(keep, "")) if keep else op_lists
-
-
-def check_outside(source: Path, destination: Path, what: str = "destination") -> None:
-    """Refuse a ``destination`` that is, lies inside, or holds the ``source``: nothing is written into a source."""
-    source, destination = source.resolve(), destination.resolve()
-    if destination == source or source in destination.parents:
-        raise ModelError(f"{destination}: is (inside) the source {source}; choose a {what} outside it")
-    if destination in source.parents:
-        raise ModelError(f"{destination}: contains the source {source}; choose a {what} outside it")
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staged = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{STAGING_MARK}", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(staged)
-        raise
-
-
-def check_destination(source: Path, destination: Path, force: bool) -> None:
-    """Refuse to write into the source, or over an existing destination without ``force``."""
-    check_outside(source, destination)
-    destination = destination.resolve()
-    if destination.exists() and not force:
-        raise ModelError(f"{destination}: already exists; choose another destination or pass --force to replace it")
-    if not destination.parent.is_dir():
-        what = "is not a directory" if destination.parent.exists() else "no such directory; create it first"
-        raise ModelError(f"{destination.parent}: {what}")
-
-
-def remove_leftovers(destination: Path) -> list[Path]:
-    """Remove the staging directories that killed runs (SIGKILL, power loss) left beside
-    ``destination``. A run holds a lock on its own until it ends, so one whose lock can be
-    taken belongs to no running process; one without a lock file is left alone and named."""
-    removed = []
-    for leftover in sorted(destination.parent.glob(f".{destination.name}.{STAGING_MARK}.*")):
-        try:
-            descriptor = os.open(leftover / LOCK_FILE, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # another conversion to this destination is running now
-        finally:
-            os.close(descriptor)
-        shutil.rmtree(leftover, ignore_errors=True)
-        removed.append(leftover)
-    return removed
-
-
-def _move_into_place(staged: Path, destination: Path) -> None:
-    """Move ``staged`` to ``destination`` only if nothing is there: a destination that
-    appeared since the run began (another run, the user) is never replaced silently.
-    A directory claims the name with ``mkdir`` (atomic), then replaces that empty directory;
-    a file is hard-linked (fails if the name exists), then its staged name removed."""
-    if staged.is_dir():
-        os.mkdir(destination)
-        try:
-            os.replace(staged, destination)
-        except OSError:
-            os.rmdir(destination)
-            raise
-    else:
-        os.link(staged, destination)
-        os.unlink(staged)
-
-
-_STAGING_TO_DESTINATION: dict[Path, Path] = {}  # this process's staging directories, while they exist
-
-
-def abandon_staging() -> None:
-    """Undo every write in progress, for a signal handler that exits next: put back a
-    destination that --force had moved aside, release a name claimed for the move, and
-    remove the staging directories. Exceptions raised by a handler can be swallowed inside
-    TensorFlow's C++ callbacks, so interrupts clean up here rather than by unwinding."""
-    for staging, destination in list(_STAGING_TO_DESTINATION.items()):
-        old, target = staging / "replaced", staging / destination.name
-        with contextlib.suppress(OSError):
-            if target.exists() and destination.is_dir() and not any(destination.iterdir()):
-                os.rmdir(destination)  # claimed by _move_into_place, not yet filled
-            if old.exists() and not destination.exists():
-                os.replace(old, destination)
-        shutil.rmtree(staging, ignore_errors=True)
-    _STAGING_TO_DESTINATION.clear()
-
-
-@contextlib.contextmanager
-def _staging(destination: Path, force: bool) -> Iterator[Path]:
-    """A temporary path beside ``destination``; moved into place only if the block succeeds
-    (and returns without raising). A failure removes it; so does ``abandon_staging`` on an interrupt."""
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{STAGING_MARK}.", dir=destination.parent))
-        _STAGING_TO_DESTINATION[staging] = destination
-        lock = os.open(staging / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
-    except OSError as error:
-        raise ModelError(f"{destination.parent}: cannot write here ({error.strerror}); check permissions") from None
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    target, old = staging / destination.name, staging / "replaced"
-    try:
-        yield target
-        if not target.exists():
-            return  # the caller decided not to publish
-        if destination.exists() or destination.is_symlink():
-            if not force:
-                raise ModelError(f"{destination}: appeared while this run was writing (another run?); nothing"
-                                 " was replaced; choose another destination or pass --force to replace it")
-            os.replace(destination, old)  # --force: swap the old one out, then remove it
-        _move_into_place(target, destination)
-    except OSError as error:
-        if old.exists() and not destination.exists():
-            os.replace(old, destination)  # put the replaced destination back
-        if isinstance(error, FileExistsError):
-            raise ModelError(f"{destination}: appeared while this run was writing (another run?); nothing was"
-                             " replaced; choose another destination or pass --force to replace it") from None
-        raise ModelError(f"{destination}: writing failed ({error.strerror}); nothing was changed") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        _STAGING_TO_DESTINATION.pop(staging, None)
-        os.close(lock)
 
 
 def write_model(
@@ -397,7 +289,7 @@ def write_model(
     check_destination(model.path, destination, force)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
-    with _staging(destination, force) as target:
+    with staged(destination, force) as target:
         if model.kind == "graphdef":
             _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
         else:

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
-import tempfile
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
@@ -33,9 +30,11 @@ from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import deprecation
 
+from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
 from amp_rewrite.core import functions
+from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.typegraph import output_dtypes
@@ -586,7 +585,7 @@ class Runner:
                               if described == RANDOM_INPUTS else "; check them against the model's inputs")
                     what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
                             if described == RANDOM_INPUTS else described)
-                    raise ModelError(f"{where}: the model fails on {what} ({_message(error)}){advice}") from None
+                    raise ModelError(f"{where}: the model fails on {what} ({tensorflow_cause(error)}){advice}") from None
                 outputs.setdefault(key, []).append(values)
         read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if size else {}
         for key, twin in same.items():
@@ -692,8 +691,7 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             yield session
         return
-    directory = Path(tempfile.mkdtemp(prefix="amp-rewrite-calibration-"))
-    try:
+    with staging.temporary_directory("amp-rewrite-calibration-") as directory:
         saved_model = saved_model_pb2.SavedModel()
         saved_model.CopyFrom(model.saved_model)
         del saved_model.meta_graphs[:]
@@ -710,10 +708,8 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
                     tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
             except (ValueError, RuntimeError, tf.errors.OpError) as error:
                 raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration"
-                                 f" ({_message(error)})") from None
+                                 f" ({tensorflow_cause(error)})") from None
             yield session
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def model_tensors(model: Model) -> list[TensorKey]:
@@ -722,10 +718,3 @@ def model_tensors(model: Model) -> list[TensorKey]:
     skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     return float_tensors(model.graph_def, skip)
 
-
-def _message(error: Exception) -> str:
-    """TensorFlow's error in one line: its message's first line after "Graph execution error"."""
-    text = getattr(error, "message", None) or str(error)
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "Graph execution error" not in line
-             and not line.strip().startswith(("Detected at node", "File ", "Traceback"))]
-    return lines[0] if lines else type(error).__name__

@@ -13,6 +13,7 @@ finite is an infinite error, whatever the metric.
 """
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, ModelError, output_count
+from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
 
@@ -172,11 +174,28 @@ def compared_outputs(model: Model) -> tuple[str, ...]:
 
 
 def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
+    """The arrays of an ``.npz`` file by name. Object arrays are refused: only pickle reads
+    them, and unpickling a file can run any code; strings come as str or bytes arrays."""
+    unreadable = (OSError, ValueError, EOFError, zipfile.BadZipFile)
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
-    except (OSError, ValueError, EOFError) as error:
+        data = np.load(path, allow_pickle=False)
+    except unreadable as error:
         raise ModelError(f"{path}: cannot read inputs ({error}); pass an .npz file saved with numpy.savez") from None
+    if not hasattr(data, "files"):  # an .npy file
+        raise ModelError(f"{path}: one array, not arrays by input name; save them with numpy.savez(FILE, NAME=array)")
+    arrays = {}
+    with data:
+        for key in data.files:
+            try:
+                arrays[key] = data[key]
+            except unreadable as error:
+                if "allow_pickle" in str(error):
+                    raise ModelError(f"{path}: array '{key}' holds Python objects, which only pickle reads; save"
+                                     f" strings as a str or bytes array ({key}.astype(str) or {key}.astype(bytes))"
+                                     ) from None
+                raise ModelError(f"{path}: cannot read array '{key}' ({error}); save the inputs again with"
+                                 " numpy.savez") from None
+    return arrays
 
 
 def _sample(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
@@ -188,10 +207,30 @@ def _sample(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, 2, size=shape).astype(bool)  # tf.bool: _check_samplable let nothing else through
 
 
-def _check_samplable(spec: InputSpec, path: Path) -> None:
+def _check_samplable(spec: InputSpec, specs: Sequence[InputSpec], path: Path) -> None:
     if not (spec.dtype.is_floating or spec.dtype.is_integer or spec.dtype == tf.bool):
         raise ModelError(f"{path}: {spec.describe()}: random inputs cannot be made for {spec.dtype.name};"
-                         f" pass real inputs with --inputs FILE.npz (numpy.savez(FILE, {spec.name}=...))")
+                         f" pass real ones with --inputs inputs.npz, saved so: {savez_example(specs)}")
+
+
+def savez_example(specs: Sequence[InputSpec]) -> str:
+    """A ``numpy.savez`` line that writes an array every input takes (unknown dims 2): text
+    for string inputs, zeros for the others."""
+    arrays: dict[str, str] = {}
+    for spec in specs:
+        shape = tuple(UNKNOWN_DIM if d is None else d for d in (spec.shape or ()))
+        arrays.setdefault(spec.name, f"numpy.full({shape}, 'text')" if spec.dtype == tf.string
+                          else f"numpy.zeros({shape}, '{np.dtype(spec.dtype.as_numpy_dtype).name}')")
+    named = [f"{name}={array}" for name, array in arrays.items() if name.isidentifier()]
+    other = [f"{name!r}: {array}" for name, array in arrays.items() if not name.isidentifier()]
+    return f"numpy.savez('inputs.npz', {', '.join(named + (['**{' + ', '.join(other) + '}'] if other else []))})"
+
+
+def _text(array: np.ndarray) -> np.ndarray:
+    """A str or bytes array as ``tf.string`` takes it: bytes (str as UTF-8), one object each."""
+    if array.dtype.kind == "U":
+        array = np.char.encode(array, "utf-8")
+    return array.astype(object)
 
 
 def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np.ndarray:
@@ -202,6 +241,10 @@ def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np
     if spec.shape is not None and (len(array.shape) != len(spec.shape) or any(
             d is not None and d != n for d, n in zip(spec.shape, array.shape))):
         raise ModelError(f"{what} does not fit {spec.describe()}; save an array of that shape")
+    if spec.dtype == tf.string:
+        if array.dtype.kind in "US":
+            return _text(array)
+        raise ModelError(f"{what} does not fit {spec.describe()}; save it as strings ({spec.name}.astype(str))")
     if array.dtype == want:
         return array
     if np.issubdtype(array.dtype, np.floating) and np.issubdtype(want, np.floating):
@@ -211,8 +254,7 @@ def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np
             array.size == 0 or (np.iinfo(want).min <= array.min() and array.max() <= np.iinfo(want).max)):
         notes.append(f"{path.name}: '{spec.name}' is {array.dtype}; cast to {want} as {spec.describe()} takes")
         return array.astype(want)
-    raise ModelError(f"{what} does not fit {spec.describe()}; save it as {want}"
-                     f" ({spec.name}.astype(numpy.{want}))")
+    raise ModelError(f"{what} does not fit {spec.describe()}; save it as {want} ({spec.name}.astype('{want}'))")
 
 
 def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, runs: int) -> tuple[Feeds, list[str]]:
@@ -227,17 +269,25 @@ def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, run
     if inputs is not None:
         given = inputs if isinstance(inputs, Mapping) else load_inputs(inputs)
         inputs = Path("inputs") if isinstance(inputs, Mapping) else inputs
-        for spec in specs:
-            if spec.name not in given:
-                where = "placeholder(s)" if spec.signature == GRAPH else f"input(s) of signature '{spec.signature}':"
-                missing = sorted(s.name for s in specs if s.signature == spec.signature and s.name not in given)
-                raise ModelError(f"{inputs}: no array for {where} {', '.join(missing)}")
+        names = sorted({spec.name for spec in specs})
+        problems = []
+        lacking = next((spec for spec in specs if spec.name not in given), None)
+        if lacking is not None:
+            where = "placeholder(s)" if lacking.signature == GRAPH else f"input(s) of signature '{lacking.signature}':"
+            missing = sorted(s.name for s in specs if s.signature == lacking.signature and s.name not in given)
+            problems.append(f"no array for {where} {', '.join(missing)}")
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            problems.append(f"array(s) {', '.join(map(repr, unknown))} match no input of the model; its inputs are"
+                            f" {', '.join(map(repr, names)) or 'none'}; rename or drop the array(s)")
+        if problems:
+            raise ModelError(f"{inputs}: {'; '.join(problems)}")
         feed_by_signature: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
         for spec in specs:
             feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
         return {key: [feed] for key, feed in feed_by_signature.items()}, notes
     for spec in specs:
-        _check_samplable(spec, model.path)
+        _check_samplable(spec, specs, model.path)
     rng = np.random.default_rng(0)
     for _ in range(runs):
         batch: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
@@ -246,11 +296,6 @@ def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, run
         for key, feed in batch.items():
             feeds.setdefault(key, []).append(feed)
     return feeds, notes
-
-
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
 
 
 def _errors(metric: str | Metric, pairs: Mapping[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]
@@ -268,7 +313,7 @@ def _errors(metric: str | Metric, pairs: Mapping[tuple[str, str], list[tuple[np.
 def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
     how = ("random inputs (ids 0-9 for integer inputs, unknown dims 2); pass real inputs with --inputs FILE.npz"
            if random else "the --inputs arrays; check them against the model's inputs")
-    return ModelError(f"{where}: the source model fails on {how} ({_first_line(error)})")
+    return ModelError(f"{where}: the source model fails on {how} ({tensorflow_cause(error)})")
 
 
 def validate_saved_models(
@@ -279,7 +324,7 @@ def validate_saved_models(
     try:
         old_model = tf.saved_model.load(str(source), tags=list(tags))
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise ModelError(f"{source}: TensorFlow cannot load it ({_first_line(error)})") from None
+        raise ModelError(f"{source}: TensorFlow cannot load it ({tensorflow_cause(error)})") from None
     new_model = tf.saved_model.load(str(destination), tags=list(tags))
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for key in sorted(old_model.signatures):

@@ -11,6 +11,9 @@ from typing import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``amp-rewrite`` with ``argv`` (default: the command line); returns the exit code."""
-    from amp_rewrite.cli.command import main as run_command
+    from amp_rewrite.calibration.staging import on_interrupt
 
-    return run_command(argv)
+    with on_interrupt():  # first: Ctrl-C or SIGTERM while the command loads exits 130/143 in one line
+        from amp_rewrite.cli.command import main as run_command
+
+        return run_command(argv)

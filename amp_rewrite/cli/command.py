@@ -9,18 +9,20 @@ import argparse
 import collections
 import os
 import re
-import signal
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 
 if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
-from amp_rewrite.core.errors import AmpRewriteError  # noqa: E402  (no TensorFlow: plain Python)
+# No TensorFlow in these two: plain Python.
+from amp_rewrite.calibration import staging  # noqa: E402
+from amp_rewrite.core.errors import AmpRewriteError, ModelError  # noqa: E402
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.savedmodel import Model
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
     from amp_rewrite.core.rewrite import RewriteResult
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130
 RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
 # core.target's TARGETS and quantized targets, spelled here so --help needs no TensorFlow
 TARGET_NAMES = ("float16", "bfloat16", "float8")
@@ -58,14 +59,13 @@ exit codes:
   0  done
   1  validation failed (outputs over tolerance); nothing is written unless --keep-failed
   2  usage or input error: one line on stderr naming the file, node or op and what to do
-  130  interrupted (Ctrl-C or SIGTERM); nothing is left behind
+  130  interrupted by Ctrl-C (143: by SIGTERM); nothing is left behind
 """
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # usage errors: one line, exit 2
-        self.print_usage(sys.stderr)
-        print(f"amp-rewrite: error: {message}", file=sys.stderr)
+        print(f"amp-rewrite: error: {message}; see {self.prog} --help", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 
@@ -76,6 +76,20 @@ def _version() -> str:
         return metadata.version("amp_rewrite")
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high`` (None: no limit)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r}: use a whole number from {low} to {high}" if high is not None
+                                             else f"{text!r}: use a whole number, {low} or more")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                               " percentile, default) or top1-agreement (share of samples whose top class changed)")
 
     def calibration(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--max-rounds", type=int, default=5, metavar="N",
+        sub.add_argument("--max-rounds", type=_count(1, 10), default=5, metavar="N",
                          help="calibration: validation runs at most (1-10, default 5)")
         sub.add_argument("--max-magnitude", type=float, metavar="X",
                          help="calibration: largest |value| a converted node may see untried; above it, it is tried"
@@ -127,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
     convert.add_argument("--dump", type=Path, metavar="DIR", help="also write inspection dumps to DIR")
-    convert.add_argument("--validate", type=int, default=0, metavar="N",
+    convert.add_argument("--validate", type=_count(1), metavar="N",
                          help="run N random inputs through SRC and the result before writing it; exit 1 if over"
                               " tolerance")
     convert.add_argument("--inputs", type=Path, metavar="FILE.npz", help="real inputs for --validate")
@@ -167,46 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    previous = _on_interrupt()
-    try:
-        return COMMANDS[args.command](args)
-    except (AmpRewriteError, OSError) as error:
-        if args.debug:
-            raise
-        message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
-        print(f"amp-rewrite: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:  # only where _on_interrupt could not install its handler
-        print(INTERRUPTED, file=sys.stderr)
-        return EXIT_INTERRUPTED
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-INTERRUPTED = "amp-rewrite: interrupted; nothing was written"
-
-
-def _on_interrupt() -> dict[int, Any]:
-    """Ctrl-C and SIGTERM undo the write in progress and exit 130 at once. An exception
-    raised from a handler can be swallowed by TensorFlow's C++ callbacks (the run then went
-    on and exited 0), so the handler cleans up itself. Returns the handlers it replaced."""
-    def interrupt(signum: int, frame: object) -> None:
-        staging = sys.modules.get("amp_rewrite.calibration.savedmodel")
-        if staging is not None:
-            staging.abandon_staging()
-        sys.stderr.write(INTERRUPTED + "\n")
-        sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
-
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    with staging.on_interrupt():  # Ctrl-C and SIGTERM from here on: nothing left behind, exit 130/143
+        args = build_parser().parse_args(argv)
         try:
-            previous[signum] = signal.signal(signum, interrupt)
-        except ValueError:  # not the main thread (an embedding program): leave signals alone
-            break
-    return previous
+            return COMMANDS[args.command](args)
+        except (AmpRewriteError, OSError) as error:
+            if args.debug:
+                raise
+            message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
+            print(f"amp-rewrite: error: {message}", file=sys.stderr)
+            return EXIT_USAGE
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:
@@ -332,12 +316,13 @@ def _summary_lines(model: Model, report: Report) -> list[str]:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from amp_rewrite.calibration.savedmodel import check_outside, remove_leftovers, write_model
-
+    staging.check_destination(args.src, args.dst, args.force)
     if args.dump:
-        check_outside(args.src, args.dump, "dump directory")
+        staging.check_outside(args.src, args.dump, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
+    from amp_rewrite.calibration.savedmodel import write_model
+
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate)
         result, lists = calibration.result, calibration.lists
@@ -352,14 +337,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if model.kind == "graphdef" and not validate.compared_outputs(model):
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                                   " name them with --fetch NAME[:PORT]")
-        feeds, notes = validate.plan_feeds(model, args.inputs, max(args.validate, 1))
+        feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
         _say(args, *[f"Note: {note}" for note in notes])
-    for leftover in remove_leftovers(args.dst):
+    for leftover in staging.remove_leftovers(args.dst):
         _say(args, f"Removed {leftover}, left by an interrupted run")
     if model.is_tf_keras:
         print("amp-rewrite: warning: this SavedModel was saved by tf_keras; tf_keras.models.load_model rebuilds its"
               " float32 layers from keras_metadata.pb and ignores the rewrite; load the result with"
               " tf.saved_model.load or serve it", file=sys.stderr)
+    if args.dump:
+        _dump(model, result, lists, args.dump, args, steps)
     failures: list[int] = []  # outputs over tolerance, once validated
 
     def accept(staged: Path) -> bool:
@@ -375,8 +362,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _say(args, *_summary_lines(model, result.report))
     if written:
         _say(args, f"Wrote {args.dst}")
-    if args.dump:
-        _dump(model, result, lists, args.dump, args, steps)
     if failures and failures[0]:
         what = (f"{args.dst} was written anyway (--keep-failed)" if written
                 else f"nothing was written to {args.dst} (--keep-failed writes it anyway)")
@@ -391,7 +376,6 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
-    calibrate.check_max_rounds(args.max_rounds)
     if model.kind == "graphdef" and not validate.compared_outputs(model):
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
@@ -421,19 +405,17 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    import yaml
-
-    from amp_rewrite.calibration.savedmodel import check_outside, write_text_atomically
-
-    check_outside(args.src, args.out, "overlay file")
+    staging.check_outside(args.src, args.out, "overlay file")
     steps = _Steps(args)
     model, _, lists = _rewrite(args, steps)
     calibration = _calibrate(args, model, lists, args.inputs)
+    import yaml
+
     base = yaml.safe_load(args.lists.read_text(encoding="utf-8")) if args.lists else None
     if args.keep:
         base = dict(base or {})
         base["keep_nodes"] = list(base.get("keep_nodes") or []) + list(args.keep)
-    write_text_atomically(args.out, calibration.overlay(base))
+    staging.write_text_atomically(args.out, calibration.overlay(base))
     _say(args, f"Wrote {args.out}: use it with amp-rewrite convert {args.src} DST --target {args.target}"
                f" --lists {args.out}")
     return EXIT_OK if calibration.ok else EXIT_VALIDATION
@@ -451,7 +433,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)
-    runs = 1 if args.inputs else max(args.validate, 1)
+    runs = 1 if args.inputs else args.validate
     failed = [e for e in errors if not e.ok(target)]
     inputs = (f"{runs} run(s) of random inputs, which are not the model's data: a pass or a failure here says"
               " little about real inputs (pass them with --inputs FILE.npz)" if random else f"{args.inputs}")
@@ -467,16 +449,17 @@ def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, 
     from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     steps(f"writing the dump to {directory}")
-    write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
-               plumbing=plumbing_kinds(model))
+    existed = directory.exists()  # an interrupt removes a new one; an earlier dump there cannot be put back
+    undo = (lambda: None) if existed else (lambda: shutil.rmtree(directory, ignore_errors=True))
+    with staging.undone_if_interrupted(undo, leaves=f"{directory} holds part of a dump" if existed else ""):
+        write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
+                   plumbing=plumbing_kinds(model))
     steps.done()
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from amp_rewrite.calibration.savedmodel import check_outside
-
-    check_outside(args.src, args.dir, "dump directory")
+    staging.check_outside(args.src, args.dir, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
     _say(args, *_summary_lines(model, result.report))
@@ -616,7 +599,6 @@ HOW_TO_LIST_NODES = "node names are in the before/*.pbtxt files `amp-rewrite dum
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from amp_rewrite.calibration.savedmodel import ModelError
     from amp_rewrite.core.program import MAIN_GRAPH
     from amp_rewrite.core.rules import Rule
 

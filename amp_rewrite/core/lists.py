@@ -63,10 +63,10 @@ import math
 import os
 import re
 import string
-import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 
@@ -102,10 +102,10 @@ _SCOPE = "::"  # FUNCTION::PATTERN in keep_nodes
 _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slower converted
 _BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
-_BUILTIN_DIRS = (
-    Path(__file__).resolve().parents[2] / "lists",
-    Path(sys.prefix) / "share" / "amp_rewrite" / "lists",
-)
+# Package data, found wherever the package is installed (--prefix, --user, --target, a
+# bundler); in a checkout, a link to the repository's lists/, where they are edited. A
+# package on disk (always: TensorFlow cannot be imported from a zip either) gives a Path.
+_BUILTIN_DIR: Path = resources.files("amp_rewrite") / "lists"
 # (list, action, variable) in the order TensorFlow applies them.
 _LIST_VARIABLES = tuple(
     (name, action, f"{ENV_PREFIX}{env_name}_{action.upper()}")
@@ -232,7 +232,7 @@ def load_lists(
             )
         return overlay
     environ = os.environ if environ is None else environ
-    builtin_path = _find_builtin(target)
+    builtin_path = find_builtin(target)
     if overlay is None and not any(environ.get(var) for var in _VARIABLES):
         return _builtin_lists(builtin_path, target)
     return _build(target, builtin_path, overlay, environ)
@@ -375,7 +375,7 @@ class _Draft:
 def held_float32(target: str | Target) -> frozenset[str]:
     """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
     target = _colouring(target)
-    return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
+    return frozenset(_read_builtin(find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
 
 
 def _colouring(target: str | Target) -> Target:
@@ -437,13 +437,13 @@ def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
 # --- reading and validating files -----------------------------------------------------------
 
 
-def _find_builtin(target: Target) -> Path:
-    for directory in _BUILTIN_DIRS:
-        path = directory / f"{target.name}.yaml"
-        if path.is_file():
-            return path
-    searched = ", ".join(str(directory) for directory in _BUILTIN_DIRS)
-    raise ListsError(f"built-in lists {target.name}.yaml not found in {searched}; reinstall amp_rewrite")
+def find_builtin(target: str | Target) -> Path:
+    """``lists/<target>.yaml`` inside the installed package (in the repository, a link to ``lists/``)."""
+    target = lookup_target(target)
+    path = _BUILTIN_DIR / f"{target.name}.yaml"
+    if not path.is_file():
+        raise ListsError(f"built-in lists {target.name}.yaml not found in {_BUILTIN_DIR}; reinstall amp_rewrite")
+    return path
 
 
 @functools.lru_cache(maxsize=None)

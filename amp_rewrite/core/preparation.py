@@ -7,7 +7,7 @@ colouring, as grappler makes it (even when nothing is converted afterwards).
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 import networkx as nx
 from tensorflow.core.framework import types_pb2
@@ -34,13 +34,15 @@ def device_type(device: str) -> str | None:
 
 
 def find_processed_nodes(
-    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists, function: str = MAIN_GRAPH
+    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists, function: str = MAIN_GRAPH,
+    reasons: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, str], dict[str, Reason]]:
     """Nodes the pass may paint (→ kernel device type), for the others why not, and of
     those the kept ones (→ their reason).
 
     Not painted: fetched nodes, placeholders and ``_grappler_do_not_remove`` nodes
-    (grappler's preserved set), nodes a keep_nodes entry keeps in ``function`` (the item;
+    (grappler's preserved set; ``reasons``: why a fetch keeps its dtypes where it is not an
+    output), nodes a keep_nodes entry keeps in ``function`` (the item;
     MAIN_GRAPH for the main graph), and nodes placed on another device type. An empty
     device means the target's device. Kept nodes are not grappler's: they also act as deny
     ops (``colouring.propagate_deny_forward``).
@@ -57,7 +59,7 @@ def find_processed_nodes(
         node_def = data["node_def"]
         entry = keep_entry(name, function) if keep_entry is not None else None
         if name in preserved:
-            skipped[name] = "fetched: its outputs keep their dtype"
+            skipped[name] = (reasons or {}).get(name, "fetched: its outputs keep their dtype")
         elif node_def.op in GRAPH_INPUTS:
             skipped[name] = "a graph input (feed): keeps its dtype"
         elif "_grappler_do_not_remove" in node_def.attr and node_def.attr["_grappler_do_not_remove"].b:
