@@ -6,7 +6,8 @@
    format's limit or mostly below the smallest normal, and nothing else; tensors between
    the safe magnitude and the limit are tried, and kept only if the validation run needs it;
 3. repair by validation finds an overflow the range rules were told not to see, within
-   the cap on runs, and says so when the cap is reached;
+   the cap on runs, and says so when the cap is reached; it is monotonic (a worse run's
+   decisions never stand);
 4. the overlay reproduces the calibrated rewrite byte for byte without data;
 5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
 """
@@ -222,6 +223,33 @@ def test_the_cap_on_runs_is_reported() -> None:
                                        max_rounds=1, thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append)
     assert not result.ok and result.validation_runs == 1
     assert "the cap of 1 validation run(s) (--max-rounds) was reached" in lines[-1]
+
+
+def test_repair_is_monotonic_a_worse_run_never_stands() -> None:
+    """Rule: the result is the best run's decisions. A metric that reports 0.03, then 0.05,
+    then 0.06 (each repair round worse than the first): run 1's decisions stand (nothing
+    kept, the plain rewrite), each later run says so, and repair stops after two runs in
+    a row no better."""
+    errors = iter([0.03, 0.05, 0.06, 0.07, 0.08])
+
+    def scripted(reference: np.ndarray, candidate: np.ndarray) -> float:
+        return next(errors)
+
+    graph_def = mlp_graph_def()
+    model = _graph_model(graph_def)
+    feeds, _ = validate.plan_feeds(model, inputs(0), 1)
+    lines: list[str] = []
+    lists = amp_rewrite.load_lists("float16")
+    result = calibrate.run_calibration(model, feeds, target="float16", lists=lists, metric=scripted,
+                                       say=lines.append)
+    runs = [line for line in lines if line.startswith("calibration: validation run")]
+    assert len(runs) == 3 and "keeping" in runs[0], "\n".join(lines)
+    assert all("(no better than run 1: its decisions stand)" in line for line in runs[1:]), "\n".join(runs)
+    assert "2 run(s) in a row no better: repair stops" in runs[2]
+    assert result.best == 0 and result.kept == {} and result.keep == {} and not result.ok
+    plain = calibrate.rewrite_model(model, target="float16", lists=lists)
+    assert result.result.graph_def.SerializeToString(deterministic=True) == \
+        plain.graph_def.SerializeToString(deterministic=True)
 
 
 def test_overlay_reproduces_the_calibrated_rewrite_without_data(tmp_path: Path) -> None:
