@@ -8,7 +8,7 @@ digits and diabetes, weights committed), checked on held-out data calibration ne
 3. Range decisions by validation: activations at 2.1e4 (between the safe magnitude and
    float16's limit) are tried and stay converted; where values pass the limit, no kept
    MatMul could be converted alone with the model finite and within tolerance on held-out data.
-4. float8 repair on the trained MobileNetV2 meets the goal within the default cap, each
+4. float8 repair on the trained MobileNetV2 meets the goal in two runs (the default cap is 5), each
    run printing the measured error.
 5. Overlays survive a re-export: a ``.keras`` model reloaded and exported in a new process
    takes the original's overlay and gives the same float8 matmuls; an overlay that names
@@ -177,21 +177,22 @@ def test_no_kept_matmul_could_be_converted_alone(trained: Trained, name: str, ov
 
 
 @needs_float8
-def test_float8_repair_on_the_trained_mobilenet_meets_the_goal_within_the_default_cap(trained: Trained) -> None:
+def test_float8_repair_on_the_trained_mobilenet_meets_the_goal_in_two_runs(trained: Trained) -> None:
     """Rule: float8 calibration of the trained MobileNetV2 (36 Conv2D and the Dense head) with
     max-rel, where the first float8 run is over tolerance: the float16 base is judged
     against float8's tolerance (one run), the matmuls are ranked by their own element-wise
-    FP8 error, each run prints the model's error, and within the default cap of runs it
-    ends within the goal, with matmuls still on float8."""
+    FP8 error, each run prints the model's error, and in two float8 runs (the default cap
+    is 5; the runs after the goal is met only look for more matmuls to put on float8, and
+    cost 4 s each) it ends within the goal, with matmuls still on float8."""
     lines: list[str] = []
     model = read_model(trained.export("digits_mobilenet"))
     inputs, _ = trained_models.data("digits_mobilenet", "calibration")
     feeds, _ = validate.plan_feeds(model, inputs, 1)
     result = calibrate.run_calibration(model, feeds, target="float8", lists=load_lists("float16"),
-                                       say=lines.append, metric="max-rel", max_rounds=calibrate.DEFAULT_MAX_ROUNDS)
+                                       say=lines.append, metric="max-rel", max_rounds=2)
     assert sum(line.startswith("calibration: validation run") for line in lines) == 1, "\n".join(lines)
     runs = [line for line in lines if line.startswith("calibration: float8 validation run")]
-    assert 2 <= len(runs) <= calibrate.DEFAULT_MAX_ROUNDS, "\n".join(lines)
+    assert len(runs) == 2 < calibrate.DEFAULT_MAX_ROUNDS, "\n".join(lines)
     assert all(re.search(r"worst \S+ max-rel [\d.e+-]+ \((within|over) the goal|over tolerance", line) for line in runs)
     assert "over tolerance" in runs[0] and "own FP8 error of each" in runs[0]
     assert result.reached_goal and result.result.report.float8_matmuls > 0, "\n".join(lines)
