@@ -7,7 +7,7 @@
    the safe magnitude and the limit are tried, and kept only if the validation run needs it;
 3. repair by validation finds an overflow the range rules were told not to see, within
    the cap on runs, and says so when the cap is reached; it is monotonic (a worse run's
-   decisions never stand);
+   decisions never stand); an overlay names a traced function by its stable name;
 4. the overlay reproduces the calibrated rewrite byte for byte without data;
 5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
 """
@@ -397,6 +397,36 @@ def test_cli_random_calibration_inputs_the_model_rejects_ask_for_real_ones(tmp_p
     assert line.startswith("amp-rewrite: error: ") and "signature 'pick': the model fails on random inputs" in line
     assert line.endswith("pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)")
     assert not (tmp_path / "keep.yaml").exists()
+
+
+def test_an_overlay_names_a_traced_function_by_its_stable_name() -> None:
+    """Rule: ``FUNCTION::node`` with a traced function's stable name (TensorFlow's counter
+    dropped) keeps that node whatever counter this trace got, and nothing in another
+    function; calibration writes the stable name where a node name is in several functions."""
+    w = _weights(1, (WIDTH, WIDTH), 1.0)
+
+    @tf.function
+    def inner(x: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(x, w, name="matmul")
+
+    @tf.function
+    def other(x: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(x, w, name="matmul")
+
+    @tf.function
+    def outer(x: tf.Tensor) -> tf.Tensor:
+        return tf.nn.relu(inner(x)) + other(x)
+
+    graph_def = outer.get_concrete_function(tf.TensorSpec([None, WIDTH], tf.float32)).graph.as_graph_def()
+    traced = {f.signature.name.split("_")[3]: f.signature.name for f in graph_def.library.function}
+    assert re.fullmatch(r"__inference_inner_\d+", traced["inner"]), traced
+    lists = amp_rewrite.load_lists("float16").keeping({"__inference_inner::matmul": ""})
+    assert lists.unmatched_keep_nodes(graph_def) == []
+    decisions = amp_rewrite.rewrite_graph_def(graph_def, lists=lists).report.decisions
+    kept = {(d.function, d.node) for d in decisions if d.rule == "keep-nodes"}
+    assert kept == {(traced["inner"], "matmul")}, kept
+    where = calibrate.node_items(graph_def)
+    assert calibrate.keep_entries({(traced["inner"], "matmul"): ""}, where) == {"__inference_inner::matmul": ""}
 
 
 def test_overlay_works_in_the_live_rewrite_without_data(tmp_path: Path) -> None:
