@@ -7,8 +7,9 @@
    the safe magnitude and the limit are tried, and kept only if the validation run needs it;
 3. repair by validation finds an overflow the range rules were told not to see, within
    the cap on runs, and says so when the cap is reached; it is monotonic (a worse run's
-   decisions never stand); an overlay names a traced function by its stable name;
-4. the overlay reproduces the calibrated rewrite byte for byte without data;
+   decisions never stand);
+4. the overlay reproduces the calibrated rewrite byte for byte without data, and names a
+   traced function by its stable name;
 5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
 """
 from __future__ import annotations
