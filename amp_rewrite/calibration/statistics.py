@@ -585,7 +585,8 @@ class Runner:
                               if described == RANDOM_INPUTS else "; check them against the model's inputs")
                     what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
                             if described == RANDOM_INPUTS else described)
-                    raise ModelError(f"{where}: the model fails on {what} ({tensorflow_cause(error)}){advice}") from None
+                    cause = tensorflow_cause(error)
+                    raise ModelError(f"{where}: the model fails on {what} ({cause}){advice}") from None
                 outputs.setdefault(key, []).append(values)
         read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if size else {}
         for key, twin in same.items():
