@@ -20,8 +20,10 @@ install: $(STAMP)
 # TensorFlow release that builds its graph otherwise; the drawing tests without Graphviz's
 # dot, the browser test without Chromium, the unprivileged-user test without root and
 # setpriv; the float8 tests before TensorFlow 2.18. The summary counts the comparisons.
+# -n 2 --dist loadfile: two pytest-xdist workers (CI's two cores), each test file in one of them,
+# so a file's module fixtures (trained models, exported SavedModels) are built once.
 test: install
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs tests
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs -n 2 --dist loadfile tests
 
 demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
