@@ -78,6 +78,7 @@ def write_dump(
     *,
     title: str,
     plumbing: Mapping[str, str] | None = None,
+    notes: Sequence[str] = (),
 ) -> list[Path]:
     """Write the dump of ``original`` → ``result`` into ``directory`` (created if missing).
 
@@ -92,6 +93,7 @@ def write_dump(
     ``plumbing`` maps items that are TensorFlow's rather than the model's (save/restore
     functions, signature wrappers, a loader's main graph) to their kind: the report shows
     them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
+    ``notes``: more lines for the report's summary (what ``convert`` did to the weights).
     """
     plumbing = dict(plumbing or {})
     painted = lookup_target(result.report.target, quantized=True).colouring  # float8 colours with float16's lists
@@ -149,7 +151,8 @@ def write_dump(
         if note:
             stem_to_note[item.stem] = note
 
-    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note, plumbing, drawn)
+    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note, plumbing, drawn,
+                        notes)
     written.append(_write(root / "report.html", page))
     written.append(_write_events(root / "tb" / EVENTS_FILE, result.graph_def))
     return written
@@ -432,6 +435,7 @@ def _report_html(
     stem_to_note: Mapping[str, str],
     plumbing: Mapping[str, str],
     drawn: set[str],
+    notes: Sequence[str] = (),
 ) -> str:
     """The page: counts, items and decisions of the model; TensorFlow's plumbing in one
     collapsed table without its decisions (most of a SavedModel's nodes, none of its model).
@@ -448,7 +452,7 @@ def _report_html(
 
     summary_lines = "\n".join(
         f"<li><b>{_e(item.label)}</b>: {_e(report.summary(item.function))}</li>" for item in model_items
-    )
+    ) + "".join(f"\n<li>{_e(note)}</li>" for note in notes)
     item_rows, plumbing_rows = [], []
     for item in items:
         stats = function_to_stats[item.function]
