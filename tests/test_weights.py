@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,11 @@ class Models:
     src: dict[str, Path]
     out: dict[str, Path]
     runs: dict[str, Run]
+    saved_model_cli: subprocess.Popen  # `saved_model_cli run` on the converted module, started with the fixture
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Models:
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Models]:
     """The source models and their bfloat16 conversions, in-process: the weights module
     (default, with --validate and --dump; and --float32-weights), a TF1 Builder model with
     one MetaGraphDef and one with two, a frozen GraphDef (default and --float32-weights)."""
@@ -69,7 +71,14 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Models:
     for name, (source, *args) in jobs.items():
         out[name] = root / "out" / (name + (".pb" if source.suffix == ".pb" else ""))
         runs[name] = run_cli("convert", source, out[name], "--target", "bfloat16", *args)
-    return Models(root, src, out, runs)
+    np.save(root / "ones.npy", np.ones((2, 8), np.float32))
+    saved_model_cli = subprocess.Popen(
+        [str(BIN / "saved_model_cli"), "run", "--dir", str(out["module"]), "--tag_set", "serve", "--signature_def",
+         "other", "--inputs", f"x={root / 'ones.npy'}", "--outdir", str(root / "cli_run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # a new process: runs beside the other tests
+    yield Models(root, src, out, runs, saved_model_cli)
+    saved_model_cli.kill()
+    saved_model_cli.communicate()
 
 
 def _ok(models: Models, name: str) -> Path:
@@ -250,20 +259,6 @@ def test_a_tf1_session_loader_restores_and_runs_the_result(converted: Models) ->
             np.testing.assert_allclose(got[name], want[name].numpy(), rtol=1e-6, atol=1e-6, err_msg=f"{key}/{name}")
 
 
-def test_saved_model_cli_runs_the_result(converted: Models) -> None:
-    """Rule: TensorFlow's own tool runs a signature of the result (a TF1 Session inside);
-    ``show --all``, which loads it with tf.saved_model.load, is test_cli's."""
-    out = _ok(converted, "module")
-    np.save(converted.root / "ones.npy", np.ones((2, 8), np.float32))
-    outdir = converted.root / "cli_run"
-    run = subprocess.run([str(BIN / "saved_model_cli"), "run", "--dir", str(out), "--tag_set", "serve",
-                          "--signature_def", "other", "--inputs", f"x={converted.root / 'ones.npy'}",
-                          "--outdir", str(outdir)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    want = tf.saved_model.load(str(out)).signatures["other"](x=tf.ones((2, 8)))["out"].numpy()
-    np.testing.assert_allclose(np.load(outdir / "out.npy"), want, rtol=1e-6)
-
-
 def test_float32_weights_copies_the_checkpoint_byte_for_byte(converted: Models) -> None:
     """Rule: --float32-weights keeps every weight float32, read through its cast on each call."""
     out = _ok(converted, "module_f32w")
@@ -289,6 +284,21 @@ def test_inspect_counts_the_weights_and_their_bytes(converted: Models) -> None:
     assert "  mixed: read as float32 by Exp" in inspected.out
     kept = run_cli("inspect", converted.src["module"], "--target", "bfloat16", "--float32-weights")
     assert "Weights: kept float32 (--float32-weights)" in kept.out
+
+
+def test_variables_functions_the_rewrite_leaves_float32_read_stay_float32(tmp_path: Path) -> None:
+    """Rule: tf_keras' model.save(dir) also saves each layer's call functions, which only
+    the object graph calls (tf.saved_model.load(...)(x) runs them); the rewrite converts the
+    signatures' functions only, so those read float32 and every weight stays float32, saying why."""
+    import tf_keras
+
+    model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(4, name="dense")])
+    model.save(str(tmp_path / "tf_keras"))
+    run = run_cli("inspect", tmp_path / "tf_keras", "--target", "bfloat16")
+    assert_ok(run)
+    assert "Weights: 0 of 2 float32 variable(s) stored as bfloat16 (144 B -> 144 B); 2 stay float32:" in run.out
+    assert "  dense/kernel: read as float32 by MatMul 'MatMul' in __inference_dense_layer_call_and_return_" in run.out
+    assert ", a function this rewrite leaves float32 (no signature calls it)" in run.out
 
 
 # --------------------------------------------------------------------------------------
@@ -397,3 +407,13 @@ def test_the_rewritten_checkpoint_is_the_same_bytes_each_run(converted: Models) 
     assert hash_tree(again / "variables") == hash_tree(converted.out["module"] / "variables")
     first, second = ((p / "saved_model.pb").read_bytes() for p in (converted.out["module"], again))
     assert hashlib.sha256(first).digest() == hashlib.sha256(second).digest()
+
+
+def test_saved_model_cli_runs_the_result(converted: Models) -> None:
+    """Rule: TensorFlow's own tool runs a signature of the result (a TF1 Session inside);
+    ``show --all``, which loads it with tf.saved_model.load, is test_cli's."""
+    out = _ok(converted, "module")
+    _, err = converted.saved_model_cli.communicate(timeout=300)
+    assert converted.saved_model_cli.returncode == 0, err[-2000:]
+    want = tf.saved_model.load(str(out)).signatures["other"](x=tf.ones((2, 8)))["out"].numpy()
+    np.testing.assert_allclose(np.load(converted.root / "cli_run" / "out.npy"), want, rtol=1e-6)

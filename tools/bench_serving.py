@@ -95,43 +95,14 @@ def variant_label(variant: str, target: str) -> str:
 
 
 def _build(model: str, sizes: Sizes) -> Any:
+    """tools/bench.py's models; its BERT encoder taking any sequence length up to ``long_seq``."""
     import keras
 
     keras.utils.set_random_seed(0)
-    if model == "resnet50":
-        size = sizes.image_size
-        return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=1000)
-    return _build_bert(sizes)
-
-
-def _build_bert(sizes: Sizes) -> Any:
-    """tools/bench.py's encoder, but any sequence length up to ``long_seq`` (serving takes
-    short and long requests): the position table is sliced to the input's length."""
-    import keras
-
-    class Positions(keras.layers.Layer):
-        def __init__(self, length: int, width: int, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.table = self.add_weight(shape=(length, width), initializer="glorot_uniform", name="table")
-
-        def call(self, inputs: Any) -> Any:
-            return inputs + self.table[: keras.ops.shape(inputs)[1]]
-
-    layers = keras.layers
-    tokens = keras.Input((None,), dtype="int32", name="tokens")
-    hidden = layers.Embedding(sizes.bert_vocab, sizes.bert_hidden, name="word_embeddings")(tokens)
-    hidden = Positions(sizes.long_seq, sizes.bert_hidden, name="position_embeddings")(hidden)
-    hidden = layers.LayerNormalization(epsilon=1e-12, name="embeddings_norm")(hidden)
-    for index in range(sizes.bert_layers):
-        attention = layers.MultiHeadAttention(sizes.bert_heads, key_dim=sizes.bert_hidden // sizes.bert_heads,
-                                              name=f"layer{index}_attention")(hidden, hidden)
-        hidden = layers.LayerNormalization(epsilon=1e-12, name=f"layer{index}_attention_norm")(hidden + attention)
-        feed_forward = layers.Dense(sizes.bert_ffn, activation="gelu", name=f"layer{index}_ffn_in")(hidden)
-        feed_forward = layers.Dense(sizes.bert_hidden, name=f"layer{index}_ffn_out")(feed_forward)
-        hidden = layers.LayerNormalization(epsilon=1e-12, name=f"layer{index}_ffn_norm")(hidden + feed_forward)
-    pooled = layers.Dense(sizes.bert_hidden, activation="tanh", name="pooler")(hidden[:, 0, :])
-    probabilities = layers.Dense(2, activation="softmax", name="classifier")(pooled)
-    return keras.Model(tokens, probabilities, name="bert")
+    shapes = dataclasses.replace(bench.FULL, image_size=sizes.image_size, bert_layers=sizes.bert_layers,
+                                 bert_hidden=sizes.bert_hidden, bert_heads=sizes.bert_heads, bert_ffn=sizes.bert_ffn,
+                                 bert_vocab=sizes.bert_vocab, bert_seq=sizes.long_seq)
+    return bench._build_resnet50(shapes) if model == "resnet50" else bench._build_bert(shapes, any_length=True)
 
 
 def _batch(model: str, regime: str, sizes: Sizes) -> Any:
@@ -389,9 +360,10 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
     ]
     if device == "cpu":
         lines += [bench.cpu_note(machine), ""]
+    gpu = device == "gpu"
     lines += ["| model | variant | variables/ (MB) | SavedModel (MB) | load (s) | peak RSS (MB) |"
-              f" batch 1 (ms) | speed-up | batch 8 (ms) | speed-up |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"{' peak GPU (MB) |' if gpu else ''} batch 1 (ms) | speed-up | batch 8 (ms) | speed-up |",
+              f"|---|---|---:|---:|---:|---:|{'---:|' if gpu else ''}---:|---:|---:|---:|"]
     for result in results:
         if result.errors and not result.seconds:
             lines.append(f"| {LABELS[result.model]} | failed: {'; '.join(result.errors).replace('|', '/')} |"
@@ -401,12 +373,16 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
             variables, whole = result.sizes_bytes[variant]
             load = statistics.median(answer["load_s"] for answer in result.loads[variant])
             rss = statistics.median(answer["peak_rss_mb"] for answer in result.loads[variant])
+            if gpu:
+                rss_cell = f"{rss:,.0f} | {statistics.median(a['peak_gpu_mb'] for a in result.loads[variant]):,.0f}"
+            else:
+                rss_cell = f"{rss:,.0f}"
             cells = []
             for regime in REGIMES:
                 cells += [f"{result.median(regime, variant) * 1e3:,.1f}",
                           f"{result.speed_up(regime, variant):.2f}x" if variant != "float32" else "1.00x"]
             lines.append(f"| {LABELS[result.model]} | {variant_label(variant, target)} | {_mb(variables)} |"
-                         f" {_mb(whole)} | {load:.2f} | {rss:,.0f} | " + " | ".join(cells) + " |")
+                         f" {_mb(whole)} | {load:.2f} | {rss_cell} | " + " | ".join(cells) + " |")
     lines += ["", "Regimes: " + "; ".join(f"{LABELS[m]}: {', '.join(_regime_text(m, r, sizes) for r in REGIMES)}"
                                           for m in ("resnet50", "bert")) + ".", ""]
     lines += ["Goals (weights stored low against float32): " + ", ".join(

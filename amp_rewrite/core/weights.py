@@ -440,8 +440,9 @@ class _Reads:
 
 
 def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[Place, str], reads: _Reads,
-                 copies: list[tuple[Place, Place]], handle: Place) -> None:
-    """Step 2 for one read (``node``'s output 0) and what forwards it."""
+                 copies: list[tuple[Place, Place]], handle: Place, left_alone: frozenset[str]) -> None:
+    """Step 2 for one read (``node``'s output 0) and what forwards it. ``left_alone``: the
+    functions the rewrite did not convert (their readers read float32, said so)."""
     if (item, node) in kept:
         reads.float32.append(f"its read '{node}'{_where(item)} keeps its dtype: {kept[(item, node)]}")
     for reader, position in index.readers_of(node):
@@ -449,7 +450,7 @@ def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[
         place = (item, reader)
         if reader_node.op in FORWARD_OPS:
             reads.forwards.add(place)
-            _read_values(item, index, reader, dtype, kept, reads, copies, handle)
+            _read_values(item, index, reader, dtype, kept, reads, copies, handle, left_alone)
         elif _casts_to(reader_node, dtype):
             reads.casts.add(place)
         elif reader_node.op == "SaveV2" and position >= 3:
@@ -461,7 +462,8 @@ def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[
         elif reader_node.op == "_Retval":
             reads.float32.append(f"returned as float32 by function {item}")
         else:
-            reads.float32.append(f"read as float32 by {reader_node.op} '{reader}'{_where(item)}")
+            alone = ", a function this rewrite leaves float32 (no signature calls it)" if item in left_alone else ""
+            reads.float32.append(f"read as float32 by {reader_node.op} '{reader}'{_where(item)}{alone}")
 
 
 def _strings(index: _Index, node: str, position: int) -> list[str] | None:
@@ -490,10 +492,11 @@ def _store_variables(
     handle_reads: dict[Place, _Reads] = defaultdict(_Reads)
     copies: list[tuple[Place, Place]] = []
     restores: dict[Place, tuple[Place, int, list[Place]] | None] = {}  # assign -> (RestoreV2, port, forwards)
+    left_alone = frozenset(program.library) - set(functions.reachable_functions(program.graph_def, program.library))
     for handle, (item, node) in handles.accesses:
         index = indexes[item]
         if index.nodes[node].op in READ_OPS:
-            _read_values(item, index, node, dtype, kept, handle_reads[handle], copies, handle)
+            _read_values(item, index, node, dtype, kept, handle_reads[handle], copies, handle, left_alone)
         else:
             restores[(item, node)] = _restored_value(index, item, node)
     for handle, assign in copies:
@@ -602,7 +605,9 @@ def _decide(
     elements = _elements(indexes[variables[0][0]].nodes[variables[0][1]]) if variables else -1
     elements = elements * max(len(keys), 1) if elements >= 0 else -1
     if reasons:
-        return Weight(name, "variable", elements, FLOAT32, "; ".join(dict.fromkeys(reasons)), tuple(keys), objects)
+        reasons = list(dict.fromkeys(reasons))
+        more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        return Weight(name, "variable", elements, FLOAT32, reasons[0] + more, tuple(keys), objects)
     for item, node in [*variables, *accesses, *reads.forwards, *reads.shapes]:
         attr = "T" if indexes[item].nodes[node].op in FORWARD_OPS | SHAPE_OPS else "dtype"
         edits.types[(item, node)][attr] = dtype
