@@ -842,10 +842,11 @@ def render_section(settings: Settings, outcomes: Sequence[Outcome], machine: str
 MARKDOWN_HEAD = """# Benchmarks
 
 End-to-end time of mixed precision on ResNet50 and a BERT-base-shaped encoder, inference and
-one training step, against float32 and the other ways to get mixed precision. Written by
-`tools/bench.py` (`make bench`; `tools/bench_gpu.sh` on a GPU machine): each run replaces
-its own section below and keeps the others. How the numbers are taken: the docstring of
-`tools/bench.py`.
+one training step, against float32 and the other ways to get mixed precision, and serving
+converted SavedModels (weights stored in the target precision or not). Written by
+`tools/bench.py` and `tools/bench_serving.py` (`make bench`; `tools/bench_gpu.sh` on a GPU
+machine): each run replaces its own section below and keeps the others. How the numbers are
+taken: the docstrings of the two tools.
 """
 PLACEHOLDERS = {
     "cpu-bfloat16": "## CPU, bfloat16\n\nNot yet measured. Run `make bench` on a quiet machine.\n",

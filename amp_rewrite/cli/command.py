@@ -328,7 +328,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
               " float32 layers from keras_metadata.pb and ignores the rewrite; load the result with"
               " tf.saved_model.load or serve it", file=sys.stderr)
     if args.dump:
-        _dump(model, result, lists, args.dump, args, steps, _weights_lines(args, stored))
+        _dump(model, result, lists, args.dump, args, steps, _weights_lines(stored))
     failures: list[int] = []  # outputs over tolerance, once validated
 
     def accept(staged: Path) -> bool:
@@ -344,7 +344,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     written = write_model(written_model, result.graph_def, args.dst, force=args.force,
                           accept=accept if feeds is not None else None, variables=variables)
     steps.done()
-    _say(args, *_summary_lines(model, result.report), *_weights_lines(args, stored))
+    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
         _say(args, f"Wrote {args.dst}")
     if failures and failures[0]:
@@ -369,7 +369,7 @@ def _store_weights(args: argparse.Namespace, model: Model,
     return weights.with_weights(model, stored), dataclasses.replace(result, graph_def=stored.graph_def), stored
 
 
-def _weights_lines(args: argparse.Namespace, stored: StoredWeights | None, every: bool = False) -> list[str]:
+def _weights_lines(stored: StoredWeights | None, every: bool = False) -> list[str]:
     """What happened to the weights; ``every`` float32 one named (inspect --all), else the first few."""
     return ["Weights: kept float32 (--float32-weights)"] if stored is None else stored.summary(every=every)
 
@@ -461,8 +461,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
     _, result, stored = _store_weights(args, model, result)
-    _say(args, *_summary_lines(model, result.report), *_weights_lines(args, stored))
-    _dump(model, result, lists, args.dir, args, steps, _weights_lines(args, stored))
+    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
+    _dump(model, result, lists, args.dir, args, steps, _weights_lines(stored))
     return EXIT_OK
 
 
@@ -530,7 +530,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.all:
             print(_plumbing_line(report, kinds))
     print(report.summary())
-    for line in _weights_lines(args, stored, every=args.all):
+    for line in _weights_lines(stored, every=args.all):
         print(line)
     if lookup_target(args.target, quantized=True).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
