@@ -124,6 +124,39 @@ def test_weights_are_rounded_as_tensorflows_cast_rounds_them(dtype: tf.DType) ->
     assert np.array_equal(ours[~nan].view(np.uint16), theirs[~nan].view(np.uint16))
 
 
+def test_a_cast_that_is_an_output_keeps_its_name_and_an_updated_variable_stays_float32() -> None:
+    """Rule (store_weights on a TF1 graph): a fetched cast of a low variable stays, a no-op
+    bfloat16 -> bfloat16 cast, so the output keeps its name and dtype; a variable that
+    AssignAddVariableOp updates stays float32 (an update in bfloat16 would round each step);
+    the result imports, initializes (its initial value cast on the way in) and runs."""
+    from amp_rewrite.core.weights import store_weights
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.full((4, 4), 1 / 3, np.float32), use_resource=True)
+        acc = tf.compat.v1.get_variable("acc", initializer=np.ones((4, 4), np.float32), use_resource=True)
+        out = tf.cast(w, tf.bfloat16, name="out")
+        tf.matmul(tf.cast(x, tf.bfloat16), out, name="y")
+        tf.matmul(tf.cast(x, tf.bfloat16), tf.cast(acc, tf.bfloat16), name="z")
+        acc.assign_add(tf.ones((4, 4)), name="update")
+        tf.compat.v1.train.Saver()
+    stored = store_weights(graph.as_graph_def(), "bfloat16", kept={("", "out"): "an output of the model"})
+    weights = {weight.name: weight for weight in stored.weights}
+    assert weights["w"].low and weights["w"].keys == ("w",)
+    assert not weights["acc"].low and weights["acc"].reason.startswith("its handle goes to AssignAddVariableOp")
+    nodes = {node.name: node for node in stored.graph_def.node}
+    assert (nodes["out"].op, nodes["out"].attr["SrcT"].type, nodes["out"].attr["DstT"].type) == ("Cast", BF16, BF16)
+    rebuilt = tf.Graph()
+    with rebuilt.as_default():
+        tf.graph_util.import_graph_def(stored.graph_def, name="")
+    with tf.compat.v1.Session(graph=rebuilt) as session:
+        session.run(["w/Assign", "acc/Assign"])
+        got = session.run("out:0")
+    assert got.dtype == tf.bfloat16.as_numpy_dtype
+    assert np.array_equal(got.view(np.uint16), round_to(np.full((4, 4), 1 / 3, np.float32), BF16).view(np.uint16))
+
+
 # --------------------------------------------------------------------------------------
 # A TF2 SavedModel: the graph, the object graph and the checkpoint change together
 
