@@ -249,12 +249,9 @@ class _Edits:
                 replaced[node.name] = node.input[0]
         for node in list(body.node):
             if (item, node.name) in self.cast_values:
-                node.input[1] = _add_cast(body, node, self._dtype(item, node.name, "dtype"))
+                node.input[1] = _add_cast(body, node, self.types[(item, node.name)]["dtype"])
         if replaced:
             _bypass(body, replaced)
-
-    def _dtype(self, item: str, node: str, attr: str) -> int:
-        return self.types[(item, node)][attr]
 
 
 def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
