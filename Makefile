@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# -rs: every skip says why (the only skips are properties that need live grappler).
+# -rs: every skip says why. Skips: the fuzz's grappler property where live grappler cannot
+# answer (bfloat16 without AVX512F); a test that is only a comparison with grappler on a
+# TensorFlow release that builds its graph otherwise; the drawing tests without Graphviz's
+# dot, the browser test without Chromium, the unprivileged-user test without root and
+# setpriv; the float8 tests before TensorFlow 2.18. The summary counts the comparisons.
 test: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs tests
 

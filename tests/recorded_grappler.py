@@ -10,7 +10,14 @@ come from (``LISTS_TENSORFLOW``), on a CPU that runs both passes. Then:
 * every machine compares with the recorded answer;
 * where live grappler can answer (that TensorFlow version, and for bfloat16 a CPU with
   AVX512F), the test also asks it and requires the recording to equal its answer, so a
-  stale recording fails, and so does a question that was never recorded.
+  stale recording fails, and so does a question that was never recorded;
+* each answer records the inputs the oracle gave grappler besides the graph (the ops it
+  held float32, the bounded Exp nodes it ran as Tanh: ``reference.oracle_inputs``); a
+  test whose inputs now differ fails naming the input, so an answer is never replayed
+  for a question grappler was not asked;
+* on another TensorFlow release a graph built otherwise has no answer: ``rewrite``
+  returns None, the test skips its grappler comparison and still runs its own
+  assertions and numerics, and the summary counts those tests.
 
 An answer is keyed by its question: the target, fetches, lists flag and
 ``TF_AUTO_MIXED_PRECISION_*`` variables, and the input graph in a canonical form, so the
@@ -20,6 +27,10 @@ TensorFlow's counters) are numbered by rank, attrs that hold their op's default 
 are left out (releases add attrs with defaults, e.g. ``TensorListSetItem``'s
 ``resize_if_index_out_of_bounds``), and the producer version is cleared. Answers are
 stored in the same form and given back with the installed TensorFlow's defaults.
+
+Recording (``AMP_RECORD_GRAPPLER=1``, what ``tools/record_grappler.py`` sets) writes when
+the run passes: the answers of a run of the whole suite replace the recording; a part of
+the suite (paths, ``-k``, ``--lf``...) merges its answers into it and says so.
 """
 from __future__ import annotations
 
@@ -33,13 +44,14 @@ import zipfile
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.python.framework import op_def_registry
 
-from amp_rewrite.testing.reference import GrapplerUnavailable, unavailable_reason
+from amp_rewrite.testing.reference import GrapplerUnavailable, grappler_environ, oracle_inputs, unavailable_reason
 from amp_rewrite.testing.reference import run_grappler as _run_live
 
 ANSWERS = Path(__file__).with_name("grappler_answers.zip")
@@ -51,12 +63,19 @@ _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 _ZIP_TIME = (2026, 1, 1, 0, 0, 0)  # fixed, so the same answers give the same file
 
 # (target, how) -> count, printed at the end of the run; how: "recorded" (compared with a
-# recorded answer), "live" (also asked live grappler) or "built otherwise" (skipped).
+# recorded answer), "live" (also asked live grappler) or "built otherwise" (no answer on
+# this release: the comparison was not made).
 comparisons: Counter[tuple[str, str]] = Counter()
+# Tests (pytest node ids) that made no comparison for lack of an answer on this release.
+tests_without_answer: set[str] = set()
 
 
 class MissingAnswer(AssertionError):
     """The recording has no answer for a question a test asks."""
+
+
+class ChangedInput(AssertionError):
+    """The oracle's inputs for a question differ from those its recorded answer was made with."""
 
 
 class ListsRefused(RuntimeError):
@@ -78,55 +97,82 @@ def live_unavailable(target: str) -> str | None:
 # Questions
 
 
-def rewrite(graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (), our_lists: bool = True) -> GraphDef:
-    """What ``amp_rewrite.testing.reference.run_grappler`` answers, from the recording or live."""
+def rewrite(
+    graph_def: GraphDef, *, target: str, fetches: Sequence[str] = (), our_lists: bool = True
+) -> GraphDef | None:
+    """What ``amp_rewrite.testing.reference.run_grappler`` answers, from the recording or
+    live; None on another release that builds the graph otherwise (the module's notes)."""
     names = _canonical_names(graph_def)
     canonical = _canonical(graph_def, names).SerializeToString(deterministic=True)
     question = {
         "kind": "rewrite", "target": target, "fetches": list(fetches), "our_lists": our_lists, "environ": _amp_environ(),
     }
+    inputs = {}
+    if our_lists:
+        given = oracle_inputs(graph_def, target, os.environ)
+        inputs = {"held_float32": list(given.held_float32),
+                  "stand_ins": sorted([names.get(function, function), node] for function, node in given.stand_ins)}
 
     def live() -> bytes:
         answer = _run_live(graph_def, target=target, fetches=fetches, our_lists=our_lists)
         return _canonical(answer, names).SerializeToString(deterministic=True)
 
-    answer = _renamed(GraphDef.FromString(_answer(question, canonical, live)), {v: k for k, v in names.items()})
+    recorded = _answer(question, canonical, inputs, live)
+    if recorded is None:
+        return None
+    answer = _renamed(GraphDef.FromString(recorded), {v: k for k, v in names.items()})
     _add_defaults(answer)
     return answer
 
 
-def lists(target: str, environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, ...]]:
-    """What ``tools/dump_grappler_lists.py``'s ``dump_lists`` answers, from the recording or
-    live; ``ListsRefused`` where grappler refuses the variables and builds no lists."""
-    question = {"kind": "lists", "target": target, "environ": dict(sorted((environ or {}).items()))}
+def lists(
+    target: str, environ: Mapping[str, str] | None = None, *, our_lists: bool = False
+) -> dict[str, tuple[str, ...]] | None:
+    """What ``tools/dump_grappler_lists.py``'s ``dump_lists`` answers under ``environ``, from
+    the recording or live; ``our_lists`` first takes the ops we hold float32 off grappler's
+    infer list (``reference.grappler_environ``). ``ListsRefused`` where grappler refuses the
+    variables and builds no lists; None as for ``rewrite``."""
+    environ = dict(sorted((environ or {}).items()))
+    question = {"kind": "lists", "target": target, "environ": environ}
+    inputs = {}
+    if our_lists:
+        question["our_lists"] = True
+        given = oracle_inputs(GraphDef(), target, environ)
+        inputs = {"held_float32": list(given.held_float32), "stand_ins": []}
 
     def live() -> bytes:
+        asked = grappler_environ(target, environ) if our_lists else environ
         try:
-            answer = {name: list(ops) for name, ops in dump_tool().dump_lists(target, environ).items()}
+            answer = {name: list(ops) for name, ops in dump_tool().dump_lists(target, asked).items()}
         except GrapplerUnavailable:
             raise
         except RuntimeError as error:
             answer = {"refused": str(error)}
         return json.dumps(answer, sort_keys=True).encode()
 
-    answer = json.loads(_answer(question, b"", live))
+    recorded = _answer(question, b"", inputs, live)
+    if recorded is None:
+        return None
+    answer = json.loads(recorded)
     if "refused" in answer:
         raise ListsRefused(answer["refused"])
     return {name: tuple(ops) for name, ops in answer.items()}
 
 
-def _answer(question: dict, payload: bytes, live: Callable[[], bytes]) -> bytes:
-    """The recorded answer to ``question`` about ``payload`` (both canonical), checked
-    against ``live()`` where live grappler can answer; in a recording run, ``live()``'s."""
+def _answer(question: dict, payload: bytes, inputs: dict, live: Callable[[], bytes]) -> bytes | None:
+    """The recorded answer to ``question`` about ``payload`` (both canonical), given the
+    oracle's ``inputs``, checked against ``live()`` where live grappler can answer; in a
+    recording run, ``live()``'s. None where ``_no_answer`` says so."""
     key, target = _key(question, payload), question["target"]
     if recording():
         answer = live()
-        _store().put(key, question, answer)
+        _store().put(key, {**question, "graph": _digest(payload)}, inputs, answer)
         return answer
     recorded = _store().get(key)
     reason = live_unavailable(target)
     if recorded is None:
-        _no_answer(question, key, reason)
+        return _no_answer(question, payload, key, reason)
+    _check_inputs(question, key, inputs)
     comparisons[(target, "recorded")] += 1
     if reason is None:
         assert live() == recorded, (
@@ -135,6 +181,29 @@ def _answer(question: dict, payload: bytes, live: Callable[[], bytes]) -> bytes:
         )
         comparisons[(target, "live")] += 1
     return recorded
+
+
+def _check_inputs(question: dict, key: str, inputs: dict) -> None:
+    """The oracle's inputs must be those the recorded answer was made with; the message
+    names each that changed and how."""
+    recorded = _store().index["answers"][key].get("oracle_inputs", {})
+    changed = []
+    for name in sorted(set(recorded) | set(inputs)):
+        was, now = recorded.get(name), inputs.get(name)
+        if was == now:
+            continue
+        if was is None or now is None:
+            changed.append(f"{name}: recorded {was!r}, now {now!r}")
+            continue
+        was_set, now_set = {json.dumps(v) for v in was}, {json.dumps(v) for v in now}
+        changed.append(f"{name}: now adds {sorted(now_set - was_set)} and drops {sorted(was_set - now_set)}")
+    if changed:
+        raise ChangedInput(
+            f"the oracle's inputs for recorded answer {key[:12]} ({question['kind']} {question['target']}, "
+            f"{_current_test()}) changed since the recording: {'; '.join(changed)}. held_float32 comes from "
+            "lists/<target>.yaml's float32 section, stand_ins from amp_rewrite/testing/reference.py's bounded-Exp "
+            "rule; if the change is meant, re-run tools/record_grappler.py"
+        )
 
 
 @functools.cache
@@ -149,30 +218,48 @@ def dump_tool():
     return module
 
 
-def _no_answer(question: dict, key: str, reason: str | None) -> None:
+def _no_answer(question: dict, payload: bytes, key: str, reason: str | None) -> None:
     """A question with no recorded answer fails the test, on the release the answers come
     from. Another release may build the test's graph otherwise (TensorFlow 2.16's GELU
-    is ``Erf``, 2.21's ``Erfc``): there the comparison is skipped, with that reason."""
+    is ``Erf``, 2.21's ``Erfc``): there the comparison is not made (None), the test goes
+    on with its own assertions, and the summary counts it."""
     if _installed_release() != LISTS_TENSORFLOW:
         comparisons[(question["target"], "built otherwise")] += 1
-        pytest.skip(
-            f"TensorFlow {tf.__version__} builds this graph otherwise than TensorFlow {LISTS_TENSORFLOW}, "
-            f"whose grappler answers are recorded: no answer to compare with ({question['kind']} {question['target']})"
-        )
-    raise MissingAnswer(_missing(question, key, reason))
+        tests_without_answer.add(_current_test())
+        return None
+    raise MissingAnswer(_missing(question, payload, key, reason))
 
 
 def _installed_release() -> str:
     return ".".join(tf.__version__.split(".")[:2])
 
 
-def _missing(question: dict, key: str, reason: str | None) -> str:
+def _missing(question: dict, payload: bytes, key: str, reason: str | None) -> str:
     where = "live grappler answers here, so the recording is stale" if reason is None else f"and live grappler cannot answer here: {reason}"
     return (
         f"no recorded grappler answer {key[:12]} for {question['kind']} {question['target']} "
-        f"({_current_test()}); {where}; re-run tools/record_grappler.py on a CPU with AVX512F and "
-        f"TensorFlow {LISTS_TENSORFLOW}"
+        f"({_current_test()}){_what_differs(question, payload)}; {where}; re-run tools/record_grappler.py on a "
+        f"CPU with AVX512F and TensorFlow {LISTS_TENSORFLOW}"
     )
+
+
+def _what_differs(question: dict, payload: bytes) -> str:
+    """How the questions this test asked when the recording was made differ from this
+    one, field by field ("; the recording asked this test the same with another graph"),
+    or "" when the recording holds none of this test's."""
+    asked = {**question, "graph": _digest(payload)}
+    test = _current_test()
+    recorded = [q for q in _store().index["answers"].values()
+                if test in q.get("tests", ()) and q.get("kind") == question["kind"] and q.get("target") == question["target"]]
+    if not recorded:
+        return ""
+    differing = sorted({name for q in recorded for name in set(asked) | set(q) - {"tests", "oracle_inputs"}
+                        if q.get(name) != asked.get(name)})
+    return f"; the recording asked this test the same with another {', '.join(differing)}" if differing else ""
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()[:16]
 
 
 def _amp_environ() -> dict[str, str]:
@@ -321,8 +408,8 @@ def _renamed(graph_def: GraphDef, old_to_new: Mapping[str, str]) -> GraphDef:
 
 
 class _Store:
-    """``grappler_answers.zip``: ``index.json`` (who made it, what each answer is) and one
-    member per answer. Recording keeps exactly the answers asked for in that run."""
+    """``grappler_answers.zip``: ``index.json`` (who made it, what each answer is: its
+    question, the tests that asked it, the oracle's inputs) and one member per answer."""
 
     def __init__(self) -> None:
         self.key_to_answer: dict[str, bytes] = {}
@@ -336,29 +423,43 @@ class _Store:
     def get(self, key: str) -> bytes | None:
         return self.key_to_answer.get(key)
 
-    def put(self, key: str, question: dict, answer: bytes) -> None:
+    def put(self, key: str, question: dict, inputs: dict, answer: bytes) -> None:
         if key in self.recorded:
             question = self.recorded[key][0]
         question.setdefault("tests", [])
         if _current_test() not in question["tests"]:
             question["tests"].append(_current_test())
+        if inputs:
+            question["oracle_inputs"] = inputs
         self.recorded[key] = (question, answer)
 
-    def write(self) -> int:
-        """Replace the recording with this run's answers; returns how many."""
+    def write(self, *, whole_suite: bool) -> tuple[int, int]:
+        """Write this run's answers: they replace the recording after a run of the whole
+        suite and are merged into it otherwise (an answer asked again replaces its old one,
+        the others stay). Returns (answers written, of them kept from the old recording)."""
+        entries = dict(self.recorded)
+        kept = 0
+        if not whole_suite:
+            for key, question in self.index["answers"].items():
+                if key not in entries:
+                    entries[key] = (question, self.key_to_answer[key])
+                    kept += 1
+                else:  # asked again: by these tests and by those the other part of the suite holds
+                    tests = entries[key][0]["tests"]
+                    tests += [test for test in question.get("tests", ()) if test not in tests]
         index = {
             "tensorflow": tf.__version__,
             "cpu": _cpu_description(),
             "made_by": "tools/record_grappler.py",
-            "answers": {key: question for key, (question, _) in sorted(self.recorded.items())},
+            "answers": {key: question for key, (question, _) in sorted(entries.items())},
         }
         temporary = ANSWERS.with_suffix(".zip.tmp")
         with zipfile.ZipFile(temporary, "w", compression=zipfile.ZIP_LZMA) as archive:
             archive.writestr(zipfile.ZipInfo("index.json", _ZIP_TIME), json.dumps(index, indent=1, sort_keys=True))
-            for key, (_, answer) in sorted(self.recorded.items()):
+            for key, (_, answer) in sorted(entries.items()):
                 archive.writestr(zipfile.ZipInfo(key, _ZIP_TIME), answer, compress_type=zipfile.ZIP_LZMA)
         temporary.replace(ANSWERS)
-        return len(self.recorded)
+        return len(entries), kept
 
 
 _STORE: _Store | None = None
@@ -371,8 +472,9 @@ def _store() -> _Store:
     return _STORE
 
 
-def write_recording() -> int:
-    return _store().write()
+def write_recording(*, whole_suite: bool) -> tuple[int, int]:
+    """``_Store.write``: the answers this run recorded, replacing or merged into the file."""
+    return _store().write(whole_suite=whole_suite)
 
 
 def recorded_by() -> str:
@@ -393,3 +495,9 @@ def _cpu_description() -> str:
         pass
     shown = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16") if flag in flags]
     return f"{model} ({', '.join(shown) or 'no AVX512'})"
+
+
+def skip_comparison() -> NoReturn:
+    """Skip a test that is nothing but a comparison with grappler, where ``rewrite`` or
+    ``lists`` has no answer on this release (None)."""
+    pytest.skip(f"no recorded grappler answer on TensorFlow {tf.__version__}: nothing to compare")

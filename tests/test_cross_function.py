@@ -7,7 +7,8 @@ so a low-precision value can stay low precision across. Checked on the built-in 
 graphs of :mod:`amp_rewrite.testing.loops` (Keras 3 LSTM and GRU training steps, a ``tf.while_loop``
 with a ``tf.cond`` and a nested ``tf.function``), for both targets:
 
-1. default mode still equals grappler in every function body and keeps every signature;
+1. default mode still equals grappler, both ways, in every function body (and in the main
+   graph but for the modelled deviations, ``deviations``) and keeps every signature;
 2. cross mode runs fewer casts than grappler, in all and per loop iteration
    (``amp_rewrite.testing.loops.casts_per_iteration``);
 3. cross mode's graph is well typed (every call/loop agrees with its callee's signature,
@@ -24,16 +25,15 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
+import deviations
 import recorded_grappler
 from amp_rewrite.core import functions
 from amp_rewrite.testing.loops import LOOP_GRAPH_NAMES, build_loop_graph, casts_per_iteration, item_cast_counts
-from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_graph, run_model_graph
+from amp_rewrite.testing.models import GraphRun, ModelGraph, run_graph, run_model_graph
 from amp_rewrite.testing.reference import compare_rewrites
 
-from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS, assert_model_close_to_float32
 
-# Relative L2 error of all weight updates of a training step together (as in test_models).
-TARGET_TO_UPDATE_TOLERANCE = {"float16": 5e-2, "bfloat16": 1.5e-1}
 # Graphs whose every loop must run strictly fewer casts per iteration than grappler's.
 STRICTLY_FEWER_PER_ITERATION = frozenset({"while_loop"})
 
@@ -60,7 +60,8 @@ class Case:
             )
         return self._rewrites[(target, cross_function)]
 
-    def grappler(self, target: str) -> GraphDef:
+    def grappler(self, target: str) -> GraphDef | None:
+        """Grappler's rewrite; None without a recorded answer on this release."""
         if target not in self._grappler:
             self._grappler[target] = recorded_grappler.rewrite(self.model.graph_def, target=target, fetches=self.model.fetches)
         return self._grappler[target]
@@ -80,30 +81,6 @@ def _signatures(graph_def: GraphDef) -> dict[str, bytes]:
     return {f.signature.name: f.signature.SerializeToString(deterministic=True) for f in graph_def.library.function}
 
 
-def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """Largest absolute difference over the largest expected magnitude."""
-    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
-    return float(np.max(np.abs(actual.astype(np.float64) - expected))) / max(scale, 1e-12)
-
-
-def _assert_close_to_float32(model: ModelGraph, float32: GraphRun, graph_def: GraphDef, target: str) -> None:
-    """Run ``graph_def`` on CPU: outputs (a training step: the loss) and weight updates match float32."""
-    run = run_model_graph(model, graph_def)
-    tolerance = TARGET_TO_TOLERANCE[target]
-    for fetch in model.fetches:
-        error = _relative_error(run.outputs[fetch], float32.outputs[fetch])
-        assert error <= tolerance, f"{fetch}: relative error {error:.3g} > {tolerance} ({target})"
-    if not model.trainable:
-        return
-    expected, actual = (
-        np.concatenate([(r.variables[t] - model.variables[t]).ravel() for t in sorted(model.trainable)])
-        for r in (float32, run)
-    )
-    error = float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-    limit = TARGET_TO_UPDATE_TOLERANCE[target]
-    assert error <= limit, f"weight updates: relative L2 error {error:.3g} > {limit} (learning rate {LEARNING_RATE})"
-
-
 def _assert_well_typed(graph_def: GraphDef) -> None:
     """Every call and loop matches its callee's signature, and TensorFlow imports the graph."""
     functions.check_calls(graph_def)  # GraphError names the call whose types disagree
@@ -116,16 +93,17 @@ def _assert_well_typed(graph_def: GraphDef) -> None:
 
 def test_default_mode_agrees_with_grappler_in_every_function(case: Case, target: str) -> None:
     """Without cross_function every function body is painted alone, as grappler does: each
-    body agrees with grappler vertex for vertex and cast for cast, and so does the main
-    graph except where grappler breaks the graph: TensorLists handed to a loop stay
-    float32 in ours (see tests/test_functions.py::test_keras_recurrent_training_step)."""
-    agreement = compare_rewrites(case.model.graph_def, case.default(target).graph_def, case.grappler(target))
+    body agrees with grappler vertex for vertex and cast for cast, both ways, and so does
+    the main graph except where grappler breaks the graph: TensorLists handed to a loop
+    stay float32 in ours (``deviations.KERAS_LOOP_STEP``; see
+    tests/test_functions.py::test_keras_recurrent_training_step)."""
+    grappler = case.grappler(target)
+    if grappler is None:
+        recorded_grappler.skip_comparison()
+    agreement = compare_rewrites(case.model.graph_def, case.default(target).graph_def, grappler)
     assert agreement.functions, "no function body was compared"
-    assert all(f.ok for f in agreement.functions), agreement.explain()
-    if case.model.name == "while_loop":
-        assert agreement.ok, agreement.explain()
-    else:
-        assert all("ours=DT_FLOAT" in m for m in agreement.mismatches if " attr " in m), agreement.explain()
+    expected = {} if case.model.name == "while_loop" else deviations.KERAS_LOOP_STEP
+    deviations.assert_agrees_but_for(agreement, case.model.graph_def, target, expected)
 
 
 def test_default_mode_keeps_every_signature(case: Case, target: str) -> None:
@@ -139,8 +117,11 @@ def test_default_mode_keeps_every_signature(case: Case, target: str) -> None:
 def test_cross_mode_runs_fewer_casts_than_grappler(case: Case, target: str) -> None:
     """Values that stay low precision across boundaries need no cast pair there: fewer casts
     run in all (casts of a Const do not count: constant folding removes them, spec §2.7)."""
+    answer = case.grappler(target)
+    if answer is None:
+        recorded_grappler.skip_comparison()
     ours = sum(c.run_time for c in item_cast_counts(case.cross(target).graph_def).values())
-    grappler = sum(c.run_time for c in item_cast_counts(case.grappler(target)).values())
+    grappler = sum(c.run_time for c in item_cast_counts(answer).values())
     assert ours < grappler, f"{case.model.name} ({target}): {ours} run-time casts, grappler {grappler}"
 
 
@@ -148,7 +129,10 @@ def test_cross_mode_runs_no_more_casts_per_loop_iteration(case: Case, target: st
     """A loop-carried value that stays low precision is not cast in and out of the body on
     every iteration: no loop runs more casts per iteration than under grappler, and on the
     while_loop graph every loop runs fewer."""
-    ours, grappler = casts_per_iteration(case.cross(target).graph_def), casts_per_iteration(case.grappler(target))
+    answer = case.grappler(target)
+    if answer is None:
+        recorded_grappler.skip_comparison()
+    ours, grappler = casts_per_iteration(case.cross(target).graph_def), casts_per_iteration(answer)
     assert ours and set(ours) == set(grappler), (sorted(ours), sorted(grappler))
     strictly = case.model.name in STRICTLY_FEWER_PER_ITERATION
     worse = {body: (ours[body], grappler[body]) for body in ours
@@ -178,7 +162,7 @@ def test_cross_mode_converts_a_boundary(case: Case, target: str) -> None:
 def test_cross_mode_matches_float32(case: Case, target: str) -> None:
     """The rewritten graph runs on CPU and computes the float32 graph's outputs within the
     target's tolerance; a training step's loss and weight updates too."""
-    _assert_close_to_float32(case.model, case.float32, case.cross(target).graph_def, target)
+    assert_model_close_to_float32(case.model, case.float32, case.cross(target).graph_def, target)
 
 
 # --- which signatures may change ---------------------------------------------------------
@@ -209,7 +193,7 @@ def test_entry_function_keeps_its_signature(while_loop: Case, target: str) -> No
     assert after[project] == before[project]
     assert after[body] != before[body], "the private loop body kept its float32 signature"
     _assert_well_typed(result.graph_def)
-    _assert_close_to_float32(model, while_loop.float32, result.graph_def, target)
+    assert_model_close_to_float32(model, while_loop.float32, result.graph_def, target)
 
 
 def test_all_entry_functions_keep_every_signature(while_loop: Case, target: str) -> None:
@@ -220,7 +204,7 @@ def test_all_entry_functions_keep_every_signature(while_loop: Case, target: str)
         entry_functions=[f.signature.name for f in model.graph_def.library.function],
     )
     assert _signatures(result.graph_def) == _signatures(model.graph_def)
-    _assert_close_to_float32(model, while_loop.float32, result.graph_def, target)
+    assert_model_close_to_float32(model, while_loop.float32, result.graph_def, target)
 
 
 # --- one function, two call sites ---------------------------------------------------------

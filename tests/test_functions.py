@@ -19,23 +19,26 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import tensorflow as tf
+import deviations
 from conftest import (
     TARGETS,
     TARGET_TO_DTYPE,
     Rewrites,
     assert_colours,
+    assert_model_close_to_float32,
     assert_numerics_match,
     check_against_grappler,
     graph_def_of,
-    TARGET_TO_TOLERANCE,
+    rewrite_both,
     run_on_cpu,
 )
-from tensorflow.core.framework import function_pb2, types_pb2
+from tensorflow.core.framework import function_pb2, node_def_pb2, types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.python.framework import function as tf1_function
 
 import amp_rewrite
 import recorded_grappler
+from amp_rewrite.core.functions import reachable_functions
 from amp_rewrite.testing.loops import build_loop_graph
 from amp_rewrite.testing.models import run_model_graph
 from amp_rewrite.testing.reference import compare_rewrites, function_body, vertex_dtypes
@@ -65,6 +68,8 @@ def _function_named(graph_def: GraphDef, prefix: str) -> str:
 
 def _assert_functions_compared(rewrites: Rewrites, *prefixes: str) -> None:
     """Each named function was judged (so the 100% agreement covers it) and agrees."""
+    if rewrites.agreement is None:
+        return  # no grappler answer on this release: our own assertions stand alone
     compared = {f.name: f for f in rewrites.agreement.functions}
     for prefix in prefixes:
         name = _function_named(rewrites.original, prefix)
@@ -80,7 +85,7 @@ def _assert_signatures_kept(rewrites: Rewrites) -> None:
     for name, function in before.items():
         assert after[name].signature == function.signature, name
         assert set(after[name].ret) == set(function.ret), name
-    assert rewrites.agreement.library_mismatches == ()
+    assert rewrites.agreement is None or rewrites.agreement.library_mismatches == ()
 
 
 # --------------------------------------------------------------------------------------
@@ -454,29 +459,24 @@ def test_keras_recurrent_training_step(layer: str, target: str) -> None:
     the loop (TensorListFromTensor, the output list) in low precision while the bodies read
     and write them as float32 — its graph fails at run time ("op elements float but list
     elements half"). We treat a loop as a TensorList boundary, keep those lists float32
-    and the step runs and matches float32."""
+    and the step runs and matches float32. The comparison, both ways, finds exactly that:
+    ``deviations.KERAS_LOOP_STEP``."""
     model = build_loop_graph(layer)
-    rewrites = _rewrite_loop_graph(model.graph_def, target, list(model.fetches))
-    agreement = rewrites.agreement
-    compared = {f.name for f in agreement.functions}
-    bodies = [name for name in compared if "_while_body_" in name]
-    assert any(name.endswith("_rewritten") for name in bodies) and any("_grad_" in name for name in bodies), compared
-    assert all(f.ok for f in agreement.functions), agreement.explain()
+    rewrites = rewrite_both(model.graph_def, target, list(model.fetches))
     low = TARGET_TO_DTYPE[target]
+    bodies = [name for name in reachable_functions(model.graph_def) if "_while_body_" in name]
+    assert any(name.endswith("_rewritten") for name in bodies) and any("_grad_" in name for name in bodies), bodies
     for name in bodies:
         body = function_body(rewrites.ours, name)
         matmuls = [node.name for node in body.node if node.op == "MatMul"]
         assert matmuls and all(vertex_dtypes(body)[(m, "T")] == low for m in matmuls), (name, matmuls)
-    # The main graph differs only where we keep float32 what grappler lowers, around lists.
-    differing = [m for m in agreement.mismatches if " attr " in m]
-    assert differing and all("ours=DT_FLOAT" in m for m in differing), differing
-    assert any("TensorList" in m for m in differing), differing
     _assert_signatures_kept(rewrites)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="list elements"):
-        run_model_graph(model, rewrites.grappler)
-    ours, reference = run_model_graph(model, rewrites.ours), run_model_graph(model, model.graph_def)
-    for name, want in reference.outputs.items():
-        np.testing.assert_allclose(ours.outputs[name], want, rtol=TARGET_TO_TOLERANCE[target] * 5)
+    if rewrites.grappler is not None:
+        assert set(bodies) <= {f.name for f in rewrites.agreement.functions}, "a loop body was not compared"
+        deviations.assert_agrees_but_for(rewrites.agreement, model.graph_def, target, deviations.KERAS_LOOP_STEP)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="list elements"):
+            run_model_graph(model, rewrites.grappler)
+    assert_model_close_to_float32(model, run_model_graph(model), rewrites.ours, target)
 
 
 # --------------------------------------------------------------------------------------
@@ -594,14 +594,6 @@ def _loop_between_matmuls(stateful: bool) -> Callable[[tf.Tensor, tf.Tensor], tf
     return inner
 
 
-def _rewrite_loop_graph(graph_def: GraphDef, target: str, fetches: list[str]) -> Rewrites:
-    """Ours and grappler's rewrites of a graph whose only intended difference is a loop value."""
-    result = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=tuple(fetches))
-    grappler = recorded_grappler.rewrite(graph_def, target=target, fetches=fetches)
-    agreement = compare_rewrites(graph_def, result.graph_def, grappler)
-    return Rewrites(target, graph_def, result.graph_def, grappler, agreement, result.report.summary(), result.report)
-
-
 def _runs(graph_def: GraphDef, fetches: list[str]) -> bool:
     try:
         run_on_cpu(graph_def, fetches, _feeds())
@@ -617,21 +609,23 @@ def test_functional_while_between_allow_ops(stateful: bool, target: str) -> None
     then paints a StatelessWhile's loop value T[3] between two allow ops while the body and
     cond keep float32 signatures, which is not a valid graph (a While in a function item is
     stateful, hence preserved). We deliberately keep every loop value float32 unless
-    ``cross_function`` changes the bodies too: the one intended difference from grappler."""
+    ``cross_function`` changes the bodies too: the one intended difference from grappler,
+    and the comparison, both ways, finds exactly it (one loop value, a cast on each side)."""
     graph_def, fetches = _traced(_loop_between_matmuls(stateful))
-    rewrites = _rewrite_loop_graph(graph_def, target, _nodes(fetches))
+    rewrites = rewrite_both(graph_def, target, _nodes(fetches))
     function = _function_named(graph_def, "__inference_inner")
     loop_op = {node.name: node.op for node in function_body(graph_def, function).node}["loop"]
     assert loop_op == ("While" if stateful else "StatelessWhile")
     assert_colours(rewrites, lowered=["allow1", "allow2"], kept=["loop:T[3]"], function=function, grappler=False)
-    grappler_paints = target == "bfloat16" and not stateful
-    grappler_loop = vertex_dtypes(function_body(rewrites.grappler, function))[("loop", "T[3]")]
-    assert (grappler_loop != types_pb2.DT_FLOAT) == grappler_paints
-    if grappler_paints:
-        assert not _runs(rewrites.grappler, fetches), "grappler's painted loop was expected to be invalid"
-    else:
-        assert rewrites.agreement.ok, rewrites.agreement.explain()
     _assert_signatures_kept(rewrites)
+    if rewrites.grappler is not None:
+        grappler_paints = target == "bfloat16" and not stateful
+        expected = {deviations.LOOP_VALUE: 1, deviations.CASTS: 2} if grappler_paints else {}
+        deviations.assert_agrees_but_for(rewrites.agreement, graph_def, target, expected)
+        grappler_loop = vertex_dtypes(function_body(rewrites.grappler, function))[("loop", "T[3]")]
+        assert (grappler_loop != types_pb2.DT_FLOAT) == grappler_paints
+        if grappler_paints:
+            assert not _runs(rewrites.grappler, fetches), "grappler's painted loop was expected to be invalid"
     if not stateful:  # the stateful loop reads a captured variable this harness cannot feed
         assert_numerics_match(rewrites, fetches, _feeds())
 
@@ -639,7 +633,8 @@ def test_functional_while_between_allow_ops(stateful: bool, target: str) -> None
 @pytest.mark.parametrize("target", TARGETS)
 def test_functional_while_in_main_graph(target: str) -> None:
     """In the main graph too, a StatelessWhile between two MatMuls keeps its float32 loop
-    value (grappler paints T[3] in bfloat16 and breaks the graph); everything else agrees."""
+    value (grappler paints T[3] in bfloat16 and breaks the graph); everything else agrees,
+    both ways."""
 
     def main(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
         _, h = tf.while_loop(
@@ -649,14 +644,15 @@ def test_functional_while_in_main_graph(target: str) -> None:
         return tf.matmul(h, w, name="allow2")
 
     graph_def, fetches = _traced(main)
-    rewrites = _rewrite_loop_graph(graph_def, target, _nodes(fetches))
+    rewrites = rewrite_both(graph_def, target, _nodes(fetches))
     assert_colours(rewrites, lowered=["allow1", "allow2"], kept=["loop:T[3]"], grappler=False)
-    if target == "bfloat16":
-        assert vertex_dtypes(rewrites.grappler)[("loop", "T[3]")] == types_pb2.DT_BFLOAT16
-        assert not _runs(rewrites.grappler, fetches)
-    else:
-        assert rewrites.agreement.ok, rewrites.agreement.explain()
     _assert_signatures_kept(rewrites)
+    if rewrites.grappler is not None:
+        expected = {deviations.LOOP_VALUE: 1, deviations.CASTS: 2} if target == "bfloat16" else {}
+        deviations.assert_agrees_but_for(rewrites.agreement, graph_def, target, expected)
+        if target == "bfloat16":
+            assert vertex_dtypes(rewrites.grappler)[("loop", "T[3]")] == types_pb2.DT_BFLOAT16
+            assert not _runs(rewrites.grappler, fetches)
     assert_numerics_match(rewrites, fetches, _feeds())
 
 
@@ -739,6 +735,8 @@ def test_compare_rewrites_reports_a_function_body_difference() -> None:
     agreement fail and is reported under that function's name."""
     graph_def, fetches = _traced(_loop_and_branch)
     grappler = recorded_grappler.rewrite(graph_def, target="float16", fetches=_nodes(fetches))
+    if grappler is None:
+        recorded_grappler.skip_comparison()
     body = _function_named(graph_def, "loop_body")
     ours = GraphDef()
     ours.CopyFrom(grappler)
@@ -779,3 +777,68 @@ def test_bounded_exp_in_a_function_body(target: str) -> None:
         assert_colours(rewrites, lowered=["allow1", "allow2"], kept=["square", "bump"], function=body)
     _assert_functions_compared(rewrites, "__inference__gaussian")
     assert_numerics_match(rewrites, fetches, _feeds())
+
+
+# --------------------------------------------------------------------------------------
+# Which functions a node calls: one rule (``functions.called_functions``), TensorFlow's
+
+
+def _matmul_function(name: str) -> function_pb2.FunctionDef:
+    """name(x: float) -> (y: float): y = MatMul allow1(x, x)."""
+    function = function_pb2.FunctionDef()
+    function.signature.name = name
+    function.signature.input_arg.add(name="x", type=types_pb2.DT_FLOAT)
+    function.signature.output_arg.add(name="y", type=types_pb2.DT_FLOAT)
+    matmul = function.node_def.add(name="allow1", op="MatMul", input=["x", "x"])
+    matmul.attr["T"].type = types_pb2.DT_FLOAT
+    function.ret["y"] = "allow1:product:0"
+    return function
+
+
+def test_a_node_calls_its_op_and_its_func_attrs_but_not_names_bound_inside_them() -> None:
+    """A node calls its op, when a library defines it, and the functions its ``func`` and
+    ``list(func)`` attrs name; a name inside a func value's own attrs binds the callee's
+    attr and is no call. ``rename_calls`` renames exactly those names. A registered op
+    without a func attr calls nothing but itself."""
+    from amp_rewrite.core.functions import called_functions, rename_calls
+
+    node = node_def_pb2.NodeDef(name="call", op="Outer")
+    node.attr["f"].func.name = "body"
+    node.attr["f"].func.attr["inner"].func.name = "bound"
+    node.attr["branches"].list.func.add(name="then")
+    node.attr["branches"].list.func.add(name="else")
+    node.attr["T"].type = types_pb2.DT_FLOAT
+    assert sorted(called_functions(node)) == ["Outer", "body", "else", "then"]
+    rename_calls(node, {name: name.upper() for name in ("Outer", "body", "bound", "then", "else")})
+    assert sorted(called_functions(node)) == ["BODY", "ELSE", "OUTER", "THEN"]
+    assert node.attr["f"].func.attr["inner"].func.name == "bound"
+    matmul = node_def_pb2.NodeDef(name="m", op="MatMul")
+    matmul.attr["_stray"].func.name = "body"  # a private attr of an op that takes no function
+    assert list(called_functions(matmul)) == ["MatMul"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_function_named_only_inside_a_func_attr_is_not_reached(target: str) -> None:
+    """The rule is TensorFlow's (grappler reaches functions through ops and func attrs only):
+    ``outer`` is called with its attr ``inner`` bound to ``nested``, which nothing calls.
+    Grappler rewrites ``outer`` and drops ``nested`` from its library as unreachable; we
+    rewrite ``outer`` the same and leave ``nested`` as it was."""
+    graph_def = GraphDef()
+    x = graph_def.node.add(name="x", op="Placeholder")
+    x.attr["dtype"].type = types_pb2.DT_FLOAT
+    x.attr["shape"].shape.dim.add(size=4)
+    x.attr["shape"].shape.dim.add(size=4)
+    call = graph_def.node.add(name="call", op="PartitionedCall", input=["x"])
+    call.attr["f"].func.name = "outer"
+    call.attr["f"].func.attr["inner"].func.name = "nested"
+    call.attr["Tin"].list.type.append(types_pb2.DT_FLOAT)
+    call.attr["Tout"].list.type.append(types_pb2.DT_FLOAT)
+    graph_def.node.add(name="fetch", op="Identity", input=["call"]).attr["T"].type = types_pb2.DT_FLOAT
+    graph_def.library.function.extend([_matmul_function("outer"), _matmul_function("nested")])
+    rewrites = check_against_grappler(graph_def, target, ["fetch"])
+    if rewrites.grappler is not None:
+        assert "nested" not in {f.signature.name for f in rewrites.grappler.library.function}
+        assert [f.name for f in rewrites.agreement.functions] == ["outer"]
+    assert_colours(rewrites, lowered=["allow1"], casts=2, function="outer")
+    nested = next(f for f in rewrites.ours.library.function if f.signature.name == "nested")
+    assert nested == _matmul_function("nested")

@@ -262,7 +262,7 @@ def test_fused_batch_norm() -> None:
     assert_colours(
         rewrites, lowered=["fbn1", "bng1", "infer1", "allow1", "allow2"], kept=["fbn1:U", "bng1:U"], casts=3
     )
-    for graph_def in (rewrites.ours, rewrites.grappler):
+    for _, graph_def in rewrites.results():
         assert (op_of(graph_def, "fbn1"), op_of(graph_def, "bng1")) == ("FusedBatchNormV2", "FusedBatchNormGradV2")
 
 
@@ -293,7 +293,7 @@ def test_existing_cast() -> None:
 
     rewrites = check_against_grappler(graph_def_of(build), "float16", ["fetch"])
     assert_colours(rewrites, lowered=["cst1:DstT", "allow1"], casts=1)
-    for graph_def in (rewrites.ours, rewrites.grappler):
+    for _, graph_def in rewrites.results():
         assert vertex_dtypes(graph_def)[("cst1", "SrcT")] == tf.bool.as_datatype_enum
 
 
@@ -552,6 +552,24 @@ def test_nodes_on_another_device_are_not_painted(target: str, device: str) -> No
     the Simple graph placed wholly on the other device is left unchanged."""
     rewrites = check_against_grappler(_build_simple(device), target, ["fetch"])
     assert_unchanged(rewrites)
+
+
+def test_kernel_check_asks_each_nodes_own_device_type() -> None:
+    """§1.5, bfloat16: a node placed on an XLA_CPU device is processed (its type contains
+    CPU) but has no bfloat16 Relu kernel there, so clr_xla stays float32 while the same op
+    on the CPU, clr_cpu, converts: one kernel answer per device type, not per op."""
+
+    def build() -> None:
+        x = tf.compat.v1.placeholder(FLOAT, [4, 4], name="x")
+        allow1 = raw.MatMul(a=x, b=x, name="allow1")
+        with tf.device("/device:XLA_CPU:0"):
+            clr_xla = raw.Relu(features=allow1, name="clr_xla")
+        clr_cpu = raw.Relu(features=raw.MatMul(a=clr_xla, b=x, name="allow2"), name="clr_cpu")
+        raw.Identity(input=raw.MatMul(a=clr_cpu, b=x, name="allow3"), name="fetch")
+
+    rewrites = check_against_grappler(graph_def_of(build), "bfloat16", ["fetch"])
+    assert_colours(rewrites, lowered=["allow1", "allow2", "clr_cpu", "allow3"], kept=["clr_xla"], casts=4)
+    assert rewrites.report.decision("clr_xla").rule == "no-kernel"
 
 
 def test_simple_bfloat16() -> None:
@@ -818,6 +836,14 @@ def test_multi_paths_2(target: str) -> None:
 # The oracle itself (amp_rewrite.testing.reference): it must see differences and nothing else
 
 
+def _recorded_answer(original: GraphDef) -> GraphDef:
+    """grappler's float16 answer for ``original``, to test the comparison on."""
+    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    if grappler is None:
+        recorded_grappler.skip_comparison()
+    return grappler
+
+
 def _rename_node(graph_def: GraphDef, old: str, new: str) -> None:
     for node in graph_def.node:
         node.name = new if node.name == old else node.name
@@ -828,7 +854,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
     """grappler re-sorts nodes, writes "x" for "x:0" and numbers casts; none of it is a
     difference."""
     original = _build_simple()
-    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    grappler = _recorded_answer(original)
     ours = GraphDef()
     ours.CopyFrom(grappler)
     ours.node.sort(key=lambda node: node.name, reverse=True)
@@ -843,7 +869,7 @@ def test_compare_rewrites_ignores_order_port_zero_and_cast_ids() -> None:
 def test_compare_rewrites_reports_vertex_and_cast_differences() -> None:
     """A vertex with another dtype and a cast feeding other consumers are both reported."""
     original = _build_simple()
-    grappler = recorded_grappler.rewrite(original, target="float16", fetches=["fetch"])
+    grappler = _recorded_answer(original)
     ours = GraphDef()
     ours.CopyFrom(grappler)
     clr3 = next(node for node in ours.node if node.name == "clr3")

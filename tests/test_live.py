@@ -30,10 +30,15 @@ import tf_keras
 from conftest import TARGET_TO_TOLERANCE, TARGETS
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
+from tensorflow.python.client import session as session_lib
 from tensorflow.python.eager import context
+from tensorflow.python.eager.polymorphic_function import transform
+from tensorflow.python.training.experimental import mixed_precision_global_state
 
 import amp_rewrite
+from amp_rewrite.core.functions import called_functions
 from amp_rewrite.training import live, optimizers
+from amp_rewrite.training import session as amp_session
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_TO_LOW = {"float16": "DT_HALF", "bfloat16": "DT_BFLOAT16"}
@@ -103,9 +108,7 @@ def registered_compute(names: Iterable[str]) -> list[ComputeNode]:
         seen.add(name)
         function = ctx.get_function_def(name)
         found += _compute_nodes(name, function.node_def)
-        for node in function.node_def:
-            for value in node.attr.values():
-                todo += [value.func.name] if value.func.name else [f.name for f in value.list.func]
+        todo += [callee for node in function.node_def for callee in called_functions(node) if ctx.has_function(callee)]
     return found
 
 
@@ -517,11 +520,10 @@ def test_enabling_again_with_another_target_warns():
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
 
 
-def test_float16_with_every_matmul_on_a_cpu_warns_once(monkeypatch, matmul_inputs):
+def test_float16_with_every_matmul_on_a_cpu_warns_once(matmul_inputs):
     """float16 converts GPU or unplaced nodes only; a trace whose MatMuls are all placed on a CPU
-    (as MirroredStrategy on CPUs places them) runs in float32 and warns, once per process;
+    (as MirroredStrategy on CPUs places them) runs in float32 and warns, once per enabling;
     an unplaced MatMul is rewritten and does not warn."""
-    monkeypatch.setattr(live, "_warned_cpu_float16", False)
     a, b, _ = matmul_inputs
 
     def on_cpu(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -538,6 +540,42 @@ def test_float16_with_every_matmul_on_a_cpu_warns_once(monkeypatch, matmul_input
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tf.function(on_cpu)(a, b)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    with pytest.warns(UserWarning, match="placed on a CPU"):
+        tf.function(on_cpu)(a, b)
+
+
+def test_disable_puts_back_everything_enabling_installed():
+    """Enabling installs TensorFlow's trace callback, a wrapper of ``BaseSession.__init__`` and
+    TensorFlow's "graph rewrite enabled" flag, once however often it is enabled or nested;
+    ``disable_…`` puts each back as it was. A Session created while it was on keeps running
+    its mirror (bfloat16) after that; one created after runs the graph as it is."""
+    init, callbacks = session_lib.BaseSession.__init__, list(transform.CONCRETE_FUNCTION_CALLBACKS)
+    flag = mixed_precision_global_state.is_mixed_precision_graph_rewrite_enabled()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 4))
+        product = tf.matmul(x, x)
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with amp_rewrite.mixed_precision(target="float16"):
+        assert len(transform.CONCRETE_FUNCTION_CALLBACKS) == len(callbacks) + 1
+    assert session_lib.BaseSession.__init__ is not init and live.active().target == "bfloat16"
+    assert mixed_precision_global_state.is_mixed_precision_graph_rewrite_enabled()
+    during = tf.compat.v1.Session(graph=graph)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    assert session_lib.BaseSession.__init__ is init
+    assert list(transform.CONCRETE_FUNCTION_CALLBACKS) == callbacks
+    assert mixed_precision_global_state.is_mixed_precision_graph_rewrite_enabled() == flag
+    after = tf.compat.v1.Session(graph=graph)
+    assert (amp_session.is_mirrored(during), amp_session.is_mirrored(after)) == (True, False)
+    for session, dtype in ((during, "DT_BFLOAT16"), (after, "DT_FLOAT")):
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(product, {x: np.ones((4, 4))}, tf.compat.v1.RunOptions(output_partition_graphs=True), metadata)
+        assert [n.dtype for n in _compute_nodes("session", (node for g in metadata.partition_graphs for node in g.node))
+                ] == [dtype]
+        session.close()
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -569,9 +607,8 @@ def test_tf_keras_refuses_a_mixed_policy_after_enabling():
         tf_keras.mixed_precision.set_global_policy("float32")
 
 
-def test_keras_mixed_policy_after_enabling_warns_at_the_next_trace(monkeypatch, matmul_inputs):
+def test_keras_mixed_policy_after_enabling_warns_at_the_next_trace(matmul_inputs):
     a, b, _ = matmul_inputs
-    monkeypatch.setattr(live, "_warned_policy", False)
     amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
     keras.config.set_dtype_policy("mixed_float16")
     with pytest.warns(UserWarning, match="mixed precision Keras policy was set after enabling"):
@@ -582,7 +619,7 @@ def _fake_hardware(monkeypatch, cpu_flags: set[str], gpu_capabilities: list[tupl
     gpus = [tf.config.PhysicalDevice(name=f"/physical_device:GPU:{i}", device_type="GPU")
             for i in range(len(gpu_capabilities))]
     name_to_capability = {g.name: c for g, c in zip(gpus, gpu_capabilities)}
-    monkeypatch.setattr(live, "_cpu_flags", lambda: set(cpu_flags))
+    monkeypatch.setattr(live, "cpu_flags", lambda: set(cpu_flags))
     monkeypatch.setattr(tf.config, "list_physical_devices",
                         lambda kind=None: list(gpus) if kind == "GPU" else [])
     monkeypatch.setattr(tf.config.experimental, "get_device_details",

@@ -21,7 +21,7 @@ import recorded_grappler
 from amp_rewrite.testing.models import LEARNING_RATE, MODEL_NAMES, GraphRun, ModelGraph, build_model_graph, run_model_graph
 from amp_rewrite.testing.reference import compare_rewrites
 
-from conftest import TARGET_TO_TOLERANCE
+from conftest import TARGET_TO_TOLERANCE, TARGET_TO_UPDATE_TOLERANCE, relative_error
 
 TARGETS = amp_rewrite.TARGETS
 CASES = [(name, training) for name in MODEL_NAMES for training in (False, True)]
@@ -33,10 +33,8 @@ CASE_TO_BUILD_ARGS = {
     ("resnet50", True): {"image_size": 64, "batch": 4},
 }
 # Largest error vs float32 relative to the float32 magnitude (conftest's TARGET_TO_TOLERANCE)
-# applies to outputs and loss, and to the BatchNormalization statistics a training step updates.
-# Relative L2 error of all gradients together (measured: <= 1e-2 float16, 3e-2 bfloat16;
-# BatchNormalization over batch 2 amplifies rounding of the batch variance).
-TARGET_TO_GRADIENT_TOLERANCE = {"float16": 5e-2, "bfloat16": 1.5e-1}
+# applies to outputs and loss, and to the BatchNormalization statistics a training step
+# updates; the gradients, as the weight updates they make, to TARGET_TO_UPDATE_TOLERANCE.
 # A randomly initialised ResNet50 in training mode amplifies low-precision rounding of
 # the batch statistics through 50 layers: grappler's own rewrite moves the loss by 4-5%
 # and its gradients are nearly uncorrelated with float32's. Only the loss is compared.
@@ -61,7 +59,8 @@ class Case:
             )
         return self._target_to_ours[target]
 
-    def grappler(self, target: str) -> GraphDef:
+    def grappler(self, target: str) -> GraphDef | None:
+        """Grappler's rewrite; None without a recorded answer on this release."""
         if target not in self._target_to_grappler:
             self._target_to_grappler[target] = recorded_grappler.rewrite(
                 self.model.graph_def, target=target, fetches=self.model.fetches
@@ -86,12 +85,6 @@ def case(request: pytest.FixtureRequest) -> Case:
 @pytest.fixture(params=TARGETS)
 def target(request: pytest.FixtureRequest) -> str:
     return request.param
-
-
-def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """Largest absolute difference over the largest expected magnitude."""
-    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
-    return float(np.max(np.abs(actual.astype(np.float64) - expected))) / max(scale, 1e-12)
 
 
 def _updates(run: GraphRun, model: ModelGraph) -> np.ndarray:
@@ -147,7 +140,10 @@ def test_unknown_model_is_refused_with_the_choices() -> None:
 
 def test_decisions_equal_grapplers(case: Case, target: str) -> None:
     """Every float32 vertex gets grappler's dtype and every cast is grappler's cast."""
-    agreement = compare_rewrites(case.model.graph_def, case.ours(target).graph_def, case.grappler(target))
+    grappler = case.grappler(target)
+    if grappler is None:
+        recorded_grappler.skip_comparison()
+    agreement = compare_rewrites(case.model.graph_def, case.ours(target).graph_def, grappler)
     assert agreement.judged > 0
     assert agreement.ok, agreement.explain()
 
@@ -165,7 +161,7 @@ def test_rewritten_graph_stays_close_to_float32(case: Case, target: str) -> None
     tolerance = TARGET_TO_TOLERANCE[target]
     for fetch in model.fetches:
         limit = LOSS_ONLY.get((model.name, model.training), tolerance)
-        error = _relative_error(ours.outputs[fetch], float32.outputs[fetch])
+        error = relative_error(ours.outputs[fetch], float32.outputs[fetch])
         assert error <= limit, f"{fetch}: relative error {error:.3g} > {limit}"
     if not model.training:
         return
@@ -175,16 +171,18 @@ def test_rewritten_graph_stays_close_to_float32(case: Case, target: str) -> None
         return
     expected, actual = _updates(float32, model), _updates(ours, model)
     gradient_error = float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-    assert gradient_error <= TARGET_TO_GRADIENT_TOLERANCE[target], (
+    assert gradient_error <= TARGET_TO_UPDATE_TOLERANCE[target], (
         f"gradients: relative L2 error {gradient_error:.3g} (learning rate {LEARNING_RATE})"
     )
     for tensor in sorted(set(model.variables) - model.trainable):
-        error = _relative_error(ours.variables[tensor], float32.variables[tensor])
+        error = relative_error(ours.variables[tensor], float32.variables[tensor])
         assert error <= tolerance, f"{tensor}: relative error {error:.3g} > {tolerance}"
 
 
 def test_rewritten_graph_computes_what_grapplers_computes(case: Case, target: str) -> None:
     """Same dtypes and casts mean the same kernels on the same values: equal numbers."""
+    if case.grappler(target) is None:
+        recorded_grappler.skip_comparison()
     ours, grappler = case.run("ours", target), case.run("grappler", target)
     for fetch in case.model.fetches:
         np.testing.assert_allclose(ours.outputs[fetch], grappler.outputs[fetch], rtol=1e-5, atol=1e-6, err_msg=fetch)

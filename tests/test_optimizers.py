@@ -17,12 +17,14 @@ checked with real steps, not mocks:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 from dataclasses import dataclass
@@ -206,57 +208,154 @@ def _keras3_step(model: keras.Model, opt: optimizers.LossScaleOptimizer) -> Call
     return step
 
 
-@pytest.mark.parametrize("monitor", [False, True], ids=["alone", "after-monitoring"])
-def test_unscaled_gradients_read_elsewhere_do_not_change_how_a_step_applies(monitor):
-    """Whether ``apply`` unscales is decided from the gradients passed to it: a monitoring
-    tf.function that calls ``get_unscaled_gradients`` before every Keras-3-style step
-    (float16, SGD) leaves the steps as they are without it: 6 applied, scale 2**15, the same
-    weights. (Decided from a flag, the step re-scaled its scaled gradients: float16 overflow,
-    every step skipped.)"""
-    model = _keras_model()
-    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
-    opt.build(model.trainable_variables)  # built: each function is traced once
+# --------------------------------------------------------------------------------------
+# Gradients edited between unscaling and applying: each family's contract, against float32
+
+GRADIENT_STEPS = 4
+
+
+def _variable(family: str, value: np.ndarray) -> Any:
+    return keras.Variable(value) if family == "keras" else tf.Variable(value)
+
+
+def _plain_optimizer(family: str) -> Any:
+    return {"keras": lambda: keras.optimizers.SGD(0.1), "tf_keras": lambda: tf_keras.optimizers.SGD(0.1),
+            "v1": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1)}[family]()
+
+
+def _gradient_step(pattern: str, family: str, opt: Any, w: Any, wrapped: bool) -> Callable:
+    """One training step of ``pattern`` as its users write it; with the plain optimizer
+    (``wrapped`` False) the same code without the scaling calls is float32's reference."""
     x, y = _regression_data()
+    accumulated = tf.Variable(tf.zeros_like(w)) if pattern == "accumulate" else None
+    count = tf.Variable(0) if pattern == "accumulate" else None
+
+    def loss_fn() -> tf.Tensor:
+        return tf.reduce_mean((tf.matmul(x, w) - y) ** 2)
+
+    def apply(grads: list) -> None:
+        if family == "keras":
+            opt.apply(grads, [w])
+        else:
+            opt.apply_gradients(list(zip(grads, [w])))
 
     @tf.function
-    def gradient_norm() -> tf.Tensor:
+    def step() -> None:
+        if pattern == "minimize":
+            if family == "keras" and not wrapped:  # Keras 3's own optimizer has no minimize
+                with tf.GradientTape() as tape:
+                    loss = loss_fn()
+                apply(tape.gradient(loss, [w]))
+            else:
+                opt.minimize(loss_fn, var_list=[w])
+            return
         with tf.GradientTape() as tape:
-            scaled = opt.get_scaled_loss(tf.reduce_mean((model(x) - y) ** 2))
-        return tf.linalg.global_norm(opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables)))
+            loss = loss_fn()
+            if pattern == "scale_loss":
+                loss = opt.scale_loss(loss)
+            elif wrapped:
+                loss = opt.get_scaled_loss(loss)
+        grads = tape.gradient(loss, [w])
+        if pattern == "scale_loss":
+            return apply(grads)
+        if wrapped:
+            grads = opt.get_unscaled_gradients(grads)
+        if pattern == "clip":
+            grads, _ = tf.clip_by_global_norm(grads, 0.05)  # clips: the gradients' norm is about 0.1
+            return apply(grads)
+        accumulated.assign_add(grads[0])  # "accumulate": apply the mean of every 2 steps' gradients
+        count.assign_add(1)
+        if count % 2 == 0:
+            apply([accumulated / 2.0])
+            accumulated.assign(tf.zeros_like(accumulated))
 
-    step = _keras3_step(model, opt)
-    norms = []
-    for _ in range(6):
-        if monitor:
-            norms.append(float(gradient_norm()))
+    return step
+
+
+def _trained_update(pattern: str, family: str, target: str | None) -> np.ndarray:
+    """How GRADIENT_STEPS steps of ``pattern`` move w: float32 with the plain optimizer (target
+    None), or rewritten to ``target`` with the wrapper."""
+    start = np.random.RandomState(1).uniform(-1, 1, (4, 3)).astype(np.float32)
+    w = _variable(family, start)
+    opt = _plain_optimizer(family)
+    with amp_rewrite.mixed_precision(target=target) if target else contextlib.nullcontext():
+        if target:
+            opt = optimizers.wrap_optimizer(opt)
+        step = _gradient_step(pattern, family, opt, w, wrapped=target is not None)
+        step.get_concrete_function()  # traced (and rewritten) inside the block
+    for _ in range(GRADIENT_STEPS):
         step()
-    assert (int(opt.iterations.numpy()), float(opt.loss_scale)) == (6, 2.0**15)
-    if monitor:
-        assert all(math.isfinite(n) and 0 < n < 10 for n in norms), norms
-        alone = _keras_model()
-        _keras3_step_loop(alone)
-        for w, expected in zip(model.trainable_variables, alone.trainable_variables):
-            np.testing.assert_allclose(w.numpy(), expected.numpy(), rtol=1e-6)
+    return np.asarray(w.numpy()) - start
 
 
-def _keras3_step_loop(model: keras.Model, steps: int = 6) -> None:
-    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float16")
-    opt.build(model.trainable_variables)
-    step = _keras3_step(model, opt)
-    for _ in range(steps):
-        step()
+GRADIENT_PATTERNS = [("keras", p) for p in ("clip", "accumulate", "scale_loss", "minimize")] + [
+    (family, p) for family in ("tf_keras", "v1") for p in ("clip", "accumulate", "minimize")]
 
 
-def test_apply_with_some_unscaled_gradients_says_what_to_pass():
-    """Half the gradients from ``get_unscaled_gradients`` and half not is ambiguous: an error."""
-    w1, w2 = tf.Variable([1.0]), tf.Variable([2.0])
+@pytest.mark.parametrize("family, pattern", GRADIENT_PATTERNS, ids=[f"{f}-{p}" for f, p in GRADIENT_PATTERNS])
+def test_gradients_edited_after_unscaling_give_the_float32_update(family, pattern):
+    """Each family's custom-loop patterns — unscale, clip_by_global_norm, apply; unscale,
+    accumulate in variables, apply the mean every 2 steps; Keras 3's scale_loss, gradients,
+    apply; minimize — move the weights as the same code does in float32 with the plain
+    optimizer, within bfloat16's noise. (Keras 3 once took only the exact tensors
+    get_unscaled_gradients returned as unscaled: clipped or accumulated ones were divided by
+    the scale again, a step 2**15 times too small.)"""
+    expected = _trained_update(pattern, family, None)
+    actual = _trained_update(pattern, family, "bfloat16")
+    assert np.max(np.abs(expected)) > 1e-3, "the float32 steps should move the weights"
+    np.testing.assert_allclose(actual, expected, rtol=0.05, atol=0.05 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("family", ["keras", "tf_keras", "v1"])
+def test_gradients_all_reduced_after_unscaling_give_the_float32_update(mirrored_report, family):
+    """MirroredStrategy on two CPUs: unscale, all-reduce the MEAN by hand, apply (tf_keras
+    told not to aggregate again): four steps move the weights as the same code does in float32
+    with the plain optimizer, within bfloat16's noise."""
+    expected, actual = (np.array(mirrored_report["all_reduced"][family][key]) for key in ("float32", "bfloat16"))
+    assert np.max(np.abs(expected)) > 1e-3, "the float32 steps should move the weights"
+    np.testing.assert_allclose(actual, expected, rtol=0.05, atol=0.05 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("contract", ["scale_loss", "get_unscaled_gradients"])
+def test_keras_variables_overwritten_with_their_gradient_get_it_as_passed(contract):
+    """A variable with ``overwrite_with_gradient`` (float8 scaling factors) is set to its
+    "gradient", which Keras never unscales: either contract leaves that value as the code
+    computed it, while the other variable's gradient is unscaled (SGD 0.5, gradient 2)."""
+    w, amax = keras.Variable([1.0]), keras.Variable([0.0])
+    amax.overwrite_with_gradient = True
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.5))
+    opt.build([w, amax])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * 2.0)
+        scaled = opt.scale_loss(loss) if contract == "scale_loss" else opt.get_scaled_loss(loss)
+    grads = [tape.gradient(scaled, w), tf.constant([5.0])]  # the new amax, computed as such
+    if contract == "get_unscaled_gradients":
+        grads = opt.get_unscaled_gradients(grads)
+    opt.apply(grads, [w, amax])
+    np.testing.assert_allclose([float(w.numpy()[0]), float(amax.numpy()[0])], [0.0, 5.0], rtol=1e-6)
+
+
+def test_keras_apply_with_both_or_neither_contract_says_what_to_pass():
+    """The Keras 3 wrapper takes scaled gradients after scale_loss (Keras 3) and unscaled ones
+    after get_scaled_loss/get_unscaled_gradients (tf_keras): calling both on one optimizer is
+    an error, and so is apply() with neither while the scale is not 1 — never a silent factor
+    of the scale. A scale of 1 (loss_scale=None) needs neither."""
+    w = keras.Variable([1.0, 2.0])
     opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1))
-    opt.build([w1, w2])
-    unscaled = opt.get_unscaled_gradients([tf.constant([2.0**15]), tf.constant([2.0**15])])  # → 1.0 each
-    with pytest.raises(ValueError, match="get_unscaled_gradients\\(\\) returned"):
-        opt.apply([unscaled[0], tf.constant([2.0**15])], [w1, w2])
-    opt.apply(unscaled, [w1, w2])  # all unscaled: applied as is
-    np.testing.assert_allclose([w1.numpy()[0], w2.numpy()[0]], [0.9, 1.9], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"apply\(\) cannot tell whether these gradients are of the scaled loss"):
+        opt.apply([tf.constant([1.0, 1.0])], [w])
+    opt.scale_loss(tf.constant(1.0))
+    with pytest.raises(ValueError, match=r"get_unscaled_gradients\(\) called on an optimizer whose code already uses"
+                                         r" scale_loss\(\).*use one of the two on one optimizer"):
+        opt.get_unscaled_gradients([tf.constant([1.0])])
+    other = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1))
+    other.get_scaled_loss(tf.constant(1.0))
+    with pytest.raises(ValueError, match=r"scale_loss\(\) called on an optimizer whose code already uses"
+                                         r" get_scaled_loss\(\)/get_unscaled_gradients\(\)"):
+        other.scale_loss(tf.constant(1.0))
+    unscaled = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1), None)
+    unscaled.apply([tf.constant([1.0, 1.0])], [w])
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.9, 1.9], rtol=1e-6)
 
 
 def test_keras_fit_skips_bad_batches_and_recovers():
@@ -418,18 +517,18 @@ def test_loss_scale_argument_plans(loss_scale, expected):
     "loss_scale, keras_, tf_keras_, v1_",
     [
         ("dynamic", (2.0**15, 2000, False), (True, 2.0**15, 2000), ("DynamicLossScale", 2.0**15, 2000)),
-        (128, (128.0, optimizers.NEVER, True), (False, 128.0, None), ("DynamicLossScale", 128.0, optimizers.NEVER)),
-        (None, (1.0, optimizers.NEVER, True), (False, 1.0, None), ("DynamicLossScale", 1.0, optimizers.NEVER)),
+        (128, (128.0, optimizers.NEVER, True), (False, 128.0, None), ("_FixedLossScale", 128.0, optimizers.NEVER)),
+        (None, (1.0, optimizers.NEVER, True), (False, 1.0, None), ("_FixedLossScale", 1.0, optimizers.NEVER)),
         (tf.compat.v1.mixed_precision.DynamicLossScale(**DYNAMIC_2), (64.0, 2, False), (True, 64.0, 2),
          ("DynamicLossScale", 64.0, 2)),
         (tf.compat.v1.mixed_precision.FixedLossScale(256), (256.0, optimizers.NEVER, True), (False, 256.0, None),
-         ("DynamicLossScale", 256.0, optimizers.NEVER)),
+         ("_FixedLossScale", 256.0, optimizers.NEVER)),
     ],
     ids=["dynamic", "number", "None", "v1-dynamic", "v1-fixed"],
 )
 def test_loss_scale_maps_onto_every_family(loss_scale, keras_, tf_keras_, v1_):
     """The same loss_scale configures the Keras 3, tf_keras and v1 wrappers alike (a fixed
-    v1 scale is a DynamicLossScale that never changes, so bad steps are still skipped)."""
+    v1 scale is our _FixedLossScale: it never changes, and still skips bad steps)."""
     k = optimizers.wrap_optimizer(keras.optimizers.SGD(), loss_scale)
     assert (k.initial_scale, k.dynamic_growth_steps, k.fixed) == keras_
     t = optimizers.wrap_optimizer(tf_keras.optimizers.SGD(), loss_scale)
@@ -491,9 +590,10 @@ def test_dynamic_scale_doubles_after_increment_period_finite_steps(family):
 
 
 @pytest.mark.parametrize("family", FAMILY_TO_STEPS)
-@pytest.mark.parametrize("loss_scale", [128, None], ids=["number", "None"])
+@pytest.mark.parametrize("loss_scale", [128, 0.5, None], ids=["number", "below-one", "None"])
 def test_fixed_scale_never_changes(family, loss_scale):
-    """A number (or None, meaning 1) is a fixed scale: finite and bad steps leave it alone."""
+    """A number (or None, meaning 1) is a fixed scale: finite and bad steps leave it alone
+    (below 1 too: a dynamic scale stops halving at 1, a fixed one is not raised to it)."""
     scales = FAMILY_TO_STEPS[family](loss_scale, [1, 1, 1, INF, 1])
     assert scales == [loss_scale or 1.0] * 5
 
@@ -528,6 +628,99 @@ def test_fixed_scale_still_skips_bad_steps(family):
     assert float(opt.loss_scale) == 128.0
 
 
+def test_a_skipped_step_leaves_the_weights_but_not_batch_norm_statistics():
+    """What a skipped step protects, in model.fit: an Inf loss (here a poisoned loss factor)
+    leaves every weight and slot alone, but BatchNormalization's moving statistics were already
+    updated by the forward pass, as with Keras' own loss-scale optimizer. A NaN *input* batch
+    makes the step skipped and the moving mean NaN (README: the remedy)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    poison = tf.Variable(1.0)
+    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1),
+                                                                            target="bfloat16"),
+                  loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
+    x, y = _regression_data()
+    model.fit(x, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    bn = model.layers[0]
+
+    def state() -> tuple:
+        return ([np.array(w.numpy()) for w in model.trainable_variables], np.array(bn.moving_mean.numpy()))
+
+    trainable, moving = state()
+    poison.assign(INF)
+    model.fit(x + 1.0, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    after, moved = state()
+    assert all(np.array_equal(a, b) for a, b in zip(trainable, after)), "the Inf step was applied"
+    assert not np.allclose(moved, moving), "the forward pass updates the moving mean"
+    poison.assign(1.0)
+    bad = x.copy()
+    bad[0, 0] = NAN
+    model.fit(bad, y[:, :1], batch_size=8, epochs=1, verbose=0)
+    final, poisoned = state()
+    assert all(np.array_equal(a, b) for a, b in zip(after, final)), "the NaN-input step was applied"
+    assert np.isnan(poisoned[0]) and float(model.optimizer.loss_scale) == 2.0**13
+
+
+SKIPPED_WARNING = "the first 10 training steps were all skipped"
+
+
+@pytest.mark.parametrize("family", ["keras", "v1"])
+def test_a_fixed_scale_whose_first_steps_are_all_skipped_says_so_once(family, capfd):
+    """loss_scale=2**20 and gradients that are never finite (the loss is Inf): the 10th skipped
+    step prints one line to stderr naming the scale and what to pass, and 15 skipped steps
+    print it once. A run whose first step applied never prints it, however many are skipped
+    after. (tf_keras' fixed scale applies every step, so it never skips.)"""
+
+    def run(poisons: list[float]) -> str:
+        w = _variable(family, np.array([1.0, 2.0], np.float32))
+        opt = optimizers.wrap_optimizer(_plain_optimizer(family), 2.0**20)
+        poison = tf.Variable(1.0)
+        step = _quadratic_step(opt, w, poison)
+        capfd.readouterr()
+        for value in poisons:
+            poison.assign(value)
+            step()
+        return capfd.readouterr().err
+
+    printed = run([INF] * 15)
+    assert printed.count(SKIPPED_WARNING) == 1
+    assert "at the fixed loss scale 1.04858e+06; pass a smaller loss_scale, or loss_scale=\"dynamic\"" in printed
+    assert SKIPPED_WARNING not in run([1.0] + [INF] * 15)
+
+
+def test_the_skipped_steps_count_compiles_under_xla(capfd):
+    """Inside jit_compile=True, which cannot print, the count goes on without the line: the
+    step compiles and runs, and the counter holds -(steps skipped)."""
+    w = keras.Variable([1.0, 2.0])
+    opt = optimizers.wrap_optimizer(keras.optimizers.SGD(0.1), 2.0**20)
+    opt.build([w])
+
+    @tf.function(jit_compile=True)
+    def step() -> None:
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(tf.reduce_sum(w * w) * INF)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(tape.gradient(scaled, [w])), [w]))
+
+    for _ in range(12):
+        step()
+    assert int(opt.step_counter.numpy()) == -12 and int(opt.iterations.numpy()) == 0
+    assert SKIPPED_WARNING not in capfd.readouterr().err
+
+
+def test_wrapping_an_optimizer_a_live_wrapper_wraps_warns():
+    """Two wrappers of one optimizer step it twice with two loss scales: the second wrapping
+    warns while the first wrapper is in use, and not once it is gone."""
+    inner = keras.optimizers.SGD(0.1)
+    first = amp_rewrite.enable_mixed_precision_graph_rewrite(inner, target="bfloat16")
+    with pytest.warns(UserWarning, match="this SGD is already wrapped by a loss-scale optimizer that is still in use"):
+        second = amp_rewrite.enable_mixed_precision_graph_rewrite(inner, target="bfloat16")
+    del first, second
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp_rewrite.enable_mixed_precision_graph_rewrite(inner, target="bfloat16")
+
+
 HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no scaling)'
 
 
@@ -536,10 +729,10 @@ HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no s
     [
         ("static", ValueError, "loss_scale must be 'dynamic', not 'static'", HELP),
         ("", ValueError, "loss_scale must be 'dynamic', not ''", HELP),
-        (-1, ValueError, "got -1", "must be a positive finite number"),
-        (0, ValueError, "got 0", "must be a positive finite number"),
-        (INF, ValueError, "got inf", "must be a positive finite number"),
-        (NAN, ValueError, "got nan", "must be a positive finite number"),
+        (-1, ValueError, "got -1", "must be a positive finite number in float32"),
+        (0, ValueError, "got 0", "must be a positive finite number in float32"),
+        (INF, ValueError, "got inf", "must be a positive finite number in float32"),
+        (NAN, ValueError, "got nan", "must be a positive finite number in float32"),
         (True, TypeError, "cannot interpret loss_scale=True (bool)", HELP),
         (np.bool_(True), TypeError, "cannot interpret loss_scale=", HELP),
         (np.float32(-2), ValueError, f"got {np.float32(-2)!r}", "must be a positive finite number"),
@@ -547,9 +740,21 @@ HELP = 'pass loss_scale="dynamic", a positive number (a fixed scale), None (no s
         (tf.constant(128.0), TypeError, "cannot interpret loss_scale=", HELP),
         (tf.compat.v1.mixed_precision.DynamicLossScale(multiplier=3), ValueError, "DynamicLossScale(multiplier=3.0)",
          "use multiplier=2"),
+        (1e39, ValueError, "got 1e+39 (inf in float32)", "pass one between 2**-126 and 2**127"),
+        (np.float64(1e39), ValueError, f"got {np.float64(1e39)!r}", "must be a positive finite number in float32"),
+        (1e-46, ValueError, "got 1e-46 (0.0 in float32)", "pass one between 2**-126 and 2**127"),
+        (tf.compat.v1.mixed_precision.FixedLossScale(1e39), ValueError, "FixedLossScale must be a positive finite",
+         "got 1e+39"),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=1e39), ValueError,
+         "initial_loss_scale must be a positive finite number in float32", "got 1e+39"),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0**127), ValueError,
+         "doubles past float32's largest value at its first growth", "start at 2**126 or below"),
+        (tf.compat.v1.mixed_precision.DynamicLossScale(increment_period=0), ValueError,
+         "DynamicLossScale(increment_period=0) must be between 1 and 2147483647", "int32"),
     ],
     ids=["other-string", "empty-string", "negative", "zero", "inf", "nan", "bool", "np.bool_", "np-negative", "list",
-         "tensor", "multiplier"],
+         "tensor", "multiplier", "1e39", "np-1e39", "1e-46", "v1-fixed-1e39", "v1-dynamic-1e39", "v1-dynamic-2**127",
+         "v1-period-0"],
 )
 def test_bad_loss_scale_says_what_to_pass(loss_scale, error, what, hint):
     """Every rejected loss_scale names the bad value and says what to pass; nothing is enabled."""
@@ -736,16 +941,17 @@ def test_fixed_scale_round_trips_through_keras_saving(tmp_path):
 
 _MIRRORED_SCRIPT = textwrap.dedent(
     """
-    import json, math
+    import contextlib, json, math
     import numpy as np
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import keras
+    import keras, tf_keras
     from tensorflow.core.framework import types_pb2
     from tensorflow.python.eager import context
     import amp_rewrite
+    from amp_rewrite.training import optimizers
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.RandomState(0)
@@ -815,7 +1021,52 @@ _MIRRORED_SCRIPT = textwrap.dedent(
         for _ in range(2):  # two traces, one warning
             tf.function(lambda: strategy.run(lambda: model(x)))()
     warned = [str(w.message) for w in caught if "amp_rewrite" in str(w.message)]
-    print("RESULT " + json.dumps({"cases": result, "float16_warnings": warned}))
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+    # Unscale, all-reduce the MEAN by hand, apply: each family, float32 (plain optimizer) and bfloat16.
+    rng = np.random.RandomState(0)
+    xs, ys = (0.1 * rng.normal(size=(16, 4))).astype("float32"), (0.1 * rng.normal(size=(16, 3))).astype("float32")
+    start = rng.uniform(-1, 1, (4, 3)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(16).repeat()
+    PLAIN = {"keras": lambda: keras.optimizers.SGD(0.1), "tf_keras": lambda: tf_keras.optimizers.SGD(0.1),
+             "v1": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1)}
+
+    def update(family, target):
+        with strategy.scope():
+            w = keras.Variable(start) if family == "keras" else tf.Variable(start)
+            opt = PLAIN[family]()
+            if target:
+                opt = optimizers.wrap_optimizer(opt)
+            if family == "keras":  # Keras 3's loss-scale optimizer cannot build inside a replicated step
+                opt.build([w])
+        batches = iter(strategy.experimental_distribute_dataset(data))
+
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((tf.matmul(xb, w) - yb) ** 2)
+                if target:
+                    loss = opt.get_scaled_loss(loss)
+            grads = tape.gradient(loss, [w])
+            if target:
+                grads = opt.get_unscaled_gradients(grads)
+            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, grads)
+            if family == "keras":
+                opt.apply(grads, [w])
+            elif family == "tf_keras":
+                opt.apply_gradients(zip(grads, [w]), experimental_aggregate_gradients=False)
+            else:
+                opt.apply_gradients(list(zip(grads, [w])))
+
+        step = tf.function(lambda batch: strategy.run(replica_step, args=batch))
+        with amp_rewrite.mixed_precision(target) if target else contextlib.nullcontext():
+            step(next(batches))  # traced (and rewritten) inside the block
+        for _ in range(3):
+            step(next(batches))
+        return (np.asarray(w.numpy()) - start).tolist()
+
+    all_reduced = {family: {"float32": update(family, None), "bfloat16": update(family, "bfloat16")}
+                   for family in PLAIN}
+    print("RESULT " + json.dumps({"cases": result, "float16_warnings": warned, "all_reduced": all_reduced}))
     """
 )
 
@@ -886,9 +1137,9 @@ def test_keras_scale_never_drops_below_one_nor_overflows():
     assert scales[14:] == [1.0] * 7 and min(scales) == 1.0, scales
     np.testing.assert_allclose(np.asarray(w.numpy()), [0.98, 1.96], rtol=1e-6)
 
-    big = optimizers.wrap_optimizer(
+    big = optimizers.wrap_optimizer(  # the largest start enable accepts: one doubling to go
         keras.optimizers.SGD(0.01),
-        tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0**127, increment_period=1),
+        tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0**126, increment_period=1),
     )
     v = keras.Variable([1.0])
 

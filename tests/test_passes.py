@@ -126,18 +126,19 @@ def test_allow_spreads_both_ways_through_clear_ops_but_not_through_infer_ops():
     assert {reason.rule for reason in found.values()} == {Rule.CLEAR_PROPAGATION}
 
 
+def _conv_backprop_input() -> None:
+    """allow1: a Conv2DBackpropInput, whose ``input_sizes`` is a fixed int32 input."""
+    tf.raw_ops.Conv2DBackpropInput(
+        input_sizes=tf.constant([1, 4, 4, 1], name="sizes"), filter=x((1, 1, 1, 1)),
+        out_backprop=tf.ones([1, 4, 4, 1], name="grad"), strides=[1, 1, 1, 1], padding="SAME", name="allow1",
+    )
+
+
 def test_allow_op_vertices_the_op_definition_rejects_are_removed():
     """Step 7.7: an allow-list op's vertex whose op definition does not admit the target
     (here Conv2DBackpropInput's fixed int32 ``input_sizes``) leaves ALLOW (pass 7)."""
-    lists = OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(), infer=(), clear=())
-
-    def build():
-        tf.raw_ops.Conv2DBackpropInput(
-            input_sizes=tf.constant([1, 4, 4, 1], name="sizes"), filter=x((1, 1, 1, 1)),
-            out_backprop=tf.ones([1, 4, 4, 1], name="grad"), strides=[1, 1, 1, 1], padding="SAME", name="allow1",
-        )
-
-    ctx = context(build, lists=lists)
+    ctx = context(_conv_backprop_input, lists=OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(),
+                                                      infer=(), clear=()))
     allow = set(colouring.add_allowlist_ops(ctx))
     sizes = Vertex("allow1", TypeAttr(fixed=types_pb2.DT_INT32))
     assert t("allow1") | {sizes} <= allow
@@ -311,9 +312,9 @@ def test_tensor_list_ops_joined_by_handles_form_one_cluster_that_shares_a_colour
     element = {colouring.tensor_list_float_vertex(ctx, node) for node in ("reserve", "set", "get")}
     set_element = colouring.tensor_list_float_vertex(ctx, "set")
 
-    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, {set_element}, set(), {})
+    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, {set_element}, set())
     assert allow == element and deny == set() and set(reasons) == element - {set_element}
-    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, set(element), {set_element}, {})
+    allow, deny, reasons = colouring.match_tensor_list_colours(ctx, clusters, set(element), {set_element})
     assert allow == set() and deny == element
     assert {reason.rule for reason in reasons.values()} == {Rule.TENSOR_LIST}
 
@@ -353,3 +354,61 @@ def test_paint_returns_a_value_and_leaves_its_inputs_alone():
     assert t("allow1") | {writer, reader} <= first.allow  # the list carries allow1's output
     assert first.deny == second.deny and first.reasons == second.reasons
     assert set(ctx.types.graph.edges) == edges
+
+
+def _list_written_by_allow_and_deny() -> None:
+    """One list written by an allow op's output (``set``) and a deny op's (``push``), read
+    by ``get`` into an infer op: deny spreads into ``push`` (step 7.2), and the cluster
+    rule (7.3) then denies ``set``, which an allow-list entry put in ALLOW (7.1)."""
+    a = tf.matmul(x(), x(), name="allow1")
+    handle = tf.raw_ops.TensorListReserve(element_shape=[2, 2], num_elements=2, element_dtype=tf.float32,
+                                          name="reserve")
+    handle = tf.raw_ops.TensorListSetItem(input_handle=handle, index=0, item=a, name="set")
+    handle = tf.raw_ops.TensorListPushBack(input_handle=handle, tensor=tf.exp(a, name="deny1"), name="push")
+    item = tf.raw_ops.TensorListGetItem(input_handle=handle, index=0, element_shape=[2, 2],
+                                        element_dtype=tf.float32, name="get")
+    tf.add(item, 1.0, name="inf1")
+
+
+def test_a_vertex_ends_with_the_reason_of_the_step_that_decided_its_colour():
+    """``paint``: when several steps give one vertex a reason, the one explaining its final
+    colour wins. ``set`` was ALLOW by its list (7.1) and is DENY by the cluster rule (7.3):
+    its reason is the cluster's, not the allow list's. A vertex denied twice keeps the
+    first denial's reason (7.0's, naming the unprocessed member), and one converted though
+    a later step denied it too keeps the reason that converted it (a ``cross_function``
+    seed that deny propagation also reaches: ALLOW wins in step 8)."""
+    lists = OpLists(target="bfloat16", allow={"MatMul", "TensorListSetItem"}, deny={"Exp"}, infer={"AddV2"},
+                    clear={"TensorListReserve", "TensorListPushBack", "TensorListGetItem"})
+    ctx = context(_list_written_by_allow_and_deny, lists=lists)
+    tensor_lists = colouring.find_tensor_lists(ctx)
+    typegraph.add_implicit_edges(ctx.types, tensor_lists.edges)
+    painting = colouring.paint(ctx, tensor_lists)
+    element = {node: colouring.tensor_list_float_vertex(ctx, node) for node in ("reserve", "set", "push", "get")}
+    assert set(element.values()) <= painting.deny and not set(element.values()) & painting.allow
+    assert painting.reasons[element["push"]].rule is Rule.DENY_PROPAGATION
+    assert painting.reasons[element["set"]].rule is Rule.TENSOR_LIST, painting.reasons[element["set"]]
+
+    ctx = context(_tensor_list, unprocessed=["get"])
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
+    reserve = colouring.tensor_list_float_vertex(ctx, "reserve")
+    assert reserve in painting.deny and "unprocessed node 'get'" in painting.reasons[reserve].text
+
+    def chain() -> None:
+        tf.add(tf.nn.relu(tf.exp(x(), name="deny1"), name="clr1"), 1.0, name="inf1")
+
+    ctx = context(chain)
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx), seeds=frozenset(t("clr1")))
+    assert t("clr1") <= painting.allow & painting.deny
+    assert painting.reasons[Vertex("clr1", T)].rule is Rule.CROSS_FUNCTION
+    assert painting.reasons[Vertex("inf1", T)].rule is Rule.DENY_PROPAGATION
+
+
+def test_a_vertex_taken_out_of_allow_ends_with_the_reason_of_the_step_that_took_it():
+    """``paint``: Conv2DBackpropInput's int32 ``input_sizes`` is ALLOW by the list (7.1) and
+    taken out by 7.7: its reason is 7.7's, while ``T`` keeps the allow list's."""
+    ctx = context(_conv_backprop_input, lists=OpLists(target="bfloat16", allow={"Conv2DBackpropInput"}, deny=(),
+                                                      infer=(), clear=()))
+    painting = colouring.paint(ctx, colouring.find_tensor_lists(ctx))
+    sizes = Vertex("allow1", TypeAttr(fixed=types_pb2.DT_INT32))
+    assert sizes not in painting.allow and painting.reasons[sizes].rule is Rule.UNCONVERTIBLE
+    assert painting.reasons[Vertex("allow1", T)].rule is Rule.ALLOW_LIST

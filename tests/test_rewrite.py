@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import types
 
 import numpy as np
 import pytest
@@ -315,6 +316,8 @@ def _bounded_exp(argument: str):
                 x=mm1, y=tf.raw_ops.Max(input=mm1, axis=tf.constant([1]), keep_dims=True, name="max"), name="arg"),
             "-tanh": lambda: tf.raw_ops.Neg(x=tf.raw_ops.Tanh(x=mm1, name="tanh"), name="arg"),
             "relu*0.5": lambda: tf.raw_ops.Mul(x=tf.raw_ops.Relu(features=mm1), y=tf.constant(0.5), name="arg"),
+            "relu*[-1,...,0.5]": lambda: tf.raw_ops.Mul(  # one positive element is enough to overflow
+                x=tf.raw_ops.Relu(features=mm1), y=tf.constant([-1.0] * 7 + [0.5]), name="arg"),
             "x-max(y)": lambda: tf.raw_ops.Sub(
                 x=mm1, y=tf.raw_ops.Max(input=x, axis=tf.constant([1]), keep_dims=True, name="max"), name="arg"),
             "x-max(x) without keep_dims": lambda: tf.raw_ops.Sub(  # [8, 8] - [8] subtracts row maxima from columns
@@ -346,13 +349,14 @@ def test_exp_of_a_nonpositive_argument_is_an_infer_op(target, argument):
     decision = rewrites.report.decision("bump")
     assert "deny op Exp acts as infer: its argument 'arg' is" in decision.reason
     plain = recorded_grappler.rewrite(graph_def, target=target, fetches=["fetch"], our_lists=False)
-    assert dtype_of(plain, "bump") == types_pb2.DT_FLOAT
+    assert plain is None or dtype_of(plain, "bump") == types_pb2.DT_FLOAT
     feeds = {"input": np.random.default_rng(0).uniform(-1, 1, (8, 8)).astype(np.float32)}
     assert_numerics_match(rewrites, ["fetch"], feeds)
 
 
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])
-@pytest.mark.parametrize("argument", ["-tanh", "relu*0.5", "x-max(y)", "x-max(x) without keep_dims", "x"])
+@pytest.mark.parametrize("argument", ["-tanh", "relu*0.5", "relu*[-1,...,0.5]", "x-max(y)", "x-max(x) without keep_dims",
+                                      "x"])
 def test_exp_of_an_argument_that_may_be_positive_stays_denied(target, argument):
     rewrites = check_against_grappler(_bounded_exp(argument), target, ["fetch"])
     assert dtype_of(rewrites.ours, "bump") == types_pb2.DT_FLOAT
@@ -407,3 +411,53 @@ def test_float8_target_needs_tensorflow_2_18() -> None:
     else:
         result = amp_rewrite.rewrite_graph_def(graph_def, target="float8", amax=amax)
         assert result.report.target == "float8"
+
+
+def _running_and_extended():
+    """A graph a Session already runs, and the same graph with ops added after: each new op
+    would repaint a running node if painted afresh."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="input")
+        w = tf.constant(np.full((4, 4), 0.5, np.float32), name="w")
+        feat = tf.raw_ops.Identity(input=x, name="clr_feat")        # float32: no allow op near it
+        tf.raw_ops.Sum(input=feat, axis=[0, 1], name="total")
+        allow1 = tf.raw_ops.MatMul(a=x, b=w, name="allow1")
+        clr1 = tf.raw_ops.Relu(features=allow1, name="clr1")         # converted: after allow1
+        tf.raw_ops.Exp(x=clr1, name="deny1")
+        infer_iso = tf.raw_ops.AddV2(x=clr1, y=clr1, name="infer_iso")  # float32: clr1 is painted after 7.5
+        tf.raw_ops.Cast(x=tf.raw_ops.Cast(x=x, DstT=tf.float64), DstT=tf.float32, name="cast_idle")
+        running = graph.as_graph_def()
+        tf.raw_ops.MatMul(a=feat, b=w, name="allow_new")                 # afresh: clr_feat converted
+        clr_new = tf.raw_ops.Identity(input=clr1, name="clr_new")
+        add = tf.raw_ops.AddV2(x=clr_new, y=clr_new, name="infer_new")   # between running and new allow ops
+        tf.raw_ops.MatMul(a=add, b=w, name="allow_new2")
+        tf.raw_ops.MatMul(a=graph.get_tensor_by_name("cast_idle:0"), b=w, name="allow_new3")  # afresh: Cast retargeted
+        tf.raw_ops.MatMul(a=infer_iso, b=w, name="allow_new4")          # afresh: infer_iso between allow ops
+    return running, graph.as_graph_def()
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_frozen_nodes_keep_their_dtypes_and_new_ops_are_painted_around_them(target):
+    """``frozen=`` an earlier result: every node it rewrote comes out exactly as there (the
+    Session mirror cannot change a node it runs), with rule "frozen"; new ops are painted with
+    them as fixed neighbours: a new MatMul reads a frozen float32 node through a new cast, an
+    infer op between a frozen converted op and a new MatMul is converted. Painted afresh, the
+    same graph would repaint three running nodes. Both compute float32's values within tolerance."""
+    running, extended = _running_and_extended()
+    low = lookup_target(target).dtype
+    first = rewrite_graph_def(running, target=target)
+    grown = rewrite_graph_def(extended, target=target, frozen=first)
+    before = {n.name: n for n in first.graph_def.node}
+    after = {n.name: n for n in grown.graph_def.node}
+    assert {name: after[name] for name in before} == before
+    assert [dtype_of(grown.graph_def, n) for n in ("allow_new", "clr_new", "infer_new", "allow_new2", "allow_new3", "allow_new4")] == [low] * 6
+    running_float32 = [dtype_of(grown.graph_def, "clr_feat"), dtype_of(grown.graph_def, "cast_idle", "DstT"),
+                       dtype_of(grown.graph_def, "infer_iso")]
+    assert running_float32 == [types_pb2.DT_FLOAT] * 3
+    assert grown.report.decision("clr_feat").rule == grown.report.decision("clr1").rule == "frozen"
+    afresh = rewrite_graph_def(extended, target=target).graph_def
+    assert [dtype_of(afresh, "clr_feat"), dtype_of(afresh, "cast_idle", "DstT"), dtype_of(afresh, "infer_iso")] == [low] * 3
+    fetches = ["allow_new:0", "allow_new2:0", "allow_new3:0", "allow_new4:0", "deny1:0", "total:0"]
+    feeds = {"input:0": np.random.RandomState(0).uniform(-1, 1, (4, 4)).astype(np.float32)}
+    assert_numerics_match(types.SimpleNamespace(target=target, original=extended, ours=grown.graph_def), fetches, feeds)

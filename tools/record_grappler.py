@@ -3,9 +3,12 @@
 Runs the whole suite once with ``AMP_RECORD_GRAPPLER=1``: every question a test asks
 grappler (a rewritten graph, or the op lists for some variables) goes to live grappler,
 and when the suite passes, the recording is replaced by exactly the answers asked for,
-with the TensorFlow version and CPU that made them (``index.json`` in the file). Later
-runs on any machine compare with the recording, and where live grappler can answer they
-check that the recording still equals it (``tests/recorded_grappler.py``).
+each with the inputs the oracle gave grappler and the tests that asked it, and with the
+TensorFlow version and CPU that made them (``index.json`` in the file); when it fails,
+nothing is written. Later runs on any machine compare with the recording, and where
+live grappler can answer they check that the recording still equals it
+(``tests/recorded_grappler.py``). ``AMP_RECORD_GRAPPLER=1`` on a part of the suite
+(``pytest tests/test_x.py``) merges that part's answers into the recording instead.
 
 Needs the TensorFlow release the lists come from and a CPU with AVX512F (both passes)::
 

@@ -1,23 +1,29 @@
 """Write what a rewrite did to a directory, for people: GraphDefs before and after, the
 effective lists, Graphviz drawings, one self-contained HTML report and a TensorBoard log.
 
-Same inputs give byte-identical files (STYLE §10), so two dumps can be diffed.
+What a dump shows is built once (``build_dump``: one ``DumpItem`` per rewritten item, with
+its decisions, counts and node classes) and rendered from it: pbtxt and DOT text, the HTML
+page (a Jinja2 template, ``templates/report.html.j2``, escaping every value by default)
+and the TensorBoard log. Same inputs give byte-identical files (STYLE §10), so two dumps
+can be diffed.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
-import html
 import logging
 import os
 import re
 import shutil
 import subprocess
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+import markupsafe
 import yaml
 from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
@@ -27,7 +33,7 @@ from tensorflow.python.lib.io import tf_record
 from amp_rewrite.core import casts, graph_io, support, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
-from amp_rewrite.core.report import Decision, Report, dtype_name
+from amp_rewrite.core.report import Decision, ItemStats, Report, dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import lookup_target
@@ -56,18 +62,100 @@ CLASS_TO_STYLE = {
 _DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
 
+
 @dataclass(frozen=True)
-class _Item:
-    """One rewritten item: the main graph or one library function body."""
+class DumpItem:
+    """One rewritten item as the dump shows it: the main graph or one library function body."""
 
     function: str  # MAIN_GRAPH or the function's name
     stem: str      # file name without extension, unique in the dump
     before: graph_pb2.GraphDef
     after: graph_pb2.GraphDef
+    stats: ItemStats
+    decisions: tuple[Decision, ...]  # the item's, in graph order
+    node_to_decisions: Mapping[str, tuple[Decision, ...]]
+    node_to_class: Mapping[str, str]  # every node of ``after`` -> its class in CLASS_TO_STYLE
+    plumbing: str  # "" for the model's own items; TensorFlow's plumbing: its kind ("save/restore", ...)
 
     @property
     def label(self) -> str:
         return "main graph" if self.function == MAIN_GRAPH else self.function
+
+    @property
+    def kept(self) -> int:
+        """Vertices kept float32."""
+        return sum(1 for d in self.decisions if not d.converted)
+
+    @property
+    def kept_by_rule(self) -> str:
+        """"deny-propagation 3, unlisted 1": kept vertices per rule, most first."""
+        counts = collections.Counter(d.rule for d in self.decisions if not d.converted)
+        return ", ".join(f"{rule} {count}" for rule, count in sorted(counts.items(), key=lambda rc: (-rc[1], rc[0])))
+
+
+@dataclass(frozen=True)
+class Dump:
+    """Everything a dump shows, built once by ``build_dump``; every file is rendered from it."""
+
+    title: str
+    report: Report
+    lists: OpLists
+    graph_def: graph_pb2.GraphDef  # the rewritten graph (TensorBoard's)
+    op_defs: Mapping[str, op_def_pb2.OpDef]  # the rewritten library's, for the drawings' dtypes
+    items: tuple[DumpItem, ...]  # in the report's order
+    notes: tuple[str, ...] = ()  # more lines for the summary (what ``convert`` did to the weights)
+
+    @property
+    def model_items(self) -> tuple[DumpItem, ...]:
+        return tuple(item for item in self.items if not item.plumbing)
+
+    @property
+    def plumbing_items(self) -> tuple[DumpItem, ...]:
+        return tuple(item for item in self.items if item.plumbing)
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """What drawing one item gave: whether an SVG exists, and a note for the report."""
+
+    svg: bool
+    note: str = ""
+
+
+def build_dump(
+    original: graph_pb2.GraphDef, result: RewriteResult, lists: OpLists, *, title: str,
+    plumbing: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+) -> Dump:
+    """What ``write_dump`` writes, as one value (arguments as for ``write_dump``)."""
+    plumbing = dict(plumbing or {})
+    painted = lookup_target(result.report.target, quantized=True).colouring  # float8 colours with float16's lists
+    if lists.target != painted:
+        raise ValueError(
+            f"lists are for {lists.target!r} but the rewrite converted to {result.report.target!r};"
+            " pass the OpLists that rewrite_graph_def used"
+        )
+    function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+    for decision in result.report.decisions:
+        function_to_decisions[decision.function].append(decision)
+    before_program, after_program = program_of(original), result.program
+    taken: set[str] = set()
+    items = []
+    for stats in result.report.items:
+        name = stats.function
+        if name == MAIN_GRAPH:
+            before, after = _without_library(original), _without_library(result.graph_def)
+        else:
+            before, after = before_program.item(name), after_program.item(name)
+        stem = _file_stem(name, taken)
+        taken.add(stem.lower())
+        decisions = tuple(function_to_decisions[name])
+        node_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
+        for decision in decisions:
+            node_to_decisions[decision.node].append(decision)
+        node_to_decisions = {node: tuple(found) for node, found in node_to_decisions.items()}
+        items.append(DumpItem(name, stem, before, after, stats, decisions, node_to_decisions,
+                              _node_classes(after, node_to_decisions, lists), plumbing.get(name, "")))
+    return Dump(title, result.report, lists, result.graph_def, result.program.op_defs, tuple(items), tuple(notes))
 
 
 def write_dump(
@@ -95,88 +183,46 @@ def write_dump(
     them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
     ``notes``: more lines for the report's summary (what ``convert`` did to the weights).
     """
-    plumbing = dict(plumbing or {})
-    painted = lookup_target(result.report.target, quantized=True).colouring  # float8 colours with float16's lists
-    if lists.target != painted:
-        raise ValueError(
-            f"lists are for {lists.target!r} but the rewrite converted to {result.report.target!r};"
-            " pass the OpLists that rewrite_graph_def used"
-        )
+    dump = build_dump(original, result, lists, title=title, plumbing=plumbing, notes=notes)
     root = Path(directory)
-    items = _items(original, result)
     written: list[Path] = []
-    for item in items:
+    for item in dump.items:
         written.append(_write(root / "before" / f"{item.stem}.pbtxt", _pbtxt(item.before)))
         written.append(_write(root / "after" / f"{item.stem}.pbtxt", _pbtxt(item.after)))
-    written.append(_write(root / "lists.yaml", _lists_yaml(lists)))
-
-    function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
-    for decision in result.report.decisions:
-        function_to_decisions[decision.function].append(decision)
-    after_op_defs = result.program.op_defs
-    function_to_classes = {
-        item.function: _node_classes(item.after, function_to_decisions[item.function], lists) for item in items
-    }
-    stem_to_note: dict[str, str] = {}
-    drawn: set[str] = set()  # stems with an SVG
+    written.append(_write(root / "lists.yaml", _lists_yaml(dump.lists)))
+    stem_to_drawing: dict[str, Drawing] = {}
     dot_binary = shutil.which("dot")
-    for item in items:
-        dot = _dot(
-            item, function_to_classes[item.function], function_to_decisions[item.function], after_op_defs,
-            title, result.report.painted,
-        )
-        dot_path = _write(root / "graphs" / f"{item.stem}.dot", dot)
-        written.append(dot_path)
-        if item.function in plumbing:
-            stem_to_note[item.stem] = f"TensorFlow's plumbing ({plumbing[item.function]}): not drawn"
-            continue
-        if len(item.after.node) > SVG_MAX_NODES:  # too big to draw node by node: draw its name scopes
-            collapsed = _collapsed_dot(item, function_to_classes[item.function], title,
-                                       min(SCOPES_MAX, SVG_MAX_NODES))
-            if collapsed is not None:
-                dot_path = _write(root / "graphs" / f"{item.stem}.scopes.dot", collapsed[0])
-                written.append(dot_path)
-                svg_path, note = _render_svg(dot_path, collapsed[1], dot_binary, svg_name=f"{item.stem}.svg")
-                note = note or (f"{len(item.after.node)} nodes (limit {SVG_MAX_NODES}): the SVG draws"
-                                f" {collapsed[1]} name scopes; {item.stem}.dot has every node")
-                if svg_path is not None:
-                    written.append(svg_path)
-                    drawn.add(item.stem)
-                stem_to_note[item.stem] = note
-                continue
-        svg_path, note = _render_svg(dot_path, len(item.after.node), dot_binary)
-        if svg_path is not None:
-            written.append(svg_path)
-            drawn.add(item.stem)
-        if note:
-            stem_to_note[item.stem] = note
-
-    page = _report_html(title, result.report, items, lists, function_to_classes, stem_to_note, plumbing, drawn,
-                        notes)
-    written.append(_write(root / "report.html", page))
-    written.append(_write_events(root / "tb" / EVENTS_FILE, result.graph_def))
+    for item in dump.items:
+        stem_to_drawing[item.stem] = _draw(dump, item, root / "graphs", dot_binary, written)
+    written.append(_write(root / "report.html", render_report(dump, stem_to_drawing)))
+    written.append(_write_events(root / "tb" / EVENTS_FILE, dump.graph_def))
     return written
+
+
+def _draw(dump: Dump, item: DumpItem, directory: Path, dot_binary: str | None, written: list[Path]) -> Drawing:
+    """Write ``item``'s DOT file and, unless it is plumbing, its SVG (by name scope when it
+    has over ``SVG_MAX_NODES`` nodes); appends the paths to ``written``."""
+    dot_path = _write(directory / f"{item.stem}.dot", _dot(item, dump.op_defs, dump.title, dump.report.painted))
+    written.append(dot_path)
+    if item.plumbing:
+        return Drawing(False, f"TensorFlow's plumbing ({item.plumbing}): not drawn")
+    svg_name, nodes, note = None, len(item.after.node), ""
+    if len(item.after.node) > SVG_MAX_NODES:  # too big to draw node by node: draw its name scopes
+        collapsed = _collapsed_dot(item, dump.title, min(SCOPES_MAX, SVG_MAX_NODES))
+        if collapsed is not None:
+            dot_path = _write(directory / f"{item.stem}.scopes.dot", collapsed[0])
+            written.append(dot_path)
+            svg_name, nodes = f"{item.stem}.svg", collapsed[1]
+            note = (f"{len(item.after.node)} nodes (limit {SVG_MAX_NODES}): the SVG draws"
+                    f" {collapsed[1]} name scopes; {item.stem}.dot has every node")
+    svg_path, failure = _render_svg(dot_path, nodes, dot_binary, svg_name=svg_name)
+    if svg_path is not None:
+        written.append(svg_path)
+    return Drawing(svg_path is not None, failure or note)
 
 
 # --------------------------------------------------------------------------------------
 # Items and files
-
-
-def _items(original: graph_pb2.GraphDef, result: RewriteResult) -> list[_Item]:
-    """The main graph and every function the report covers, in the report's order."""
-    before_program, after_program = program_of(original), result.program
-    taken: set[str] = set()
-    items = []
-    for stats in result.report.items:
-        name = stats.function
-        if name == MAIN_GRAPH:
-            before, after = _without_library(original), _without_library(result.graph_def)
-        else:
-            before, after = before_program.item(name), after_program.item(name)
-        stem = _file_stem(name, taken)
-        taken.add(stem.lower())
-        items.append(_Item(name, stem, before, after))
-    return items
 
 
 def _without_library(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
@@ -235,11 +281,10 @@ def _write_events(path: Path, graph_def: graph_pb2.GraphDef) -> Path:
 # Graphviz
 
 
-def _node_classes(graph_def: graph_pb2.GraphDef, decisions: Sequence[Decision], lists: OpLists) -> dict[str, str]:
+def _node_classes(
+    graph_def: graph_pb2.GraphDef, node_to_decisions: Mapping[str, Sequence[Decision]], lists: OpLists
+) -> dict[str, str]:
     """Each node's class in CLASS_TO_STYLE: converted if any of its vertices is, else why kept."""
-    node_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
-    for decision in decisions:
-        node_to_decisions[decision.node].append(decision)
     node_to_class = {}
     for node in graph_def.node:
         own = node_to_decisions.get(node.name, ())
@@ -273,19 +318,9 @@ def _output_dtypes(node: node_def_pb2.NodeDef, op_defs: Mapping[str, op_def_pb2.
     return [dtype_name(typegraph.dtype_of(node, attr)) for attr in outputs]
 
 
-def _dot(
-    item: _Item,
-    node_to_class: Mapping[str, str],
-    decisions: Sequence[Decision],
-    op_defs: Mapping[str, op_def_pb2.OpDef],
-    title: str,
-    target: str,
-) -> str:
+def _dot(item: DumpItem, op_defs: Mapping[str, op_def_pb2.OpDef], title: str, target: str) -> str:
     """The rewritten item as a DOT digraph: fill = node class, casts drawn as arrows,
     data edges labelled with their dtype, control edges dashed."""
-    node_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
-    for decision in decisions:
-        node_to_decisions[decision.node].append(decision)
     lines = [
         f"digraph {_dot_quote(item.stem)} {{",
         f"  graph [label={_dot_quote(f'{title} — {item.label}')}, labelloc=t, fontname=Helvetica,"
@@ -296,9 +331,9 @@ def _dot(
     node_to_dtypes = {}
     for node in item.after.node:
         node_to_dtypes[node.name] = _output_dtypes(node, op_defs)
-        node_class = node_to_class[node.name]
+        node_class = item.node_to_class[node.name]
         tooltip = [f"{node.name} ({node.op})"] + [
-            f"{d.attr}: {d.before} → {d.after} [{d.rule}] {d.reason}" for d in node_to_decisions.get(node.name, ())
+            f"{d.attr}: {d.before} → {d.after} [{d.rule}] {d.reason}" for d in item.node_to_decisions.get(node.name, ())
         ]
         shape, label = "", node.name if node.name == node.op else f"{node.name}\n{node.op}"
         if node_class == "cast":
@@ -328,9 +363,7 @@ def _scope(name: str, depth: int) -> str:
     return "/".join(name.split("/")[:depth])
 
 
-def _collapsed_dot(
-    item: _Item, node_to_class: Mapping[str, str], title: str, limit: int
-) -> tuple[str, int] | None:
+def _collapsed_dot(item: DumpItem, title: str, limit: int) -> tuple[str, int] | None:
     """The item drawn by name scope: nodes grouped by their first ``depth`` scope parts, at
     the deepest depth that leaves at most ``limit`` groups; a group is green when it holds a
     converted node; a function's arguments and results are one group each. (DOT text,
@@ -357,7 +390,7 @@ def _collapsed_dot(
         '  edge [color="#666666"];',
     ]
     for group, members in group_to_nodes.items():
-        classes = {node_to_class.get(member, "other") for member in members}
+        classes = {item.node_to_class.get(member, "other") for member in members}
         node_class = "converted" if "converted" in classes else "deny" if "deny" in classes else "other"
         label = members[0] if len(members) == 1 else f"{group}/\n{len(members)} nodes"
         lines.append(f"  {_dot_quote(group)} [label={_dot_quote(label)}, fillcolor=\"{CLASS_TO_STYLE[node_class][0]}\"];")
@@ -399,21 +432,20 @@ def _render_svg(
     return svg_path, ""
 
 
+
+
 # --------------------------------------------------------------------------------------
 # HTML report
 
 
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _breakable(name: str) -> str:
+def _breakable(name: object) -> markupsafe.Markup:
     """Escaped, with a line-break opportunity after each scope separator (no text added)."""
-    return _e(name).replace("/", "/<wbr>")
+    return markupsafe.Markup("/<wbr>").join(markupsafe.escape(str(name)).split("/"))
 
 
-def _link(href: str, text: str) -> str:
-    return f'<a href="{_e(urllib.parse.quote(href))}">{_e(text)}</a>'
+def _href(path: str) -> str:
+    """A relative link to a dump file (the template escapes it)."""
+    return urllib.parse.quote(path)
 
 
 def _meaning(rule: str) -> str:
@@ -421,263 +453,43 @@ def _meaning(rule: str) -> str:
     return Rule(rule).meaning
 
 
-def _rule_counts(decisions: Iterable[Decision]) -> str:
-    counts = collections.Counter(d.rule for d in decisions if not d.converted)
-    return ", ".join(f"{rule} {count}" for rule, count in sorted(counts.items(), key=lambda rc: (-rc[1], rc[0])))
+@functools.cache
+def _template() -> jinja2.Template:
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("amp_rewrite.cli", "templates"),
+        autoescape=True,  # every value is escaped unless the code marks it safe (_breakable)
+        undefined=jinja2.StrictUndefined,  # a misspelt name fails instead of rendering as ""
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    environment.filters.update(breakable=_breakable, href=_href, meaning=_meaning)
+    return environment.get_template("report.html.j2")
 
 
-def _report_html(
-    title: str,
-    report: Report,
-    items: Sequence[_Item],
-    lists: OpLists,
-    function_to_classes: Mapping[str, Mapping[str, str]],
-    stem_to_note: Mapping[str, str],
-    plumbing: Mapping[str, str],
-    drawn: set[str],
-    notes: Sequence[str] = (),
-) -> str:
+def render_report(dump: Dump, stem_to_drawing: Mapping[str, Drawing]) -> str:
     """The page: counts, items and decisions of the model; TensorFlow's plumbing in one
     collapsed table without its decisions (most of a SavedModel's nodes, none of its model).
     Casts are counted one way everywhere: casts to the target, as grappler's summary line."""
-    function_to_stats = {stats.function: stats for stats in report.items}
-    model_items = [item for item in items if item.function not in plumbing]
-    model_stats = [function_to_stats[item.function] for item in model_items]
-    function_to_label = {item.function: item.label for item in items}
-    function_to_decisions: dict[str, list[Decision]] = collections.defaultdict(list)
-    for decision in report.decisions:
-        function_to_decisions[decision.function].append(decision)
-    model_decisions = [d for d in report.decisions if d.function not in plumbing]
-    kept = [d for d in model_decisions if not d.converted]
-
-    summary_lines = "\n".join(
-        f"<li><b>{_e(item.label)}</b>: {_e(report.summary(item.function))}</li>" for item in model_items
-    ) + "".join(f"\n<li>{_e(note)}</li>" for note in notes)
-    item_rows, plumbing_rows = [], []
-    for item in items:
-        stats = function_to_stats[item.function]
-        decisions = function_to_decisions[item.function]
-        graph_links = [_link(f"graphs/{item.stem}.dot", "dot")]
-        if item.stem in drawn:
-            graph_links.insert(0, _link(f"graphs/{item.stem}.svg", "svg"))
-        note = f'<div class="note">{_e(stem_to_note[item.stem])}</div>' if item.stem in stem_to_note else ""
-        rows = plumbing_rows if item.function in plumbing else item_rows
-        rows.append(
-            f"<tr><td class=\"name\">{_breakable(item.label)}</td><td class=\"num\">{stats.nodes_before}</td>"
-            f"<td class=\"num\">{stats.vertices_converted}</td>"
-            f"<td class=\"num\">{stats.casts_to_target}</td>"
-            f"<td class=\"num\">{sum(1 for d in decisions if not d.converted)}</td>"
-            f"<td>{_e(_rule_counts(decisions)) or '—'}</td>"
-            f"<td class=\"files\">{_link(f'before/{item.stem}.pbtxt', 'before')} · "
-            f"{_link(f'after/{item.stem}.pbtxt', 'after')} · {' · '.join(graph_links)}{note}</td></tr>"
-        )
-    rule_rows = "\n".join(
-        f'<tr><td><button type="button" class="rule" data-rule="{_e(rule)}">{_e(rule)}</button></td>'
-        f'<td class="num">{count}</td><td>{_e(_meaning(rule))}</td></tr>'
-        for rule, count in collections.Counter(d.rule for d in kept).most_common()
+    model = dump.model_items
+    kept = [d for item in model for d in item.decisions if not d.converted]
+    plumbing_kinds = collections.Counter(item.plumbing for item in dump.plumbing_items)
+    return _template().render(
+        dump=dump,
+        report=dump.report,
+        drawings=stem_to_drawing,
+        main_stem=MAIN_STEM,
+        classes=CLASS_TO_STYLE,
+        sources=" + ".join(Path(source).name for source in dump.lists.sources) or "built-in",
+        totals={
+            "nodes": sum(item.stats.nodes_before for item in model),
+            "converted": sum(item.stats.vertices_converted for item in model),
+            "casts_to_target": sum(item.stats.casts_to_target for item in model),
+            "kept": len(kept),
+            "decisions": sum(len(item.decisions) for item in model),
+        },
+        kept_rules=collections.Counter(d.rule for d in kept).most_common(),
+        rule_options=sorted(collections.Counter(d.rule for item in model for d in item.decisions).items()),
+        plumbing_nodes=sum(item.stats.nodes_before for item in dump.plumbing_items),
+        plumbing_kinds=", ".join(f"{kind} {n}" for kind, n in sorted(plumbing_kinds.items())),
     )
-    decision_rows = []
-    for d in model_decisions:
-        node_class = function_to_classes.get(d.function, {}).get(d.node, "other")
-        function = d.function or MAIN_STEM
-        decision_rows.append(
-            f'<tr data-function="{_e(function)}" data-rule="{_e(d.rule)}" data-kept="{0 if d.converted else 1}">'
-            f"<td>{_breakable(function_to_label.get(d.function, d.function))}</td>"
-            f'<td class="name"><span class="sw {node_class}"></span>{_breakable(d.node)}</td>'
-            f"<td>{_e(d.op)}</td><td>{_e(d.attr)}</td>"
-            f'<td class="{"low" if d.converted else "kept"}">{_e(d.before)} → {_e(d.after)}</td>'
-            f'<td title="{_e(_meaning(d.rule))}">{_e(d.rule)}</td><td>{_e(d.reason)}</td></tr>'
-        )
-    rule_options = "".join(
-        f'<option value="{_e(rule)}">{_e(rule)} ({count})</option>'
-        for rule, count in sorted(collections.Counter(d.rule for d in model_decisions).items())
-    )
-    function_options = "".join(
-        f'<option value="{_e(item.function or MAIN_STEM)}">{_e(item.label)}</option>' for item in model_items
-    )
-    plumbing_kinds = collections.Counter(plumbing[item.function] for item in items if item.function in plumbing)
-    plumbing_block = "" if not plumbing_rows else _PLUMBING_TEMPLATE.format(
-        count=len(plumbing_rows), nodes=sum(function_to_stats[f].nodes_before for f in plumbing if f in function_to_stats),
-        kinds=_e(", ".join(f"{kind} {n}" for kind, n in sorted(plumbing_kinds.items()))),
-        painted=_e(report.painted), rows="\n".join(plumbing_rows))
-    legend = "".join(
-        f'<span class="legend"><span class="sw {name}"></span>{_e(text)}</span>'
-        for name, (_, text) in CLASS_TO_STYLE.items()
-    )
-    swatch_css = "".join(f".sw.{name}{{background:{colour}}}" for name, (colour, _) in CLASS_TO_STYLE.items())
-    return _HTML_TEMPLATE.format(
-        title=_e(title),
-        target=_e(report.target),
-        painted=_e(report.painted),
-        float8_card="" if report.painted == report.target else
-        f'<div class="card"><b>{report.float8_matmuls}</b><span>matmuls on float8_e4m3fn</span></div>\n',
-        lists=_e(" + ".join(Path(source).name for source in lists.sources) or "built-in"),
-        nodes=sum(stats.nodes_before for stats in model_stats),
-        converted=sum(stats.vertices_converted for stats in model_stats),
-        casts_to_target=sum(stats.casts_to_target for stats in model_stats),
-        kept=len(kept),
-        plumbing=plumbing_block,
-        summary=_e(report.summary()),
-        summary_lines=summary_lines,
-        item_rows="\n".join(item_rows),
-        rule_rows=rule_rows or '<tr><td colspan="3">every float32 vertex was converted</td></tr>',
-        rule_options=rule_options,
-        function_options=function_options,
-        legend=legend,
-        swatch_css=swatch_css,
-        rows="\n".join(decision_rows),
-        total=len(model_decisions),
-        script=_SCRIPT,
-        style=_STYLE,
-    )
-
-
-_STYLE = """
-:root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--bg:#f6f8fa;--accent:#0969da}
-*{box-sizing:border-box}
-body{margin:0;font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif;color:var(--fg)}
-main{max-width:1400px;margin:0 auto;padding:24px 28px 48px}
-h1{font-size:24px;margin:0 0 4px}
-h2{font-size:17px;margin:28px 0 10px;padding-bottom:4px;border-bottom:1px solid var(--line)}
-.sub{color:var(--muted);margin:0 0 18px}
-.cards{display:flex;gap:12px;flex-wrap:wrap;margin:0 0 12px}
-.card{border:1px solid var(--line);border-radius:8px;padding:10px 16px;min-width:150px;background:var(--bg)}
-.card b{display:block;font-size:22px}
-.card span{color:var(--muted);font-size:12px}
-ul.summary{margin:0;padding-left:18px;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
-table{border-collapse:collapse;width:100%}
-th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
-th{background:var(--bg);font-weight:600;position:sticky;top:0;z-index:1}
-td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
-td.name{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;overflow-wrap:anywhere}
-#nodes{table-layout:fixed}
-#nodes td{overflow-wrap:anywhere}
-td.low{color:#1a7f37;font-weight:600;white-space:nowrap}
-td.kept{color:var(--muted);white-space:nowrap}
-td.files{white-space:nowrap}
-.note{color:#9a6700;font-size:12px;white-space:normal}
-a{color:var(--accent);text-decoration:none}a:hover{text-decoration:underline}
-.sw{display:inline-block;width:11px;height:11px;border:1px solid #8c959f;border-radius:3px;margin-right:6px;vertical-align:-1px}
-.legend{margin-right:16px;white-space:nowrap;color:var(--muted);font-size:12.5px}
-button.rule{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;border:1px solid var(--line);background:#fff;border-radius:12px;padding:1px 9px;cursor:pointer}
-button.rule:hover{border-color:var(--accent);color:var(--accent)}
-.filters{display:flex;gap:10px;align-items:center;flex-wrap:wrap;margin:0 0 10px;position:sticky;top:0;background:#fff;padding:8px 0;z-index:2}
-.filters input[type=search]{flex:1;min-width:260px;padding:6px 10px;border:1px solid var(--line);border-radius:6px;font-size:14px}
-.filters select{padding:5px 6px;border:1px solid var(--line);border-radius:6px;font-size:13px;background:#fff}
-#count{color:var(--muted);margin-left:auto;font-variant-numeric:tabular-nums}
-#nodes th{top:52px}
-#nodes tbody tr:nth-child(even){background:#fbfcfd}
-#empty{color:var(--muted);padding:12px 8px}
-"""
-
-_SCRIPT = """
-(function () {
-  "use strict";
-  var rows = Array.prototype.slice.call(document.querySelectorAll("#nodes tbody tr"));
-  var text = rows.map(function (row) { return row.textContent.toLowerCase(); });
-  var search = document.getElementById("search"), rule = document.getElementById("rule"),
-      fn = document.getElementById("function"), kept = document.getElementById("kept"),
-      count = document.getElementById("count"), empty = document.getElementById("empty");
-  var timer = null;
-  function apply() {
-    timer = null;
-    var terms = search.value.toLowerCase().split(/\\s+/).filter(Boolean), shown = 0;
-    for (var i = 0; i < rows.length; i++) {
-      var row = rows[i], ok = (!rule.value || row.dataset.rule === rule.value) &&
-        (!fn.value || row.dataset.function === fn.value) && (!kept.checked || row.dataset.kept === "1");
-      for (var t = 0; ok && t < terms.length; t++) ok = text[i].indexOf(terms[t]) !== -1;
-      row.hidden = !ok;
-      if (ok) shown++;
-    }
-    count.textContent = shown + " of " + rows.length + " rows";
-    empty.hidden = shown !== 0;
-  }
-  function later() {
-    if (rows.length < 5000) { apply(); return; }
-    if (timer !== null) clearTimeout(timer);
-    timer = setTimeout(apply, 120);
-  }
-  search.addEventListener("input", later);
-  [rule, fn, kept].forEach(function (el) { el.addEventListener("change", apply); });
-  Array.prototype.forEach.call(document.querySelectorAll("button.rule"), function (button) {
-    button.addEventListener("click", function () {
-      rule.value = button.dataset.rule; kept.checked = true; apply();
-      document.getElementById("decisions").scrollIntoView();
-    });
-  });
-  apply();
-})();
-"""
-
-_PLUMBING_TEMPLATE = """<details id="plumbing"><summary>TensorFlow's plumbing, not the model: {count} item(s), {nodes} nodes
-({kinds}); counted in the "all" line only, their decisions are in after/*.pbtxt</summary>
-<table>
-<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {painted}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
-<tbody>
-{rows}
-</tbody>
-</table>
-</details>
-"""
-
-_HTML_TEMPLATE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'">
-<title>{title}</title>
-<style>{style}{swatch_css}</style>
-</head>
-<body>
-<main>
-<h1>{title}</h1>
-<p class="sub">amp_rewrite mixed-precision rewrite to <b>{target}</b> · lists: {lists}</p>
-<div class="cards">
-<div class="card"><b>{nodes}</b><span>nodes before</span></div>
-<div class="card"><b>{converted}</b><span>vertices converted</span></div>
-<div class="card"><b>{casts_to_target}</b><span>casts to {painted}</span></div>
-<div class="card"><b>{kept}</b><span>vertices kept float32</span></div>
-{float8_card}</div>
-<ul class="summary"><li><b>all</b>: {summary}</li>
-{summary_lines}</ul>
-
-<h2>Items</h2>
-<table id="items">
-<thead><tr><th>item</th><th class="num">nodes</th><th class="num">vertices converted</th><th class="num">casts to {painted}</th><th class="num">kept float32</th><th>kept float32 by rule</th><th>files</th></tr></thead>
-<tbody>
-{item_rows}
-</tbody>
-</table>
-{plumbing}
-
-<h2>Why vertices stayed float32</h2>
-<table id="rules">
-<thead><tr><th>rule</th><th class="num">vertices</th><th>meaning</th></tr></thead>
-<tbody>
-{rule_rows}
-</tbody>
-</table>
-
-<h2 id="decisions">Decisions: one per float32 (node, type attribute)</h2>
-<div>{legend}</div>
-<div class="filters">
-<input id="search" type="search" placeholder="Filter: node, op, rule, reason… (all words must match)" autocomplete="off" aria-label="filter rows">
-<select id="rule" aria-label="rule"><option value="">all rules</option>{rule_options}</select>
-<select id="function" aria-label="item"><option value="">all items</option>{function_options}</select>
-<label><input id="kept" type="checkbox"> kept float32 only</label>
-<span id="count">{total} of {total} rows</span>
-</div>
-<table id="nodes">
-<colgroup><col style="width:9%"><col style="width:27%"><col style="width:10%"><col style="width:5%"><col style="width:11%"><col style="width:11%"><col style="width:27%"></colgroup>
-<thead><tr><th>item</th><th>node</th><th>op</th><th>attr</th><th>dtype</th><th>rule</th><th>reason</th></tr></thead>
-<tbody>
-{rows}
-</tbody>
-</table>
-<div id="empty" hidden>No row matches the filters.</div>
-</main>
-<script>{script}</script>
-</body>
-</html>
-"""

@@ -20,7 +20,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from amp_rewrite.cli.staging import check_destination, staged
-from amp_rewrite.core import support
+from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
@@ -233,9 +233,7 @@ def custom_gradient_nodes(meta: meta_graph_pb2.MetaGraphDef) -> dict[tuple[str, 
 def _entry_functions(meta: meta_graph_pb2.MetaGraphDef) -> tuple[str, ...]:
     """Functions called by name from outside the library: by the graph, or by a loader."""
     names = {f.signature.name for f in meta.graph_def.library.function}
-    called = {node.op for node in meta.graph_def.node} | {
-        value.func.name for node in meta.graph_def.node for value in node.attr.values() if value.HasField("func")
-    }
+    called = {name for node in meta.graph_def.node for name in functions.called_functions(node)}
     called |= set(meta.object_graph_def.concrete_functions)
     return tuple(sorted(called & names))
 

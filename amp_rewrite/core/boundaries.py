@@ -23,7 +23,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 
 from amp_rewrite.core import colouring, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
-from amp_rewrite.core.functions import RETVAL_SUFFIX
+from amp_rewrite.core.functions import RETVAL_SUFFIX, called_functions
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
@@ -109,9 +109,7 @@ def find_links(
     for item, nodes in bodies:
         for node in nodes:
             groups, callees = _call_groups(item, node, library)
-            referenced = {v.func.name for v in node.attr.values() if v.HasField("func")}
-            referenced |= {f.name for v in node.attr.values() for f in v.list.func}
-            referenced |= {node.op} & set(library)
+            referenced = set(called_functions(node)) & library.keys()
             if (item != MAIN_GRAPH and item not in rewritten) or not groups:
                 fixed |= referenced  # called from a body we don't rewrite, or by an unknown op
                 continue

@@ -76,12 +76,26 @@ VARIABLE_OPS = frozenset(
 )
 
 
+class KernelMemo:
+    """The kernel checks' answers, filled as the passes ask (``PaintContext.has_target_kernel``).
+
+    An answer depends on the node alone (op, attrs, device), never on colours, so every
+    pass of one item shares one memo: ``by_vertex`` per vertex asked, and ``by_kernel``
+    per (op, attr, device, other constrained types) for the unlabelled nodes that
+    TensorFlow resolves to the same kernel.
+    """
+
+    def __init__(self) -> None:
+        self.by_vertex: dict[Vertex, bool] = {}
+        self.by_kernel: dict[tuple, bool] = {}
+
+
 @dataclass(frozen=True)
 class PaintContext:
     """What the passes read: the vertex graph, the lists, and per-vertex support checks.
 
-    Frozen: a pass reads it and returns what it found. Only the kernel-check caches inside
-    fill up as the passes ask (the answers depend on the op and device alone).
+    Frozen: a pass reads it and returns what it found. ``ops``, ``float32`` and ``bounded``
+    are derived from the fields on first use; the kernel checks' answers go to ``memo``.
     """
 
     types: TypeGraph
@@ -96,18 +110,28 @@ class PaintContext:
     pinned: frozenset[Vertex] = frozenset()
     # Unprocessed nodes a keep_nodes entry keeps -> why: never painted, and deny ops for step 7.2.
     kept: Mapping[str, Reason] = field(default_factory=dict)
-    _cache: dict = field(default_factory=dict, repr=False)  # vertex -> has_target_kernel
-    _by_op: dict = field(default_factory=dict, repr=False)  # kernel key -> has_target_kernel
-    ops: Mapping[str, str] = field(init=False, repr=False)  # node -> op
-    # Read once, before the rewrite: casts change dtypes only after colouring.
-    float32: Mapping[Vertex, None] = field(init=False, repr=False)  # the float32 vertices, in graph order
-    # Deny nodes that act as infer ones: node -> why their argument is <= 0.
-    bounded: Mapping[str, str] = field(init=False, repr=False)
+    # Nodes a running Session already runs (``rewrite_graph_def(frozen=)``): their converted
+    # vertices, ``frozen_allow``, are ALLOW from step 7.1 on, and no pass paints another of them
+    # (7.4-7.6 and 7.10; the others decide from neighbours that are frozen too).
+    frozen_nodes: frozenset[str] = frozenset()
+    frozen_allow: frozenset[Vertex] = frozenset()
+    memo: KernelMemo = field(default_factory=KernelMemo, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", self.types.ops)
-        object.__setattr__(self, "float32", dict.fromkeys(self.types.float32))
-        object.__setattr__(self, "bounded", nonpositive_arguments(self.types, bounded_ops(self.lists)))
+    @functools.cached_property
+    def ops(self) -> Mapping[str, str]:
+        """node -> op."""
+        return self.types.ops
+
+    @functools.cached_property
+    def float32(self) -> Mapping[Vertex, None]:
+        """The float32 vertices, in graph order: read before the rewrite, as casts change
+        dtypes only after colouring."""
+        return dict.fromkeys(self.types.float32)
+
+    @functools.cached_property
+    def bounded(self) -> Mapping[str, str]:
+        """Deny nodes that act as infer ones: node -> why their argument is <= 0."""
+        return nonpositive_arguments(self.types, bounded_ops(self.lists))
 
     def colour(self, node: str) -> Colour | None:
         """The node's list, as the passes read it: a bounded deny op is an infer op."""
@@ -140,9 +164,9 @@ class PaintContext:
 
     def has_target_kernel(self, vertex: Vertex) -> bool:
         """SupportsF16: op definition and a registered kernel for the changed node."""
-        found = self._cache.get(vertex)
+        found = self.memo.by_vertex.get(vertex)
         if found is None:
-            found = self._cache[vertex] = self._has_target_kernel(vertex)
+            found = self.memo.by_vertex[vertex] = self._has_target_kernel(vertex)
         return found
 
     def _has_target_kernel(self, vertex: Vertex) -> bool:
@@ -163,9 +187,9 @@ class PaintContext:
                 if value is None:  # the kernel check reports the missing attr
                     return self.op_allows_target(vertex) and self._kernel_check(vertex)
                 key += (value.type or value.SerializeToString(deterministic=True),)
-        found = self._by_op.get(key)
+        found = self.memo.by_kernel.get(key)
         if found is None:
-            found = self._by_op[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
+            found = self.memo.by_kernel[key] = self.op_allows_target(vertex) and self._kernel_check(vertex)
         return found
 
     def _kernel_check(self, vertex: Vertex) -> bool:
@@ -257,6 +281,10 @@ def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
         return False
     values = tensor_util.MakeNdarray(node_def.attr["value"].tensor)
     return values.dtype.kind == "f" and bool(np.all(values <= 0))
+
+
+FROZEN_CONVERTED = Reason(Rule.FROZEN, "its node already runs converted in the Session's rewritten copy")
+FROZEN_FLOAT32 = Reason(Rule.FROZEN, "its node already runs float32 in the Session's rewritten copy")
 
 
 @dataclass(frozen=True)
@@ -405,11 +433,10 @@ def tensor_list_implicit_edges(ctx: PaintContext, cluster: TensorListCluster) ->
 
 def match_tensor_list_colours(
     ctx: PaintContext, clusters: Iterable[TensorListCluster], allow: set[Vertex], deny: set[Vertex],
-    reasons: Mapping[Vertex, Reason],
 ) -> tuple[set[Vertex], set[Vertex], dict[Vertex, Reason]]:
     """Steps 7.3 and 7.8: all members of a cluster share one colour, DENY wins, else ALLOW
-    spreads. Returns new allow and deny sets and the new reasons: a vertex moved to ALLOW
-    gets this rule's, one moved to DENY keeps any reason it had (``reasons``)."""
+    spreads. Returns new allow and deny sets and this rule's reason for each vertex it
+    moved (to DENY, or out of nothing into ALLOW)."""
     clusters = list(clusters)
     if not clusters:
         return allow, deny, {}
@@ -419,10 +446,10 @@ def match_tensor_list_colours(
         members = [tensor_list_float_vertex(ctx, node) for node in cluster.members]
         if any(v in deny for v in members):
             for v in members:
+                if v not in deny:
+                    found[v] = Reason(Rule.TENSOR_LIST, "TensorList cluster shares one dtype and a member must stay float32")
                 allow.discard(v)
                 deny.add(v)
-                if v not in found and v not in reasons:
-                    found[v] = Reason(Rule.TENSOR_LIST, "TensorList cluster shares one dtype and a member must stay float32")
         elif any(v in allow for v in members):
             for v in members:
                 if v not in allow:
@@ -526,7 +553,10 @@ def add_clear_and_infer_between_allow(
     graph, lists = ctx.types.graph, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
-    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)]
+    # Frozen converted vertices are roots too: the allow ops that made them so are frozen.
+    frozen, frozen_allow = ctx.frozen_nodes, ctx.frozen_allow
+    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)
+             or v in frozen_allow]
 
     allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
     is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
@@ -535,7 +565,7 @@ def add_clear_and_infer_between_allow(
         node = v.node
         op = ops[node]
         return (
-            op not in allow_ops and v not in deny and node in processed
+            op not in allow_ops and v not in deny and node in processed and node not in frozen
             and (op in infer_ops or node in bounded or is_clear(v))  # ctx.is_infer(node), inlined
             and v in float32 and has_target_kernel(v)
         )
@@ -576,7 +606,7 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
     processed = ctx.processed
     for vertex in _vertices(ctx):
         if (
-            vertex.node not in processed or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
+            vertex.node not in processed or vertex.node in ctx.frozen_nodes or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
             or vertex in added or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
         ):
             continue
@@ -596,12 +626,12 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
 
-    processed, float32 = ctx.processed, ctx.float32
+    processed, float32, frozen = ctx.processed, ctx.float32, ctx.frozen_nodes
     is_clear, has_target_kernel, reads_ref_variable = ctx.is_clear, ctx.has_target_kernel, ctx.reads_ref_variable
 
     def enter(v: Vertex) -> bool:
         return (
-            v not in painted and v not in deny and v.node in processed and is_clear(v)
+            v not in painted and v not in deny and v.node in processed and v.node not in frozen and is_clear(v)
             and v in float32 and has_target_kernel(v) and not reads_ref_variable(v.node)
         )
 
@@ -691,7 +721,7 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     added: dict[Vertex, Reason] = {}
     dst = TypeAttr("DstT")
     for node, op in ctx.ops.items():
-        if op != "Cast" or node in ctx.kept:
+        if op != "Cast" or node in ctx.kept or node in ctx.frozen_nodes:
             continue
         vertex = Vertex(node, dst)
         if not ctx.is_float32(vertex):
@@ -714,18 +744,46 @@ def paint(
     ``seeds`` and ``deny_seeds`` (``cross_function`` only): vertices known to be converted,
     or to carry a value from a deny path, on the other side of their function boundary.
     """
-    reasons: dict[Vertex, Reason] = {}
+    # Which reason a vertex ends with when several steps give it one: the one that explains
+    # its final colour. A converted vertex has the reason of the last step that added it to
+    # ALLOW (7.8 re-adds what 7.7 took out); a vertex kept float32 and denied, of the first
+    # step that denied it (no step undoes a denial, and a later one only agrees); one a
+    # step took out of ALLOW without denying it, of the last such step (7.7, 7.9).
+    why_allow: dict[Vertex, Reason] = {}
+    why_deny: dict[Vertex, Reason] = {}
+    why_removed: dict[Vertex, Reason] = {}
 
-    def note(step: str, found: Mapping[Vertex, Reason]) -> None:
+    def added(step: str, found: Mapping[Vertex, Reason]) -> None:
+        log.debug("step %s: %d vertices", step, len(found))
+        why_allow.update(found)
+
+    def denied(step: str, found: Mapping[Vertex, Reason]) -> None:
         log.debug("step %s: %d vertices", step, len(found))
         for vertex, why in found.items():
-            reasons.setdefault(vertex, why)
+            why_deny.setdefault(vertex, why)
+
+    def moved(step: str, found: Mapping[Vertex, Reason], allow: set[Vertex], deny: set[Vertex]) -> None:
+        """A step that moves vertices both ways: each reason goes where its vertex went."""
+        log.debug("step %s: %d vertices", step, len(found))
+        for vertex, why in found.items():
+            if vertex in allow:
+                why_allow[vertex] = why
+            elif vertex in deny:
+                why_deny.setdefault(vertex, why)
+            else:
+                why_removed[vertex] = why
+
+    def reasons() -> dict[Vertex, Reason]:
+        final = {v: why for v, why in why_removed.items() if v not in deny}
+        final.update(why_deny)
+        final.update((v, why_allow[v]) for v in allow)
+        return final
 
     # 7.0 The roots of unsafe TensorList clusters are denied.
     clusters, deny_found = tensor_lists.clusters, dict(tensor_lists.unsafe)
     deny_found.update((v, Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary"))
                       for v in deny_seeds if v not in deny_found)
-    note("7.0 tensor-list clusters", deny_found)
+    denied("7.0 tensor-list clusters", deny_found)
     deny = set(deny_found)
     # 7.1 Allowlist ops.
     allow_found = add_allowlist_ops(ctx)
@@ -733,54 +791,52 @@ def paint(
         (v, Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary"))
         for v in seeds if v not in allow_found
     )
-    note("7.1 allow list", allow_found)
+    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.graph)
+    added("7.1 allow list", allow_found)
     allow = set(allow_found)
     if not allow:
         log.info("No allowlist ops found, nothing to do")
-        return Painting(frozenset(), frozenset(deny), reasons, tuple(clusters))
+        return Painting(frozenset(), frozenset(deny), reasons(), tuple(clusters))
     # 7.2 Deny propagation through clear/infer.
     deny_found = propagate_deny_forward(ctx, deny, deny_seeds)
-    note("7.2 deny propagation", deny_found)
+    denied("7.2 deny propagation", deny_found)
     deny |= deny_found.keys()
     # 7.3 TensorList colour match.
-    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
-    log.debug("step 7.3 tensor-list colours: %d vertices", len(found))
-    reasons.update(found)
+    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny)
+    moved("7.3 tensor-list colours", found, allow, deny)
     # 7.4 Clear/infer between allow ops.
     found = add_clear_and_infer_between_allow(ctx, allow, deny, seeds)
-    note("7.4 between allow", found)
+    added("7.4 between allow", found)
     allow |= found.keys()
     # 7.5 Infer directly after allow.
     found = add_infer_after_allow(ctx, allow, deny)
-    note("7.5 infer after allow", found)
+    added("7.5 infer after allow", found)
     allow |= found.keys()
     # 7.6 Allow through clear.
     found = propagate_allow_through_clear(ctx, allow, deny)
-    note("7.6 allow through clear", found)
+    added("7.6 allow through clear", found)
     allow |= found.keys()
     # 7.7 Remove unconvertible allowlist vertices.
     removed = remove_unconvertible_allow(ctx, allow)
-    log.debug("step 7.7 unconvertible: %d vertices", len(removed))
     allow -= removed.keys()
-    reasons.update(removed)
+    moved("7.7 unconvertible", removed, allow, deny)
     # 7.8 TensorList colour match again.
-    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny, reasons)
-    log.debug("step 7.8 tensor-list colours: %d vertices", len(found))
-    reasons.update(found)
+    allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny)
+    moved("7.8 tensor-list colours", found, allow, deny)
     # 7.9 Recurrent edges.
     allow, found = match_recurrent_edges(ctx, allow)
-    log.debug("step 7.9 recurrent edges: %d vertices", len(found))
-    reasons.update(found)
+    moved("7.9 recurrent edges", found, allow, deny)
     # 7.10 Existing casts.
     found = retarget_existing_casts(ctx, allow)
-    note("7.10 existing casts", found)
+    added("7.10 existing casts", found)
     allow |= found.keys()
+    final = reasons()
     for node, why in ctx.bounded.items():  # deny ops converted: say why
         for vertex in ctx.types.node_vertices(node):
             if vertex in allow:
-                rule, text, source = reasons[vertex]
-                reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
-    return Painting(frozenset(allow), frozenset(deny), reasons, tuple(clusters))
+                rule, text, source = final[vertex]
+                final[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
+    return Painting(frozenset(allow), frozenset(deny), final, tuple(clusters))
 
 
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
@@ -788,6 +844,8 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     kept = ctx.kept.get(vertex.node)
     if kept is not None:  # whatever else denied it, the entry decided
         return kept
+    if vertex.node in ctx.frozen_nodes and vertex not in painting.allow:
+        return FROZEN_FLOAT32
     if vertex.node in skipped and vertex not in painting.allow and vertex not in painting.deny:
         return Reason(Rule.NOT_PROCESSED, skipped[vertex.node])
     reason = painting.reasons.get(vertex)  # every ALLOW and DENY vertex has one

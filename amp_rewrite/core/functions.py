@@ -9,7 +9,7 @@ signature, so every caller stays valid.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Mapping, Sequence
+from typing import Container, Iterable, Iterator, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
@@ -50,21 +50,53 @@ def is_parametrized(function: function_pb2.FunctionDef) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _may_call(op: str) -> bool:
-    """Whether a registered op has a func attr; unregistered ops (library functions) may."""
+    """Whether a node of ``op`` can name a function in an attr: a registered op with a
+    ``func``/``list(func)`` attr, or an unregistered op (a library function's call)."""
     op_def = support.registered_op_def(op)
     return op_def is None or any(a.type in ("func", "list(func)") for a in op_def.attr)
 
 
-def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: set[str]) -> Iterable[str]:
+def called_functions(node_def: node_def_pb2.NodeDef) -> Iterator[str]:
+    """The names ``node_def`` calls as functions: its op (a call of a library function has
+    the function's name as op) and each ``func`` and ``list(func)`` attr value.
+
+    TensorFlow's rule for which library functions a graph reaches (``ReachableFunctions``
+    in core/framework/function.cc, which grappler's meta-optimizer uses): the names in a
+    ``func`` value's own attrs are not followed. They bind the callee's func attrs, and a
+    callee that reads one through a placeholder is parametrized, which grappler leaves
+    alone. Callers keep the names their library holds (the op is yielded whatever it is).
+    The attrs of a registered op whose definition has no func attr are not read (most
+    nodes: reading them would cost a third of the pass on a large graph); only a private
+    ``_`` attr could name a function there, and TensorFlow writes none that does.
+    """
+    yield node_def.op
+    if not _may_call(node_def.op):
+        return
+    for value in node_def.attr.values():
+        kind = value.WhichOneof("value")
+        if kind == "func":
+            yield value.func.name
+        elif kind == "list":
+            yield from (function.name for function in value.list.func)
+
+
+def rename_calls(node_def: node_def_pb2.NodeDef, old_to_new: Mapping[str, str]) -> None:
+    """Make ``node_def`` call ``old_to_new``'s new names instead of the old ones, in place:
+    exactly the names ``called_functions`` yields."""
+    node_def.op = old_to_new.get(node_def.op, node_def.op)
+    if not _may_call(node_def.op):
+        return
+    for value in node_def.attr.values():
+        kind = value.WhichOneof("value")
+        functions = [value.func] if kind == "func" else list(value.list.func) if kind == "list" else []
+        for function in functions:
+            function.name = old_to_new.get(function.name, function.name)
+
+
+def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: Container[str]) -> Iterator[str]:
+    """The functions of ``names`` that ``nodes`` call."""
     for node in nodes:
-        if node.op in names:
-            yield node.op
-        if not _may_call(node.op):
-            continue
-        for value in node.attr.values():
-            if value.HasField("func"):
-                yield value.func.name
-            yield from (f.name for f in value.list.func)
+        yield from (name for name in called_functions(node) if name in names)
 
 
 def reachable_functions(
@@ -89,12 +121,12 @@ def reachable_functions(
             if name in seen:
                 continue
             seen.add(name)
-            stack.extend(n for n in _called_functions(library[name].node_def, set(library)) if n in library)
+            stack.extend(_called_functions(library[name].node_def, library))
             if gradients.get(name) in library:
                 stack.append(gradients[name])
         return seen
 
-    reachable = closure(_called_functions(graph_def.node, set(library)))
+    reachable = closure(_called_functions(graph_def.node, library))
     xla_roots = [
         node.attr["function"].func.name
         for node in list(graph_def.node) + [n for name in reachable for n in library[name].node_def]
@@ -140,14 +172,12 @@ def check_calls(graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb
         for node in nodes:
             if node.op not in calling:
                 continue
-            for attr_name, value in node.attr.items():
-                called = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
-                for name in called:
-                    if name not in library and support.registered_op_def(name) is None:
-                        raise GraphError(
-                            f"function '{name}' called by node '{node.name}'{where} ({attr_name}) is not in the"
-                            " graph's library; export the graph with its functions"
-                        )
+            for name in called_functions(node):
+                if name != node.op and name not in library and support.registered_op_def(name) is None:
+                    raise GraphError(
+                        f"function '{name}' called by node '{node.name}'{where} is not in the graph's library;"
+                        " export the graph with its functions"
+                    )
             for attr_name, in_attr, out_attr in _CALL_SIGNATURES.get(node.op, ()):
                 function = library.get(node.attr[attr_name].func.name) if attr_name in node.attr else None
                 if function is None:
@@ -169,7 +199,7 @@ def check_calls(graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb
     for function in graph_def.library.function:
         check(function.node_def, f" in function '{function.signature.name}'")
     calls = {
-        name: set(_called_functions(f.node_def, set(library))) & set(library) for name, f in library.items()
+        name: set(_called_functions(f.node_def, library)) for name, f in library.items()
     }
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
 

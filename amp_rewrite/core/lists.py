@@ -214,7 +214,7 @@ def load_lists(
             )
         return overlay
     environ = os.environ if environ is None else environ
-    builtin_path = _find_builtin(target)
+    builtin_path = find_builtin(target)
     if overlay is None and not any(environ.get(var) for var in _VARIABLES):
         return _builtin_lists(builtin_path, target)
     return _build(target, builtin_path, overlay, environ)
@@ -357,7 +357,7 @@ class _Draft:
 def held_float32(target: str | Target) -> frozenset[str]:
     """The ops of ``lists/<target>.yaml``'s ``float32`` section (module doc, step 1)."""
     target = _colouring(target)
-    return frozenset(_read_builtin(_find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
+    return frozenset(_read_builtin(find_builtin(target), target).name_to_op_to_reason[_HELD_SECTION])
 
 
 def _colouring(target: str | Target) -> Target:
@@ -419,7 +419,9 @@ def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
 # --- reading and validating files -----------------------------------------------------------
 
 
-def _find_builtin(target: Target) -> Path:
+def find_builtin(target: str | Target) -> Path:
+    """``lists/<target>.yaml`` inside the installed package (in the repository, a link to ``lists/``)."""
+    target = lookup_target(target)
     path = _BUILTIN_DIR / f"{target.name}.yaml"
     if not path.is_file():
         raise ListsError(f"built-in lists {target.name}.yaml not found in {_BUILTIN_DIR}; reinstall amp_rewrite")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import os
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
 from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.core.typegraph import Vertex
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ def rewrite_graph_def(
     amax: Mapping[tuple[str, str, int], float] | None = None,
     lossy: Mapping[tuple[str, str], str] | None = None,
     preserved: Mapping[tuple[str, str], str] | None = None,
+    frozen: RewriteResult | None = None,
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
@@ -104,6 +107,9 @@ def rewrite_graph_def(
     low-precision values stay low precision there; private functions' signatures may then
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
     ``progress(done, total)`` is called as items are prepared and finished.
+    ``frozen``: an earlier result for a graph that ``graph_def`` extends (a running Session's,
+    ``training/session.py``). Its main-graph nodes keep the dtypes they have there, and the
+    new ones are painted around them; function bodies are painted as always.
     """
     target = lookup_target(target, quantized=True)  # the one check of the user's string
     _check_amax(target, amax, lossy)
@@ -120,7 +126,7 @@ def rewrite_graph_def(
                  else boundaries.Links(()))
         output, stats, decisions = _rewrite_items(program, colouring_target, fetch_nodes, op_lists, names, links,
                                                   progress or (lambda done, total: None), amax, lossy or {},
-                                                  preserved or {})
+                                                  preserved or {}, _frozen_painting(frozen))
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
@@ -138,11 +144,20 @@ def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | Non
             raise AmpRewriteError(f"{name} applies to target 'float8', not {target.name!r}; leave it out")
 
 
+def _frozen_painting(frozen: RewriteResult | None) -> tuple[frozenset[str], frozenset[Vertex]]:
+    """The main-graph nodes of an earlier result, and those of their vertices it converted."""
+    if frozen is None:
+        return frozenset(), frozenset()
+    converted = (item.converted for item in frozen.report.pending if item.function == MAIN_GRAPH)
+    return frozenset(node.name for node in frozen.graph_def.node), frozenset(itertools.chain.from_iterable(converted))
+
+
 def _rewrite_items(
     program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
     names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
     amax: Mapping[tuple[str, str, int], float] | None = None, lossy: Mapping[tuple[str, str], str] | None = None,
     preserved: Mapping[tuple[str, str], str] | None = None,
+    frozen: tuple[frozenset[str], frozenset[Vertex]] = (frozenset(), frozenset()),
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     """Steps 3-10 (module doc) on every item: the main graph, then each function body."""
     total = 2 * (len(names) + 1)
@@ -151,7 +166,7 @@ def _rewrite_items(
         item_to_reasons.setdefault(function, {})[node] = why
     reasons = item_to_reasons.get(MAIN_GRAPH, {})
     items = {MAIN_GRAPH: _prepare(program.graph_def, target, (*fetch_nodes, *reasons), op_lists, links, MAIN_GRAPH,
-                                  program, reasons)}
+                                  program, reasons, frozen)}
     progress(1, total)
     for name in names:
         with _naming(name):
@@ -226,6 +241,7 @@ class _Item:
 def _prepare(
     graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
     links: boundaries.Links, function: str, program: Program, reasons: Mapping[str, str] | None = None,
+    frozen: tuple[frozenset[str], frozenset[Vertex]] = (frozenset(), frozenset()),
 ) -> _Item:
     """Steps 3-6 (module doc) on one item."""
     # 3. The working copy as a node graph; every fetch must exist.
@@ -247,7 +263,8 @@ def _prepare(
     linked = frozenset(v for v in links.vertices(function) if v in types.graph)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
-                       pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept)
+                       pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept,
+                       frozen_nodes=frozen[0], frozen_allow=frozen[1])
     tensor_lists = colouring.find_tensor_lists(ctx)
     typegraph.add_implicit_edges(types, tensor_lists.edges)
     log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",

@@ -41,6 +41,7 @@ class Rule(enum.Enum):
     CROSS_FUNCTION = "cross-function", "shares its type with the other side of a function or loop boundary"
     TENSOR_LIST = "tensor-list", "a TensorList and its users share one element type"
     RECURRENT_EDGE = "recurrent-edge", "a loop's NextIteration follows the Merge it feeds"
+    FROZEN = "frozen", "a running Session already runs the node so: ops added later are painted around it"
     # ... or kept float32 (spec §2.3 passes 2 and 7; the rest explain what no pass touched).
     DENY_LIST = "deny-list", "op is on the deny list (numerically unsafe in low precision)"
     DENY_PROPAGATION = "deny-propagation", "clear or infer op downstream of a deny op or a kept node"

@@ -36,15 +36,21 @@ What differs from a plain ``tf_optimizer.OptimizeGraph`` call, and why:
   and cond signatures stay float32 ("cond function argument #3 type ... is not
   compatible"). The oracle must show what AMP did, not that the verifier refused it.
 * grappler is given the lists ``amp_rewrite`` uses by default: the ops of the
-  ``float32`` section of ``lists/<target>.yaml`` (taken off grappler's infer list,
-  ``amp_rewrite.lists``) are removed from its infer list for the run through
+  ``float32`` section of ``lists/<target>.yaml`` (taken off grappler's infer list) are
+  removed from its infer list for the run through
   ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_INFERLIST_REMOVE``, after any value the
   caller set, unless the caller's ``..._INFERLIST_ADD`` names them.
-* Our colouring treats a deny-listed ``Exp`` whose argument the graph shows
-  to be non-positive as an infer op (``amp_rewrite.colouring.nonpositive_arguments``).
-  grappler's lists are per op, so for the run each such node (main graph and function
-  bodies) becomes a ``Tanh``, an infer op on both targets with the same signature and
-  kernels, and gets its op back in the result.
+* Our colouring treats a deny-listed ``Exp`` whose argument the graph shows to be
+  non-positive as an infer op. grappler's lists are per op, so for the run each such
+  node (main graph and function bodies) becomes a ``Tanh``, an infer op on both targets
+  with the same signature and kernels, and gets its op back in the result.
+* Those two inputs (``oracle_inputs``) are derived here, apart from the code under test:
+  the held ops from the YAML file as written (not ``amp_rewrite.lists``), the bounded
+  ``Exp`` nodes by this module's own reading of the rule (not
+  ``amp_rewrite.colouring.nonpositive_arguments``), so a change there shows as a
+  disagreement with grappler instead of moving the oracle with it. Only whether ``Exp``
+  is denied at all comes from ``amp_rewrite.lists.load_lists`` (the environment's list
+  edits), which tests/test_lists.py holds against grappler's own lists.
 * Graphs with a function library are passed whole (``MetaGraphDef.graph_def``
   keeps ``library``); the meta-optimizer then also runs AMP on each reachable
   function body as a separate item (spec §1.2) and returns the rewritten library.
@@ -56,21 +62,24 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import yaml
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.function_pb2 import FunctionDef
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.protobuf.config_pb2 import ConfigProto
 from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, NamedDevice
 from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
+from tensorflow.python.framework import tensor_util
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.grappler.cluster import Cluster
 from tensorflow.python.util import _pywrap_utils
 
-from amp_rewrite.core import colouring, functions, graph_io, lists, support, typegraph
-from amp_rewrite.core.errors import AmpRewriteError, GraphError
+from amp_rewrite.core import functions, lists, support
+from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.target import BFLOAT16, lookup_target
 
@@ -134,28 +143,117 @@ def _config(target: str) -> ConfigProto:
     return config
 
 
-def _stand_in_for_bounded(graph: GraphDef, target: str) -> dict[tuple[str, str], str]:
-    """Give the stand-in op, in place, to every node our colouring treats as an infer op
-    though its op is denied (a bounded ``Exp``), in the main graph and each function body.
+@dataclass(frozen=True)
+class OracleInputs:
+    """What ``run_grappler`` gives grappler besides the graph, to make its lists ours."""
 
-    Returns (function name, "" for the main graph; node name) -> the node's op.
-    """
-    candidates = colouring.bounded_ops(lists.load_lists(target))
-    op_defs = support.library_op_defs(graph.library)
-    items = [("", graph.node, lambda: graph)] + [
-        (f.signature.name, f.node_def, lambda f=f: functions.body_graph_def(f, op_defs)) for f in graph.library.function
+    held_float32: tuple[str, ...]  # ops taken off grappler's infer list for the run
+    # (function name, "" for the main graph; node name) of each Exp run as a Tanh
+    stand_ins: tuple[tuple[str, str], ...]
+
+
+def oracle_inputs(graph_def: GraphDef, target: str, environ: Mapping[str, str]) -> OracleInputs:
+    """The inputs ``run_grappler`` derives for ``graph_def`` under ``environ`` (see the module's notes)."""
+    held = grappler_environ(target, environ).get(_INFER_REMOVE, "")
+    removed = set(held.split(",")) - set(environ.get(_INFER_REMOVE, "").split(","))
+    return OracleInputs(tuple(sorted(removed - {""})), tuple(sorted(_bounded_exps(graph_def, target, environ))))
+
+
+def held_float32_ops(target: str) -> frozenset[str]:
+    """The ops of ``lists/<target>.yaml``'s ``float32`` section, read from the file as written."""
+    with open(lists.find_builtin(lookup_target(target, quantized=True).colouring), encoding="utf-8") as stream:
+        document = yaml.safe_load(stream)
+    return frozenset((document.get("float32") or {}).get("ops") or {})
+
+
+# The bounded-Exp rule as the oracle reads it from a GraphDef, written apart from
+# amp_rewrite.colouring: an Exp whose argument is -f(x) or c * f(x) (c a Const with no
+# positive element) for an f whose output is never negative, or x - max(x) with the max
+# keeping its reduced dimensions.
+_BOUNDED = "Exp"
+_NEVER_NEGATIVE = frozenset(
+    {"Abs", "Exp", "Relu", "Relu6", "Sigmoid", "Softmax", "Softplus", "Sqrt", "Square", "SquaredDifference"}
+)
+
+
+def _bounded_exps(graph_def: GraphDef, target: str, environ: Mapping[str, str]) -> set[tuple[str, str]]:
+    """(function, node) of each deny-listed Exp, in the main graph and every function body,
+    whose argument the graph shows is never positive. None where the environment's list
+    edits are refused: grappler then refuses them too."""
+    nodes = [*graph_def.node, *(node for f in graph_def.library.function for node in f.node_def)]
+    if not any(node.op == _BOUNDED for node in nodes):
+        return set()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the loader's own warnings are tested with the loader
+            op_lists = lists.load_lists(target, environ=environ)
+    except ListsError:
+        return set()
+    if _BOUNDED not in op_lists.deny or op_lists.infer_as_deny:
+        return set()
+    op_defs = support.library_op_defs(graph_def.library)
+    items = [("", lambda: graph_def)] + [
+        (f.signature.name, lambda f=f: functions.body_graph_def(f, op_defs)) for f in graph_def.library.function
+        if any(node.op == _BOUNDED for node in f.node_def)
     ]
-    swapped: dict[tuple[str, str], str] = {}
-    for item, node_defs, as_graph in items:
-        if not any(node_def.op in candidates for node_def in node_defs):
-            continue
+    found: set[tuple[str, str]] = set()
+    for item, as_graph in items:
         try:
-            types = typegraph.build_type_graph(graph_io.to_networkx(as_graph()))
-            bounded = colouring.nonpositive_arguments(types, candidates)
+            body = as_graph()
         except GraphError:
-            continue  # grappler judges a graph we refuse on its own
+            continue  # grappler judges a body we cannot read on its own
+        found |= {(item, name) for name in _bounded_in(body)}
+    return found
+
+
+def _bounded_in(graph_def: GraphDef) -> list[str]:
+    name_to_node = {node.name: node for node in graph_def.node}
+
+    def argument(node, index: int) -> tuple[str, int] | None:
+        data = [tensor for tensor in node.input if not tensor.startswith("^")]
+        if index >= len(data):
+            return None
+        source, port = parse_tensor_name(data[index])
+        return (source, port) if source in name_to_node else None
+
+    def op(tensor: tuple[str, int] | None) -> str:
+        return name_to_node[tensor[0]].op if tensor else ""
+
+    def nonpositive_const(tensor: tuple[str, int] | None) -> bool:
+        node = name_to_node[tensor[0]] if tensor else None
+        if node is None or node.op != "Const" or "value" not in node.attr:
+            return False
+        values = tensor_util.MakeNdarray(node.attr["value"].tensor)
+        return values.dtype.kind == "f" and bool((values <= 0).all())
+
+    def nonpositive(tensor: tuple[str, int] | None) -> bool:
+        if tensor is None:
+            return False
+        node = name_to_node[tensor[0]]
+        first, second = argument(node, 0), argument(node, 1)
+        if node.op == "Neg":
+            return op(first) in _NEVER_NEGATIVE
+        if node.op == "Mul":
+            return (op(first) in _NEVER_NEGATIVE and nonpositive_const(second)) or (
+                op(second) in _NEVER_NEGATIVE and nonpositive_const(first))
+        if node.op == "Sub" and op(second) == "Max":
+            reduced = name_to_node[second[0]]
+            keeps = "keep_dims" in reduced.attr and reduced.attr["keep_dims"].b
+            return keeps and argument(reduced, 0) == first
+        return False
+
+    return [node.name for node in graph_def.node if node.op == _BOUNDED and nonpositive(argument(node, 0))]
+
+
+def _stand_in_for_bounded(graph: GraphDef, stand_ins: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """Give the stand-in op, in place, to each (function, node) of ``stand_ins`` ("" for the
+    main graph). Returns (function, node) -> the node's op."""
+    stand_ins = set(stand_ins)
+    items = [("", graph.node)] + [(f.signature.name, f.node_def) for f in graph.library.function]
+    swapped: dict[tuple[str, str], str] = {}
+    for item, node_defs in items:
         for node_def in node_defs:
-            if node_def.name in bounded:
+            if (item, node_def.name) in stand_ins:
                 swapped[(item, node_def.name)] = node_def.op
                 node_def.op = _INFER_STAND_IN
     return swapped
@@ -220,8 +318,8 @@ _INFER_ADD, _INFER_REMOVE = (f"{lists.ENV_PREFIX}INFERLIST_{action}" for action 
 
 def grappler_environ(target: str, environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` plus the edit that gives grappler our default lists: the ops we hold
-    float32 (``lists.held_float32``) off its infer list, unless ``environ`` adds them."""
-    held = sorted(lists.held_float32(target) - set(environ.get(_INFER_ADD, "").split(",")))
+    float32 (``held_float32_ops``) off its infer list, unless ``environ`` adds them."""
+    held = sorted(held_float32_ops(target) - set(environ.get(_INFER_ADD, "").split(",")))
     if not held:
         return dict(environ)
     return {**environ, _INFER_REMOVE: ",".join(filter(None, (environ.get(_INFER_REMOVE), *held)))}
@@ -261,7 +359,8 @@ def run_grappler(
     if reason is not None:
         raise GrapplerUnavailable(reason)
     item_graph, fetch_names, name_to_shape = _prepare_item_graph(graph_def, fetches)
-    swapped = _stand_in_for_bounded(item_graph, target) if our_lists else {}
+    stand_ins = oracle_inputs(graph_def, target, os.environ).stand_ins if our_lists else ()
+    swapped = _stand_in_for_bounded(item_graph, stand_ins)
     meta_graph = MetaGraphDef()
     meta_graph.graph_def.CopyFrom(item_graph)
     meta_graph.collection_def["train_op"].node_list.value.extend(fetch_names)

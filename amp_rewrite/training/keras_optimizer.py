@@ -6,24 +6,58 @@ registers it with Keras' serialization as soon as Keras is loaded (``registratio
 """
 from __future__ import annotations
 
-import weakref
+import sys
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
+# A fixed scale at which this many steps in a row from the first are all skipped never trains: say so.
+SKIPPED_STEPS_TO_WARN = 10
+SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
+
+
+def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
+    """One more step skipped at the fixed loss scale ``scale``, whose family's step counter
+    ``counter`` has no other use: it counts, negated, the steps skipped before the first
+    applied one (from which the caller counts applied ones up from 1). At
+    ``-SKIPPED_STEPS_TO_WARN`` a warning goes to stderr, once. Graph-side, so it works in
+    tf.functions and Sessions alike; under XLA, which cannot print, it only counts. Returns
+    a tensor that depends on all of it."""
+    before = tf.convert_to_tensor(counter)
+    after = tf.where(before <= 0, before - 1, before)
+    with tf.control_dependencies([counter.assign(after)]):
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            return tf.identity(after)
+
+        def warn() -> tf.Tensor:
+            message = (f"amp_rewrite: the first {SKIPPED_STEPS_TO_WARN} training steps were all skipped: their"
+                       f" gradients were not finite at the fixed loss scale {scale:g}; pass a smaller loss_scale,"
+                       ' or loss_scale="dynamic"')
+            with tf.control_dependencies([tf.print(message, output_stream=sys.stderr)]):
+                return tf.identity(after)
+
+        return tf.cond(tf.equal(after, -SKIPPED_STEPS_TO_WARN), warn, lambda: tf.identity(after))
 
 
 @keras.saving.register_keras_serializable(package="amp_rewrite")
 class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     """Keras 3's loss-scale optimizer, plus a fixed scale and the seed API's methods.
 
-    ``apply``/``apply_gradients`` keep Keras 3's contract (they take *scaled* gradients, as
-    ``model.fit`` passes them), except when every gradient passed is one of the tensors
-    ``get_unscaled_gradients`` returned: those are unscaled, as the tf_keras API had it.
-    The decision is made from the tensors of that call alone, so unscaling gradients in
-    another function or trace (a monitoring step, say) never changes how a step applies.
+    Which gradients ``apply``/``apply_gradients`` take follows the API the code calls on
+    this optimizer, as each API documents it:
+
+    * Keras 3's ``scale_loss`` (``model.fit`` calls it): the gradients of the scaled loss,
+      which ``apply`` unscales, as ``keras.mixed_precision.LossScaleOptimizer`` does;
+    * tf_keras' ``get_scaled_loss``/``get_unscaled_gradients``: unscaled gradients, as in
+      tf_keras and TF1, so gradients clipped, accumulated or all-reduced after unscaling
+      are applied as they are.
+
+    Both on one optimizer is an error, and so is ``apply`` with neither called while the
+    scale is not 1: the gradients' scale is then unknown, and a guess would be a silent factor
+    of the scale. ``minimize`` scales, differentiates and applies itself, either way.
     """
 
     def __init__(self, inner_optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
@@ -31,9 +65,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         self.fixed = fixed
-        # id → tensor, for the tensors get_unscaled_gradients returned; weak, so an entry
-        # lives only as long as its tensor and an id reused later never matches.
-        self._unscaled = weakref.WeakValueDictionary()
+        self._gradients: str | None = None  # SCALED or UNSCALED once the code has said which
 
     @property
     def loss_scale(self):
@@ -42,33 +74,40 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
 
+    def _use(self, gradients: str, method: str) -> None:
+        if self._gradients not in (None, gradients):
+            raise ValueError(
+                f"{method}() called on an optimizer whose code already uses "
+                + ("scale_loss(), so apply() takes the gradients of the scaled loss (Keras 3)"
+                   if self._gradients == SCALED else
+                   "get_scaled_loss()/get_unscaled_gradients(), so apply() takes unscaled gradients (tf_keras)")
+                + "; use one of the two on one optimizer (model.fit uses scale_loss())")
+        self._gradients = gradients
+
+    def scale_loss(self, loss):
+        self._use(SCALED, "scale_loss")
+        return super().scale_loss(loss)
+
     def get_scaled_loss(self, loss):
-        return self.scale_loss(loss)
+        self._use(UNSCALED, "get_scaled_loss")
+        return super().scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
+        self._use(UNSCALED, "get_unscaled_gradients")
         scale = self.loss_scale
-        unscaled = [None if g is None else g / tf.cast(scale, g.dtype) for g in grads]
-        for g in unscaled:
-            if g is not None:
-                self._unscaled[id(g)] = g
-        return unscaled
-
-    def _returned_unscaled(self, grads) -> bool:
-        """Whether ``grads`` are the tensors ``get_unscaled_gradients`` returned (all, or none)."""
-        present = [g for g in grads if g is not None]
-        unscaled = [self._unscaled.get(id(g)) is g for g in present]
-        if any(unscaled) and not all(unscaled):
-            raise ValueError(
-                f"apply() got {sum(unscaled)} of {len(present)} gradients from get_unscaled_gradients() and the"
-                " rest from elsewhere; pass either the gradients of the scaled loss, all scaled, or exactly the"
-                " list get_unscaled_gradients() returned"
-            )
-        return bool(present) and all(unscaled)
+        return [None if g is None else g / tf.cast(scale, g.dtype) for g in grads]
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
-        if self._returned_unscaled(grads):
+        if self._gradients is None and not (self.fixed and self.initial_scale == 1):
+            raise ValueError(
+                "apply() cannot tell whether these gradients are of the scaled loss: scale the loss with"
+                " scale_loss() and apply its gradients (Keras 3), or use get_scaled_loss() and apply"
+                " get_unscaled_gradients()' results (tf_keras); or call minimize(loss, var_list)")
+        if self._gradients == UNSCALED:
             # Back to scaled, as Keras unscales itself: exact, a dynamic scale is a power of two.
+            # (get_unscaled_gradients divided the gradients Keras never divides, of variables
+            # with ``overwrite_with_gradient``, too; this undoes that as well.)
             scale = self.loss_scale
             grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
         return super().apply(grads, trainable_variables)
@@ -81,7 +120,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 loss = loss()
         # d(scale * loss) = scale * d(loss): seed the backward pass with the scale.
         grads = tape.gradient(loss, var_list, output_gradients=tf.cast(self.loss_scale, loss.dtype))
-        self.apply(grads, var_list)
+        super().apply(grads, var_list)
 
     def _tf_apply(self, grads, trainable_variables=None):
         """Keras decides on replica 0's gradients alone when a merge call is needed, so a
@@ -105,6 +144,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self):
         if self.fixed:  # a fixed scale still skips the step, but never changes
+            count_skipped_step(self.step_counter, self.initial_scale)
             return
         super()._stateful_handle_non_finite_grads()
         # Keras halves without a floor; a run of bad steps must not drive the scale below 1
@@ -112,6 +152,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, 1.0))
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        if self.fixed:  # applied steps count up from 1 (count_skipped_step); the scale never grows
+            self.step_counter.assign(tf.maximum(self.step_counter, 0))
         before = tf.identity(self.dynamic_scale)
         super()._stateful_handle_finite_grads(grads, trainable_variables)
         # ... and doubles without a ceiling: keep the last finite scale.

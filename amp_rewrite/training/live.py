@@ -7,25 +7,27 @@ nested calls) and registers the rewritten ones under the same names, so every ca
 custom training loops, ``model.fit``/``evaluate``/``predict``, and ``jit_compile=True``
 functions, which XLA compiles from the registered body — runs them. Functions traced
 before enabling keep their old bodies. A ``tf.compat.v1.Session`` created while the
-rewrite is on runs a rewritten copy of its graph instead (``session``).
+rewrite is on runs a rewritten copy of its graph instead (``session``). What enabling
+changes in the process is held by one ``LiveState``, which disabling puts back.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
 from amp_rewrite.training import optimizers, session
+from amp_rewrite.core import functions
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
@@ -50,14 +52,58 @@ class LiveRewrite:
     cross_function: bool = False
 
 
-_active: LiveRewrite | None = None
-_warned_policy = False
-_warned_cpu_float16 = False
+@dataclass
+class LiveState:
+    """Everything the live rewrite changes in this process, and how to put it back.
+
+    The first ``enable`` installs three things — the trace callback, the Session
+    ``__init__`` patch (``session.patch_session_init``) and TensorFlow's "graph rewrite
+    enabled" flag — and ``disable`` restores each as it found it. Sessions created while it
+    was on keep running their mirrors. A warning shown once is shown once per enabling.
+    """
+
+    settings: LiveRewrite | None = None
+    shown: set[str] = field(default_factory=set)  # the once-only warnings already shown
+    _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def enable(self, settings: LiveRewrite) -> None:
+        if not self._restore:
+            self._restore = _install()
+        self.settings = settings
+
+    def disable(self) -> None:
+        while self._restore:
+            self._restore.pop()()
+        self.settings = None
+        self.shown.clear()
+
+    def show_once(self, key: str) -> bool:
+        """True the first time ``key`` is asked for while enabled: show that warning."""
+        if key in self.shown:
+            return False
+        self.shown.add(key)
+        return True
+
+
+def _install() -> list[Callable[[], None]]:
+    """Install the live rewrite's hooks; returns what undoes each, in order."""
+    flag = mixed_precision_global_state.is_mixed_precision_graph_rewrite_enabled()
+    # The flag makes tf_keras refuse a mixed policy; the Sessions it would turn grappler's own
+    # AMP on in run our rewrite instead (session.py).
+    mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
+    transform.CONCRETE_FUNCTION_CALLBACKS.append(_on_new_function)
+    restore_session_init = session.patch_session_init(active)
+    return [lambda: mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(flag),
+            lambda: transform.CONCRETE_FUNCTION_CALLBACKS.remove(_on_new_function),
+            restore_session_init]
+
+
+STATE = LiveState()
 
 
 def active() -> LiveRewrite | None:
     """The live rewrite in force, or None."""
-    return _active
+    return STATE.settings
 
 
 def detect_target() -> tuple[str | None, str]:
@@ -71,13 +117,14 @@ def detect_target() -> tuple[str | None, str]:
         if not slow:
             return "float16", f"{len(gpus)} GPU(s) of compute capability 7.0 or higher"
         return None, f"GPU(s) {', '.join(slow)} are below compute capability 7.0 and gain nothing from float16"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if any(flag in flags for flag in BF16_CPU_FLAGS):
         return "bfloat16", "the CPU has " + " and ".join(f for f in BF16_CPU_FLAGS if f in flags)
     return None, "no GPU of compute capability 7.0+ and the CPU has neither AVX512-BF16 nor AMX"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where there is none."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         return set()
@@ -108,7 +155,6 @@ def target_name(target: Any) -> Any:
 
 def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
     """Rewrite every new trace from now on; returns the settings, or None if it stays off."""
-    global _active
     policy = _mixed_keras_policy()
     if policy:
         raise ValueError(
@@ -125,21 +171,15 @@ def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveR
         log.info("amp_rewrite: rewriting to %s (%s)", target, why)
     else:
         target = lookup_target(target_name(target)).name  # None above: detect it
-    _active = LiveRewrite(target, load_lists(target, lists), cross_function)
-    # The flag makes tf_keras refuse a mixed policy; the Sessions it would turn grappler's own
-    # AMP on in run our rewrite instead (session.py).
-    mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
-    session.install(active)
-    if _on_new_function not in transform.CONCRETE_FUNCTION_CALLBACKS:
-        transform.CONCRETE_FUNCTION_CALLBACKS.append(_on_new_function)
-    return _active
+    settings = LiveRewrite(target, load_lists(target, lists), cross_function)
+    STATE.enable(settings)
+    return settings
 
 
 def stop() -> None:
-    """New traces are no longer rewritten (functions already rewritten stay so)."""
-    global _active
-    _active = None
-    mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(False)
+    """New traces are no longer rewritten (functions already rewritten stay so); everything the
+    rewrite installed is put back."""
+    STATE.disable()
 
 
 def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: Any = None,
@@ -156,7 +196,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", 
     option); the functions a trace calls are then rewritten into private copies of its own.
     """
     wrapped = optimizers.wrap_optimizer(opt, loss_scale)
-    before = _active
+    before = STATE.settings
     settings = start(target, cross_function=cross_function)
     if before is not None and settings is not None and settings.target != before.target:
         warnings.warn(
@@ -169,7 +209,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", 
 
 def disable_mixed_precision_graph_rewrite() -> None:
     """Stop rewriting new traces; optimizers already wrapped stay wrapped."""
-    if _active is None:
+    if STATE.settings is None:
         warnings.warn("amp_rewrite: disable_mixed_precision_graph_rewrite() called, but the rewrite is not enabled",
                       stacklevel=2)
     stop()
@@ -178,14 +218,15 @@ def disable_mixed_precision_graph_rewrite() -> None:
 @contextlib.contextmanager
 def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False) -> Iterator[LiveRewrite | None]:
     """Rewrite the tf.functions traced inside the block (no optimizer wrapping)."""
-    global _active
-    before = _active
+    before = STATE.settings
     settings = start(target, lists, cross_function)
     try:
         yield settings
     finally:
-        _active = before
-        mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(before is not None)
+        if before is None:
+            STATE.disable()
+        else:
+            STATE.enable(before)
 
 
 def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.FunctionDefLibrary) -> graph_pb2.GraphDef:
@@ -208,21 +249,11 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
 
 
 def _renamed_calls(function: function_pb2.FunctionDef, old_to_new: Mapping[str, str]) -> function_pb2.FunctionDef:
-    """A copy of ``function`` calling ``old_to_new``'s new names (call ops and func attrs)."""
+    """A copy of ``function`` calling ``old_to_new``'s new names (``functions.rename_calls``)."""
     copy = function_pb2.FunctionDef()
     copy.CopyFrom(function)
-
-    def rename(value: attr_value_pb2.AttrValue) -> None:
-        funcs = ([value.func] if value.HasField("func") else []) + list(value.list.func)
-        for func in funcs:
-            func.name = old_to_new.get(func.name, func.name)
-            for nested in func.attr.values():
-                rename(nested)
-
     for node in copy.node_def:
-        node.op = old_to_new.get(node.op, node.op)
-        for value in node.attr.values():
-            rename(value)
+        functions.rename_calls(node, old_to_new)
     return copy
 
 
@@ -242,19 +273,7 @@ def private_copies(
     never replaced in place. A function that calls a changed one changes too, to call the copy.
     """
     def callees(function: function_pb2.FunctionDef) -> set[str]:
-        names = set()
-
-        def collect(value: attr_value_pb2.AttrValue) -> None:
-            for func in ([value.func] if value.HasField("func") else []) + list(value.list.func):
-                names.add(func.name)
-                for nested in func.attr.values():
-                    collect(nested)
-
-        for node in function.node_def:
-            names.add(node.op)
-            for value in node.attr.values():
-                collect(value)
-        return names & set(rewritten)
+        return {name for node in function.node_def for name in functions.called_functions(node)} & set(rewritten)
 
     changed = {name for name, function in rewritten.items() if function != original[name]}
     name_to_callees = {name: callees(function) for name, function in rewritten.items()}
@@ -319,12 +338,10 @@ def compat_name(name: bytes | str) -> str:
 
 
 def _on_new_function(concrete_function: Any) -> None:
-    global _warned_policy
-    settings = _active
+    settings = STATE.settings
     if settings is None:
         return
-    if not _warned_policy and _mixed_keras_policy():
-        _warned_policy = True
+    if _mixed_keras_policy() and STATE.show_once("policy"):
         warnings.warn("amp_rewrite: a mixed precision Keras policy was set after enabling the graph rewrite;"
                       " the two must not be combined", stacklevel=2)
     function_def = concrete_function.function_def
@@ -340,21 +357,19 @@ def _on_new_function(concrete_function: Any) -> None:
     library = concrete_function.graph.as_graph_def().library
     changed = rewrite_registered_function(name, library, settings,
                                           getattr(concrete_function, "_inference_function", None))
-    if not changed and settings.target == "float16" and not _warned_cpu_float16:
+    if not changed and settings.target == "float16" and "cpu-float16" not in STATE.shown:
         _warn_if_cpu_placed(name, [function_def, *library.function], settings.lists)
 
 
 def _warn_if_cpu_placed(name: str, functions: list[function_pb2.FunctionDef], lists: OpLists) -> None:
     """float16 converts GPU or unplaced nodes only (spec §1.5): a trace whose allow-list ops are
     all placed on a CPU — as MirroredStrategy on CPUs places them — runs in float32. Say so once."""
-    global _warned_cpu_float16
     placed = [node for function in functions for node in function.node_def if node.op in lists.allow]
-    if placed and all("CPU" in node.device.upper() for node in placed):
-        _warned_cpu_float16 = True
+    if placed and all("CPU" in node.device.upper() for node in placed) and STATE.show_once("cpu-float16"):
         warnings.warn(
             f"amp_rewrite: float16 rewrites GPU or unplaced nodes only, and {name}'s {placed[0].op} ops are placed on"
             " a CPU (as MirroredStrategy on CPUs places them), so it runs in float32; use target='bfloat16' on"
-            " CPUs. (Shown once.)", stacklevel=3)
+            " CPUs. (Shown once while enabled.)", stacklevel=3)
 
 
 def tensorflow_version() -> tuple[int, int]:

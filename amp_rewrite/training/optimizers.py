@@ -7,17 +7,22 @@ that arithmetic, so this module only picks the right one and maps the seed API's
 ``loss_scale`` argument onto it:
 
 * Keras 3 → ``keras.mixed_precision.LossScaleOptimizer`` (subclassed in
-  ``keras_optimizer`` only to add a fixed scale and the tf_keras-style
-  ``get_scaled_loss``/``get_unscaled_gradients``);
+  ``keras_optimizer`` to add a fixed scale and the tf_keras-style
+  ``get_scaled_loss``/``get_unscaled_gradients``, whose gradients it then applies unscaled);
 * tf_keras (Keras 2) → ``tf_keras.mixed_precision.LossScaleOptimizer`` (a fixed scale is
   tf_keras' own ``dynamic=False``, which, as tf_keras documents, applies every step);
-* ``tf.compat.v1.train.Optimizer`` → ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``.
+* ``tf.compat.v1.train.Optimizer`` → ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``
+  (a fixed scale is ``_FixedLossScale``, which skips non-finite steps as Keras 3's does).
+
+The scale is checked where every family keeps it, in float32; a fixed scale whose first
+steps are all skipped says so on stderr (``keras_optimizer.count_skipped_step``).
 """
 from __future__ import annotations
 
-import math
 import numbers
 import sys
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +31,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
-from amp_rewrite.training.keras_optimizer import DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer
+from amp_rewrite.training.keras_optimizer import (
+    DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, count_skipped_step,
+)
 
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 LOSS_SCALE_HELP = (
     'pass loss_scale="dynamic", a positive number (a fixed scale), None (no scaling), or a '
     "tf.compat.v1.mixed_precision.DynamicLossScale / FixedLossScale"
@@ -59,15 +67,32 @@ def plan_loss_scale(loss_scale: Any) -> ScalePlan:
                 f"DynamicLossScale(multiplier={loss_scale.multiplier}) is not supported: the loss-scale"
                 " optimizers double and halve the scale; use multiplier=2"
             )
-        return ScalePlan(True, float(loss_scale.initial_loss_scale), int(loss_scale.increment_period))
+        initial, period = _float32_scale(loss_scale.initial_loss_scale, "initial_loss_scale"), loss_scale.increment_period
+        if 2 * initial > FLOAT32_MAX:
+            raise ValueError(f"DynamicLossScale(initial_loss_scale={loss_scale.initial_loss_scale!r}) doubles past"
+                             " float32's largest value at its first growth; start at 2**126 or below (2**15 is usual)")
+        if not 1 <= period <= NEVER:
+            raise ValueError(f"DynamicLossScale(increment_period={period}) must be between 1 and {NEVER}"
+                             " (steps are counted in an int32)")
+        return ScalePlan(True, initial, int(period))
     if isinstance(loss_scale, v1.FixedLossScale):
-        return ScalePlan(dynamic=False, initial_scale=float(loss_scale()))
+        # The number as given: calling it makes a float32 tensor, which fails for one float32 cannot hold.
+        return ScalePlan(dynamic=False, initial_scale=_float32_scale(loss_scale._loss_scale_value, "FixedLossScale"))
     # numbers.Real covers NumPy scalars (np.float32(128)) too; a bool is no scale.
     if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, (bool, np.bool_)):
-        if not math.isfinite(loss_scale) or loss_scale <= 0:
-            raise ValueError(f"a fixed loss_scale must be a positive finite number, got {loss_scale!r}")
-        return ScalePlan(dynamic=False, initial_scale=float(loss_scale))
+        return ScalePlan(dynamic=False, initial_scale=_float32_scale(loss_scale, "a fixed loss_scale"))
     raise TypeError(f"cannot interpret loss_scale={loss_scale!r} ({type(loss_scale).__name__}); {LOSS_SCALE_HELP}")
+
+
+def _float32_scale(value: Any, what: str) -> float:
+    """``value`` as a float, if float32 (where every family keeps the scale) holds it as a positive
+    finite number: 1e39 is inf there, 1e-46 is 0."""
+    with np.errstate(over="ignore"):  # 1e39 becoming inf is what is checked
+        as_float32 = np.float32(value) if np.isfinite(value) else np.float32("nan")
+    if not np.isfinite(as_float32) or as_float32 <= 0:
+        raise ValueError(f"{what} must be a positive finite number in float32, where the scale is kept,"
+                         f" got {value!r} ({float(as_float32)!r} in float32); pass one between 2**-126 and 2**127")
+    return float(value)
 
 
 def _family(opt: Any) -> str:
@@ -95,6 +120,37 @@ def _already_wrapped(opt: Any) -> bool:
     return isinstance(opt, tuple(wrappers))
 
 
+class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
+    """A fixed scale that skips non-finite steps, as the Keras 3 wrapper's does (TF1's own
+    FixedLossScale applies them). Its good-steps counter counts for ``count_skipped_step``."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(initial_loss_scale=scale, increment_period=NEVER, multiplier=1)
+
+    def update(self, grads):
+        grads = [g for g in tf.nest.flatten(grads) if g is not None]
+
+        def all_finite(grads):
+            return tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]), tf.float32)
+
+        if tf.distribute.has_strategy():  # in the cross-replica context of apply_gradients' merge call
+            strategy = tf.distribute.get_strategy()
+            finite_replicas = strategy.reduce(
+                tf.distribute.ReduceOp.SUM, strategy.extended.call_for_each_replica(all_finite, args=(grads,)), axis=None)
+            finite = tf.equal(finite_replicas, strategy.num_replicas_in_sync)
+        else:
+            finite = tf.equal(all_finite(grads), 1.0)
+        counter = self._num_good_steps
+
+        def applied() -> tf.Tensor:  # counts up from 1 (count_skipped_step)
+            after = tf.maximum(tf.convert_to_tensor(counter), 0) + 1
+            with tf.control_dependencies([counter.assign(after)]):
+                return tf.identity(after)
+
+        update = tf.cond(finite, applied, lambda: count_skipped_step(counter, self.initial_loss_scale))
+        return update, finite
+
+
 class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer):
     """TF1's loss-scale optimizer with the seed API's ``get_scaled_loss`` & co."""
 
@@ -109,6 +165,10 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
         return self._unscale_grads(grads)
 
 
+# An optimizer -> the wrapper this module made of it, as long as both live.
+_INNER_TO_WRAPPER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
     """``opt`` wrapped in its family's loss-scale optimizer, configured from ``loss_scale``."""
     if _already_wrapped(opt):
@@ -117,6 +177,18 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
         )
     family = _family(opt)
     plan = plan_loss_scale(loss_scale)
+    earlier = _INNER_TO_WRAPPER.get(opt)
+    if earlier is not None and earlier() is not None:
+        warnings.warn(
+            f"amp_rewrite: this {type(opt).__name__} is already wrapped by a loss-scale optimizer that is still in use"
+            " (an earlier enable_mixed_precision_graph_rewrite returned it); two wrappers of one optimizer keep two"
+            " loss scales and both step it: use the wrapper you have, or wrap a new optimizer", stacklevel=3)
+    wrapped = _wrap(opt, family, plan)
+    _INNER_TO_WRAPPER[opt] = weakref.ref(wrapped)
+    return wrapped
+
+
+def _wrap(opt: Any, family: str, plan: ScalePlan) -> Any:
     if family == "keras":
         return LossScaleOptimizer(opt, initial_scale=plan.initial_scale,
                                   dynamic_growth_steps=plan.growth_steps if plan.dynamic else NEVER,
@@ -127,12 +199,10 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
             opt, dynamic=plan.dynamic, initial_scale=plan.initial_scale,
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
-    # A fixed scale still skips non-finite steps: a dynamic one that never grows or shrinks.
-    # TF1's optimizer takes nothing else, so TensorFlow's notice that DynamicLossScale is
-    # deprecated (it points to Keras) would only confuse a v1 user: silenced.
+    # TF1's optimizer takes nothing but its deprecated loss scales, so TensorFlow's notice that
+    # DynamicLossScale is deprecated (it points to Keras) would only confuse a v1 user: silenced.
     with deprecation.silence():
-        scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-            initial_loss_scale=plan.initial_scale, increment_period=plan.growth_steps if plan.dynamic else NEVER,
-            multiplier=2 if plan.dynamic else 1,
-        )
+        scale = (tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=plan.initial_scale,
+                                                              increment_period=plan.growth_steps)
+                 if plan.dynamic else _FixedLossScale(plan.initial_scale))
     return _V1LossScaleOptimizer(opt, scale)

@@ -2,18 +2,27 @@
 
 TensorFlow's Session reads its graph from the C++ graph behind ``tf.Graph`` and extends
 it run by run; there is no Python hook between the two, and a node a Session has run may
-not change. So such a Session never runs the user's graph itself: at each ``run`` it runs
-a private *mirror* — ``rewrite_graph_def`` of the user's GraphDef (our lists, overlays,
-environment variables, target), imported into a private ``tf.Graph`` with the same node
-names — in a private Session with the same target and config. Fetches and feeds are
-mapped by name; a fetched value whose dtype the rewrite changed comes back in the user
-graph's dtype.
+not change. So such a Session never runs the user's graph itself: it runs a private
+*mirror* — ``rewrite_graph_def`` of the user's GraphDef (our lists, overlays, environment
+variables, target), imported into a private ``tf.Graph`` with the same node names — in a
+private Session with the same target and config.
 
-When the user's graph grows between runs (a Saver, an eval op), it is rewritten again;
-the nodes the mirror already has are normally rewritten the same way and only the new
-ones are imported. If the new ops change how an old node is painted, the mirror is
-rebuilt and the values of its initialized resource variables are carried over (other
-state, such as queues or iterators, starts afresh; README).
+The Session keeps every piece of ``BaseSession`` that reads fetches and feeds: TensorFlow's
+own fetch mapper, feed expansion (sparse and composite placeholders), dtype and shape
+checks. It swaps only the bottom layer, where those are flat lists of graph outputs and
+operations about to reach the user's C session (``_call_tf_sessionrun``, partial runs,
+``make_callable`` and ``_make_callable_from_options`` callables): there each one is mapped
+by name onto the mirror, a fed value whose tensor the rewrite converted is cast to the
+mirror's dtype, and a fetched one back to the user graph's. The user's own C session never
+receives the graph.
+
+The mirror only grows. When a run needs ops it lacks (an eval op, a Saver added after the
+first run), the user's graph is rewritten again with the mirror's nodes *frozen*
+(``rewrite_graph_def(frozen=)``: they keep the dtypes they run with, and the new ops are
+painted around them) and only the new nodes are imported, so variables, iterator
+positions, tables and queues live on. Where a new op would still change a node the mirror
+runs (a TensorList shared with it, ``cross_function`` across a running function), the run
+is refused with one line.
 
 Grappler's own auto_mixed_precision is left off in every Session created while the
 rewrite is on, unless the config turns it on explicitly: TensorFlow would switch it on
@@ -24,72 +33,110 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.client import pywrap_tf_session as c_api
 from tensorflow.python.client import session as session_lib
+from tensorflow.python.framework import importer
 
-from amp_rewrite.core.rewrite import rewrite_graph_def
+from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 
 log = logging.getLogger(__name__)
 
-# Set on each Session: the settings it was created under (a live.LiveRewrite), or None.
-SETTINGS_ATTR = "_amp_rewrite_settings"
-MIRROR_ATTR = "_amp_rewrite_mirror"
-CARRY_SCOPE = "amp_rewrite_carry"  # the mirror's own ops, named apart from the user's
-_installed = False
+MIRROR_GRAPH_ATTR = "_amp_rewrite_mirror_of"  # set on a mirror's tf.Graph: its Session runs it as it is
 
 
 @dataclass
 class Mirror:
-    """The rewritten copy of one user graph that a private Session runs."""
+    """The rewritten copy of one user graph that a private Session runs; it only grows."""
 
     graph: tf.Graph
     session: tf.compat.v1.Session
-    version: int  # the user graph's version it mirrors
-    nodes: dict[str, node_def_pb2.NodeDef] = field(default_factory=dict)  # as rewritten
-    functions: dict[str, function_pb2.FunctionDef] = field(default_factory=dict)  # as rewritten
-    rebuilds: int = 0
+    result: RewriteResult  # the rewrite it runs: frozen for the next one
+    sources: dict[str, node_def_pb2.NodeDef]  # the user's nodes that rewrite read, by name
+    nodes: dict[str, node_def_pb2.NodeDef]  # as rewritten, by name
+    functions: dict[str, function_pb2.FunctionDef]  # as rewritten, by name
+    # Looked up once per tensor and op (a running node never changes): runs map every element.
+    _outputs: dict[tuple[str, int], tuple[Any, tf.DType]] = field(default_factory=dict, repr=False)
+    _operations: dict[str, Any] = field(default_factory=dict, repr=False)
+    _fetches: dict[tuple[str, int], _Fetch] = field(default_factory=dict, repr=False)
+
+    def output(self, name: str, index: int) -> tuple[Any, tf.DType]:
+        """The mirror's output ``name:index`` (a TF_Output) and its dtype."""
+        found = self._outputs.get((name, index))
+        if found is None:
+            tensor = self.graph.get_operation_by_name(name).outputs[index]
+            found = self._outputs[name, index] = (tensor._as_tf_output(), tensor.dtype)  # pylint: disable=protected-access
+        return found
+
+    def operation(self, name: str) -> Any:
+        """The mirror's operation ``name`` (a TF_Operation)."""
+        found = self._operations.get(name)
+        if found is None:
+            found = self._operations[name] = self.graph.get_operation_by_name(name)._c_op  # pylint: disable=protected-access
+        return found
+
+    def fetch(self, user_output: Any) -> _Fetch:
+        """The mirror's output for the user graph's ``user_output`` (a TF_Output), and the dtype
+        to return its value in where the rewrite changed it."""
+        key = (_operation_name(user_output.oper), user_output.index)
+        found = self._fetches.get(key)
+        if found is None:
+            inner, dtype = self.output(*key)
+            user = c_api.TF_OperationOutputType(user_output)
+            found = self._fetches[key] = _Fetch(
+                inner, None if dtype.as_datatype_enum == user else tf.as_dtype(user).base_dtype.as_numpy_dtype)
+        return found
+
+    def feeds(self, feed_dict: dict) -> dict:
+        """``feed_dict`` (user TF_Output -> value) for the mirror: a value whose tensor the rewrite
+        converted is cast to the mirror's dtype."""
+        feeds = {}
+        for user_output, value in feed_dict.items():
+            inner, dtype = self.output(_operation_name(user_output.oper), user_output.index)
+            if dtype.as_numpy_dtype != value.dtype and value.dtype != object:  # object: a TensorHandle
+                value = value.astype(dtype.as_numpy_dtype)
+            feeds[inner] = value
+        return feeds
 
 
-def install(active: Callable[[], Any]) -> None:
-    """Route Sessions created from now on through ``run_rewritten`` (once); ``active()`` gives
-    the live settings a new Session takes, or None when the rewrite is off."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    original_init, original_run, original_close = (session_lib.BaseSession.__init__, session_lib.BaseSession.run,
-                                                   session_lib.BaseSession.close)
+def patch_session_init(active: Callable[[], Any]) -> Callable[[], None]:
+    """Make a Session created while ``active()`` gives settings (a ``live.LiveRewrite``) run the
+    mirror; returns the function that puts ``BaseSession.__init__`` back."""
+    original = session_lib.BaseSession.__init__
 
-    @functools.wraps(original_init)
+    @functools.wraps(original)
     def __init__(self, target: str = "", graph: tf.Graph | None = None, config: Any = None) -> None:
         settings = active()
-        if settings is not None:
-            config = _without_grappler_amp(config)
-        original_init(self, target, graph, config)
-        setattr(self, SETTINGS_ATTR, settings)
-
-    @functools.wraps(original_run)
-    def run(self, fetches: Any, feed_dict: Any = None, options: Any = None, run_metadata: Any = None) -> Any:
-        if getattr(self, SETTINGS_ATTR, None) is None:
-            return original_run(self, fetches, feed_dict, options, run_metadata)
-        return run_rewritten(self, fetches, feed_dict, options, run_metadata)
-
-    @functools.wraps(original_close)
-    def close(self) -> None:
-        mirror = getattr(self, MIRROR_ATTR, None)
-        if mirror is not None:
-            mirror.session.close()
-        original_close(self)
+        if settings is None or getattr(graph, MIRROR_GRAPH_ATTR, None) is not None:
+            original(self, target, graph, config)
+            return
+        original(self, target, graph, _without_grappler_amp(config))
+        self.__class__ = _mirrored_class(type(self))
+        self._amp_rewrite_settings = settings
+        self._amp_rewrite_mirror = None
+        self._amp_rewrite_lock = threading.Lock()
 
     session_lib.BaseSession.__init__ = __init__
-    session_lib.BaseSession.run = run
-    session_lib.BaseSession.close = close
+
+    def restore() -> None:
+        if session_lib.BaseSession.__init__ is __init__:  # else someone patched it after us: leave theirs
+            session_lib.BaseSession.__init__ = original
+
+    return restore
+
+
+def is_mirrored(session: Any) -> bool:
+    """Whether ``session`` runs the rewritten mirror (it was created while the rewrite was on)."""
+    return isinstance(session, MirroredSession)
 
 
 def _without_grappler_amp(config: Any) -> Any:
@@ -113,126 +160,237 @@ def _default_config() -> config_pb2.ConfigProto:
     return context.context().config
 
 
-def run_rewritten(session: Any, fetches: Any, feed_dict: Any, options: Any, run_metadata: Any) -> Any:
-    """``session.run`` on the rewritten mirror of ``session.graph``."""
-    mirror = _current_mirror(session)
-    graph = session.graph
-
-    def inner(element: Any) -> Any:
-        """The mirror's element of the same name (a variable fetches its value, as in Session)."""
-        as_element = getattr(element, "_as_graph_element", None)
-        if as_element is not None and not isinstance(element, (tf.Tensor, tf.Operation)):
-            element = as_element()
-        if isinstance(element, (tf.Tensor, tf.Operation)) and element.graph is graph:
-            return mirror.graph.as_graph_element(element.name)
-        return element
-
-    mapped_fetches = tf.nest.map_structure(inner, fetches)
-    mapped_feeds = None
-    if feed_dict is not None:
-        mapped_feeds = {}
-        for key, value in feed_dict.items():
-            target = mirror.graph.as_graph_element(key) if isinstance(key, str) else inner(key)
-            original = graph.as_graph_element(key) if isinstance(key, str) else key
-            if (isinstance(target, tf.Tensor) and isinstance(original, tf.Tensor) and target.dtype != original.dtype
-                    and target.dtype.is_floating and not isinstance(value, tf.Tensor)):
-                value = np.asarray(value).astype(target.dtype.as_numpy_dtype)
-            mapped_feeds[target] = value
-    results = mirror.session.run(mapped_fetches, mapped_feeds, options, run_metadata)
-
-    def outer_dtype(element: Any, result: Any) -> Any:
-        if not isinstance(result, (np.ndarray, np.generic)):
-            return result
-        original = graph.as_graph_element(element) if isinstance(element, str) else element
-        if isinstance(original, tf.Tensor) and original.dtype.is_floating and result.dtype != original.dtype.as_numpy_dtype:
-            return np.asarray(result).astype(original.dtype.as_numpy_dtype)
-        return result
-
-    return tf.nest.map_structure(outer_dtype, fetches, results)
+_CLASS_TO_MIRRORED: dict[type, type] = {}
 
 
-def _current_mirror(session: Any) -> Mirror:
-    """The mirror of ``session.graph`` as it is now: built, extended with new ops, or rebuilt."""
-    mirror: Mirror | None = getattr(session, MIRROR_ATTR, None)
-    graph = session.graph
-    if mirror is not None and mirror.version == graph.version:
-        return mirror
-    settings = getattr(session, SETTINGS_ATTR)
-    rewritten = rewrite_graph_def(graph.as_graph_def(), target=settings.target, lists=settings.lists,
-                                  cross_function=settings.cross_function).graph_def
-    log.debug("amp_rewrite: session graph version %d rewritten", graph.version)
-    nodes = {node.name: node for node in rewritten.node}
-    functions = {f.signature.name: f for f in rewritten.library.function}
-    if (mirror is not None and all(nodes.get(name) == node for name, node in mirror.nodes.items())
-            and all(functions.get(name) == f for name, f in mirror.functions.items())):
-        _extend(mirror, rewritten, nodes, functions)
-        mirror.version = graph.version
-        return mirror
-    fresh = _build(session, rewritten, graph.version, nodes, functions)
-    if mirror is not None:
-        _carry_variables(mirror, fresh)
-        fresh.rebuilds = mirror.rebuilds + 1
-        mirror.session.close()
-    setattr(session, MIRROR_ATTR, fresh)
-    return fresh
+def _mirrored_class(cls: type) -> type:
+    """``cls`` (Session, InteractiveSession, ...) with ``MirroredSession``'s methods first."""
+    if cls not in _CLASS_TO_MIRRORED:
+        _CLASS_TO_MIRRORED[cls] = type(cls.__name__, (MirroredSession, cls), {"__module__": cls.__module__})
+    return _CLASS_TO_MIRRORED[cls]
 
 
-def _build(session: Any, rewritten: graph_pb2.GraphDef, version: int, nodes: dict, functions: dict) -> Mirror:
+@dataclass(frozen=True)
+class _Fetch:
+    """One fetched output of the mirror, and the user graph's dtype to return it in (None: the same)."""
+
+    output: Any
+    user_dtype: Any = None
+
+    def to_user(self, value: Any) -> Any:
+        return value if self.user_dtype is None else value.astype(self.user_dtype)  # a NumPy scalar stays one
+
+
+class MirroredSession(session_lib.BaseSession):
+    """What a Session created while the rewrite is on runs instead of ``BaseSession``'s lowest
+    layer (mixed in before its own class): every call that would reach the user's C session
+    reaches the mirror's, with outputs and operations mapped by name."""
+
+    _amp_rewrite_settings: Any
+    _amp_rewrite_mirror: Mirror | None
+    _amp_rewrite_lock: threading.Lock
+
+    def _extend_graph(self) -> None:
+        """Nothing: the user's C session never gets the graph; the mirror grows when a run needs it."""
+
+    def _call_tf_sessionrun(self, options: Any, feed_dict: dict, fetch_list: list, target_list: list,
+                            run_metadata: Any) -> list:
+        mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)]
+                                   + [_operation_name(t) for t in target_list])
+        fetches = [mirror.fetch(output) for output in fetch_list]
+        results = c_api.TF_SessionRun_wrapper(
+            mirror.session._session, options, mirror.feeds(feed_dict),  # pylint: disable=protected-access
+            [f.output for f in fetches], [mirror.operation(_operation_name(t)) for t in target_list], run_metadata)
+        return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
+
+    def _call_tf_sessionprun(self, handle: Any, feed_dict: dict, fetch_list: list) -> list:
+        mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)])
+        fetches = [mirror.fetch(output) for output in fetch_list]
+        results = c_api.TF_SessionPRun_wrapper(mirror.session._session, handle,  # pylint: disable=protected-access
+                                               mirror.feeds(feed_dict), [f.output for f in fetches])
+        return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
+
+    def partial_run_setup(self, fetches: Any, feeds: Any = None) -> Any:
+        """``BaseSession.partial_run_setup`` on the mirror: TensorFlow's own fetch handler and feed
+        expansions give the flat lists, which are set up in the mirror's C session."""
+        if self._closed:
+            raise RuntimeError("Attempted to use a closed Session.")
+        if self.graph.version == 0:
+            raise RuntimeError("The Session graph is empty. Add operations to the graph before calling run().")
+        handler = session_lib._FetchHandler(self.graph, fetches, {})  # pylint: disable=protected-access
+        feed_tensors = [self.graph.as_graph_element(subfeed, allow_tensor=True, allow_operation=False)
+                        for feed in _as_list(feeds) for subfeed in _partial_run_expansion(feed)]
+        mirror = self._mirror_with([t.op.name for t in (*feed_tensors, *handler.fetches())]
+                                   + [op.name for op in handler.targets()])
+        return self._do_call(
+            c_api.TF_SessionPRunSetup_wrapper, mirror.session._session,  # pylint: disable=protected-access
+            [mirror.output(t.op.name, t.value_index)[0] for t in feed_tensors],
+            [mirror.output(t.op.name, t.value_index)[0] for t in handler.fetches()],
+            [mirror.operation(op.name) for op in handler.targets()])
+
+    def _make_callable_from_options(self, callable_options: config_pb2.CallableOptions) -> Any:
+        """A callable of the mirror's C session (what tf_keras' graph-mode ``K.function`` runs):
+        ``CallableOptions`` name tensors and operations, which the mirror names alike."""
+        connections = [name for c in callable_options.tensor_connection for name in (c.from_tensor, c.to_tensor)]
+        feeds, fetches = list(callable_options.feed), list(callable_options.fetch)
+        names = [parse_tensor_name(n).node for n in (*feeds, *fetches, *connections, *callable_options.target)]
+        mirror = self._mirror_with(names)
+        inner = session_lib.BaseSession._Callable(mirror.session, callable_options)  # pylint: disable=protected-access
+        feed_dtypes = [self._changed_dtype(mirror, name, to_mirror=True) for name in feeds]
+        fetch_dtypes = [self._changed_dtype(mirror, name, to_mirror=False) for name in fetches]
+        if not any(feed_dtypes) and not any(fetch_dtypes):
+            return inner
+        return _CastingCallable(inner, feed_dtypes, fetch_dtypes)
+
+    def close(self) -> None:
+        mirror = self._amp_rewrite_mirror
+        if mirror is not None:
+            mirror.session.close()
+        super().close()
+
+    # --- mapping onto the mirror -----------------------------------------------------------
+
+    def _changed_dtype(self, mirror: Mirror, name: str, *, to_mirror: bool) -> Any:
+        """For tensor ``name`` whose dtype the rewrite changed, the NumPy dtype a value must be
+        cast to (the mirror's for a feed, the user's for a fetch); else None."""
+        tensor = parse_tensor_name(name)
+        user = self.graph.get_operation_by_name(tensor.node).outputs[tensor.port].dtype
+        _, inner = mirror.output(tensor.node, tensor.port)
+        if user == inner:
+            return None
+        return (inner if to_mirror else user.base_dtype).as_numpy_dtype
+
+    def _mirror_with(self, names: Iterable[str]) -> Mirror:
+        """The mirror, grown first if it lacks a node of ``names``."""
+        mirror = self._amp_rewrite_mirror
+        if mirror is not None and all(name in mirror.nodes for name in names):
+            return mirror
+        with self._amp_rewrite_lock:
+            if self._amp_rewrite_mirror is None:
+                self._amp_rewrite_mirror = _build(self)
+            else:
+                _grow(self, self._amp_rewrite_mirror)
+            return self._amp_rewrite_mirror
+
+
+def _operation_name(operation: Any) -> str:
+    return c_api.TF_OperationName(operation)
+
+
+def _as_list(feeds: Any) -> list:
+    if feeds is None:
+        return []
+    return list(feeds) if isinstance(feeds, (list, tuple)) else [feeds]
+
+
+def _partial_run_expansion(feed: Any) -> list:
+    """The tensors ``feed`` stands for in a partial run (a SparseTensor placeholder: three), by
+    TensorFlow's own expansions."""
+    for tensor_type, _, _, expand in session_lib._REGISTERED_EXPANSIONS:  # pylint: disable=protected-access
+        if isinstance(feed, tensor_type):
+            return expand(feed)
+    raise TypeError(f'Feed argument {feed} has invalid type "{type(feed).__name__}"')
+
+
+class _CastingCallable:
+    """A mirror callable whose feeds and fetches the rewrite converted: values cast on the way."""
+
+    def __init__(self, inner: Any, feed_dtypes: Sequence[Any], fetch_dtypes: Sequence[Any]) -> None:
+        self._inner, self._feed_dtypes, self._fetch_dtypes = inner, feed_dtypes, fetch_dtypes
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(a if d is None else np.asarray(a).astype(d) for a, d in zip(args, self._feed_dtypes))
+        results = self._inner(*args, **kwargs)
+        return [r if d is None else r.astype(d) for r, d in zip(results, self._fetch_dtypes)]
+
+
+# --- building and growing the mirror ---------------------------------------------------------
+
+
+def _rewrite(session: MirroredSession, frozen: RewriteResult | None) -> tuple[graph_pb2.GraphDef, RewriteResult]:
+    """The user's GraphDef now, and its rewrite with ``frozen``'s nodes frozen."""
+    settings = session._amp_rewrite_settings  # pylint: disable=protected-access
+    graph_def = session.graph.as_graph_def()
+    result = rewrite_graph_def(graph_def, target=settings.target, lists=settings.lists,
+                               cross_function=settings.cross_function, frozen=frozen)
+    log.debug("amp_rewrite: session graph version %d rewritten", session.graph.version)
+    return graph_def, result
+
+
+def _build(session: MirroredSession) -> Mirror:
+    source, result = _rewrite(session, None)
     graph = tf.Graph()
+    setattr(graph, MIRROR_GRAPH_ATTR, session.graph)
     with graph.as_default():
-        tf.graph_util.import_graph_def(rewritten, name="")
+        tf.graph_util.import_graph_def(result.graph_def, name="")
     inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=session._config)  # pylint: disable=protected-access
-    setattr(inner, SETTINGS_ATTR, None)  # the mirror's own Session runs as it is
-    return Mirror(graph, inner, version, nodes, functions)
+    inner._extend_graph()  # pylint: disable=protected-access
+    return Mirror(graph, inner, result, {node.name: node for node in source.node},
+                  {node.name: node for node in result.graph_def.node},
+                  {f.signature.name: f for f in result.graph_def.library.function})
 
 
-def _extend(mirror: Mirror, rewritten: graph_pb2.GraphDef, nodes: dict, functions: dict) -> None:
-    """Import the nodes and functions ``rewritten`` has and the mirror lacks, wired to the mirror's nodes."""
+def _grow(session: MirroredSession, mirror: Mirror) -> None:
+    """Import into ``mirror`` the nodes and functions the user's graph gained, painted around the
+    frozen ones; refuse if the new ops would change one the mirror runs."""
+    source, result = _rewrite(session, mirror.result)
+    sources = {node.name: node for node in source.node}
+    nodes = {node.name: node for node in result.graph_def.node}
+    functions = {f.signature.name: f for f in result.graph_def.library.function}
+    _check_frozen(mirror, sources, nodes, functions)
     new = graph_pb2.GraphDef()
-    new.versions.CopyFrom(rewritten.versions)
+    new.versions.CopyFrom(result.graph_def.versions)
     new.library.function.extend(f for name, f in functions.items() if name not in mirror.functions)
+    # Inputs from running nodes are mapped onto them; control inputs from them are added after
+    # the import (``import_graph_def`` maps those only under a name prefix, and names must match).
     input_map: dict[str, Any] = {}
-    for node in rewritten.node:
+    controls: dict[str, list[str]] = {}
+    for node in result.graph_def.node:
         if node.name in mirror.nodes:
             continue
-        new.node.add().CopyFrom(node)
+        copy = new.node.add()
+        copy.CopyFrom(node)
+        del copy.input[:]
         for name in node.input:
-            source = name.lstrip("^").split(":")[0]
-            if source in mirror.nodes:
-                key = name if name.startswith("^") or ":" in name else f"{name}:0"
-                input_map[key] = mirror.graph.get_operation_by_name(source) if name.startswith("^") \
-                    else mirror.graph.get_tensor_by_name(key)
+            tensor = parse_tensor_name(name)
+            if tensor.node in mirror.nodes and tensor.is_control:
+                controls.setdefault(node.name, []).append(tensor.node)
+                continue
+            copy.input.append(name)
+            if tensor.node in mirror.nodes:
+                input_map[f"{tensor.node}:{tensor.port}"] = mirror.graph.get_tensor_by_name(f"{tensor.node}:{tensor.port}")
     with mirror.graph.as_default():
-        tf.graph_util.import_graph_def(new, input_map=input_map, name="")
-    mirror.nodes, mirror.functions = nodes, functions
+        # A new op colocated with a running one (a table's lookup, a variable's read) names a node
+        # outside ``new``: the mirror has it, so the constraint is kept, not checked here.
+        importer._import_graph_def_internal(new, input_map=input_map, name="",  # pylint: disable=protected-access
+                                            validate_colocation_constraints=False)
+    for name, producers in controls.items():
+        mirror.graph.get_operation_by_name(name)._add_control_inputs(  # pylint: disable=protected-access
+            [mirror.graph.get_operation_by_name(producer) for producer in producers])
+    mirror.session._extend_graph()  # pylint: disable=protected-access
+    mirror.result, mirror.sources, mirror.nodes, mirror.functions = result, sources, nodes, functions
+    log.debug("amp_rewrite: %d nodes added to the running mirror", len(new.node))
 
 
-def _carry_variables(old: Mirror, new: Mirror) -> None:
-    """Copy the initialized resource variables' values from the old mirror into the new one."""
-    handles = [node for node in old.graph.as_graph_def().node if node.op == "VarHandleOp"
-               and node.name in new.nodes and new.nodes[node.name].op == "VarHandleOp"]
-    if not handles:
+def _check_frozen(mirror: Mirror, sources: dict, nodes: dict, functions: dict) -> None:
+    """Refuse, naming the new ops, when they change how a node or function the mirror already
+    runs is rewritten. A node the user changed after it ran (an attribute TensorFlow sets when
+    an op becomes a control dependency, say) keeps running as it was, as in TensorFlow's own
+    Session, where such a change has no effect."""
+    changed_node = next((name for name, node in mirror.nodes.items()
+                         if nodes.get(name) != node and sources.get(name) == mirror.sources.get(name)), None)
+    changed_function = next((name for name, f in mirror.functions.items() if functions.get(name) != f), None)
+    if changed_node is None and changed_function is None:
         return
-    with old.graph.as_default(), tf.name_scope(CARRY_SCOPE):
-        initialized = [tf.raw_ops.VarIsInitializedOp(resource=old.graph.get_tensor_by_name(f"{h.name}:0"))
-                       for h in handles]
-    flags = old.session.run(initialized)
-    handles = [h for h, flag in zip(handles, flags) if flag]
-    if not handles:
-        return
-    with old.graph.as_default(), tf.name_scope(CARRY_SCOPE):
-        reads = [tf.raw_ops.ReadVariableOp(resource=old.graph.get_tensor_by_name(f"{h.name}:0"), dtype=h.attr["dtype"].type)
-                 for h in handles]
-    values = old.session.run(reads)
-    with new.graph.as_default(), tf.name_scope(CARRY_SCOPE):
-        placeholders = [tf.compat.v1.placeholder(v.dtype) for v in values]
-        assigns = [tf.raw_ops.AssignVariableOp(resource=new.graph.get_tensor_by_name(f"{h.name}:0"), value=p)
-                   for h, p in zip(handles, placeholders)]
-    new.session.run(assigns, dict(zip(placeholders, values)))
-    log.debug("amp_rewrite: carried %d variables into the rebuilt mirror", len(handles))
-
-
-def is_mirrored(session: Any) -> bool:
-    """Whether ``session`` runs the rewritten mirror (it was created while the rewrite was on)."""
-    return getattr(session, SETTINGS_ATTR, None) is not None
-
+    added = [node for name, node in sources.items() if name not in mirror.nodes]
+    if changed_node is not None:
+        readers = [node for node in added if any(parse_tensor_name(name).node == changed_node for name in node.input)]
+        what = f"'{changed_node}' ({mirror.nodes[changed_node].op})"
+    else:
+        readers, what = [], f"function '{changed_function}'"
+    why = (f" (cross_function=True paints across the boundary of function '{changed_function}')"
+           if changed_function is not None and changed_node is not None else "")
+    named = ", ".join(f"'{node.name}' ({node.op})" for node in (readers or added)[:3])
+    raise AmpRewriteError(
+        f"amp_rewrite: op(s) {named} added after this Session's first run would change how {what}, which it"
+        f" already runs, is rewritten{why}; create them before the first run, or run them in a new Session")
