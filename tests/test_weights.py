@@ -418,6 +418,59 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_and_nothing_is_written(con
     assert listing(destination.parent) == set() and hash_tree(broken) == before
 
 
+def test_a_variable_whose_ops_disagree_on_its_dtype_is_one_line_and_nothing_is_written(converted: Models) -> None:
+    """Rule: a variable read as float16 in one function (then cast to float32) and held as
+    float32 by its handle (a hand-edited or broken export; TensorFlow fails on it when it
+    runs it) is exit 2 naming both ops, nothing written, the source untouched."""
+    broken = converted.root / "disagree"
+    subprocess.run(["cp", "-r", str(converted.src["module"]), str(broken)], check=True)
+    proto = saved_model_pb2.SavedModel.FromString((broken / "saved_model.pb").read_bytes())
+    other = next(f for f in proto.meta_graphs[0].graph_def.library.function
+                 if f.signature.name.startswith("__inference_other_"))
+    nodes = {node.name: node for node in other.node_def}
+    matmul = next(node for node in other.node_def if node.op == "MatMul")
+    read = nodes[matmul.input[1].split(":")[0]]
+    assert read.op == "ReadVariableOp" and read.attr["dtype"].type == F32
+    read.attr["dtype"].type = types_pb2.DT_HALF  # and a cast back, so that only the variable's ops disagree
+    cast = other.node_def.add(name=f"{read.name}/back", op="Cast", input=[matmul.input[1]])
+    cast.attr["SrcT"].type, cast.attr["DstT"].type = types_pb2.DT_HALF, F32
+    matmul.input[1] = f"{cast.name}:y:0"
+    (broken / "saved_model.pb").write_bytes(proto.SerializeToString())
+    with pytest.raises(tf.errors.InvalidArgumentError):  # TensorFlow's own loader: the call fails
+        tf.saved_model.load(str(broken)).signatures["other"](x=tf.ones((1, 8)))
+    before = hash_tree(broken)
+    destination = converted.root / "disagree_out" / "dst"
+    destination.parent.mkdir()
+    line = error_line(run_cli("convert", broken, destination, "--target", "bfloat16"))
+    assert line.startswith("amp-rewrite: error: the ops on one variable disagree on its dtype: VarHandleOp '")
+    assert f"ReadVariableOp '{read.name}' in {other.signature.name} says float16;" in line
+    assert line.endswith("TensorFlow fails on it at run time: export the model again")
+    assert listing(destination.parent) == set() and hash_tree(broken) == before
+
+
+def test_a_checkpoint_whose_dtype_disagrees_with_the_graph_is_one_line_and_nothing_is_written(
+        converted: Models) -> None:
+    """Rule: variables/ holding a variable float16 that saved_model.pb holds float32 (files of
+    two exports) is exit 2 naming the key, not a second rounding; nothing written."""
+    mixed_up = converted.root / "mixed_up"
+    subprocess.run(["cp", "-r", str(converted.src["module"]), str(mixed_up)], check=True)
+    dtypes, values = _checkpoint(mixed_up)
+    values[_key("shared")] = values[_key("shared")].astype(np.float16)
+    for old in (mixed_up / "variables").iterdir():
+        old.unlink()
+    keys = sorted(dtypes)
+    tf.raw_ops.SaveV2(prefix=str(mixed_up / "variables" / "variables"), tensor_names=keys,
+                      shape_and_slices=[""] * len(keys), tensors=[values[key] for key in keys])
+    before = hash_tree(mixed_up)
+    destination = converted.root / "mixed_up_out" / "dst"
+    destination.parent.mkdir()
+    line = error_line(run_cli("convert", mixed_up, destination, "--target", "bfloat16"))
+    assert line == (f"amp-rewrite: error: {mixed_up}/variables/variables: key '{_key('shared')}' holds float16 but"
+                    " the graph reads variable 'shared' as float32; variables/ and saved_model.pb disagree: copy both"
+                    " from one export")
+    assert listing(destination.parent) == set() and hash_tree(mixed_up) == before
+
+
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_nothing_is_written(
         converted: Models, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule: the checkpoint writer failing (a full disk) is exit 2, nothing at DST."""

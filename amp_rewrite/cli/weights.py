@@ -13,7 +13,9 @@ from the source, the low ones rounded once as the per-call cast rounded them
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tensorflow.core.protobuf import saved_model_pb2, trackable_object_graph_pb2
 
@@ -22,7 +24,7 @@ from amp_rewrite.core.errors import ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rewrite import RewriteResult
-from amp_rewrite.core.weights import ObjectGraph, StoredWeights, restored_keys, round_to, store_weights
+from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restored_keys, round_to, store_weights
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as
@@ -56,20 +58,34 @@ def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWe
         return store_weights(result.graph_def, target, kept=kept, variables=False, constants=True)
     if not (model.path / "variables" / "variables.index").exists():
         return store_weights(result.graph_def, target, kept=kept, variables=False)
-    objects, blocked = _object_graph(model)
+    reader = _reader(model)
+    objects, blocked = _object_graph(model, reader)
     for index, meta in enumerate(model.saved_model.meta_graphs):
         if index != model.meta_graph_index:
             why = (f"is also restored by the MetaGraphDef tagged {tag_set_text(meta.meta_info_def.tags)!r}, which"
                    " this run does not convert (it reads float32)")
             blocked.update(dict.fromkeys(restored_keys(meta.graph_def), why))
-    return store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked)
+    stored = store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked)
+    _check_dtypes(model, stored, reader.get_variable_to_dtype_map())
+    return stored
 
 
-def _object_graph(model: Model) -> tuple[ObjectGraph | None, dict[str, str]]:
+def _check_dtypes(model: Model, stored: StoredWeights, key_to_dtype: Mapping[str, Any]) -> None:
+    """The checkpoint holds each float32 variable of the graph as float32: else ``variables/``
+    and ``saved_model.pb`` come from different exports, and rounding it again would be wrong."""
+    for weight in stored.weights:
+        for key in weight.keys:
+            found = key_to_dtype.get(key)
+            if found is not None and found.as_datatype_enum != FLOAT32:
+                raise ModelError(f"{checkpoint_prefix(model)}: key '{key}' holds {found.name} but the graph reads"
+                                 f" variable '{weight.name}' as float32; variables/ and saved_model.pb disagree:"
+                                 " copy both from one export")
+
+
+def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[str, str]]:
     """The object graph with each SavedVariable's checkpoint key; keys held by objects that
     are no SavedVariable must stay float32 (their loader restores them as it knows)."""
     proto = model.meta_graph.object_graph_def
-    reader = _reader(model)
     if not proto.nodes or not reader.has_tensor(OBJECT_GRAPH_KEY):
         return None, {}  # a TF1 SavedModel: its graph's savers are all there is
     try:

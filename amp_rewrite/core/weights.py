@@ -34,6 +34,7 @@ from tensorflow.core.protobuf import saved_object_graph_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
 from amp_rewrite.core import functions
+from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
@@ -574,8 +575,10 @@ def _decide(
                         and indexes[p[0]].nodes[p[1]].op == "VarHandleOp"),
                        key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].order.index(p[1])))
     accesses = [access for access, handle in access_handle.items() if handle in members]
-    node_dtypes = {indexes[item].nodes[node].attr["dtype"].type for item, node in [*variables, *accesses]}
-    if node_dtypes != {FLOAT32}:
+    node_dtypes = {place: indexes[place[0]].nodes[place[1]].attr["dtype"].type for place in [*variables, *accesses]}
+    if len(set(node_dtypes.values())) > 1:
+        raise GraphError(_disagreement(node_dtypes, indexes))
+    if set(node_dtypes.values()) != {FLOAT32}:
         return None  # not a float32 variable (or nothing says what it holds)
     keys = sorted({key for place in places for key in handles.keys.get(place, ())})
     reads = _Reads()
@@ -625,6 +628,17 @@ def _decide(
                   {*accesses, *reads.forwards}):
             edits.cast_values.add(assign)  # a float32 value (an initializer) rounded on the way in
     return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
+
+
+def _disagreement(node_dtypes: Mapping[Place, int], indexes: Mapping[str, _Index]) -> str:
+    """One line: the ops on one variable that say different dtypes (the first of each)."""
+    first: dict[int, Place] = {}
+    for place, dtype in node_dtypes.items():
+        first.setdefault(dtype, place)
+    said = ", ".join(f"{indexes[item].nodes[node].op} '{node}'{_where(item)} says {dtype_name(dtype)}"
+                     for dtype, (item, node) in first.items())
+    return (f"the ops on one variable disagree on its dtype: {said}; TensorFlow fails on it at run time:"
+            " export the model again")
 
 
 # --------------------------------------------------------------------------------------
