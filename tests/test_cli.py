@@ -424,10 +424,10 @@ def test_graph_def_file_equals_rewrite_graph_def(workspace: Path, graph_files: P
 def test_graph_def_destination_suffix_matches_its_contents(workspace: Path, graph_files: Paths) -> None:
     """The destination's suffix says the format: a .pb source written to a .pbtxt
     destination is written as text (and a .pbtxt source to a .pb as binary), the rewrite
-    the same either way."""
+    the same either way (--float32-weights: the Python API's graph, Const weights as they were)."""
     for source, dst in ((graph_files[".pb"], workspace / "cross-kind.pbtxt"),
                         (graph_files[".pbtxt"], workspace / "cross-kind.pb")):
-        assert_ok(run_cli("convert", source, dst, "--fetch", "Identity"))
+        assert_ok(run_cli("convert", source, dst, "--fetch", "Identity", "--float32-weights"))
         expected = amp_rewrite.rewrite_graph_def(read_graph_def(source), target="float16",
                                                  fetches=["Identity"]).graph_def
         if dst.suffix == ".pbtxt":

@@ -3,8 +3,10 @@
 # (amp_rewrite.mixed_precision(target="float16")), grappler's auto_mixed_precision and Keras'
 # mixed_float16 policy, on ResNet50 and the BERT-base-shaped encoder, inference and one
 # training step; then serving converted SavedModels (tools/bench_serving.py). Prints the
-# tables and replaces the gpu-float16 and gpu-float16-serving sections of BENCHMARKS.md. Not run by CI. The measuring part takes under five minutes (small run
-# counts); installing TensorFlow the first time takes longer.
+# tables and replaces the gpu-float16 and gpu-float16-serving sections of BENCHMARKS.md. Not
+# run by CI. tools/bench.py's part takes under five minutes (small run counts); the serving
+# part is not yet timed on a GPU (18 min on a 2-core CPU, mostly exports, conversions and
+# fresh-process loads); installing TensorFlow the first time takes longer.
 #
 #   tools/bench_gpu.sh                          # pip install from the index and the local pip cache
 #   WHEELS=/path/to/wheels tools/bench_gpu.sh   # offline: pip --no-index --find-links "$WHEELS"
