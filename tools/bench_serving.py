@@ -407,9 +407,10 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         parts.append(f"variables/ {share:.2f}x ({'met' if share <= VARIABLES_GOAL else '**missed**'})")
         lines.append(f"- **{LABELS[result.model]}:** " + "; ".join(parts) + ".")
         said = result.convert_lines.get("low", "").splitlines()
+        listed = share > VARIABLES_GOAL  # where the float32 bytes are: the variables that stay, and why
         if said:
-            lines.append(f"  `convert` said: {said[0]}")
-        if share > VARIABLES_GOAL:  # where the float32 bytes are: the variables that stay, and why
+            lines.append(f"  `convert` said: {said[0] if listed else said[0].removesuffix(':')}")
+        if listed:
             lines += [f"  - {line.strip()}" for line in said[1:]]
     profiled = [(result, regime) for result in results for regime in REGIMES
                 if (regime, "low") in result.profiles]
