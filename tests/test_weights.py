@@ -442,7 +442,8 @@ def test_a_variable_whose_ops_disagree_on_its_dtype_is_one_line_and_nothing_is_w
     destination = converted.root / "disagree_out" / "dst"
     destination.parent.mkdir()
     line = error_line(run_cli("convert", broken, destination, "--target", "bfloat16"))
-    assert line.startswith("amp-rewrite: error: the ops on one variable disagree on its dtype: VarHandleOp '")
+    assert line.startswith(f"amp-rewrite: error: {broken}: the ops on one variable disagree on its dtype:"
+                           " VarHandleOp '")
     assert f"ReadVariableOp '{read.name}' in {other.signature.name} says float16;" in line
     assert line.endswith("TensorFlow fails on it at run time: export the model again")
     assert listing(destination.parent) == set() and hash_tree(broken) == before

@@ -20,7 +20,7 @@ from typing import Any
 from tensorflow.core.protobuf import saved_model_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.cli.savedmodel import Model, tag_set_text
-from amp_rewrite.core.errors import ModelError, tensorflow_cause
+from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rewrite import RewriteResult
@@ -65,7 +65,10 @@ def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWe
             why = (f"is also restored by the MetaGraphDef tagged {tag_set_text(meta.meta_info_def.tags)!r}, which"
                    " this run does not convert (it reads float32)")
             blocked.update(dict.fromkeys(restored_keys(meta.graph_def), why))
-    stored = store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked)
+    try:
+        stored = store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked)
+    except GraphError as error:
+        raise ModelError(f"{model.path}: {error}") from None
     _check_dtypes(model, stored, reader.get_variable_to_dtype_map())
     return stored
 
