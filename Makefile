@@ -29,7 +29,7 @@ demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
 
 # Pass time vs grappler, bfloat16 vs float32 op kernels, model speed-ups vs float32 (writes BENCHMARKS.md), then
-# calibration's cost on ResNet50 and BERT-base; all
+# calibration's cost on ResNet50 and BERT-base, then serving converted SavedModels (writes BENCHMARKS.md); all
 # run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
@@ -37,6 +37,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_ops.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_calibration.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_serving.py || status=$$?; \
 	exit $$status
 
 # A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).
