@@ -21,9 +21,10 @@ and 1, and the gradient of its output — has a state: a float32 ``scale`` and a
 as ``ReadVariableOp`` nodes in the graph (``State``). A step quantizes with the scale as it
 was, then records its own amax (a non-finite amax is not recorded: the history stays as it
 was) and sets the scale for the next step from the history:
-``2**floor(log2(max / max(history)))``, kept while the history holds nothing but 0 (a fresh
-state's scale is 1, E4M3's and E5M2's own range). A function without gradients (evaluate,
-predict, an export) has no state: each operand is scaled by its own amax in that call.
+``2**floor(log2(max / max(history)))``, kept while the history holds nothing but 0. While
+it does (a fresh state, or steps that saw only zeros or non-finite values), the step scales
+each operand by its own amax, as a function without gradients (evaluate, predict, an
+export) always does: such a function has no state.
 
 **Which matmul is whose gradient** (``find_matmuls``): a backward matmul lives in the name
 scope TensorFlow gives a gradient (``gradient_tape/<forward op>/…`` for a GradientTape,
@@ -76,6 +77,7 @@ _OPERAND_POSITIONS = {"MatMul": (0, 1), "BatchMatMul": (0, 1), "BatchMatMulV2": 
                       "Conv2DBackpropInput": (1, 2), "Conv2DBackpropFilter": (0, 2)}
 # The name scope TensorFlow opens for an op's gradient: GradientTape's, tf.gradients' (and its _N).
 _GRADIENT_ROOT = re.compile(r"(?:^|/)(?:gradient_tape|gradients(?:_\d+)?)/")
+_UNIQUIFIED = re.compile(r"_\d+$")  # the suffix TensorFlow gives a name taken in its scope
 _AMP_SUFFIX = "AutoMixedPrecision"  # the base rewrite's own casts (casts.SUFFIX)
 
 
@@ -181,9 +183,13 @@ def _forward_of(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tu
     operands = [_canonical(node.input[position]) for position in positions]
     for match in _GRADIENT_ROOT.finditer(node.name):
         segments = node.name[match.end():].split("/")
-        for length in range(len(segments) - 1, 0, -1):  # the longest forward name first
+        # The longest forward name first, the whole name too: an Einsum's gradient einsums sit
+        # beside it, uniquified (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1),
+        # a MatMul's under it.
+        for length in range(len(segments), 0, -1):
             scope = "/".join(segments[:length])
-            for name in (scope, scope.removesuffix("_grad")):
+            whole = (scope, _UNIQUIFIED.sub("", scope)) if length == len(segments) else ()
+            for name in (*whole, scope.removesuffix("_grad")):
                 matmul = forward.get(name)
                 if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
                     continue
@@ -280,12 +286,10 @@ class _TrainingBuilder(float8.NodeWriter):
         if source is None:
             source = add("float32", "Cast", [tensor], SrcT=dtype, DstT=f32, Truncate=False)
         amax = self.amax(base, source, f32, device)
-        if state is not None:
-            scale = f"{state.scale}:0"
-            unscale = self._unscale(f"{STATE_SCOPE}/{key}", scale, dtype, device)  # one per key
-        else:
-            scale = self._power_of_two(f"{base}/current", amax, fmt, dtype, device)
-            unscale = self._unscale(f"{base}/current", scale, dtype, device)
+        scale = self._power_of_two(f"{base}/current", amax, fmt, dtype, device)
+        if state is not None:  # the state's scale once its history has seen an amax
+            scale = add("step_scale", "SelectV2", [self._seen(key, state, device), f"{state.scale}:0", scale], T=f32)
+        unscale = self._unscale(base, scale, dtype, device)
         scaled = add("scaled", "Mul", [source, scale], T=f32)
         clipped = add("clipped", "ClipByValue", [scaled, self.const(f"{base}/min", -fmt.max, f32, device),
                                                  self.const(f"{base}/max", fmt.max, f32, device)], T=f32)
@@ -296,6 +300,17 @@ class _TrainingBuilder(float8.NodeWriter):
         amaxes.append(amax)
         self.chains[(key, tensor)] = unscaled
         return unscaled
+
+    def _seen(self, key: str, state: State, device: str) -> str:
+        """``key``'s ``max(history) > 0`` (one per key): whether its scale comes from an amax."""
+        base = f"{STATE_SCOPE}/{key}/seen"
+        if base not in self.nodes:
+            f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+            largest = self.add(f"{base}/largest", "Max", [f"{state.history}:0",
+                                                         self.const(f"{base}/axis", 0, i32, device)],
+                               device, {"T": f32, "Tidx": i32, "keep_dims": False})
+            self.add(base, "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], device, {"T": f32})
+        return base
 
     def _power_of_two(self, base: str, amax: str, fmt: Format, dtype: int, device: str) -> str:
         """``2**floor(log2(fmt.max / amax))`` within ``_EXPONENTS[dtype]``, a float32 scalar."""
