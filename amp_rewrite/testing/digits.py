@@ -143,8 +143,8 @@ def training_step_hlo(name: str, variant: str, amax_history_length: int = 16) ->
 class MatmulCount:
     forward: int          # dots and convolutions outside the gradient
     backward: int         # those of the gradient (their TensorFlow op is under gradient_tape/)
-    forward_float8: int   # ... whose two operands are both dequantized from float8
-    backward_float8: int
+    forward_float8: int   # ... whose two operands are both dequantized from float8_e4m3fn
+    backward_float8: int  # ... one operand from float8_e5m2 (the gradient), the other from float8_e4m3fn
 
     @property
     def total(self) -> int:
@@ -155,14 +155,18 @@ class MatmulCount:
         return self.forward_float8 + self.backward_float8
 
 
+_FLOAT8_OPERANDS = {"forward": ["f8e4m3fn", "f8e4m3fn"], "backward": ["f8e4m3fn", "f8e5m2"]}
+
+
 def count_float8_matmuls(hlo: str) -> MatmulCount:
-    """How many of ``hlo``'s dots and convolutions read both operands dequantized from float8
-    (``scaled_float8_type``), forward and backward."""
+    """How many of ``hlo``'s dots and convolutions read their operands dequantized from float8
+    (``scaled_float8_type``) as the hybrid recipe has them, forward and backward."""
     instructions = hlo_instructions(hlo)
     counts = {"forward": [0, 0], "backward": [0, 0]}
     for instruction in instructions.values():
         if instruction.opcode in ("dot", "convolution"):
-            side = counts["backward" if "gradient_tape/" in instruction.op_name else "forward"]
-            side[0] += 1
-            side[1] += all(scaled_float8_type(instructions, operand) for operand in instruction.operands)
+            side = "backward" if "gradient_tape/" in instruction.op_name else "forward"
+            types = sorted(str(scaled_float8_type(instructions, operand)) for operand in instruction.operands)
+            counts[side][0] += 1
+            counts[side][1] += types == _FLOAT8_OPERANDS[side]
     return MatmulCount(counts["forward"][0], counts["backward"][0], counts["forward"][1], counts["backward"][1])
