@@ -52,9 +52,10 @@ WEIGHT = np.array([[2.0, -1.0, 0.5], [1.0, 0.25, -2.0]], np.float32)  # amax 2
 GRADIENT = np.array([[1000.0, -3.0, 1.0]] * 4, np.float32)  # d loss / d product: amax 1000, exact in bfloat16
 
 
-def _matmul_step(opt, jit_compile: bool = True):
+def _matmul_step(opt, jit_compile: bool = True, loss_scale: bool = False):
     """A step of ``product = x @ kernel`` (op "product"), loss ``sum(product * GRADIENT)``, applied
-    by ``opt``; it returns the product. Learning rate 0: the kernel's amax stays 2."""
+    by ``opt`` (with ``loss_scale``, through its scaled loss); it returns the product. Learning
+    rate 0: the kernel's amax stays 2."""
     kernel = tf.Variable(WEIGHT, name="kernel")
 
     @tf.function(jit_compile=jit_compile)
@@ -62,7 +63,12 @@ def _matmul_step(opt, jit_compile: bool = True):
         with tf.GradientTape() as tape:
             product = tf.matmul(x, kernel, name="product")
             loss = tf.reduce_sum(tf.cast(product, tf.float32) * GRADIENT)
-        opt.apply_gradients([(tape.gradient(loss, kernel), kernel)])
+            if loss_scale:
+                loss = opt.get_scaled_loss(loss)
+        gradient = tape.gradient(loss, kernel)
+        if loss_scale:
+            gradient = opt.get_unscaled_gradients([gradient])[0]
+        opt.apply_gradients([(gradient, kernel)])
         return product
 
     return step
@@ -128,6 +134,32 @@ def test_a_non_finite_step_records_no_amax():
     before = _values(opt.float8_state, "product/input_0")
     step(_x(np.inf))
     assert _values(opt.float8_state, "product/input_0") == before
+
+
+def test_float16_base_with_the_loss_scale_skips_overflowing_steps():
+    """``base_precision="float16"`` with the dynamic loss scale (2**15): the kernel's gradient,
+    3.5 x 1000 x the loss scale, overflows float16 until the scale is 16, so the first 10
+    steps are skipped, halving it each time. The incoming gradient's amax is taken in
+    float32, before its cast to float16, so every step records a finite amax (1000 x the
+    scale) and quantizes within E5M2's range; the overflow is in the float16 dequantized
+    values, where the loss-scale optimizer sees it."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.0), target="float8",
+                                                           base_precision="float16", amax_history_length=HISTORY)
+    step = _matmul_step(opt, loss_scale=True)
+    for _ in range(12):
+        step(_x(3.0))
+    assert float(opt.loss_scale) == 16.0
+    assert _values(opt.float8_state, "product/output_grad") == ([16000.0, 32000.0, 64000.0, 128000.0],
+                                                                 _scale(128000.0, E5M2_MAX))
+    assert _values(opt.float8_state, "product/input_0")[0] == [3.0] * HISTORY
+
+
+def test_mixed_precision_block_trains_in_float8_with_the_state_it_yields():
+    """``mixed_precision(target="float8")`` without an optimizer wrapper: the yielded settings
+    hold the state (checkpoint it yourself)."""
+    with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY) as settings:
+        _matmul_step(keras.optimizers.SGD(0.0))(_x(3.0))
+    assert _values(settings.float8.state, "product/input_0") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
 
 
 def test_without_xla_it_warns_once_that_the_matmuls_run_emulated():
