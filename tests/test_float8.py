@@ -298,10 +298,11 @@ def test_the_gpu_check_says_why_it_does_not_run_here_and_exits_0():
 
 
 def test_the_gpu_check_runs_its_whole_path_on_tiny_models_with_smoke(tmp_path: Path):
-    """Rule: --smoke builds, calibrates, rewrites, dumps HLO and times all three variants on the CPU."""
+    """Rule: --smoke builds, calibrates, rewrites, dumps HLO and times all three variants on the CPU
+    (inference rows; the training rows' XLA compiles take minutes on a CPU)."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8_gpu.py"), "--smoke", "--runs", "2",
-                           "--dump", str(tmp_path)], capture_output=True, text=True, env=environ, timeout=600)
+                           "--train-models", "--dump", str(tmp_path)], capture_output=True, text=True, env=environ, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "x |" in line]
     assert [row.split(" | ")[:2] for row in rows] == [["| " + m, v] for m in ("bert", "mlp")

@@ -78,12 +78,13 @@ class Trained:
 
 
 @contextlib.contextmanager
-def _variant(variant: str, amax_history_length: int) -> Iterator[Any]:
-    """The optimizer to compile with, inside the variant's settings; the policy and rewrite are
-    back to float32 afterwards."""
+def variant_settings(variant: str, amax_history_length: int = 1024, optimizer: Any = None) -> Iterator[Any]:
+    """``optimizer`` (default: Adam) as ``variant`` trains with, inside the variant's settings:
+    build the model and trace its steps inside; the policy and rewrite are back to float32
+    afterwards (traces keep their rewrite)."""
     import amp_rewrite
 
-    optimizer = keras.optimizers.Adam(LEARNING_RATE)
+    optimizer = optimizer if optimizer is not None else keras.optimizers.Adam(LEARNING_RATE)
     try:
         if variant == "keras-float8":
             keras.config.set_dtype_policy("mixed_bfloat16")
@@ -105,7 +106,7 @@ def train(name: str, variant: str, *, epochs: int, seed: int = 0, jit_compile: b
     data = data if data is not None else digits()
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    with _variant(variant, amax_history_length) as optimizer:
+    with variant_settings(variant, amax_history_length) as optimizer:
         model = build(name)
         if variant == "keras-float8":
             model.quantize("float8")
@@ -121,22 +122,29 @@ def training_step_hlo(name: str, variant: str, amax_history_length: int = 16) ->
     ``variant`` (a custom loop: tape, gradients, the optimizer's ``apply``)."""
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = np.zeros((BATCH, 64), np.float32), np.zeros(BATCH, np.int32)
-    with _variant(variant, amax_history_length) as optimizer:
+    with variant_settings(variant, amax_history_length) as optimizer:
         model = build(name)
         if variant == "keras-float8":
             model.quantize("float8")
-        optimizer.build(model.trainable_variables)
+        return training_step(model, optimizer).experimental_get_compiler_ir(x, y)(stage="hlo")
 
-        @tf.function(jit_compile=True)
-        def step(x: Any, y: Any) -> Any:
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return loss
 
-        return step.experimental_get_compiler_ir(x, y)(stage="hlo")
+def training_step(model: keras.Model, optimizer: Any) -> Any:
+    """A ``tf.function(jit_compile=True)`` training step of ``model`` (logits, integer labels) as a
+    custom loop writes it: tape, gradients, ``optimizer.apply``; it returns the loss. Call or
+    trace it where the optimizer's variant is on (``variant_settings``)."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function(jit_compile=True)
+    def step(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    return step
 
 
 @dataclass(frozen=True)
