@@ -71,7 +71,7 @@ FLOAT8_MAX = 448.0  # E4M3FN's largest finite value
 # The matmuls whose two operands are quantized: op -> number of data inputs it must have.
 MATMUL_OPS = {"MatMul": 2, "BatchMatMul": 2, "BatchMatMulV2": 2, "Einsum": 2, "Conv2D": 2}
 # Scale exponents such that 2**e and 2**-e are exact in the matmul's dtype.
-_EXPONENTS = {types_pb2.DT_HALF: (-15, 15), types_pb2.DT_FLOAT: (-126, 126)}
+_EXPONENTS = {types_pb2.DT_HALF: (-24, 15), types_pb2.DT_FLOAT: (-126, 126)}
 _AMP_SUFFIX = "AutoMixedPrecision"  # the rewrite's own casts (casts.SUFFIX)
 _VARIABLE_READS = frozenset({"ReadVariableOp"})
 # Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
