@@ -6,10 +6,10 @@ variables a training step reads must be captured before it exists. Two moments:
 1. ``prepare_trace`` (a ``FUNC_GRAPH_TRANSFORMS`` hook, after the Python function is traced,
    before its FunctionDef): the base rewrite's decisions on the FuncGraph's GraphDef say
    which matmuls it converts; ``core.float8_training.find_matmuls`` pairs them with their
-   backward matmuls; the state of each quantized operand is made (a training step) or looked
-   up (a function without gradients, e.g. ``evaluate``, ``predict``, an export: it quantizes
-   with the scales training left, and records nothing) and read in the FuncGraph, which
-   captures the variables.
+   backward matmuls; in a training step the state of each quantized operand is made (or
+   found, for a retrace) and read in the FuncGraph, which captures the variables. A function
+   without gradients (``evaluate``, ``predict``, an export) gets no state: it scales each
+   operand by its own amax in each call.
 2. ``quantize`` (from the live rewrite's trace callback, after the base rewrite of the
    FunctionDef): ``core.float8_training`` adds the chains and the updates, reading and
    writing the state through those reads' captured handles.
