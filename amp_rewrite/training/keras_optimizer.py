@@ -18,8 +18,8 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 # A fixed scale at which this many steps in a row from the first are all skipped never trains: say so.
 SKIPPED_STEPS_TO_WARN = 10
-SCALED, UNSCALED = "scaled", "unscaled"
-FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables  # the gradients apply() takes, by the API the code calls
+SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
+FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables
 
 
 def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
