@@ -20,14 +20,16 @@ install: $(STAMP)
 # TensorFlow release that builds its graph otherwise; the drawing tests without Graphviz's
 # dot, the browser test without Chromium, the unprivileged-user test without root and
 # setpriv; the float8 tests before TensorFlow 2.18. The summary counts the comparisons.
+# -n 2 --dist loadfile: two pytest-xdist workers (CI's two cores), each test file in one of them,
+# so a file's module fixtures (trained models, exported SavedModels) are built once.
 test: install
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs tests
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs -n 2 --dist loadfile tests
 
 demo: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/demo.py
 
 # Pass time vs grappler, bfloat16 vs float32 op kernels, model speed-ups vs float32 (writes BENCHMARKS.md), then
-# calibration's cost on ResNet50 and BERT-base; all
+# calibration's cost on ResNet50 and BERT-base, then serving converted SavedModels (writes BENCHMARKS.md); all
 # run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
@@ -35,6 +37,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_ops.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_calibration.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_serving.py || status=$$?; \
 	exit $$status
 
 # A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).

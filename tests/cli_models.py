@@ -129,10 +129,11 @@ def hash_tree(path: Path) -> dict[str, str]:
 TWO_TAG_SETS = ("train", "serve")
 
 
-def save_two_tag_model(path: Path) -> None:
+def save_two_tag_model(path: Path, tag_sets: tuple[str, ...] = TWO_TAG_SETS) -> None:
     """A TF1 ``Builder`` SavedModel with two MetaGraphDefs, tagged ``train`` (written first)
     and ``serve``, sharing one variable: ``y = relu(x @ w)`` with a 16×16 ``w``. Both
-    MetaGraphDefs hold the same graph, so which one was converted shows in their dtypes."""
+    MetaGraphDefs hold the same graph, so which one was converted shows in their dtypes.
+    ``tag_sets=("serve",)``: one MetaGraphDef only."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
@@ -144,9 +145,9 @@ def save_two_tag_model(path: Path) -> None:
         builder = tf.compat.v1.saved_model.Builder(str(path))
         with tf.compat.v1.Session(graph=graph) as session:
             session.run(tf.compat.v1.global_variables_initializer())
-            builder.add_meta_graph_and_variables(session, [TWO_TAG_SETS[0]],
-                                                 signature_def_map={"serving_default": signature})
-            builder.add_meta_graph([TWO_TAG_SETS[1]], signature_def_map={"serving_default": signature})
+            builder.add_meta_graph_and_variables(session, [tag_sets[0]], signature_def_map={"serving_default": signature})
+            for tags in tag_sets[1:]:
+                builder.add_meta_graph([tags], signature_def_map={"serving_default": signature})
         builder.save()
 
 
@@ -231,3 +232,42 @@ def save_tf1_text_model(path: Path) -> None:
             session.run(tf.compat.v1.global_variables_initializer())
             builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={"serving_default": signature})
         builder.save()
+
+
+class _Weights(tf.Module):
+    """Variables for the weights tests, named by how they are read: ``shared`` by MatMuls
+    of two signatures, ``looped`` by a MatMul in a while loop's body, ``table`` by a
+    ResourceGather whose rows a MatMul reads, ``mixed`` by a MatMul and by Exp (deny:
+    float32); an asset besides."""
+
+    def __init__(self, asset: Path) -> None:
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.shared = tf.Variable(rng.standard_normal((8, 8)).astype(np.float32) / 3, name="shared")
+        self.looped = tf.Variable(rng.standard_normal((8, 8)).astype(np.float32) / 3, name="looped")
+        self.table = tf.Variable(rng.standard_normal((10, 8)).astype(np.float32), name="table")
+        self.mixed = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32) / 3, name="mixed")
+        self.vocab = tf.saved_model.Asset(str(asset))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x"),
+                                  tf.TensorSpec([None], tf.int32, name="ids")])
+    def serve(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+        hidden = tf.matmul(x, self.shared) + tf.nn.embedding_lookup(self.table, ids)
+        _, hidden = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.nn.relu(tf.matmul(h, self.looped))),
+                                  (tf.constant(0), hidden))
+        return {"y": tf.matmul(hidden, self.mixed)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")])
+    def other(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"out": tf.nn.relu(tf.matmul(x, self.shared)), "norm": tf.reduce_sum(tf.exp(self.mixed))}
+
+
+WEIGHTS_LOW = ("shared", "looped", "table")  # _Weights' variables every reader reads through a cast
+
+
+def save_weights_module(path: Path) -> None:
+    """``_Weights`` with two signatures sharing ``shared``."""
+    asset = path.parent / f"{path.name}-vocab.txt"
+    asset.write_text(ASSET_TEXT, encoding="utf-8")
+    module = _Weights(asset)
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve, "other": module.other})

@@ -312,9 +312,16 @@ def _whole_suite(session: pytest.Session) -> bool:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In a recording run (tools/record_grappler.py) a green suite writes the answers it
-    asked for: replacing the recording after the whole suite, merged into it after a part."""
+    asked for: replacing the recording after the whole suite, merged into it after a part.
+    A pytest-xdist worker (``make test`` runs two) hands its comparison counts to the
+    controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["amp_comparisons"] = [[*key, count] for key, count in recorded_grappler.comparisons.items()]
     if not recorded_grappler.recording():
         return
+    if workeroutput is not None:
+        pytest.exit("record grappler's answers in one process: tools/record_grappler.py runs pytest without -n", 2)
     whole = _whole_suite(session)
     if exitstatus != 0:
         session.config._amp_recorded = "not written: the run failed, so the recording was left as it was"
@@ -326,6 +333,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         f"merged {written - kept} into {name}, which keeps {kept} earlier answers (a part of the suite ran;"
         " run tools/record_grappler.py to record the whole suite and drop answers no test asks for)"
     )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: add a finished worker's comparison counts to its own."""
+    for target, kind, count in getattr(node, "workeroutput", {}).get("amp_comparisons", ()):
+        recorded_grappler.comparisons[(target, kind)] += count
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

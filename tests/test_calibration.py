@@ -234,6 +234,10 @@ def test_cli_convert_calibrate_is_finite_on_held_out_inputs_and_matches_calibrat
     report = (tmp_path / "dump" / "report.html").read_text(encoding="utf-8")
     assert "keep-nodes" in report and re.search(r"calibration: (output 0|input '[^']+') reached", report)
     assert "calibration: range rules keep" in calibrated.out and "ok   serving_default/y" in calibrated.out
+    # The keep decisions come before the weights are stored: a kept MatMul reads its weight float32.
+    assert "Weights: 2 of 2 float32 variable(s) stored as float16" in plain.out
+    assert "Weights: 0 of 2 float32 variable(s) stored as float16" in calibrated.out
+    assert calibrated.out.count(": read as float32 by MatMul 'MatMul") == 2
     assert_ok(run_cli("calibrate", dense_model, "--inputs", calib, "--out", tmp_path / "keep.yaml"))
     assert "keep_nodes" in (tmp_path / "keep.yaml").read_text()
     assert_ok(run_cli("convert", dense_model, tmp_path / "replayed", "--lists", tmp_path / "keep.yaml"))

@@ -242,13 +242,26 @@ def test_variable_only_function_returns_the_variable_exactly(
     np.testing.assert_array_equal(got, want)
 
 
+# Variables stored in the target dtype by default (tests/test_weights.py): those every reader reads through a cast.
+STORED_LOW = {"keras": {"variables/0", "variables/1", "variables/2", "variables/3", "_all_variables/0",
+                        "_all_variables/1", "_all_variables/2", "_all_variables/3"}, "module": {"w2"}}
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("model", MODELS)
-def test_converted_savedmodel_copies_variables_and_assets(conversions: Conversions, model: str, target: str) -> None:
+def test_converted_savedmodel_copies_assets_and_stores_variables_read_low_in_the_target_dtype(
+        conversions: Conversions, model: str, target: str) -> None:
+    """The assets byte for byte; the checkpoint's keys all there, those only converted ops
+    read in the target dtype (Keras' two copies of each weight alike), the others as they were."""
     conversion = converted(conversions, model, target)
-    for folder in ("variables", "assets"):
-        assert hash_tree(conversion.dst / folder) == hash_tree(conversion.src / folder), folder
-    assert hash_tree(conversion.dst / "variables"), "no variables were saved"
+    assert hash_tree(conversion.dst / "assets") == hash_tree(conversion.src / "assets")
+    old, new = (tf.train.load_checkpoint(str(p / "variables" / "variables")).get_variable_to_dtype_map()
+                for p in (conversion.src, conversion.dst))
+    assert set(new) == set(old) and len(new) > 1
+    low = {key.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE") for key, dtype in new.items() if dtype != old[key]}
+    assert low == STORED_LOW[model]
+    assert {new[key] for key in new if key.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE") in low} == {
+        tf.as_dtype(TARGET_TO_DTYPE[target])}
     if model == "module":
         assets = list((conversion.dst / "assets").iterdir())
         assert [a.read_text(encoding="utf-8") for a in assets] == [ASSET_TEXT]
@@ -256,12 +269,17 @@ def test_converted_savedmodel_copies_variables_and_assets(conversions: Conversio
 
 @pytest.mark.parametrize("model", MODELS)
 def test_converted_savedmodel_has_fresh_fingerprint(conversions: Conversions, model: str) -> None:
-    """fingerprint.pb hashes the new saved_model.pb, not the old one."""
+    """fingerprint.pb hashes the new saved_model.pb and the new checkpoint, not the old ones."""
+    from tensorflow.core.protobuf import fingerprint_pb2
+    from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting as fingerprinting_pywrap
+
     conversion = converted(conversions, model, "float16")
     old = tf.saved_model.experimental.read_fingerprint(str(conversion.src))
     new = tf.saved_model.experimental.read_fingerprint(str(conversion.dst))
     assert new.saved_model_checksum != old.saved_model_checksum
-    assert new.checkpoint_hash == old.checkpoint_hash
+    assert new.checkpoint_hash != old.checkpoint_hash  # weights stored float16
+    fresh = fingerprint_pb2.FingerprintDef.FromString(fingerprinting_pywrap.CreateFingerprintDef(str(conversion.dst)))
+    assert (new.saved_model_checksum, new.checkpoint_hash) == (fresh.saved_model_checksum, fresh.checkpoint_hash)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -389,12 +407,13 @@ def read_graph_def(path: Path) -> graph_pb2.GraphDef:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("suffix", [".pb", ".pbtxt"])
 def test_graph_def_file_equals_rewrite_graph_def(workspace: Path, graph_files: Paths, suffix: str, target: str) -> None:
-    """convert --fetch writes what the Python API returns, in the source's format."""
+    """convert --fetch writes what the Python API returns, in the source's format (with
+    --float32-weights: by default its Const weights are also stored low, tests/test_weights.py)."""
     src = graph_files[suffix]
     before = hash_tree(src)
     dst = workspace / f"graph-{target}{suffix}"
     fetches = [a for f in GRAPH_FETCHES for a in ("--fetch", f)]
-    assert_ok(run_cli("convert", src, dst, "--target", target, *fetches))
+    assert_ok(run_cli("convert", src, dst, "--target", target, *fetches, "--float32-weights"))
     expected = amp_rewrite.rewrite_graph_def(read_graph_def(src), target=target, fetches=GRAPH_FETCHES).graph_def
     written = read_graph_def(dst)  # a text file for .pbtxt, binary for .pb
     assert written == expected
@@ -405,10 +424,10 @@ def test_graph_def_file_equals_rewrite_graph_def(workspace: Path, graph_files: P
 def test_graph_def_destination_suffix_matches_its_contents(workspace: Path, graph_files: Paths) -> None:
     """The destination's suffix says the format: a .pb source written to a .pbtxt
     destination is written as text (and a .pbtxt source to a .pb as binary), the rewrite
-    the same either way."""
+    the same either way (--float32-weights: the Python API's graph, Const weights as they were)."""
     for source, dst in ((graph_files[".pb"], workspace / "cross-kind.pbtxt"),
                         (graph_files[".pbtxt"], workspace / "cross-kind.pb")):
-        assert_ok(run_cli("convert", source, dst, "--fetch", "Identity"))
+        assert_ok(run_cli("convert", source, dst, "--fetch", "Identity", "--float32-weights"))
         expected = amp_rewrite.rewrite_graph_def(read_graph_def(source), target="float16",
                                                  fetches=["Identity"]).graph_def
         if dst.suffix == ".pbtxt":
@@ -1100,6 +1119,9 @@ def test_read_only_source_converts_as_a_normal_user(nobody_folder: Path, saved_m
     assert {m for p, m in modes.items() if (dst / p).is_dir()} == {0o755}, modes
     assert {m for p, m in modes.items() if (dst / p).is_file()} == {0o644}, modes
     assert (dst / "variables").is_dir() and (dst / "assets").is_dir()
+    # The read-only checkpoint was read, and written again in the copy with w2 stored float16.
+    dtypes = tf.train.load_checkpoint(str(dst / "variables" / "variables")).get_variable_to_dtype_map()
+    assert dtypes["w2/.ATTRIBUTES/VARIABLE_VALUE"] == tf.float16
     removed = subprocess.run([*AS_NOBODY, "rm", "-rf", str(dst)], check=False, capture_output=True, text=True)
     assert removed.returncode == 0 and listing(out) == set(), removed.stderr
 

@@ -186,3 +186,28 @@ def test_a_frozen_graph_keeps_its_const_weight_matmuls_float16_without_a_float8_
     assert "1 validation run(s)" in run.out
     page = (files["root"] / "frozen_dump" / "report.html").read_text(encoding="utf-8")
     assert page.count("is folded into a float16 constant before XLA sees it") == 2
+
+
+def test_quantized_matmuls_read_their_weights_stored_as_the_float16_the_chain_quantizes(files, converted, overlay):
+    """Rule: the weights of float8 matmuls are stored as the float16 the quantize chain read
+    through its cast (the in-graph amax and scale follow the stored values); the chain reads
+    the variable directly, and the outputs equal the --float32-weights conversion's."""
+    run, out, _ = converted
+    assert run.code == 0, run.err
+    dtypes = tf.train.load_checkpoint(str(out / "variables" / "variables")).get_variable_to_dtype_map()
+    assert {dtype for key, dtype in dtypes.items() if key != "_CHECKPOINTABLE_OBJECT_GRAPH"} == {tf.float16}
+    assert "Weights: 6 of 6 float32 variable(s) stored as float16" in run.out
+    function = next(f for f in tf.saved_model.load(str(out)).signatures["serving_default"].graph.as_graph_def()
+                    .library.function if f.attr[XLA_MUST_COMPILE].b)
+    nodes = {node.name: node for node in function.node_def}
+    chains = [node for node in function.node_def if node.name.endswith("/scaled")]
+    from_variables = [nodes[node.input[0].split(":")[0]] for node in chains
+                      if nodes[node.input[0].split(":")[0]].op == "ReadVariableOp"]
+    assert len(from_variables) == 3 and all(read.attr["dtype"].type == tf.float16.as_datatype_enum
+                                            for read in from_variables)
+    float32_weights = files["root"] / "mlp_fp8_float32_weights"
+    kept = run_cli("convert", files["mlp"], float32_weights, "--target", "float8", "--lists", overlay,
+                   "--float32-weights")
+    assert kept.code == 0, kept.err
+    x = np.load(files["heldout"])["x"]
+    np.testing.assert_array_equal(_outputs(out, x), _outputs(float32_weights, x))

@@ -295,14 +295,23 @@ def _build_resnet50(sizes: Sizes) -> Any:
     return keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=NUM_CLASSES["resnet50"])
 
 
-def _build_bert(sizes: Sizes) -> Any:
+class _AnyLengthPositionEmbedding(PositionEmbedding):
+    """The position table sliced to the input's length: one model serves short and long requests."""
+
+    def call(self, inputs: Any) -> Any:
+        return inputs + self.table[: keras.ops.shape(inputs)[1]]
+
+
+def _build_bert(sizes: Sizes, any_length: bool = False) -> Any:
     """BERT-base's shape from Keras layers: embeddings + LayerNorm, post-norm encoder
     blocks (MultiHeadAttention, GELU FFN), a tanh pooler on the first token. Dropout is
-    left out so every variant runs the same deterministic ops."""
+    left out so every variant runs the same deterministic ops. ``any_length``: token
+    sequences of any length up to ``bert_seq`` (tools/bench_serving.py)."""
     layers = keras.layers
-    tokens = keras.Input((sizes.bert_seq,), dtype="int32", name="tokens")
+    tokens = keras.Input((None if any_length else sizes.bert_seq,), dtype="int32", name="tokens")
     hidden = layers.Embedding(sizes.bert_vocab, sizes.bert_hidden, name="word_embeddings")(tokens)
-    hidden = PositionEmbedding(sizes.bert_seq, sizes.bert_hidden, name="position_embeddings")(hidden)
+    positions = _AnyLengthPositionEmbedding if any_length else PositionEmbedding
+    hidden = positions(sizes.bert_seq, sizes.bert_hidden, name="position_embeddings")(hidden)
     hidden = layers.LayerNormalization(epsilon=1e-12, name="embeddings_norm")(hidden)
     for index in range(sizes.bert_layers):
         attention = layers.MultiHeadAttention(sizes.bert_heads, key_dim=sizes.bert_hidden // sizes.bert_heads,
@@ -833,10 +842,11 @@ def render_section(settings: Settings, outcomes: Sequence[Outcome], machine: str
 MARKDOWN_HEAD = """# Benchmarks
 
 End-to-end time of mixed precision on ResNet50 and a BERT-base-shaped encoder, inference and
-one training step, against float32 and the other ways to get mixed precision. Written by
-`tools/bench.py` (`make bench`; `tools/bench_gpu.sh` on a GPU machine): each run replaces
-its own section below and keeps the others. How the numbers are taken: the docstring of
-`tools/bench.py`.
+one training step, against float32 and the other ways to get mixed precision, and serving
+converted SavedModels (weights stored in the target precision or not). Written by
+`tools/bench.py` and `tools/bench_serving.py` (`make bench`; `tools/bench_gpu.sh` on a GPU
+machine): each run replaces its own section below and keeps the others. How the numbers are
+taken: the docstrings of the two tools.
 """
 PLACEHOLDERS = {
     "cpu-bfloat16": "## CPU, bfloat16\n\nNot yet measured. Run `make bench` on a quiet machine.\n",

@@ -2,9 +2,11 @@
 # Float16 end-to-end benchmark on one NVIDIA GPU (compute capability 7.0+): float32, ours
 # (amp_rewrite.mixed_precision(target="float16")), grappler's auto_mixed_precision and Keras'
 # mixed_float16 policy, on ResNet50 and the BERT-base-shaped encoder, inference and one
-# training step. Prints tools/bench.py's table and replaces the gpu-float16 section of
-# BENCHMARKS.md. Not run by CI. The measuring part takes under five minutes (small run
-# counts); installing TensorFlow the first time takes longer.
+# training step; then serving converted SavedModels (tools/bench_serving.py). Prints the
+# tables and replaces the gpu-float16 and gpu-float16-serving sections of BENCHMARKS.md. Not
+# run by CI. tools/bench.py's part takes under five minutes (small run counts); the serving
+# part is not yet timed on a GPU (18 min on a 2-core CPU, mostly exports, conversions and
+# fresh-process loads); installing TensorFlow the first time takes longer.
 #
 #   tools/bench_gpu.sh                          # pip install from the index and the local pip cache
 #   WHEELS=/path/to/wheels tools/bench_gpu.sh   # offline: pip --no-index --find-links "$WHEELS"
@@ -55,4 +57,10 @@ start=$SECONDS
 TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" tools/bench.py --device gpu --target float16 \
     --resnet-batch 128 --resnet-train-batch 64 --bert-batch 32 --bert-train-batch 32 \
     --runs 5 --warmup 2 --pass-runs 3 --child-timeout 120 ${BENCH_ARGS:-}
+# Serving converted SavedModels at batch 1 and 8: float32, convert --target float16 (weights
+# stored float16) and convert --float32-weights; sizes, load time, peak RSS and GPU memory,
+# ratios of calls timed in turn (tools/bench_serving.py; its own section of BENCHMARKS.md).
+# Not yet run on a GPU. SERVING_ARGS: extra flags, e.g. SERVING_ARGS="--models bert --rounds 30".
+# shellcheck disable=SC2086
+TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" tools/bench_serving.py --device gpu --child-timeout 600 ${SERVING_ARGS:-}
 echo "bench_gpu.sh: measured in $((SECONDS - start)) s" >&2

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.lists import OpLists
     from amp_rewrite.core.report import Report
     from amp_rewrite.core.rewrite import RewriteResult
+    from amp_rewrite.core.weights import StoredWeights
 
 EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
@@ -45,6 +46,7 @@ Rewrite a SavedModel or GraphDef file to mixed precision (float16 or bfloat16), 
 examples:
   amp-rewrite convert my_model/ my_model_fp16/ --validate 8
   amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --inputs batch.npz
+  amp-rewrite convert my_model/ my_model_fp16/ --float32-weights   # weights stay float32 (to fine-tune it)
   amp-rewrite convert tf1_model/ out/ --tag-set serve      # the MetaGraphDef to convert
   amp-rewrite convert graph.pb graph_fp16.pb --fetch logits --fetch probs:0
   amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
@@ -53,6 +55,13 @@ examples:
   amp-rewrite inspect my_model/
   amp-rewrite explain my_model/ dense/MatMul
   amp-rewrite dump my_model/ report/
+
+weights:
+  convert stores a variable (a GraphDef's Const) in the target dtype when every reader
+  reads it through a cast to that dtype: rounded once as the cast rounds it, so the outputs
+  do not change, while the per-call casts go and variables/ halves (a serving default: at
+  small batches the casts cost more than low precision saves). The others stay float32, and
+  convert and inspect say why. --float32-weights keeps every weight float32.
 
 exit codes:
   0  done
@@ -118,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--quiet", action="store_true", help="print only errors")
         sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
+    def weights(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--float32-weights", action="store_true",
+                         help="keep every weight float32, read through a cast on each call. Default: a variable"
+                              " (a GraphDef's Const) that every reader reads in the target dtype is stored in it,"
+                              " rounded once as the cast rounds it: same outputs, half the size, no per-call casts."
+                              " Keep them float32 to fine-tune the result or restore float32 checkpoints into it")
+
     def calibration(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-rounds", type=_count(1, 10), default=5, metavar="N",
                          help="calibration: validation runs at most (1-10, default 5)")
@@ -130,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
                                   description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
     common(convert)
+    weights(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
     convert.add_argument("--dump", type=Path, metavar="DIR", help="also write inspection dumps to DIR")
     convert.add_argument("--validate", type=_count(1), metavar="N",
@@ -154,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
+    weights(inspect)
     inspect.add_argument("--all", action="store_true",
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
@@ -165,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dump = commands.add_parser("dump", help="write before/after graphs, DOT/SVG, report.html, TensorBoard log")
     common(dump)
+    weights(dump)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
     return parser
 
@@ -292,6 +311,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
                   " (--keep-failed writes it anyway)", file=sys.stderr)
             return EXIT_VALIDATION
+    written_model, result, stored = _store_weights(args, model, result)
     feeds = None
     if args.validate or args.inputs:
         from amp_rewrite.cli import validate
@@ -308,7 +328,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
               " float32 layers from keras_metadata.pb and ignores the rewrite; load the result with"
               " tf.saved_model.load or serve it", file=sys.stderr)
     if args.dump:
-        _dump(model, result, lists, args.dump, args, steps)
+        _dump(model, result, lists, args.dump, args, steps, _weights_lines(stored))
     failures: list[int] = []  # outputs over tolerance, once validated
 
     def accept(staged: Path) -> bool:
@@ -318,10 +338,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return not failures[0] or args.keep_failed
 
     steps("writing")
-    written = write_model(model, result.graph_def, args.dst, force=args.force,
-                          accept=accept if feeds is not None else None)
+    from amp_rewrite.cli.weights import write_checkpoint
+
+    variables = (lambda folder: write_checkpoint(model, stored, folder)) if stored and stored.low_keys else None
+    written = write_model(written_model, result.graph_def, args.dst, force=args.force,
+                          accept=accept if feeds is not None else None, variables=variables)
     steps.done()
-    _say(args, *_summary_lines(model, result.report))
+    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
         _say(args, f"Wrote {args.dst}")
     if failures and failures[0]:
@@ -330,6 +353,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _store_weights(args: argparse.Namespace, model: Model,
+                   result: RewriteResult) -> tuple[Model, RewriteResult, StoredWeights | None]:
+    """The weights in the target dtype, unless --float32-weights: the model to write (its
+    object graph's variable dtypes), the graph, and what was stored (None: nothing changed)."""
+    if args.float32_weights:
+        return model, result, None
+    import dataclasses
+
+    from amp_rewrite.cli import weights
+
+    stored = weights.stored_weights(model, result, args.target)
+    return weights.with_weights(model, stored), dataclasses.replace(result, graph_def=stored.graph_def), stored
+
+
+def _weights_lines(stored: StoredWeights | None, every: bool = False) -> list[str]:
+    """What happened to the weights; ``every`` float32 one named (inspect --all), else the first few."""
+    return ["Weights: kept float32 (--float32-weights)"] if stored is None else stored.summary(every=every)
 
 
 def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None) -> Any:
@@ -400,7 +442,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 
 
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace,
-          steps: _Steps) -> None:
+          steps: _Steps, notes: Sequence[str] = ()) -> None:
     from amp_rewrite.cli.dump import write_dump
     from amp_rewrite.cli.savedmodel import plumbing_kinds
 
@@ -409,7 +451,7 @@ def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, 
     undo = (lambda: None) if existed else (lambda: shutil.rmtree(directory, ignore_errors=True))
     with staging.undone_if_interrupted(undo, leaves=f"{directory} holds part of a dump" if existed else ""):
         write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
-                   plumbing=plumbing_kinds(model))
+                   plumbing=plumbing_kinds(model), notes=notes)
     steps.done()
     _say(args, f"Report: {directory.resolve() / 'report.html'}")
 
@@ -418,8 +460,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
     staging.check_outside(args.src, args.dir, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
-    _say(args, *_summary_lines(model, result.report))
-    _dump(model, result, lists, args.dir, args, steps)
+    _, result, stored = _store_weights(args, model, result)
+    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
+    _dump(model, result, lists, args.dir, args, steps, _weights_lines(stored))
     return EXIT_OK
 
 
@@ -462,6 +505,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from amp_rewrite.core.target import lookup_target
 
     model, result, _ = _rewrite(args, _Steps(args))
+    _, result, stored = _store_weights(args, model, result)
     report = result.report
     kinds = plumbing_kinds(model)
     model_items = [item for item in report.items if item.function not in kinds]
@@ -486,6 +530,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not args.all:
             print(_plumbing_line(report, kinds))
     print(report.summary())
+    for line in _weights_lines(stored, every=args.all):
+        print(line)
     if lookup_target(args.target, quantized=True).device_type == "GPU":  # Tensor Cores
         hints = tensor_core_hints(model, result)
         if hints:

@@ -103,6 +103,7 @@ class Dump:
     graph_def: graph_pb2.GraphDef  # the rewritten graph (TensorBoard's)
     op_defs: Mapping[str, op_def_pb2.OpDef]  # the rewritten library's, for the drawings' dtypes
     items: tuple[DumpItem, ...]  # in the report's order
+    notes: tuple[str, ...] = ()  # more lines for the summary (what ``convert`` did to the weights)
 
     @property
     def model_items(self) -> tuple[DumpItem, ...]:
@@ -123,7 +124,7 @@ class Drawing:
 
 def build_dump(
     original: graph_pb2.GraphDef, result: RewriteResult, lists: OpLists, *, title: str,
-    plumbing: Mapping[str, str] | None = None,
+    plumbing: Mapping[str, str] | None = None, notes: Sequence[str] = (),
 ) -> Dump:
     """What ``write_dump`` writes, as one value (arguments as for ``write_dump``)."""
     plumbing = dict(plumbing or {})
@@ -154,7 +155,7 @@ def build_dump(
         node_to_decisions = {node: tuple(found) for node, found in node_to_decisions.items()}
         items.append(DumpItem(name, stem, before, after, stats, decisions, node_to_decisions,
                               _node_classes(after, node_to_decisions, lists), plumbing.get(name, "")))
-    return Dump(title, result.report, lists, result.graph_def, result.program.op_defs, tuple(items))
+    return Dump(title, result.report, lists, result.graph_def, result.program.op_defs, tuple(items), tuple(notes))
 
 
 def write_dump(
@@ -165,6 +166,7 @@ def write_dump(
     *,
     title: str,
     plumbing: Mapping[str, str] | None = None,
+    notes: Sequence[str] = (),
 ) -> list[Path]:
     """Write the dump of ``original`` → ``result`` into ``directory`` (created if missing).
 
@@ -179,8 +181,9 @@ def write_dump(
     ``plumbing`` maps items that are TensorFlow's rather than the model's (save/restore
     functions, signature wrappers, a loader's main graph) to their kind: the report shows
     them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
+    ``notes``: more lines for the report's summary (what ``convert`` did to the weights).
     """
-    dump = build_dump(original, result, lists, title=title, plumbing=plumbing)
+    dump = build_dump(original, result, lists, title=title, plumbing=plumbing, notes=notes)
     root = Path(directory)
     written: list[Path] = []
     for item in dump.items:

@@ -279,12 +279,14 @@ def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep:
 
 def write_model(
     model: Model, graph_def: graph_pb2.GraphDef, destination: str | os.PathLike, force: bool = False,
-    accept: Callable[[Path], bool] | None = None,
+    accept: Callable[[Path], bool] | None = None, variables: Callable[[Path], None] | None = None,
 ) -> bool:
     """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically.
 
-    ``accept`` sees the finished copy before it is moved into place (validation); when it
-    returns False nothing is written. Returns whether ``destination`` was written."""
+    ``variables`` rewrites the copy's ``variables/`` folder (weights stored low) before the
+    fingerprint hashes it. ``accept`` sees the finished copy before it is moved into place
+    (validation); when it returns False nothing is written. Returns whether ``destination``
+    was written."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
@@ -294,6 +296,8 @@ def write_model(
             _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
         else:
             _copy_contents(model.path, target, skip=(*SAVED_MODEL_FILES, FINGERPRINT))
+            if variables is not None:
+                variables(target / "variables")
             _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
                          _rewritten_saved_model(model, graph_def), text=model.text)
             _write_fingerprint(target)

@@ -1,0 +1,487 @@
+"""Serving speed of converted SavedModels: weights stored in the target precision or not.
+
+A converted SavedModel is served: loaded once, then called with small batches. This tool
+exports ResNet50 and a BERT-base-shaped encoder (``tools/bench.py``'s shapes, random
+weights, ``model.export``; BERT takes any sequence length) and compares three SavedModels:
+
+* the float32 export;
+* ``amp-rewrite convert --target T`` (weights stored in T, the default);
+* ``amp-rewrite convert --target T --float32-weights`` (float32 weights, cast on every call).
+
+Measured, per model: the size of ``variables/`` and of the whole SavedModel; load time
+(``tf.saved_model.load``) and peak RSS, each variant loaded in its own fresh process (median
+of 3, in turn); and the time of one call of the ``serve`` signature at batch 1 (BERT: 16
+tokens) and batch 8 (BERT: 128 tokens), the three variants loaded in one process and
+called in turn, one call each per round, in an order rotated per round, so a change in the
+machine's load falls on all three alike; speed-up = the median over rounds of float32's
+time / the variant's. Where a goal is missed, a per-op profile of one call (a TF1 Session
+with full tracing: the time of every op the call ran) says where the time goes: casts,
+float32 ops, low-precision matmuls and convolutions, other low-precision ops.
+
+Goals (issue 29, a CPU with AVX512-BF16): batch 1 ≥ 1.1×, batch 8 ≥ 1.7× float32; variables/
+≤ 0.55× the source's.
+
+    TF_CPP_MIN_LOG_LEVEL=2 nice -n 10 .venv/bin/python tools/bench_serving.py          # ~25 min on 2 cores
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_serving.py --quick --no-write  # smoke run, ~3 min
+    tools/bench_gpu.sh                                                                  # float16 on a GPU
+
+The markdown goes to stdout and replaces this device's serving section of BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402  (tools/bench.py: the models and BENCHMARKS.md's sections)
+from bench_pass import machine_line  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("float32", "low", "float32-weights")
+DEVICE_TARGETS = {"cpu": "bfloat16", "gpu": "float16"}
+GOALS = {"batch 1": 1.1, "batch 8": 1.7}  # speed-up of "low" over float32, per regime
+VARIABLES_GOAL = 0.55                     # variables/ of "low" over the source's
+LOW_DTYPES = {"bfloat16": 14, "float16": 19}
+DT_FLOAT = 1
+
+
+@dataclass(frozen=True)
+class Sizes:
+    image_size: int
+    bert_layers: int
+    bert_hidden: int
+    bert_heads: int
+    bert_ffn: int
+    bert_vocab: int
+    short_seq: int   # BERT tokens at batch 1
+    long_seq: int    # BERT tokens at batch 8
+    rounds: int
+    warmup: int
+
+
+FULL = Sizes(image_size=224, bert_layers=12, bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522,
+             short_seq=16, long_seq=128, rounds=15, warmup=3)
+QUICK = Sizes(image_size=64, bert_layers=2, bert_hidden=256, bert_heads=4, bert_ffn=1024, bert_vocab=1000,
+              short_seq=8, long_seq=32, rounds=3, warmup=1)
+REGIMES = ("batch 1", "batch 8")
+
+
+def variant_label(variant: str, target: str) -> str:
+    return {
+        "float32": "float32 SavedModel (`model.export`)",
+        "low": f"`amp-rewrite convert --target {target}` (weights stored {target})",
+        "float32-weights": f"`amp-rewrite convert --target {target} --float32-weights`",
+    }[variant]
+
+
+# --- models ---------------------------------------------------------------------------
+
+
+def _build(model: str, sizes: Sizes) -> Any:
+    """tools/bench.py's models; its BERT encoder taking any sequence length up to ``long_seq``."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    shapes = dataclasses.replace(bench.FULL, image_size=sizes.image_size, bert_layers=sizes.bert_layers,
+                                 bert_hidden=sizes.bert_hidden, bert_heads=sizes.bert_heads, bert_ffn=sizes.bert_ffn,
+                                 bert_vocab=sizes.bert_vocab, bert_seq=sizes.long_seq)
+    return bench._build_resnet50(shapes) if model == "resnet50" else bench._build_bert(shapes, any_length=True)
+
+
+def _batch(model: str, regime: str, sizes: Sizes) -> Any:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    batch = 1 if regime == "batch 1" else 8
+    if model == "resnet50":
+        return rng.standard_normal((batch, sizes.image_size, sizes.image_size, 3), dtype=np.float32)
+    seq = sizes.short_seq if regime == "batch 1" else sizes.long_seq
+    return rng.integers(0, sizes.bert_vocab, size=(batch, seq), dtype=np.int32)
+
+
+def _regime_text(model: str, regime: str, sizes: Sizes) -> str:
+    if model == "resnet50":
+        return regime
+    return f"{regime} × {sizes.short_seq if regime == 'batch 1' else sizes.long_seq} tokens"
+
+
+# --- children: each measurement in a fresh process -------------------------------------
+
+
+def _serve(directory: str, device: str) -> Any:
+    import tensorflow as tf
+
+    with tf.device(f"/{device.upper()}:0"):
+        function = tf.saved_model.load(directory).signatures["serve"]
+    (name,) = function.structured_input_signature[1]
+
+    def call(x: Any) -> None:
+        with tf.device(f"/{device.upper()}:0"):
+            for tensor in tf.nest.flatten(function(**{name: tf.constant(x)})):
+                tensor.numpy()
+    return call
+
+
+def child_export(spec: dict[str, Any]) -> dict[str, Any]:
+    _build(spec["model"], Sizes(**spec["sizes"])).export(spec["dir"], verbose=False)
+    return {}
+
+
+def child_load(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load time, first call and the process's peak RSS (TensorFlow, the model, one call)."""
+    import tensorflow as tf
+
+    sizes = Sizes(**spec["sizes"])
+    x = _batch(spec["model"], "batch 1", sizes)
+    tf.constant(0.0).numpy()  # TensorFlow's runtime up before the clock starts
+    start = time.perf_counter()
+    call = _serve(spec["dir"], spec["device"])
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    call(x)
+    first_call_s = time.perf_counter() - start
+    result = {"load_s": load_s, "first_call_s": first_call_s,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if spec["device"] == "gpu":
+        result["peak_gpu_mb"] = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    return result
+
+
+def child_time(spec: dict[str, Any]) -> dict[str, Any]:
+    """The three variants in one process, timed in turn: seconds per call, per regime and variant."""
+    sizes = Sizes(**spec["sizes"])
+    calls = {variant: _serve(directory, spec["device"]) for variant, directory in spec["dirs"].items()}
+    seconds: dict[str, dict[str, list[float]]] = {}
+    for regime in REGIMES:
+        x = _batch(spec["model"], regime, sizes)
+        for call in calls.values():
+            for _ in range(1 + sizes.warmup):
+                call(x)
+        times: dict[str, list[float]] = collections.defaultdict(list)
+        order = list(calls)
+        for round_index in range(sizes.rounds):
+            shift = round_index % len(order)
+            for variant in order[shift:] + order[:shift]:
+                start = time.perf_counter()
+                calls[variant](x)
+                times[variant].append(time.perf_counter() - start)
+        seconds[regime] = dict(times)
+    return {"seconds": seconds}
+
+
+def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
+    """Where one call's time goes: every op the call ran, from a TF1 Session's full trace
+    (function bodies included), summed by category; median over a few traced calls."""
+    import numpy as np
+    import tensorflow as tf
+
+    sizes = Sizes(**spec["sizes"])
+    low = LOW_DTYPES[spec["target"]]
+    x = _batch(spec["model"], spec["regime"], sizes)
+    graph = tf.Graph()
+    totals: dict[str, list[float]] = collections.defaultdict(list)
+    with tf.compat.v1.Session(graph=graph) as session:
+        meta = tf.compat.v1.saved_model.loader.load(session, ["serve"], spec["dir"])
+        signature = meta.signature_def["serve"]
+        (feed,) = [tensor.name for tensor in signature.inputs.values()]
+        fetches = [tensor.name for tensor in signature.outputs.values()]
+        for _ in range(1 + sizes.warmup):
+            session.run(fetches, {feed: x})
+        for _ in range(5):
+            options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+            metadata = tf.compat.v1.RunMetadata()
+            session.run(fetches, {feed: x}, options=options, run_metadata=metadata)
+            sums: dict[str, float] = collections.defaultdict(float)
+            for device in metadata.step_stats.dev_stats:
+                for node in device.node_stats:
+                    op = node.timeline_label.split("(")[0].split(" = ")[-1].strip() if node.timeline_label else ""
+                    dtype = node.output[0].tensor_description.dtype if node.output else 0
+                    kind = _kind(op, dtype, low)
+                    sums[kind] += (node.op_end_rel_micros - node.op_start_rel_micros) / 1e6
+            for kind, value in sums.items():
+                totals[kind].append(value)
+    return {"profile": {kind: float(np.median(values)) for kind, values in totals.items()}}
+
+
+HEAVY = re.compile(r"Conv|MatMul|Einsum")
+
+
+def _kind(op: str, dtype: int, low: int) -> str:
+    """What an op is for the profile: a cast, or arithmetic in float32 or low precision."""
+    if op == "Cast":
+        return "casts"
+    if op in ("_Arg", "_Retval", "NoOp", "Const", "Identity", "_Recv", "_Send") or not op:
+        return "other (no arithmetic)"
+    if dtype == low:
+        return "low-precision matmul/conv" if HEAVY.search(op) else "low-precision other ops"
+    if dtype == DT_FLOAT:
+        return "float32 matmul/conv" if HEAVY.search(op) else "float32 other ops"
+    return "other (no arithmetic)"
+
+
+CHILDREN = {"export": child_export, "load": child_load, "time": child_time, "profile": child_profile}
+
+
+def run_child(kind: str, spec: dict[str, Any], timeout: int) -> dict[str, Any]:
+    """One child process: this script with ``--child``; its JSON answer, or {"error": ...}."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        command = [sys.executable, __file__, "--child", json.dumps({"kind": kind, "out": out.name, **spec})]
+        try:
+            child = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout} s"}
+        if child.returncode != 0:
+            return {"error": (child.stderr.strip().splitlines() or ["failed"])[-1]}
+        return json.loads(Path(out.name).read_text(encoding="utf-8"))
+
+
+def convert(source: Path, destination: Path, target: str, *extra: str) -> tuple[float, str]:
+    start = time.perf_counter()
+    child = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(source), str(destination),
+                            "--target", target, *extra], capture_output=True, text=True, cwd=REPO, check=False)
+    if child.returncode != 0:
+        return time.perf_counter() - start, (child.stderr.strip().splitlines() or ["failed"])[-1]
+    lines = child.stdout.splitlines()
+    first = next((index for index, line in enumerate(lines) if line.startswith("Weights:")), None)
+    if first is None:
+        return time.perf_counter() - start, ""
+    block = [lines[first]] + [line for line in lines[first + 1:] if line.startswith("  ")]
+    return time.perf_counter() - start, "ok: " + "\n".join(block)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+@dataclass
+class ModelResult:
+    model: str
+    sizes_bytes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # variant -> (variables, all)
+    loads: dict[str, list[dict[str, float]]] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)  # regime -> variant -> s
+    profiles: dict[tuple[str, str], dict[str, float]] = dataclasses.field(default_factory=dict)
+    convert_lines: dict[str, str] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def median(self, regime: str, variant: str) -> float:
+        return statistics.median(self.seconds[regime][variant])
+
+    def speed_up(self, regime: str, variant: str, base: str = "float32") -> float:
+        """Median over rounds of ``base``'s time / the variant's (both from the same round)."""
+        pairs = zip(self.seconds[regime][base], self.seconds[regime][variant])
+        return statistics.median(theirs / mine for theirs, mine in pairs)
+
+
+def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int) -> ModelResult:
+    result = ModelResult(model)
+    dirs = {variant: workdir / f"{model}-{variant}" for variant in VARIANTS}
+    common = {"model": model, "sizes": dataclasses.asdict(sizes), "device": device, "target": target}
+    exported = run_child("export", {**common, "dir": str(dirs["float32"])}, timeout)
+    if "error" in exported:
+        result.errors.append(f"export: {exported['error']}")
+        return result
+    for variant, extra in (("low", ()), ("float32-weights", ("--float32-weights",))):
+        seconds, line = convert(dirs["float32"], dirs[variant], target, *extra)
+        if not line.startswith("ok") and line:
+            result.errors.append(f"convert {variant}: {line}")
+            return result
+        result.convert_lines[variant] = line.removeprefix("ok: ")
+        print(f"{model}: converted {variant} in {seconds:.1f} s", file=sys.stderr, flush=True)
+    for variant, directory in dirs.items():
+        result.sizes_bytes[variant] = (folder_bytes(directory / "variables"), folder_bytes(directory))
+    order = list(dirs)
+    for round_index in range(3):  # each variant loaded in its own process, in turn, the order rotated
+        for variant in order[round_index:] + order[:round_index]:
+            directory = dirs[variant]
+            answer = run_child("load", {**common, "dir": str(directory)}, timeout)
+            if "error" in answer:
+                result.errors.append(f"load {variant}: {answer['error']}")
+                return result
+            result.loads.setdefault(variant, []).append(answer)
+    print(f"{model}: loads measured", file=sys.stderr, flush=True)
+    timed = run_child("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()}}, timeout)
+    if "error" in timed:
+        result.errors.append(f"timing: {timed['error']}")
+        return result
+    result.seconds = timed["seconds"]
+    for regime in REGIMES:  # where a goal is missed, or low weights run slower than float32 ones: a profile
+        slower = result.speed_up(regime, "low", base="float32-weights") < 0.95
+        if result.speed_up(regime, "low") >= GOALS[regime] and not slower:
+            continue
+        for variant in VARIANTS:
+            answer = run_child("profile", {**common, "dir": str(dirs[variant]), "regime": regime}, timeout)
+            if "error" not in answer:
+                result.profiles[(regime, variant)] = answer["profile"]
+            else:
+                result.errors.append(f"profile {variant} {regime}: {answer['error']}")
+    print(f"{model}: timed", file=sys.stderr, flush=True)
+    return result
+
+
+# --- markdown -------------------------------------------------------------------------
+
+LABELS = {"resnet50": "ResNet50", "bert": "BERT-base-shaped encoder"}
+
+
+def _mb(count: float) -> str:
+    return f"{count / 1e6:,.1f}"
+
+
+def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: str, machine: str, elapsed_s: float,
+           quick: bool) -> str:
+    title = {"cpu": f"CPU, {target}: serving converted SavedModels",
+             "gpu": f"NVIDIA GPU, {target}: serving converted SavedModels"}[device]
+    lines = [f"## {title}", ""]
+    if quick:
+        lines += [bench.QUICK_NOTE, ""]
+    lines += [
+        f"{machine}. Run {datetime.date.today().isoformat()}, {elapsed_s / 60:.1f} min in all, with `nice -n 10`"
+        " on a machine shared with other jobs: the speed-ups are ratios of calls timed in turn in one process, so"
+        " a change in load falls on every variant alike; the absolute times move more.", "",
+        f"`tools/bench_serving.py`: ResNet50 {sizes.image_size}x{sizes.image_size}; BERT-base-shaped encoder"
+        f" {sizes.bert_layers} layers, hidden {sizes.bert_hidden}, FFN {sizes.bert_ffn}, vocab {sizes.bert_vocab};"
+        f" random weights, written with `model.export`. Time per call of the `serve` signature: median of"
+        f" {sizes.rounds} rounds after {sizes.warmup} warm-up calls; speed-up = median over rounds of float32's"
+        " time / the variant's. Load = `tf.saved_model.load` in a fresh process (TensorFlow already imported),"
+        " median of 3; peak RSS = that process after one batch-1 call.", "",
+    ]
+    if device == "cpu":
+        lines += [bench.cpu_note(machine), ""]
+    gpu = device == "gpu"
+    lines += ["| model | variant | variables/ (MB) | SavedModel (MB) | load (s) | peak RSS (MB) |"
+              f"{' peak GPU (MB) |' if gpu else ''} batch 1 (ms) | speed-up | batch 8 (ms) | speed-up |",
+              f"|---|---|---:|---:|---:|---:|{'---:|' if gpu else ''}---:|---:|---:|---:|"]
+    for result in results:
+        if result.errors and not result.seconds:
+            lines.append(f"| {LABELS[result.model]} | failed: {'; '.join(result.errors).replace('|', '/')} |"
+                         " | | | | | | | |")
+            continue
+        for variant in VARIANTS:
+            variables, whole = result.sizes_bytes[variant]
+            load = statistics.median(answer["load_s"] for answer in result.loads[variant])
+            rss = statistics.median(answer["peak_rss_mb"] for answer in result.loads[variant])
+            if gpu:
+                rss_cell = f"{rss:,.0f} | {statistics.median(a['peak_gpu_mb'] for a in result.loads[variant]):,.0f}"
+            else:
+                rss_cell = f"{rss:,.0f}"
+            cells = []
+            for regime in REGIMES:
+                cells += [f"{result.median(regime, variant) * 1e3:,.1f}",
+                          f"{result.speed_up(regime, variant):.2f}x" if variant != "float32" else "1.00x"]
+            lines.append(f"| {LABELS[result.model]} | {variant_label(variant, target)} | {_mb(variables)} |"
+                         f" {_mb(whole)} | {load:.2f} | {rss_cell} | " + " | ".join(cells) + " |")
+    lines += ["", "Regimes: " + "; ".join(f"{LABELS[m]}: {', '.join(_regime_text(m, r, sizes) for r in REGIMES)}"
+                                          for m in ("resnet50", "bert")) + ".", ""]
+    lines += ["Goals (weights stored low against float32): " + ", ".join(
+        f"{regime} ≥ {goal}x" for regime, goal in GOALS.items()) + f", variables/ ≤ {VARIABLES_GOAL}x the source's.", ""]
+    for result in results:
+        if not result.seconds:
+            continue
+        parts = []
+        for regime in REGIMES:
+            ratio = result.speed_up(regime, "low")
+            versus = result.speed_up(regime, "low", base="float32-weights")
+            parts.append(f"{regime} {ratio:.2f}x ({'met' if ratio >= GOALS[regime] else '**missed**'}; against"
+                         f" float32 weights {versus:.2f}x)")
+        share = result.sizes_bytes["low"][0] / result.sizes_bytes["float32"][0]
+        parts.append(f"variables/ {share:.2f}x ({'met' if share <= VARIABLES_GOAL else '**missed**'})")
+        lines.append(f"- **{LABELS[result.model]}:** " + "; ".join(parts) + ".")
+        said = result.convert_lines.get("low", "").splitlines()
+        listed = share > VARIABLES_GOAL  # where the float32 bytes are: the variables that stay, and why
+        if said:
+            lines.append(f"  `convert` said: {said[0] if listed else said[0].removesuffix(':')}")
+        if listed:
+            lines += [f"  - {line.strip()}" for line in said[1:]]
+    profiled = [(result, regime) for result in results for regime in REGIMES
+                if (regime, "low") in result.profiles]
+    if profiled:
+        lines += ["", "Where the time goes where a goal was missed or weights stored low ran slower than float32"
+                  " weights (one call, TF1 Session full trace: every op's"
+                  " kernel time summed by kind, median of 5 traced calls; the sum exceeds the wall time when ops"
+                  " run in parallel):", "",
+                  "| model | regime | variant | casts (ms) | float32 matmul/conv | float32 other | low matmul/conv"
+                  " | low other | no arithmetic | sum (ms) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        kinds = ("casts", "float32 matmul/conv", "float32 other ops", "low-precision matmul/conv",
+                 "low-precision other ops", "other (no arithmetic)")
+        for result, regime in profiled:
+            for variant in VARIANTS:
+                profile = result.profiles.get((regime, variant), {})
+                cells = [f"{profile.get(kind, 0.0) * 1e3:,.1f}" for kind in kinds]
+                lines.append(f"| {LABELS[result.model]} | {_regime_text(result.model, regime, sizes)} |"
+                             f" {variant_label(variant, target)} | " + " | ".join(cells) +
+                             f" | {sum(profile.values()) * 1e3:,.1f} |")
+    errors = [f"{LABELS[r.model]}: {e}" for r in results for e in r.errors]
+    if errors:
+        lines += ["", "Failures: " + "; ".join(errors)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, 3 rounds: a smoke run, not a measurement")
+    parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu")
+    parser.add_argument("--models", default="resnet50,bert", help="comma-separated: resnet50, bert")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds}, quick {QUICK.rounds})")
+    parser.add_argument("--output", type=Path, default=bench.BENCHMARKS_MD)
+    parser.add_argument("--no-write", action="store_true", help="print the section only")
+    parser.add_argument("--child-timeout", type=int, default=1800, metavar="S")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        out = Path(spec.pop("out"))
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # TensorFlow's and Keras' prints
+        out.write_text(json.dumps(CHILDREN[spec.pop("kind")](spec)), encoding="utf-8")
+        return 0
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or any(m not in LABELS for m in models):
+        parser.error(f"--models {args.models!r}: choose from resnet50,bert")
+    sizes = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        sizes = dataclasses.replace(sizes, rounds=args.rounds)
+    target = DEVICE_TARGETS[args.device]
+    machine = machine_line()
+    if args.device == "gpu":
+        gpus = bench.gpu_line()
+        if gpus is None:
+            print("bench_serving.py: --device gpu, but TensorFlow sees no GPU", file=sys.stderr)
+            return 2
+        machine = f"{gpus}. {machine}"
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="amp-rewrite-serving-"))
+    try:
+        results = [measure(model, sizes, args.device, target, workdir, args.child_timeout) for model in models]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    section = render(results, sizes, args.device, target, machine, time.perf_counter() - started, args.quick)
+    print(section)
+    if not args.no_write:
+        old = args.output.read_text(encoding="utf-8") if args.output.exists() else None
+        args.output.write_text(bench.update_markdown(old, f"{args.device}-{target}-serving", section),
+                               encoding="utf-8")
+        print(f"wrote section {args.device}-{target}-serving of {args.output}", file=sys.stderr)
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
