@@ -334,8 +334,8 @@ def test_digits_accuracy_within_two_points_of_bfloat16():
     accuracy is within 2 points of the bfloat16 rewrite's (emulated, without XLA: the same
     float8 numbers, without the compile time)."""
     data = digits.digits()
-    bfloat16 = digits.train("cnn", "bfloat16", epochs=4, jit_compile=False, data=data)
-    float8 = digits.train("cnn", "float8", epochs=4, jit_compile=False, data=data)
+    bfloat16 = digits.train("cnn", "bfloat16", epochs=3, jit_compile=False, data=data)
+    float8 = digits.train("cnn", "float8", epochs=3, jit_compile=False, data=data)
     assert bfloat16.accuracy > 0.9
     assert abs(float8.accuracy - bfloat16.accuracy) <= 0.02
     assert float8.losses != bfloat16.losses  # the float8 run is not the bfloat16 one
