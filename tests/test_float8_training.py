@@ -202,6 +202,21 @@ def test_checkpoint_carries_the_state_into_a_fresh_wrapper(tmp_path):
     assert _values(fresh.float8_state, "product/input_0")[0] == [1.0, 6.0, 3.0, 0.0]
 
 
+def test_saved_model_carries_the_state(tmp_path):
+    """A SavedModel of an object that tracks the wrapper holds the state's variables by name."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.0), target="float8",
+                                                           amax_history_length=HISTORY)
+    _matmul_step(opt)(_x(3.0))
+    module = tf.Module()
+    module.optimizer = opt
+    tf.saved_model.save(module, str(tmp_path / "saved"))
+    live.stop()
+    loaded = tf.saved_model.load(str(tmp_path / "saved")).optimizer.float8_state.by_name
+    assert {name: loaded[name].numpy().tolist() for name, _ in opt.float8_state.items()} == {
+        name: variable.numpy().tolist() for name, variable in opt.float8_state.items()}
+    assert loaded["product/input_0/amax_history"].numpy().tolist() == [3.0, 0, 0, 0]
+
+
 def test_keras_file_carries_the_state_and_the_loaded_wrapper_resumes(tmp_path):
     """``model.save(.keras)`` writes the state beside the optimizer's variables; after
     ``load_model`` the optimizer is our wrapper with the same state, and passing it back to
