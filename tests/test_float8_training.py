@@ -231,8 +231,7 @@ def test_keras_file_carries_the_state_and_the_loaded_wrapper_resumes(tmp_path):
     model = keras.models.load_model(tmp_path / "model.keras")
     restored = model.optimizer
     assert {name: variable.numpy().tolist() for name, variable in restored.float8_state.items()} == saved
-    assert amp_rewrite.enable_mixed_precision_graph_rewrite(restored, target="float8",
-                                                            amax_history_length=HISTORY) is restored
+    assert amp_rewrite.enable_mixed_precision_graph_rewrite(restored, target="float8") is restored  # its length
     model.fit(data.x_train[:64], data.y_train[:64], batch_size=32, epochs=1, verbose=0)  # 2 steps, same keys
     assert sorted(name for name, _ in restored.float8_state.items()) == sorted(saved)
     for name in (name for name in saved if name.endswith("amax_history")):
@@ -280,6 +279,15 @@ def test_float8_and_another_target_do_not_take_turns(first, second):
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target=second)
     assert "\n" not in str(caught.value)
     assert live.STATE.settings.name == first
+
+
+def test_resuming_with_another_history_length_says_which_to_pass():
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8",
+                                                           amax_history_length=HISTORY)
+    live.stop()
+    with pytest.raises(ValueError, match=rf"keeps amax histories of {HISTORY} steps; pass amax_history_length="
+                                         rf"{HISTORY}$"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="float8", amax_history_length=1024)
 
 
 def test_history_length_without_float8_is_refused():

@@ -166,7 +166,7 @@ def target_name(target: Any) -> Any:
 
 
 def start(target: Any, lists: Any = None, cross_function: bool = False, *,
-          amax_history_length: Any = DEFAULT_AMAX_HISTORY_LENGTH, base_precision: Any = "bfloat16",
+          amax_history_length: Any = None, base_precision: Any = "bfloat16",
           float8_state: Float8State | None = None) -> LiveRewrite | None:
     """Rewrite every new trace from now on; returns the settings, or None if it stays off."""
     settings = plan_settings(target, lists, cross_function, amax_history_length=amax_history_length,
@@ -177,9 +177,10 @@ def start(target: Any, lists: Any = None, cross_function: bool = False, *,
 
 
 def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, *,
-                  amax_history_length: Any = DEFAULT_AMAX_HISTORY_LENGTH, base_precision: Any = "bfloat16",
+                  amax_history_length: Any = None, base_precision: Any = "bfloat16",
                   float8_state: Float8State | None = None) -> LiveRewrite | None:
-    """The settings ``start`` would enable, every argument checked; nothing is changed yet."""
+    """The settings ``start`` would enable, every argument checked; nothing is changed yet.
+    ``amax_history_length`` None: ``float8_state``'s (a resumed wrapper's), else Keras' 1024."""
     policy = _mixed_keras_policy()
     if policy:
         raise ValueError(
@@ -193,6 +194,9 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
         if base not in float8.BASE_PRECISIONS:
             raise ValueError(f"base_precision must be one of {', '.join(map(repr, float8.BASE_PRECISIONS))} (the"
                              f" precision around the float8 matmuls), got {base_precision!r}")
+        if amax_history_length is None:
+            amax_history_length = (float8_state.amax_history_length if float8_state is not None
+                                   else DEFAULT_AMAX_HISTORY_LENGTH)
         length = check_history_length(amax_history_length)
         if float8_state is not None and float8_state.amax_history_length != length:
             raise ValueError(f"this optimizer's float8 state keeps amax histories of {float8_state.amax_history_length}"
@@ -200,7 +204,7 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
         _refuse_switch(FLOAT8)
         state = float8_state if float8_state is not None else Float8State(length)
         return LiveRewrite(base, load_lists(base, lists), cross_function, float8.Float8Training(state))
-    if (amax_history_length, base_precision) != (DEFAULT_AMAX_HISTORY_LENGTH, "bfloat16"):
+    if (amax_history_length, base_precision) != (None, "bfloat16"):
         raise ValueError(f"amax_history_length and base_precision apply to target='float8', not {target!r};"
                          " leave them out")
     if target is None:
@@ -244,7 +248,7 @@ DEFAULT_LOSS_SCALE = _DefaultLossScale()
 
 def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None,
                                          cross_function: bool = False,
-                                         amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH,
+                                         amax_history_length: int | None = None,
                                          base_precision: str = "bfloat16") -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
@@ -254,7 +258,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"`` (or
     ``tf.float16``/``tf.bfloat16``), ``"float8"`` (FP8 training: the matmuls on float8, the rest
     in ``base_precision``, ``"bfloat16"`` (no loss scaling by default) or ``"float16"``, with
-    delayed scaling over ``amax_history_length`` steps; the state is tracked by the returned
+    delayed scaling over ``amax_history_length`` steps (default 1024); the state is tracked by the returned
     wrapper as ``float8_state``), or None to pick float16 or bfloat16 from the hardware (the
     rewrite stays off, with a warning, when neither fits). Enabling again with another target
     warns; float8 and another target are an error. ``cross_function``: paint across call and
@@ -263,7 +267,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
 
     A Keras 3 wrapper this function returned for float8 (``model.optimizer`` after
     ``keras.models.load_model``) may be passed back with ``target="float8"``: the rewrite is
-    enabled with its state, and it is returned as it is.
+    enabled with its state (and its ``amax_history_length``), and it is returned as it is.
     """
     resumed = optimizers.float8_state_of(opt) if target_name(target) == FLOAT8 else None
     if resumed is not None and loss_scale is not DEFAULT_LOSS_SCALE:
@@ -303,7 +307,7 @@ def disable_mixed_precision_graph_rewrite() -> None:
 
 @contextlib.contextmanager
 def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False,
-                    amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH,
+                    amax_history_length: int | None = None,
                     base_precision: str = "bfloat16") -> Iterator[LiveRewrite | None]:
     """Rewrite the tf.functions traced inside the block (no optimizer wrapping). With
     ``target="float8"`` the yielded settings' ``float8.state`` holds the block's FP8 state:
