@@ -14,7 +14,7 @@ from amp_rewrite.training.registration import register_when_keras_loads
 from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
-    from amp_rewrite.cli.calibrate import Calibration, calibrate
+    from amp_rewrite.calibration.calibrate import Calibration, calibrate
     from amp_rewrite.core.lists import Colour, OpLists, load_float8, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.target import TARGETS
 
 _NAME_TO_MODULE = {
-    "Calibration": "cli.calibrate", "calibrate": "cli.calibrate",
+    "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
     "load_float8": "core.lists",
     "Decision": "core.report", "Report": "core.report",

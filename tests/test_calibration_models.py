@@ -5,7 +5,7 @@ calibration and the held-out inputs), and the plain float16 rewrite — ``amp-re
 convert --target float16``, op lists only — is not, on held-out inputs, by the model's
 own mechanism: non-finite outputs where a value overflows, finite outputs over the
 tolerance where values lose their precision. The errors are measured here (max |new −
-old| / max |old|, the CLI's measure) and must agree with the CLI's verdict.
+old| / max |old|) and the CLI's verdict (its default metric, p99-rel) must agree.
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def test_calibrated_float16_rewrite_is_finite_and_in_tolerance_on_held_out_input
     output finite and within tolerance on seed 1 (checked here and by the CLI), in at most
     5 validation runs; most MatMul/Conv stay converted (the remedy of keeping each
     affected layer wholly float32 would keep at least one per model)."""
-    from amp_rewrite.cli import calibrate
-    from amp_rewrite.cli.savedmodel import read_model
+    from amp_rewrite.calibration import calibrate
+    from amp_rewrite.calibration.savedmodel import read_model
 
     calibration = save_inputs(name, COUNT, calibration_models.CALIBRATION_SEED, workspace / f"{name}-calib.npz")
     held_out = save_inputs(name, COUNT, HELD_OUT_SEED, workspace / f"{name}-held.npz")

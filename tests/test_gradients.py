@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
 from amp_rewrite.cli import command
-from amp_rewrite.cli.savedmodel import custom_gradient_nodes
+from amp_rewrite.calibration.savedmodel import custom_gradient_nodes
 
 from conftest import TARGET_TO_TOLERANCE, TARGETS
 

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from amp_rewrite.cli import staging
+from amp_rewrite.calibration import staging
 
 from cli_models import hash_tree, save_module
 from test_cli import cli_env, listing, run_cli
@@ -146,7 +146,7 @@ def test_a_signal_while_the_result_moves_into_place_waits_for_it(
 HANDLER_PROBE = """
 import os, signal, sys, time
 from pathlib import Path
-from amp_rewrite.cli import staging
+from amp_rewrite.calibration import staging
 
 marker = Path(sys.argv[1])
 with staging.on_interrupt():

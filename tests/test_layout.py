@@ -30,14 +30,18 @@ def test_no_upward_import_and_no_cycle(monkeypatch: pytest.MonkeyPatch, capsys: 
 def test_the_tool_sees_an_upward_import_and_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]):
     package = tmp_path / "amp_rewrite"
-    for folder in (package, package / "core", package / "cli"):
+    for folder in (package, package / "core", package / "cli", package / "calibration"):
         folder.mkdir()
         (folder / "__init__.py").write_text("")
     (package / "core" / "a.py").write_text("from amp_rewrite.core import b\n")
     (package / "core" / "b.py").write_text("from amp_rewrite.core.a import x\nfrom amp_rewrite.cli import c\n")
-    (package / "cli" / "c.py").write_text("")
+    (package / "cli" / "c.py").write_text("from amp_rewrite.calibration import d\n")  # downward: fine
+    (package / "calibration" / "d.py").write_text("from amp_rewrite.cli import e\n")
+    (package / "cli" / "e.py").write_text("")
     monkeypatch.setattr(sys, "argv", ["import_graph.py", str(package)])
     assert _import_graph_tool().main() == 1
     out = capsys.readouterr().out
     assert "amp_rewrite.core.b (core) -> amp_rewrite.cli.c (cli)" in out
     assert "amp_rewrite.core.a -> amp_rewrite.core.b -> amp_rewrite.core.a" in out
+    assert "amp_rewrite.calibration.d (calibration) -> amp_rewrite.cli.e (cli)" in out
+    assert "amp_rewrite.cli.c (cli) ->" not in out

@@ -1,7 +1,8 @@
 """Print amp_rewrite's module import graph by layer, from the source (no module is imported).
 
-Layers, lowest first: ``core`` (the pass), then ``training``, ``cli`` and ``testing``, which
-build on ``core`` and not on each other, then the package facade (``amp_rewrite/__init__.py``,
+Layers, lowest first: ``core`` (the pass), then ``training``, ``calibration`` (models on
+disk, validation, statistics, calibration) and ``testing``, which build on ``core`` and not
+on each other, then ``cli`` (the command, which may use all three), then the package facade (``amp_rewrite/__init__.py``,
 ``__main__.py``). ``_quiet`` needs nothing and may be used by any layer. An import that
 points to a higher layer or to a sibling layer runs upward; the tool lists each one, and
 any import cycle, and exits 1 if there is either. Imports under ``if TYPE_CHECKING:`` and
@@ -17,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = "amp_rewrite"
-LAYER_RANK = {"base": 0, "core": 1, "training": 2, "cli": 2, "testing": 2, "facade": 3}
+LAYER_RANK = {"base": 0, "core": 1, "training": 2, "calibration": 2, "testing": 2, "cli": 3, "facade": 4}
 # The flat layout before sub-packages: where each module would sit.
 FLAT_MODULE_TO_LAYER = {
     "_quiet": "base",

@@ -21,11 +21,11 @@ if os.path.basename(sys.argv[0]) == "amp-rewrite":
     silence_native_stderr()
 
 # No TensorFlow in these two: plain Python.
-from amp_rewrite.cli import staging  # noqa: E402
+from amp_rewrite.calibration import staging  # noqa: E402
 from amp_rewrite.core.errors import AmpRewriteError, ModelError  # noqa: E402
 
 if TYPE_CHECKING:
-    from amp_rewrite.cli.savedmodel import Model
+    from amp_rewrite.calibration.savedmodel import Model
     from amp_rewrite.core.lists import OpLists
     from amp_rewrite.core.report import Report
     from amp_rewrite.core.rewrite import RewriteResult
@@ -35,6 +35,7 @@ EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
 # core.target's TARGETS and quantized targets, spelled here so --help needs no TensorFlow
 TARGET_NAMES = ("float16", "bfloat16", "float8")
+METRIC_NAMES = ("max-rel", "p99-rel", "top1-agreement")  # calibration.validate.METRICS, the default second
 # Ops whose float16 speed comes from Tensor Cores, and which of their inputs' dims must be multiples of 8.
 # DepthwiseConv2dNative is not here: its filter's last dim is the channel multiplier, which no user can change.
 TENSOR_CORE_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D", "Conv2DBackpropInput",
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--quiet", action="store_true", help="print only errors")
         sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
+    def metric(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--metric", choices=METRIC_NAMES, default=METRIC_NAMES[1],
+                         help="how an output's error is measured against the target's tolerance: max-rel (largest"
+                              " |difference| / largest |float32|, grows with the samples), p99-rel (its 99th"
+                              " percentile, default) or top1-agreement (share of samples whose top class changed)")
+
     def weights(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--float32-weights", action="store_true",
                          help="keep every weight float32, read through a cast on each call. Default: a variable"
@@ -138,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-rounds", type=_count(1, 10), default=5, metavar="N",
                          help="calibration: validation runs at most (1-10, default 5)")
         sub.add_argument("--max-magnitude", type=float, metavar="X",
-                         help="calibration: largest |value| a converted node may see (float16 default 16384)")
+                         help="calibration: largest |value| a converted node may see untried; above it, it is tried"
+                              " and kept float32 if validation needs it (float16 default 16384; over 65504 always"
+                              " kept)")
         sub.add_argument("--small-share", type=float, metavar="S",
                          help="calibration: largest share of a tensor's magnitude in values below the target's"
                               " smallest normal (default 0.5)")
@@ -159,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--calibrate", type=Path, nargs="?", const=RANDOM_INPUTS, metavar="DATA.npz",
                          help="keep float32 the nodes calibration data shows out of the target's range or over"
                               " tolerance (signature inputs as --inputs takes; none: random inputs)")
+    metric(convert)
     calibration(convert)
 
     calibrate = commands.add_parser("calibrate", help="measure SRC on calibration data; write the nodes to keep"
@@ -167,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--inputs", type=Path, metavar="DATA.npz",
                            help="calibration inputs (default: random inputs from the signatures; real data is better)")
     calibrate.add_argument("--out", type=Path, required=True, metavar="FILE.yaml", help="the overlay to write")
+    metric(calibrate)
     calibration(calibrate)
 
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
@@ -228,12 +239,12 @@ class _Steps:
 
 def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteResult, OpLists]:
     steps("loading TensorFlow")
-    from amp_rewrite.cli.savedmodel import effective_lists, read_model, rewrite_model
+    from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
 
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
-    float8 = _float8_calibration(args)
     model = read_model(args.src, args.fetch, args.tag_set)
+    float8 = _float8_calibration(args, model, lists)
     steps("rewriting")
     try:
         result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function, **float8)
@@ -244,30 +255,57 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     return model, result, lists
 
 
-def _float8_calibration(args: argparse.Namespace) -> dict[str, Any]:
+def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found: Any) -> None:
+    """The --lists and --keep entries (keep_nodes, and float8's amax and lossy) that name
+    nothing in the model: all of them is an error (the overlay is another model's, or an
+    export whose names differ), some a warning with the count."""
+    from amp_rewrite.core import float8
+
+    entries = len(lists.keep_nodes) + (len(found.amax) + len(found.lossy) if found is not None else 0)
+    unmatched = lists.unmatched_keep_nodes(model.graph_def)
+    if found is not None:
+        unmatched += float8.resolve(found, model.graph_def)[1]
+    if not entries or not unmatched:
+        return
+    where = " and ".join(part for part in (str(args.lists or ""), "--keep" if args.keep else "") if part)
+    example = f"e.g. {unmatched[0]!r}"
+    if len(unmatched) == entries:
+        raise AmpRewriteError(f"{where}: none of its {entries} entries names a node of {args.src} ({example}); it"
+                              " was written for another model, or an export whose node names differ: calibrate"
+                              f" {args.src} again")
+    print(f"amp-rewrite: warning: {where}: {len(unmatched)} of {entries} entries name no node of {args.src}"
+          f" ({example}); they are ignored", file=sys.stderr)
+
+
+def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) -> dict[str, Any]:
     """Target float8: ``amax`` and ``lossy`` for the rewrite, from the --lists overlay (as
     ``calibrate --target float8`` writes it), or none yet in a run that calibrates (the
-    float16 path until calibration measures them). Other targets: nothing."""
-    if args.target != "float8":
-        return {}
+    float16 path until calibration measures them). Other targets: nothing. Checks the
+    overlay's entries against the model first (``_check_overlay``); an overlay whose amax
+    names nothing in the model gives no amax."""
+    from amp_rewrite.core import float8
     from amp_rewrite.core.lists import load_float8
 
-    found = load_float8(args.lists) if args.lists else None
-    if found is not None:
-        return {"amax": found.amax, "lossy": found.lossy}
-    if args.command == "calibrate" or getattr(args, "calibrate", None) is not None:
-        return {"amax": {}}
-    what = f"{args.lists} has no amax" if args.lists else "--target float8 needs the amax of each matmul input"
-    calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " if args.command == "convert" \
-        else "pass "
-    raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
-                          " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
+    found = load_float8(args.lists) if args.lists and args.target == "float8" else None
+    calibrating = args.command == "calibrate" or getattr(args, "calibrate", None) is not None
+    usable = found is not None and bool(float8.resolve(found, model.graph_def)[0].amax)
+    if args.target == "float8" and not calibrating and not usable:
+        what = (f"{args.lists} has no amax" if found is None else f"no amax in {args.lists} names a tensor of"
+                f" {args.src}") if args.lists else "--target float8 needs the amax of each matmul input"
+        calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " \
+            if args.command == "convert" else "pass "
+        raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
+                              " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
+    _check_overlay(args, model, lists, found)
+    if args.target != "float8":
+        return {}
+    return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
 
 
 def _model_lines(model: Model) -> list[str]:
     """What the run took as the model: the MetaGraphDef converted and those left alone, or a
     GraphDef's outputs when no --fetch named them."""
-    from amp_rewrite.cli.savedmodel import tag_set_text
+    from amp_rewrite.calibration.savedmodel import tag_set_text
 
     if model.kind == "graphdef":
         if model.fetches_are_sinks:
@@ -284,7 +322,7 @@ def _model_lines(model: Model) -> list[str]:
 def _summary_lines(model: Model, report: Report) -> list[str]:
     """The model's headline and why its vertices stayed float32, then grappler's line over
     every item (TensorFlow's plumbing included), as inspect prints them."""
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     kinds = plumbing_kinds(model)
     lines = [_model_headline(report, [i for i in report.items if i.function not in kinds])] if kinds else []
@@ -302,7 +340,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         staging.check_outside(args.src, args.dump, "dump directory")
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
-    from amp_rewrite.cli.savedmodel import write_model
+    from amp_rewrite.calibration.savedmodel import write_model
 
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate)
@@ -314,7 +352,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     written_model, result, stored = _store_weights(args, model, result)
     feeds = None
     if args.validate or args.inputs:
-        from amp_rewrite.cli import validate
+        from amp_rewrite.calibration import validate
 
         if model.kind == "graphdef" and not validate.compared_outputs(model):
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
@@ -376,7 +414,7 @@ def _weights_lines(stored: StoredWeights | None, every: bool = False) -> list[st
 
 def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Path | None) -> Any:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
-    from amp_rewrite.cli import calibrate, statistics, validate
+    from amp_rewrite.calibration import calibrate, statistics, validate
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
@@ -394,13 +432,17 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
                                        cross_function=args.cross_function, max_rounds=args.max_rounds,
                                        thresholds=thresholds,
                                        say=lambda line: _say(args, line),
-                                       source=statistics.RANDOM_INPUTS if random else str(data))
+                                       source=statistics.RANDOM_INPUTS if random else str(data), metric=args.metric)
     kept = len(result.kept)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
     if result.float8 is not None:
         _say(args, f"Calibration: {result.result.report.float8_matmuls} matmul(s) on float8_e4m3fn operands,"
                    f" {len(result.float8.lossy)} kept float16 as too lossy in float8")
+    if kept and not calibrate.converted_nodes(result.result):
+        print(f"amp-rewrite: warning: nothing converted: calibration keeps every node the lists convert float32, so"
+              f" the rewrite runs as the float32 model does; target {args.target} does not suit this model as"
+              " calibrated", file=sys.stderr)
     return result
 
 
@@ -424,27 +466,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
     """Compare the source with the staged copy and print each output's error; returns how
     many outputs are over tolerance."""
-    from amp_rewrite.cli import validate
+    from amp_rewrite.calibration import validate
     from amp_rewrite.core.target import lookup_target
 
     random = args.inputs is None
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random)
+        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric)
     else:
-        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random)
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)
     runs = 1 if args.inputs else args.validate
     failed = [e for e in errors if not e.ok(target)]
-    _say(args, f"Validation ({runs} run(s); tolerance {target.tolerance:g} of each output's scale):")
+    inputs = (f"{runs} run(s) of random inputs, which are not the model's data: a pass or a failure here says"
+              " little about real inputs (pass them with --inputs FILE.npz)" if random else f"{args.inputs}")
+    _say(args, f"Validation ({inputs}; {args.metric}, tolerance {target.tolerance:g}):")
     _say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
-                 f"max abs {e.max_abs:.3g}, max rel {e.max_rel:.3g}" for e in errors])
+                 f"max abs {e.max_abs:.3g}, {validate.shown(e.metric)} {e.error:.3g}" for e in errors])
     return len(failed)
 
 
 def _dump(model: Model, result: RewriteResult, lists: OpLists, directory: Path, args: argparse.Namespace,
           steps: _Steps, notes: Sequence[str] = ()) -> None:
     from amp_rewrite.cli.dump import write_dump
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     steps(f"writing the dump to {directory}")
     existed = directory.exists()  # an interrupt removes a new one; an earlier dump there cannot be put back
@@ -501,7 +545,7 @@ def _plumbing_line(report: Report, kinds: dict[str, str]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from amp_rewrite.cli.savedmodel import plumbing_kinds
+    from amp_rewrite.calibration.savedmodel import plumbing_kinds
     from amp_rewrite.core.target import lookup_target
 
     model, result, _ = _rewrite(args, _Steps(args))

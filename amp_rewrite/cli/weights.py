@@ -19,7 +19,7 @@ from typing import Any
 
 from tensorflow.core.protobuf import saved_model_pb2, trackable_object_graph_pb2
 
-from amp_rewrite.cli.savedmodel import Model, tag_set_text
+from amp_rewrite.calibration.savedmodel import Model, tag_set_text
 from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH

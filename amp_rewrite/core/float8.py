@@ -43,6 +43,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
+from amp_rewrite.core import functions
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import TensorRef, parse_tensor_name
 from amp_rewrite.core.program import program_of
@@ -86,6 +87,36 @@ class Float8Calibration:
 
     amax: Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x|
     lossy: Mapping[tuple[str, str], str]         # (function, node) -> the FP8 error measured there
+
+
+def resolve(calibration: Float8Calibration, graph_def: graph_pb2.GraphDef) -> tuple[Float8Calibration, list[str]]:
+    """``calibration`` keyed by the items of ``graph_def`` (the main graph "" and every library
+    function), and the overlay keys (``key_text``) that name nothing in it. An overlay names
+    a node plainly (a node of that name in any item), or as ``FUNCTION::node`` with the
+    function's exact or stable name (``functions.scope_matches``), so it survives a
+    re-export, which changes TensorFlow's trace counters. An exact key wins over the others."""
+    nodes_in = {"": {node.name for node in graph_def.node}}  # a body's nodes and _Arg nodes, without building it
+    for function in graph_def.library.function:
+        nodes_in[function.signature.name] = ({node.name for node in function.node_def}
+                                             | {arg.name for arg in function.signature.input_arg})
+    unmatched: list[str] = []
+
+    def exact(entries: Mapping[tuple, object]) -> dict[tuple, object]:
+        found: dict[tuple, tuple[int, object]] = {}
+        for key, value in entries.items():
+            scope, node = key[0], key[1]
+            items = [item for item in nodes_in if node in nodes_in[item]
+                     and (not scope or (item and functions.scope_matches(scope, item)))]
+            if not items:
+                unmatched.append(key_text(key))
+            for item in items:
+                rank = 0 if scope == item else 1 if scope else 2
+                if (item, *key[1:]) not in found or rank < found[(item, *key[1:])][0]:
+                    found[(item, *key[1:])] = (rank, value)
+        return {key: value for key, (_, value) in found.items()}
+
+    resolved = Float8Calibration(exact(calibration.amax), exact(calibration.lossy))
+    return resolved, unmatched
 
 
 def key_text(key: tuple[str, ...]) -> str:
@@ -376,6 +407,48 @@ class _Builder(NodeWriter):
             scale = add("scale", "Cast", [scale], SrcT=f32, DstT=dtype, Truncate=False)
             unscale = add("unscale", "Cast", [unscale], SrcT=f32, DstT=dtype, Truncate=False)
         return scale, unscale
+
+
+PROBE = "Float8Probe"  # in the names of add_probes' nodes
+
+
+def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[graph_pb2.GraphDef, dict[str, str]]:
+    """A copy of one item of a float8 rewrite in which each of ``matmuls`` (quantized) also
+    runs on the float16 operands its float8 chains start from, and their difference is a
+    tensor: matmul -> (the float16 copy's name, the difference's name). On calibration
+    inputs the difference is the matmul's own FP8 error, element by element, whatever error
+    its inputs already carry; calibration ranks matmuls by it. ``graph_def`` is not modified."""
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    nodes = {node.name: node for node in output.node}
+    probes = {}
+    for name in matmuls:
+        node = nodes[name]
+        reference = output.node.add()
+        reference.CopyFrom(node)
+        reference.name = f"{name}-{PROBE}/float16"
+        reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
+                              for tensor in node.input]
+        difference = output.node.add(name=f"{name}-{PROBE}/error", op="Sub", input=[name, reference.name],
+                                     device=node.device)
+        difference.attr["T"].type = node.attr["T"].type
+        probes[name] = (reference.name, difference.name)
+    return output, probes
+
+
+def _chain_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str:
+    """The tensor a float8 chain (``_Builder._chain``) quantizes, given its ``unscaled`` output."""
+    steps = ("Mul", "Cast", "Cast", "ClipByValue", "Mul")  # unscaled, dequantized, quantized, clipped, scaled
+    ref = parse_tensor_name(tensor)
+    if not (ref.node.endswith("/unscaled") and "-Float8-" in ref.node):
+        return tensor
+    for op in steps:
+        node = nodes[ref.node]
+        if node.op != op:
+            return tensor
+        source = node.input[0]
+        ref = parse_tensor_name(source)
+    return source
 
 
 def mark_xla_must_compile(graph_def: graph_pb2.GraphDef, names: Iterable[str]) -> None:

@@ -9,6 +9,7 @@ signature, so every caller stays valid.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Container, Iterable, Iterator, Mapping, Sequence
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
@@ -18,15 +19,40 @@ from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
 
 RETVAL_SUFFIX = "_RetVal"
+# A traced tf.function's name: TensorFlow's prefix, the Python name, then a process-wide
+# counter (two for a backward function), which a new process or another export changes.
+_TRACED_NAME = re.compile(r"(__inference_|__forward_|__backward_)(.+?)((?:_\d+){1,2})")
+
+
+@functools.lru_cache(maxsize=None)
+def stable_name(function: str) -> str:
+    """The name a traced function keeps across processes and exports: without TensorFlow's
+    counter (``__inference___call___23578`` → ``__inference___call__``); other names as they are."""
+    found = _TRACED_NAME.fullmatch(function)
+    if found is None:
+        return function
+    prefix, name, counters = found.groups()
+    kept = counters.count("_") - (2 if prefix == "__backward_" else 1)
+    return prefix + name + "".join(f"_{part}" for part in counters.split("_")[1:][:kept])
+
+
+def scope_matches(scope: str, function: str) -> bool:
+    """Whether an overlay's ``FUNCTION::`` scope names ``function``: its exact name, or its ``stable_name``."""
+    return scope == function or scope == stable_name(function)
 
 
 def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> list[tuple[str, int]]:
     """(output arg name, index within the arg) for each output port of the node."""
+    if support.registered_op_def(node_def.op) is op_def:
+        fixed = _fixed_output_args(node_def.op)
+        if fixed is not None:
+            return list(fixed)
     ports = []
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
 
-    def attr(name: str):
-        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
+    def attr(name: str):  # the op-def default only where the node lacks it: most nodes have every attr
+        if name in node_def.attr:
+            return node_def.attr[name]
+        return next((a.default_value for a in op_def.attr if a.name == name and a.HasField("default_value")), None)
 
     for arg in op_def.output_arg:
         if arg.type_list_attr:
@@ -37,6 +63,15 @@ def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> li
             count = 1
         ports.extend((arg.name, i) for i in range(count))
     return ports
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_output_args(op: str) -> tuple[tuple[str, int], ...] | None:
+    """A registered op's output ports when no attr sets their number, else None."""
+    op_def = support.registered_op_def(op)
+    if any(arg.type_list_attr or arg.number_attr for arg in op_def.output_arg):
+        return None
+    return tuple((arg.name, 0) for arg in op_def.output_arg)
 
 
 def is_parametrized(function: function_pb2.FunctionDef) -> bool:

@@ -26,7 +26,10 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
          "__inference_call_123::dense_1/BiasAdd": ""   # "" or the list form: no reason
 
    An entry ``FUNCTION::PATTERN`` matches only in the library function named FUNCTION
-   (``:`` never occurs in a node name); one without ``::`` matches in every item. A kept
+   (``:`` never occurs in a node name), or whose name is FUNCTION once TensorFlow's trace
+   counter is dropped (``functions.stable_name``: ``__inference___call__`` for
+   ``__inference___call___23578``, so an entry survives a re-export); one without ``::``
+   matches in every item. A kept
    node stays float32 and acts as a deny op (``colouring.propagate_deny_forward``).
    ``OpLists.keeping`` adds entries to loaded lists (the CLI's ``--keep``).
    Target float8's calibration lives in the overlay too, read by ``load_float8``, not by
@@ -35,7 +38,9 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
        amax:  {"dense/Relu:0": 3.25, "__inference_call_123::dense/Relu:0": 3.25}  # tensor -> largest |x|
        lossy: {"__inference_call_123::dense_2/MatMul": "calibration: ..."}       # matmul -> its FP8 error
 
-   Names are literal (no regex); ``FUNCTION::`` names a library function's tensor or node.
+   Names are literal (no regex); ``FUNCTION::`` names a library function's tensor or node
+   (its exact or stable name, as in keep_nodes); a name without it, a node of that name in
+   any item (``float8.lookup``).
 3. TensorFlow's variables, with TensorFlow's semantics, read here and nowhere else:
    ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD`` then ``..._REMOVE`` for LIST in
    ALLOWLIST, INFERLIST, DENYLIST, CLEARLIST, then the legacy WHITELIST, GRAYLIST,
@@ -67,7 +72,7 @@ from types import MappingProxyType
 
 import yaml
 
-from amp_rewrite.core import float8
+from amp_rewrite.core import float8, functions
 from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
 
@@ -160,15 +165,28 @@ class OpLists:
     def keep_entry(self, node_name: str, function: str = "") -> str | None:
         """The first keep_nodes entry that keeps ``node_name`` of ``function`` ("": the main
         graph), or None: an unscoped entry matching the name in full as a regex, or a
-        ``FUNCTION::PATTERN`` entry whose FUNCTION is ``function`` and whose PATTERN matches."""
+        ``FUNCTION::PATTERN`` entry whose FUNCTION names ``function`` (``functions.scope_matches``)
+        and whose PATTERN matches."""
         for entry, scope, pattern in self._keep_patterns:
-            if (scope is None or scope == function) and pattern.fullmatch(node_name):
+            if (scope is None or functions.scope_matches(scope, function)) and pattern.fullmatch(node_name):
                 return entry
         return None
 
     def keeps(self, node_name: str, function: str = "") -> bool:
         """True if a keep_nodes entry keeps ``node_name`` of ``function`` (``keep_entry``)."""
         return self.keep_entry(node_name, function) is not None
+
+    def unmatched_keep_nodes(self, graph_def) -> list[str]:
+        """The keep_nodes entries that keep no node of ``graph_def``'s main graph or library
+        functions (read from the FunctionDefs: no body is built)."""
+        items = {"": [node.name for node in graph_def.node]}
+        for function in graph_def.library.function:
+            items[function.signature.name] = [node.name for node in function.node_def]
+        def matches(scope: str | None, pattern: re.Pattern[str], item: str, names: list[str]) -> bool:
+            return (scope is None or functions.scope_matches(scope, item)) and any(map(pattern.fullmatch, names))
+
+        return [entry for entry, scope, pattern in self._keep_patterns
+                if not any(matches(scope, pattern, item, names) for item, names in items.items())]
 
     def keeping(self, entries: Mapping[str, str]) -> OpLists:
         """These lists with more keep_nodes entries, entry -> one-line reason ("": none given).

@@ -96,7 +96,8 @@ def rewrite_graph_def(
     tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
     activation operand missing from it stays float16.
     ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for
-    matmuls to leave float16 (rule ``float8-lossy``).
+    matmuls to leave float16 (rule ``float8-lossy``). Both may name a function by its stable
+    name, and a node plainly, as an overlay does (``float8.resolve``).
     ``fetches``: node (or tensor) names whose outputs must keep their dtype.
     ``preserved``: ``(function, node) -> why`` for more nodes, in any item, that keep their
     dtypes as fetches do (a SavedModel's custom gradients were traced for them).
@@ -118,6 +119,9 @@ def rewrite_graph_def(
     op_lists = load_lists(target, lists)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
+    if amax is not None:
+        resolved, _ = float8.resolve(float8.Float8Calibration(amax, lossy or {}), graph_def)
+        amax, lossy = resolved.amax, resolved.lossy
     with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
         program = program_of(graph_def)
         functions.check_calls(graph_def, program.library)

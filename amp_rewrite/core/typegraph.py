@@ -199,6 +199,23 @@ def dtype_of(node_def: node_def_pb2.NodeDef, attr: TypeAttr) -> int:
     return types[attr.index] if attr.index < len(types) else types_pb2.DT_INVALID
 
 
+def output_dtypes(node_def: node_def_pb2.NodeDef, functions: Mapping[str, op_def_pb2.OpDef]) -> list[int]:
+    """The dtype of each output port as the type graph reads it (``_arg_type_attrs``), the
+    attrs the node lacks taking their op-def defaults as ``build_type_graph`` fills them;
+    ``node_def`` is not modified. [] where a type attribute is missing altogether."""
+    op_def = support.resolve_op_def(node_def, functions)
+    defaults = [(name, value) for name, value in support.default_attrs(node_def.op, op_def) if name not in node_def.attr]
+    if defaults:
+        filled = node_def_pb2.NodeDef(name=node_def.name, op=node_def.op)
+        for name, value in [*node_def.attr.items(), *defaults]:
+            filled.attr[name].CopyFrom(value)
+        node_def = filled
+    try:
+        return [dtype_of(node_def, attr) for arg in op_def.output_arg for attr in _arg_type_attrs(node_def, arg)]
+    except GraphError:
+        return []
+
+
 @dataclass(frozen=True)
 class TypeGraph:
     """Vertices and edges for colouring, over a node graph from ``graph_io``."""

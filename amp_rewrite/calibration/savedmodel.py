@@ -19,7 +19,7 @@ from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from amp_rewrite.cli.staging import check_destination, staged
+from amp_rewrite.calibration.staging import check_destination, staged
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name

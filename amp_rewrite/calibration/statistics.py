@@ -1,0 +1,721 @@
+"""Statistics of a model's tensors over calibration inputs, from one instrumented run per feed.
+
+Every float tensor asked for — in the main graph and inside library function bodies,
+where a SavedModel's and a ``tf.function``'s compute lives — is reduced in the graph by a
+few plain nodes (``_add_folds``): each element's magnitude goes to one of four buckets
+(zero, non-zero below the target's smallest normal, finite, non-finite) and a segment sum
+and max per bucket give its counts, sums and largest value, folded into two resource
+variables shared by name (``ResourceScatterAdd``, ``ResourceScatterMax``). A function body
+lists its folds as control outputs, so TensorFlow runs them, and stateless control flow
+and calls become their stateful forms, so nothing prunes them. The model then runs in a
+TF1 Session (a SavedModel through TensorFlow's own loader, which restores variables and
+runs init ops) once per feed, and the variables are read back. Constants need no run:
+their statistics come from their values. Signatures that compute the same outputs from
+the same inputs (a Keras export's ``serve`` and ``serving_default``) run once.
+
+A tensor is named by its ``TensorKey``: ``(function, node, port)``, with function ``""``
+for the main graph and a function body's arguments named like its ``_Arg`` nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.util import deprecation
+
+from amp_rewrite.calibration import staging
+from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
+from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
+from amp_rewrite.core import functions
+from amp_rewrite.core.errors import tensorflow_cause
+from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.typegraph import output_dtypes
+
+TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
+
+PREFIX = "amp_rewrite_statistics"
+_MAXIMA, _SUMS, _PEAKS = "maxima", "sums", "peaks"  # the variables, shared by name as PREFIX_<name>
+# A tensor whose batch items each hold more than this many elements is bucketed on a sample
+# of about _SAMPLES_PER_ITEM elements per item (its largest |x| still over all of them).
+_SAMPLE_ABOVE = 16384
+_SAMPLES_PER_ITEM = 1024
+# A Runner's session takes this many graphs after the one it loaded, then the next run loads
+# afresh: each run's executor copies the session's whole function library, which every added
+# graph grows (MobileNetV2's five float8 runs took about 7 s each in a session that kept
+# taking them, 3 to 4 s otherwise).
+_ADDED_PER_SESSION = 1
+# Each element's |x| falls in one bucket; per bucket, its count, sum of |x| and sum of x².
+_ZERO, _SMALL, _FINITE, _NONFINITE = range(4)
+_BUCKETS = 4
+_MOMENTS = 3  # count, sum of |x|, sum of x²
+FLOAT_DTYPES = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
+_NO_GRAPPLER = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(
+    rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True),
+    optimizer_options=tf.compat.v1.OptimizerOptions(opt_level=tf.compat.v1.OptimizerOptions.L0))).SerializeToString()
+_STATEFUL_FORM = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case",
+                  "PartitionedCall": "StatefulPartitionedCall"}
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """What the calibration inputs put through one tensor, over every run and loop iteration."""
+
+    max_abs: float   # largest finite |x|
+    nonfinite: int   # NaN and ±Inf elements
+    nonzero: int     # finite non-zero elements
+    small: int       # of those, below the threshold asked for (the target's smallest normal)
+    sum_abs: float
+    small_abs: float  # the part of sum_abs the small values carry
+    sum_sq: float
+    count: int       # elements seen
+
+    @property
+    def small_share(self) -> float:
+        """The share of non-zero values below the threshold."""
+        return self.small / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def small_mass(self) -> float:
+        """The share of the magnitude (sum of |x|) that values below the threshold carry."""
+        return self.small_abs / self.sum_abs if self.sum_abs else 0.0
+
+    @property
+    def rms(self) -> float:
+        finite = self.count - self.nonfinite
+        return math.sqrt(self.sum_sq / finite) if finite else 0.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """Statistics per tensor, and each signature's outputs per feed (for validation)."""
+
+    stats: Mapping[TensorKey, TensorStats]
+    outputs: Mapping[str, Sequence[Mapping[str, np.ndarray]]]
+
+
+def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
+    """Every float output the pass may convert: in the main graph and in each function
+    the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``, and
+    but the unread outputs of a node whose other outputs are read (a batch norm's reserve
+    spaces): nothing they hold reaches anything."""
+    program = program_of(graph_def)
+    skip = set(skip_functions)
+    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(graph_def, program.library) if n not in skip]
+    keys = []
+    for name in names:
+        body = program.item(name)
+        read: dict[str, set[int]] = {}
+        for node_def in body.node:
+            for tensor in node_def.input:
+                ref = parse_tensor_name(tensor)
+                if not ref.is_control:
+                    read.setdefault(ref.node, set()).add(ref.port)
+        for node_def in body.node:
+            if node_def.op == "_Retval":
+                continue
+            ports = read.get(node_def.name)
+            for port, dtype in enumerate(output_dtypes(node_def, program.op_defs)):
+                if dtype == types_pb2.DT_FLOAT and (ports is None or port in ports):
+                    keys.append((name, node_def.name, port))
+    return keys
+
+
+def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
+                   small_below: float) -> dict[TensorKey, TensorStats]:
+    """Statistics of the keys that are float constants, from their values."""
+    program = program_of(graph_def)
+    by_item: dict[str, list[TensorKey]] = {}
+    for key in keys:
+        by_item.setdefault(key[0], []).append(key)
+    found = {}
+    for item, item_keys in by_item.items():
+        nodes = {n.name: n for n in program.item(item).node}
+        for key in item_keys:
+            node_def = nodes.get(key[1])
+            if node_def is not None and node_def.op == "Const" and key[2] == 0:
+                found[key] = _stats_of(tensor_util.MakeNdarray(node_def.attr["value"].tensor), small_below)
+    return found
+
+
+def _stats_of(value: np.ndarray, small_below: float) -> TensorStats:
+    a = np.abs(np.asarray(value, dtype=np.float64)).ravel()
+    finite = a[np.isfinite(a)]
+    nonzero = finite[finite > 0]
+    small = nonzero[nonzero < small_below]
+    return TensorStats(float(finite.max(initial=0.0)), int(a.size - finite.size), int(nonzero.size), int(small.size),
+                       float(finite.sum()), float(small.sum()), float(np.square(finite).sum()), int(a.size))
+
+
+class _Body:
+    """Adds nodes to one item's body, each named under ``prefix``."""
+
+    def __init__(self, body: graph_pb2.GraphDef, prefix: str) -> None:
+        self.body, self.prefix = body, prefix
+        self.consts: dict[str, str] = {}
+
+    def node(self, name: str, op: str, inputs: Sequence[str] = (), **attrs: object) -> str:
+        node = self.body.node.add(name=f"{self.prefix}/{name}", op=op, input=list(inputs))
+        for key, value in attrs.items():
+            if isinstance(value, bool):
+                node.attr[key].b = value
+            elif isinstance(value, int) and (key in ("N", "axis") or key.endswith("_mask")):
+                node.attr[key].i = value
+            elif isinstance(value, int):
+                node.attr[key].type = value
+            elif isinstance(value, np.ndarray):
+                node.attr[key].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+            elif isinstance(value, tf.TensorShape):
+                node.attr[key].shape.CopyFrom(value.as_proto())
+            elif isinstance(value, list):
+                node.attr[key].list.f.extend(value)
+            else:
+                node.attr[key].s = str(value).encode()
+        return node.name
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        """A Const named ``name``, made once: a second call with the name returns the first's."""
+        if name not in self.consts:
+            self.consts[name] = self.node(name, "Const", dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value)
+        return self.consts[name]
+
+
+_F32, _F64, _I32 = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32
+_SMALLEST_POSITIVE = float(np.finfo(np.float32).tiny)  # below it, |x| counts as 0: TensorFlow flushes subnormals
+
+
+def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[tuple[int, str, int, int]], size: int,
+               small_below: float, prefix: str = PREFIX) -> list[str]:
+    """Nodes in ``body`` that reduce each (index, tensor, dtype, stride) of ``found`` and
+    fold it into the statistics variables at its index; returns the stateful nodes, which
+    a run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
+    instantiates nothing new, and each tensor is reduced as soon as it exists, so no more
+    of it is kept alive.
+
+    |x| is bucketed (``Bucketize``: zero, small, finite, non-finite: NaN and ±Inf sort
+    last); per bucket, ``UnsortedSegmentMax`` gives the largest |x|, ``Bincount`` the count
+    and ``UnsortedSegmentSum`` the sums of |x| and x² (float64). Those kernels are serial
+    and ten times slower per element than a reduction, so a large tensor (``stride`` > 1)
+    is bucketed on every ``stride``-th element only, and its largest |x| comes from a
+    ``Max`` over all of it (non-finite if any element is: ``Max`` propagates NaN). The nodes
+    are named under ``scope``; the variables are shared by ``prefix`` (``_shared``)."""
+    b = _Body(body, scope)
+    buckets, none = b.const("buckets", np.array(_BUCKETS, np.int32)), b.const("no_weights", np.zeros(0, np.float64))
+    flat, axis = b.const("flat", np.array([-1], np.int32)), b.const("axis", np.array([0], np.int32))
+    start, infinity = axis, b.const("infinity", np.array(np.inf, np.float32))
+    boundaries = [_SMALLEST_POSITIVE, max(small_below, _SMALLEST_POSITIVE), math.inf]
+    rows, maxima, peaks, peaked = [], [], [], []
+    for index, tensor, dtype, stride in found:
+        n = f"t{index}"
+        if dtype != _F32:  # Bucketize takes no half or bfloat16
+            tensor = b.node(f"{n}/float32", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
+        magnitude = b.node(f"{n}/abs", "Abs", [tensor], T=_F32)
+        if stride > 1:
+            values = b.node(f"{n}/flat", "Reshape", [magnitude, flat], T=_F32, Tshape=_I32)
+            peak = b.node(f"{n}/peak", "Max", [values, axis], T=_F32, Tidx=_I32, keep_dims=False)
+            nan = b.node(f"{n}/nan", "IsNan", [peak], T=_F32)  # ScatterMax would drop a NaN: fold it as +Inf
+            peaks.append(b.node(f"{n}/flagged", "SelectV2", [nan, infinity, peak], T=_F32))
+            peaked.append(index)
+            magnitude = b.node(f"{n}/sample", "StridedSlice",
+                               [values, start, start, b.const(f"stride{stride}", np.array([stride], np.int32))],
+                               T=_F32, Index=_I32, begin_mask=0, end_mask=1, ellipsis_mask=0, new_axis_mask=0,
+                               shrink_axis_mask=0)
+        bucket = b.node(f"{n}/bucket", "Bucketize", [magnitude], T=_F32, boundaries=boundaries)
+        maxima.append(b.node(f"{n}/max", "UnsortedSegmentMax", [magnitude, bucket, buckets], T=_F32, Tindices=_I32,
+                             Tnumsegments=_I32))
+        wide = b.node(f"{n}/wide", "Cast", [magnitude], SrcT=_F32, DstT=_F64, Truncate=False)
+        row = [b.node(f"{n}/count", "Bincount", [bucket, buckets, none], T=_F64),
+               b.node(f"{n}/sum_abs", "UnsortedSegmentSum", [wide, bucket, buckets], T=_F64, Tindices=_I32,
+                      Tnumsegments=_I32),
+               b.node(f"{n}/sum_sq", "UnsortedSegmentSum", [b.node(f"{n}/square", "Square", [wide], T=_F64), bucket,
+                                                            buckets], T=_F64, Tindices=_I32, Tnumsegments=_I32)]
+        rows.append(b.node(f"{n}/row", "Pack", row, N=len(row), T=_F64, axis=1))
+
+    def fold(op: str, name: str, indices: Sequence[int], values: Sequence[str], dtype: int, shape: list[int]) -> str:
+        variable = b.node(name, "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
+                          shared_name=_shared(prefix, name), container="")
+        updates = b.node(f"{name}/updates", "Pack", values, N=len(values), T=dtype, axis=0)
+        at = b.const(f"{name}/indices", np.array(indices, np.int32))
+        return b.node(f"fold_{name}", op, [variable, at, updates], dtype=dtype, Tindices=_I32)
+
+    indices = [f[0] for f in found]
+    folds = [fold("ResourceScatterMax", _MAXIMA, indices, maxima, _F32, [_BUCKETS]),
+             fold("ResourceScatterAdd", _SUMS, indices, rows, _F64, [_BUCKETS, _MOMENTS])]
+    if peaks:
+        folds.append(fold("ResourceScatterMax", _PEAKS, peaked, peaks, _F32, []))
+    return folds
+
+
+def _stats_from(largest: np.ndarray, sums: np.ndarray, peak: float, stride: int) -> TensorStats:
+    """``TensorStats`` from one tensor's per-bucket maxima and (count, sum |x|, sum x²), on
+    every ``stride``-th element (scaled up by it), and its largest |x| over all elements
+    (``peak``, for ``stride`` > 1: exact where finite, else at least one element is not)."""
+    counts, sum_abs, sum_sq = sums[:, 0] * stride, sums[:, 1] * stride, sums[:, 2] * stride
+    finite = [_ZERO, _SMALL, _FINITE]
+    largest_finite = max(0.0, float(largest[finite].max()))
+    nonfinite = int(counts[_NONFINITE])
+    if stride > 1:
+        if math.isfinite(peak):
+            largest_finite = max(largest_finite, peak)
+        else:
+            nonfinite = max(nonfinite, 1)
+    return TensorStats(largest_finite, nonfinite, int(counts[_SMALL] + counts[_FINITE]), int(counts[_SMALL]),
+                       float(sum_abs[finite].sum()), float(sum_abs[_SMALL]), float(sum_sq[finite].sum()),
+                       int(counts.sum()))
+
+
+def sampling_stride(shape: Sequence[int] | None) -> int:
+    """Every how many elements a tensor of ``shape`` (-1: an unknown dim; None: unknown
+    rank) is bucketed: 1 (all of it) unless it is known to hold more than ``_SAMPLE_ABOVE``
+    elements per batch item (the first dim, where unknown; the whole tensor, a weight's,
+    where every dim is known), then as many as leave ``_SAMPLES_PER_ITEM`` per item."""
+    if not shape or any(d < 0 for d in shape[1:]):
+        return 1
+    per_item = int(np.prod(shape[1:] if shape[0] < 0 else shape))
+    return per_item // _SAMPLES_PER_ITEM if per_item > _SAMPLE_ABOVE else 1
+
+
+def _static_shape(node_def, port: int) -> list[int] | None:
+    shapes = node_def.attr["_output_shapes"].list.shape if "_output_shapes" in node_def.attr else ()
+    if port >= len(shapes) or shapes[port].unknown_rank:
+        return None
+    return [d.size for d in shapes[port].dim]
+
+
+def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+               main_groups: Sequence[Collection[str]] = (), prefix: str = PREFIX,
+               ) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
+    """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
+    out) into the statistics variables, at its position in ``keys``: in each function body
+    (its control outputs), and in the main graph once per group of ``main_groups`` (node
+    names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
+    Returns the copy, per group the main graph's node a run must ask for, and per key
+    index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
+    share: one per run of a ``Runner``."""
+    program = program_of(graph_def)
+    strides: dict[int, int] = {}
+    by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
+    for index, key in enumerate(keys):
+        by_item.setdefault(key[0], []).append((index, key))
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    main_calls: list[str] = []
+    for item, entries in by_item.items():
+        body = graph_pb2.GraphDef()
+        body.CopyFrom(program.item(item))
+        nodes = {n.name: n for n in body.node}
+        found = []  # (index, tensor, dtype)
+        for index, key in entries:
+            node_def = nodes.get(key[1])
+            dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
+            if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
+                strides[index] = sampling_stride(_static_shape(node_def, key[2]))
+                found.append((index, tensor_name(key[1], key[2]), dtypes[key[2]], strides[index], key[1]))
+        if item == MAIN_GRAPH:
+            taken: set[int] = set()
+            for group_number, group in enumerate(main_groups):
+                chosen = [f[:4] for f in found if f[4] in group and f[0] not in taken]
+                taken.update(f[0] for f in chosen)
+                name = f"{prefix}/main_{group_number}"
+                folds = _add_folds(body, name, chosen, len(keys), small_below, prefix) if chosen else []
+                body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
+                main_calls.append(name)
+            if keys:
+                _add_access(body, len(keys), prefix)
+            del output.node[:]
+            output.node.extend(body.node)
+            continue
+        if not found:
+            continue
+        folds = _add_folds(body, prefix, [f[:4] for f in found], len(keys), small_below, prefix)
+        function_def = functions.to_function_def(body, program.library[item], program.op_defs)
+        for fold in folds:
+            function_def.signature.control_output.append(fold)
+            function_def.control_ret[fold] = fold
+        output.library.function[program.positions[item]].CopyFrom(function_def)
+    _make_stateful(output)
+    return output, main_calls, strides
+
+
+_VARIABLES = ((_MAXIMA, _F32, [_BUCKETS]), (_SUMS, _F64, [_BUCKETS, _MOMENTS]), (_PEAKS, _F32, []))
+def _shared(prefix: str, name: str) -> str:
+    """The name a statistics variable is shared by, in function bodies and the main graph."""
+    return f"{prefix}_{name}"
+
+
+def _initialize(prefix: str) -> str:
+    """The main graph's NoOp that zeroes the statistics variables."""
+    return f"{prefix}/initialize"
+
+
+def _read(prefix: str, name: str) -> str:
+    return f"{prefix}/read_{name}:0"
+
+
+def _add_access(body: graph_pb2.GraphDef, size: int, prefix: str) -> None:
+    """The main graph's nodes that zero the statistics variables (``_initialize``) and read
+    them (``_read``): in the graph the session loads, so no run extends it afterwards."""
+    b = _Body(body, prefix)
+    assigns = []
+    for name, dtype, shape in _VARIABLES:
+        handle = b.node(f"handle_{name}", "VarHandleOp", dtype=dtype, shape=tf.TensorShape([size, *shape]),
+                        shared_name=_shared(prefix, name), container="")
+        zeros = b.const(f"zeros_{name}", np.zeros([size, *shape], tf.as_dtype(dtype).as_numpy_dtype))
+        assigns.append(b.node(f"assign_{name}", "AssignVariableOp", [handle, zeros], dtype=dtype))
+        b.node(f"read_{name}", "ReadVariableOp", [handle], dtype=dtype)
+    body.node.add(name=_initialize(prefix), op="NoOp", input=[f"^{assign}" for assign in assigns])
+
+
+def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
+    """Stateless control flow and calls → stateful (their bodies now have side effects);
+    no XLA compilation (the folds use resource variables XLA cannot place), and no grappler
+    on the bodies a call instantiates (its config_proto): the graph runs as it is written,
+    and grappler takes seconds per thousand nodes the statistics add."""
+    node_lists = [graph_def.node] + [f.node_def for f in graph_def.library.function]
+    for nodes in node_lists:
+        for node_def in nodes:
+            node_def.op = _STATEFUL_FORM.get(node_def.op, node_def.op)
+            if "config_proto" in node_def.attr:
+                node_def.attr["config_proto"].s = _NO_GRAPPLER
+            for attr in ("_XlaMustCompile", "_XlaCompile"):
+                if attr in node_def.attr:
+                    del node_def.attr[attr]
+    for function_def in graph_def.library.function:
+        if "_XlaMustCompile" in function_def.attr:
+            del function_def.attr["_XlaMustCompile"]
+
+
+def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str]:
+    """The main-graph nodes ``outputs`` depend on, control inputs included."""
+    inputs = {n.name: [parse_tensor_name(t).node for t in n.input] for n in graph_def.node}
+    seen: set[str] = set()
+    stack = [parse_tensor_name(t).node for t in outputs]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in inputs:
+            continue
+        seen.add(name)
+        stack.extend(inputs[name])
+    return seen
+
+
+def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
+    """Per signature (a GraphDef file's is ``GRAPH``): its inputs and outputs, name → tensor."""
+    if model.kind == "graphdef":
+        placeholders = [n.name for n in model.graph_def.node if n.op == "Placeholder"]
+        return {GRAPH: ({name: f"{name}:0" for name in placeholders},
+                        {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)})}
+    return {key: ({name: info.name for name, info in signature.inputs.items()},
+                  {name: info.name for name, info in signature.outputs.items()})
+            for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
+
+
+RANDOM_INPUTS = "random inputs"
+
+
+def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
+                    feeds: Feeds) -> dict[str, str]:
+    """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
+    main-graph computation once its input placeholders are named by input name and each
+    called function by its body (a Keras export's ``serve`` and ``serving_default`` call
+    two wrappers that differ only in name and argument labels)."""
+    nodes = {node.name: node for node in graph_def.node}
+    bodies = {f.signature.name: f for f in graph_def.library.function}
+    body_keys: dict[str, bytes] = {}
+
+    def body_key(name: str) -> bytes:
+        if name not in body_keys:
+            body = function_pb2.FunctionDef()
+            body.CopyFrom(bodies[name])
+            body.signature.name = ""
+            body.ClearField("arg_attr")
+            body_keys[name] = body.SerializeToString(deterministic=True)
+        return body_keys[name]
+
+    def node_key(node_def, inputs_key: tuple) -> tuple:
+        attrs = []
+        for name, value in sorted(node_def.attr.items()):
+            if value.HasField("func") and value.func.name in bodies:
+                called = attr_value_pb2.AttrValue()
+                called.CopyFrom(value)
+                called.func.name = ""
+                attrs.append((name, body_key(value.func.name), called.SerializeToString(deterministic=True)))
+            else:
+                attrs.append((name, value.SerializeToString(deterministic=True)))
+        return node_def.op, node_def.device, tuple(attrs), inputs_key
+
+    def signature_key(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> tuple | None:
+        placeholders = {parse_tensor_name(tensor).node: name for name, tensor in inputs.items()}
+        ancestors = _ancestors(graph_def, outputs.values())
+        keys: dict[str, tuple] = {}
+        expanded: set[str] = set()
+        pending = sorted(ancestors)
+        while pending:  # post-order without recursion: TF1 graphs can be deep
+            name = pending.pop()
+            if name in keys:
+                continue
+            node_def = nodes[name]
+            if name in placeholders:
+                keys[name] = ("input", placeholders[name])
+                continue
+            sources = [parse_tensor_name(t) for t in node_def.input]
+            waiting = [ref.node for ref in sources if ref.node not in keys and ref.node in nodes]
+            if waiting:
+                if name in expanded:
+                    return None  # a cycle (TF1 control flow): no key, so no twin
+                expanded.add(name)
+                pending.extend([name, *waiting])
+                continue
+            if not any(keys.get(ref.node, ("",))[0] != "shared" for ref in sources):
+                keys[name] = ("shared", name)  # reads no signature input: the same node for every signature
+                continue
+            keys[name] = node_key(node_def, tuple((keys.get(ref.node), ref.port, ref.is_control) for ref in sources))
+        return tuple((name, keys.get(parse_tensor_name(t).node), parse_tensor_name(t).port)
+                     for name, t in sorted(outputs.items()))
+
+    def same_feeds(a: str, b: str) -> bool:
+        first, second = feeds.get(a, [{}]), feeds.get(b, [{}])
+        return len(first) == len(second) and all(
+            x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
+
+    seen: dict[tuple, str] = {}
+    same: dict[str, str] = {}
+    for key, (inputs, outputs) in signatures.items():
+        found = signature_key(inputs, outputs)
+        if found is None:
+            continue
+        twin = seen.get(found)
+        if twin is not None and same_feeds(twin, key):
+            same[key] = twin
+        else:
+            seen.setdefault(found, key)
+    return same
+
+
+def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
+            small_below: float, described: str = "the calibration inputs") -> Run:
+    """One ``Runner.collect`` in a session of its own."""
+    with Runner(model, feeds) as runner:
+        return runner.collect(graph_def, keys, small_below, described)
+
+
+class Runner:
+    """One TF1 Session for every run of a calibration. The first graph is loaded as the
+    model would be (a SavedModel through TensorFlow's own loader, which restores variables
+    and runs init ops); each later one is added to the same session: the functions it
+    changes under new names, the main-graph nodes it changes under a new scope, the rest
+    shared. A run then pays for what its rewrite changed, not for loading the model again
+    (``_add``)."""
+
+    def __init__(self, model: Model, feeds: Feeds) -> None:
+        self.model, self.feeds = model, feeds
+        self.session: tf.compat.v1.Session | None = None
+        self.library: dict[str, bytes] = {}   # the loaded functions (the first graph's)
+        self.main: dict[str, bytes] = {}      # the loaded main-graph nodes
+        self.runs = 0
+        self.added = 0  # graphs added to the session since it loaded
+        self._exit = contextlib.ExitStack()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit.close()
+
+    def collect(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+                described: str = "the calibration inputs") -> Run:
+        """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed,
+        folding ``keys``; returns the statistics and the outputs. ``described`` names the
+        feeds in the error a model that fails on them gets (``RANDOM_INPUTS``: made from
+        the signatures)."""
+        model, feeds = self.model, self.feeds
+        constants = constant_stats(graph_def, keys, small_below)
+        run_keys = [k for k in keys if k not in constants]
+        signatures = signatures_of(model)
+        same = same_signatures(graph_def, signatures, feeds)
+        groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items()
+                  if key not in same]
+        prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
+        instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups, prefix)
+        if self.added >= _ADDED_PER_SESSION:  # every run's executor copies the session's whole library
+            self.session, self.added = None, 0
+        if self.session is None:
+            config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
+            self.session = self._exit.enter_context(_loaded(model, instrumented, config))
+            self.library = {f.signature.name: f.SerializeToString(deterministic=True)
+                            for f in instrumented.library.function}
+            self.main = {n.name: n.SerializeToString(deterministic=True) for n in instrumented.node}
+            scope = {}
+        else:
+            try:
+                scope = self._add(instrumented, f"{PREFIX}_run{self.runs}")
+            except (ValueError, KeyError, tf.errors.OpError):  # what the session cannot take in, a new one loads
+                self.session = None
+                return self.collect(graph_def, keys, small_below, described)
+            self.added += 1
+        self.runs += 1
+
+        def named(tensor: str) -> str:  # a main-graph tensor or op as the session has it
+            ref = parse_tensor_name(tensor)
+            node = scope.get(ref.node, ref.node)
+            return f"{node}:{ref.port}" if ":" in tensor else node
+
+        session, size = self.session, len(run_keys)
+        if size:
+            session.run(named(_initialize(prefix)))
+        outputs: dict[str, list[dict[str, np.ndarray]]] = {}
+        run_signatures = [(key, entry) for key, entry in signatures.items() if key not in same]
+        for (key, (inputs, fetched)), call in zip(run_signatures, main_calls):
+            target = session.graph.get_operation_by_name(named(call))
+            fetches = {name: named(tensor_name(*parse_tensor_name(tensor))) for name, tensor in fetched.items()}
+            for feed in feeds.get(key, [{}]):
+                fed = {named(inputs[name]): value for name, value in feed.items()}
+                try:
+                    values, _ = session.run((fetches, target), feed_dict=fed)
+                except (tf.errors.OpError, ValueError, TypeError) as error:
+                    where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
+                    advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
+                              if described == RANDOM_INPUTS else "; check them against the model's inputs")
+                    what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
+                            if described == RANDOM_INPUTS else described)
+                    cause = tensorflow_cause(error)
+                    raise ModelError(f"{where}: the model fails on {what} ({cause}){advice}") from None
+                outputs.setdefault(key, []).append(values)
+        read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if size else {}
+        for key, twin in same.items():
+            outputs[key] = outputs[twin]
+        stats = dict(constants)
+        for index, key in enumerate(run_keys):
+            if index not in strides or read[_SUMS][index, :, 0].sum() == 0:
+                continue  # never ran: a branch not taken, a loop that did not iterate
+            stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]),
+                                     strides[index])
+        return Run(stats, outputs)
+
+    def _add(self, graph_def: graph_pb2.GraphDef, scope: str) -> dict[str, str]:
+        """Import ``graph_def`` into the loaded session's graph: each function that differs
+        from the loaded one of its name, and each function calling such a one, as
+        ``NAME_<scope>``; each main-graph node that differs from the loaded one (or reads
+        one that does) under ``scope/``, reading the rest from the loaded graph. Returns
+        main-graph node name → its name in the session."""
+        library = {f.signature.name: f for f in graph_def.library.function}
+        changed = {name for name, f in library.items()
+                   if self.library.get(name) != f.SerializeToString(deterministic=True)}
+        callees = {name: _called(f.node_def, library) for name, f in library.items()}
+        while grown := {name for name in library if name not in changed and callees[name] & changed}:
+            changed |= grown
+        renamed = {name: f"{name}_{scope}" for name in changed}
+        partial = graph_pb2.GraphDef()
+        partial.versions.CopyFrom(graph_def.versions)
+        for name in sorted(changed):
+            function = partial.library.function.add()
+            function.CopyFrom(library[name])
+            function.signature.name = renamed[name]
+            for node_def in function.node_def:
+                _rename_calls(node_def, renamed)
+        nodes = {}
+        for node_def in graph_def.node:
+            copy = node_def_pb2.NodeDef()
+            copy.CopyFrom(node_def)
+            _rename_calls(copy, renamed)
+            nodes[copy.name] = copy
+        moved = {name for name, node_def in nodes.items()
+                 if self.main.get(name) != node_def.SerializeToString(deterministic=True)}
+        readers: dict[str, set[str]] = {}
+        for name, node_def in nodes.items():
+            for tensor in node_def.input:
+                readers.setdefault(parse_tensor_name(tensor).node, set()).add(name)
+        pending = list(moved)
+        while pending:
+            for reader in readers.get(pending.pop(), ()):
+                if reader not in moved:
+                    moved.add(reader)
+                    pending.append(reader)
+        graph = self.session.graph
+        input_map = {}
+        for name in sorted(moved):
+            node_def = partial.node.add()
+            node_def.CopyFrom(nodes[name])
+            kept_inputs = []
+            for tensor in node_def.input:
+                ref = parse_tensor_name(tensor)
+                if ref.node in moved:
+                    kept_inputs.append(tensor)
+                elif ref.is_control:
+                    outputs = graph.get_operation_by_name(ref.node).outputs
+                    if outputs:  # a control input on an op without outputs cannot be mapped: it ran at load
+                        input_map[f"^{ref.node}"] = outputs[0]
+                        kept_inputs.append(tensor)
+                else:
+                    input_map[f"{ref.node}:{ref.port}"] = graph.get_tensor_by_name(f"{ref.node}:{ref.port}")
+                    kept_inputs.append(tensor)
+            node_def.input[:] = kept_inputs
+        with graph.as_default():
+            tf.graph_util.import_graph_def(partial, input_map=input_map, name=scope)
+        return {name: f"{scope}/{name}" for name in moved}
+
+
+def _called(node_defs: Iterable[node_def_pb2.NodeDef], library: Mapping[str, object]) -> set[str]:
+    """The library functions ``node_defs`` call: by op name or through a function attr."""
+    found = set()
+    for node_def in node_defs:
+        if node_def.op in library:
+            found.add(node_def.op)
+        for value in node_def.attr.values():
+            found.update(f.name for f in [value.func] + list(value.list.func) if f.name in library)
+    return found
+
+
+def _rename_calls(node_def: node_def_pb2.NodeDef, renamed: Mapping[str, str]) -> None:
+    """Point ``node_def``'s calls (its op, its function attrs) at ``renamed`` functions."""
+    node_def.op = renamed.get(node_def.op, node_def.op)
+    for value in node_def.attr.values():
+        for function in [value.func] + list(value.list.func):
+            if function.name in renamed:
+                function.name = renamed[function.name]
+
+
+@contextlib.contextmanager
+def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
+    """A Session with ``graph_def`` loaded as ``model`` would be."""
+    if model.kind == "graphdef":
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            yield session
+        return
+    with staging.temporary_directory("amp-rewrite-calibration-") as directory:
+        saved_model = saved_model_pb2.SavedModel()
+        saved_model.CopyFrom(model.saved_model)
+        del saved_model.meta_graphs[:]
+        meta = saved_model.meta_graphs.add()
+        meta.CopyFrom(model.meta_graph)
+        meta.graph_def.CopyFrom(graph_def)
+        (directory / "saved_model.pb").write_bytes(saved_model.SerializeToString())
+        for part in ("variables", "assets"):
+            if (model.path / part).exists():
+                (directory / part).symlink_to((model.path / part).resolve())
+        with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph, config=config) as session:
+            try:
+                with deprecation.silence():  # the TF1 loader is what TensorFlow Serving uses: no advice wanted
+                    tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
+            except (ValueError, RuntimeError, tf.errors.OpError) as error:
+                raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration"
+                                 f" ({tensorflow_cause(error)})") from None
+            yield session
+
+
+def model_tensors(model: Model) -> list[TensorKey]:
+    """``float_tensors`` of the model's graph, without TensorFlow's save/restore functions
+    (they run before the statistics exist, when the loader restores variables)."""
+    skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
+    return float_tensors(model.graph_def, skip)
+
