@@ -11,12 +11,10 @@ largest |x|, the statistic calibration hands over (tests/test_float8_cli.py: the
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +26,7 @@ from amp_rewrite import AmpRewriteError, rewrite_graph_def
 from amp_rewrite.core import float8
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT8, lookup_target
+from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 from amp_rewrite.testing.float8 import tensor_amax as _amax, xla_function as _xla_function
 from amp_rewrite.testing.models import build_model_graph
 
@@ -44,52 +43,10 @@ HALF = types_pb2.DT_HALF
 # --- helpers: the HLO XLA sees -----------------------------------------------------------------
 
 
-class _Instruction(NamedTuple):
-    type: str
-    opcode: str
-    operands: tuple[str, ...]
-
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\((.*)$")
-# What may sit between the dequantizing multiply and the dot (MatchFp8Param's list, no collectives).
-_COMMUTING = frozenset({"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape", "select", "slice",
-                        "transpose"})
-
-
-def _instructions(hlo: str) -> dict[str, _Instruction]:
-    found = {}
-    for line in hlo.splitlines():
-        match = _INSTRUCTION.match(line)
-        if match:
-            name, shape, opcode, rest = match.groups()
-            depth, end = 1, 0
-            for end, char in enumerate(rest):
-                depth += {"(": 1, ")": -1}.get(char, 0)
-                if depth == 0:
-                    break
-            found[name] = _Instruction(shape, opcode, tuple(re.findall(r"%([\w.\-]+)", rest[:end])))
-    return found
-
-
-def _reads_scaled_float8(instructions: Mapping[str, _Instruction], name: str) -> bool:
-    """``name`` is, up to commuting ops, multiply(convert(f8e4m3fn x), broadcast(scalar))."""
-    instruction = instructions[name]
-    while instruction.opcode in _COMMUTING:
-        instruction = instructions[instruction.operands[0]]
-    if instruction.opcode != "multiply":
-        return False
-    a, b = (instructions[operand] for operand in instruction.operands)
-    for convert, broadcast in ((a, b), (b, a)):
-        if convert.opcode == "convert" and instructions[convert.operands[0]].type.startswith("f8e4m3fn[") \
-                and broadcast.opcode == "broadcast" and instructions[broadcast.operands[0]].type.endswith("[]"):
-            return True
-    return False
-
-
 def _dots(hlo: str) -> dict[str, bool]:
-    """Every dot and convolution of ``hlo`` -> whether both operands read a scaled float8 tensor."""
-    instructions = _instructions(hlo)
-    return {name: all(_reads_scaled_float8(instructions, operand) for operand in instruction.operands)
+    """Every dot and convolution of ``hlo`` -> whether both operands read a scaled float8_e4m3fn tensor."""
+    instructions = hlo_instructions(hlo)
+    return {name: all(scaled_float8_type(instructions, operand) == "f8e4m3fn" for operand in instruction.operands)
             for name, instruction in instructions.items() if instruction.opcode in ("dot", "convolution")}
 
 
@@ -192,11 +149,11 @@ def test_the_xla_bridge_folds_even_a_float8_const_weight_to_float16():
         scaled = tf.cast(tf.clip_by_value(tf.cast(x, tf.float16), -448.0, 448.0), tf.dtypes.experimental.float8_e4m3fn)
         return tf.matmul(tf.cast(scaled, tf.float16) * tf.constant(0.5, tf.float16), w)
 
-    instructions = _instructions(matmul.experimental_get_compiler_ir(tf.ones((4, 16)))(stage="hlo"))
+    instructions = hlo_instructions(matmul.experimental_get_compiler_ir(tf.ones((4, 16)))(stage="hlo"))
     (dot,) = [i for i in instructions.values() if i.opcode == "dot"]
     w = instructions[dot.operands[1]]
     assert (w.opcode, w.type.split("[")[0]) == ("constant", "f16")
-    assert _reads_scaled_float8(instructions, dot.operands[0])
+    assert scaled_float8_type(instructions, dot.operands[0]) == "f8e4m3fn"
 
 
 def test_a_lossy_matmul_stays_float16_with_the_measured_error():
@@ -341,10 +298,11 @@ def test_the_gpu_check_says_why_it_does_not_run_here_and_exits_0():
 
 
 def test_the_gpu_check_runs_its_whole_path_on_tiny_models_with_smoke(tmp_path: Path):
-    """Rule: --smoke builds, calibrates, rewrites, dumps HLO and times all three variants on the CPU."""
+    """Rule: --smoke builds, calibrates, rewrites, dumps HLO and times all three variants on the CPU
+    (inference rows; the training rows' XLA compiles take minutes on a CPU)."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8_gpu.py"), "--smoke", "--runs", "2",
-                           "--dump", str(tmp_path)], capture_output=True, text=True, env=environ, timeout=600)
+                           "--train-models", "--dump", str(tmp_path)], capture_output=True, text=True, env=environ, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "x |" in line]
     assert [row.split(" | ")[:2] for row in rows] == [["| " + m, v] for m in ("bert", "mlp")

@@ -10,11 +10,20 @@ other GEMMs in XLA's optimized HLO, the median step time, and the speed-up over 
 measured in the same run, variants timed in turn round by round. Optimized HLO is written
 under ``--dump`` (default ``fp8_hlo/``).
 
+Training rows (``--train-models``, default BERT-base with a 2-class head, sequence 128,
+batch 32, and ResNet50 at 224x224, batch 64): one ``tf.function(jit_compile=True)``
+training step (tape, gradients, SGD's ``apply``; ``amp_rewrite.testing.digits.training_step``)
+as our bfloat16 rewrite, as our FP8 training (``target="float8"``) and as Keras'
+``QuantizedFloat8DTypePolicy`` (``model.quantize("float8")`` on ``mixed_bfloat16``: Dense and
+EinsumDense only), with the FP8 GEMMs and FP8 convolutions (``__cudnn$convForwardGraph``) in
+XLA's optimized HLO, the median step time and the speed-up over bfloat16 in the same run.
+
 Anywhere else (a CPU, an older GPU) it prints one line saying why it does not run, and exits 0.
-``--smoke`` runs the same code on the CPU with tiny models, to check the script itself (no
-FP8 GEMMs there: XLA's CPU backend has none).
+``--smoke`` runs the same code on the CPU with tiny models (a two-convolution CNN in
+ResNet50's place), to check the script itself (no FP8 GEMMs there: XLA's CPU backend has none).
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_fp8_gpu.py [--runs 20] [--models bert mlp]
+        [--train-models bert resnet50]
 """
 from __future__ import annotations
 
@@ -40,6 +49,10 @@ SMOKE = {"bert": {"layers": 1, "width": 64, "heads": 4, "ff_width": 128, "seq_le
          "mlp": {"layers": 2, "width": 64, "batch": 16}}
 FP8_GEMM = "__cublas$lt$matmul$f8"
 GEMMS = ("__cublas$lt$matmul", "__cublas$gemm")
+FP8_CONV = "__cudnn$convForwardGraph"  # XLA's cuDNN graph convolution, which its FP8 convolutions become
+TRAIN_VARIANTS = ("bfloat16", "float8", "keras-float8")
+RESNET = {"size": 224, "batch": 64}
+SMOKE_RESNET = {"size": 8, "batch": 4}
 
 
 def skip_reason() -> str | None:
@@ -106,9 +119,78 @@ def variants(name: str, smoke: bool, device: str) -> tuple[dict[str, Any], np.nd
         return {key: xla_function(g, ["x:0"], fetches, variables) for key, g in graphs.items()}, x
 
 
+def training_model(name: str, smoke: bool) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The Keras model to train (logits out) and one batch of inputs and integer labels (seeded)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    layers = keras.layers
+    if name == "bert":
+        encoder, _, x = build("bert", smoke)
+        model = keras.Model(encoder.input, layers.Dense(2)(layers.GlobalAveragePooling1D()(encoder.output)))
+        return model, x, rng.integers(0, 2, len(x)).astype(np.int32)
+    spec = SMOKE_RESNET if smoke else RESNET
+    x = rng.standard_normal((spec["batch"], spec["size"], spec["size"], 3)).astype(np.float32)
+    if smoke:
+        inputs = keras.Input(x.shape[1:])
+        hidden = layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+        hidden = layers.Conv2D(8, 3, strides=2, padding="same", activation="relu")(hidden)
+        model = keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(hidden)))
+    else:
+        model = keras.applications.ResNet50(weights=None, input_shape=x.shape[1:], classes=1000,
+                                            classifier_activation=None)
+    return model, x, rng.integers(0, 10 if smoke else 1000, len(x)).astype(np.int32)
+
+
+def training_steps(name: str, smoke: bool, device: str, dump: Path) -> tuple[dict[str, Any], tuple, dict]:
+    """One jit-compiled training step per variant (traced and compiled under it), the batch, and
+    each variant's (FP8 GEMMs, FP8 convolutions, other GEMMs) in XLA's optimized HLO."""
+    import keras
+
+    from amp_rewrite.testing.digits import training_step, variant_settings
+
+    steps, counts = {}, {}
+    for variant in TRAIN_VARIANTS:
+        keras.backend.clear_session()
+        with variant_settings(variant, optimizer=keras.optimizers.SGD(0.01)) as optimizer, tf.device(device):
+            model, x, y = training_model(name, smoke)
+            if variant == "keras-float8":
+                model.quantize("float8")
+            step = training_step(model, optimizer)
+            batch = (tf.constant(x), tf.constant(y))
+            hlo = step.experimental_get_compiler_ir(*batch)(stage="optimized_hlo")
+            step(*batch).numpy()  # traced and compiled here, with the variant on
+        (dump / f"train-{name}-{variant}.txt").write_text(hlo)
+        counts[variant] = (hlo.count(f'"{FP8_GEMM}"'), hlo.count(f'"{FP8_CONV}"'),
+                           sum(hlo.count(f'"{gemm}"') for gemm in GEMMS))
+        steps[variant] = step
+    return steps, batch, counts
+
+
+def timed_rounds(functions: dict[str, Any], args: tuple, runs: int, device: str) -> dict[str, float]:
+    """Median seconds per call of each function, called in turn round by round (the order
+    rotating), after three warm-up calls each (the first compiles)."""
+    keys = list(functions)
+    call = lambda key: tf.nest.flatten(functions[key](*args))[0].numpy()
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    with tf.device(device):
+        for key in keys:
+            for _ in range(3):
+                call(key)
+        for round_ in range(runs):
+            for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
+                start = time.perf_counter()
+                call(key)
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=("bert", "mlp"), default=["bert", "mlp"])
+    parser.add_argument("--models", nargs="*", choices=("bert", "mlp"), default=["bert", "mlp"])
+    parser.add_argument("--train-models", nargs="*", choices=("bert", "resnet50"), default=["bert", "resnet50"],
+                        help="training rows (none: inference only)")
     parser.add_argument("--runs", type=int, default=20, help="timed rounds (default 20)")
     parser.add_argument("--dump", type=Path, default=Path("fp8_hlo"), help="where optimized HLO goes")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script only")
@@ -123,8 +205,9 @@ def main() -> int:
         print(f"GPU: {details.get('device_name')} (compute capability {details.get('compute_capability')});"
               f" TensorFlow {tf.__version__}")
     args.dump.mkdir(parents=True, exist_ok=True)
-    print("| model | variant | FP8 GEMMs | other GEMMs | median ms | speed-up vs float32 |")
-    print("|---|---|---:|---:|---:|---:|")
+    if args.models:
+        print("| model | variant | FP8 GEMMs | other GEMMs | median ms | speed-up vs float32 |")
+        print("|---|---|---:|---:|---:|---:|")
     for name in args.models:
         functions, x = variants(name, args.smoke, device)
         with tf.device(device):
@@ -135,20 +218,20 @@ def main() -> int:
                 (args.dump / f"{name}-{key}.txt").write_text(hlo)
                 fp8 = hlo.count(f'"{FP8_GEMM}"')
                 counts[key] = (fp8, sum(hlo.count(f'"{gemm}"') for gemm in GEMMS))
-                for _ in range(3):  # compile and warm up
-                    function(x)[0].numpy()
-            times: dict[str, list[float]] = {key: [] for key in functions}
-            for round_ in range(args.runs):
-                order = VARIANTS[round_ % 3:] + VARIANTS[:round_ % 3]
-                for key in order:
-                    start = time.perf_counter()
-                    function = functions[key]
-                    function(x)[0].numpy()
-                    times[key].append(time.perf_counter() - start)
-        base = statistics.median(times["float32"])
+        medians = timed_rounds(functions, (x,), args.runs, device)
         for key in VARIANTS:
-            median = statistics.median(times[key])
-            print(f"| {name} | {key} | {counts[key][0]} | {counts[key][1]} | {median * 1e3:.2f} | {base / median:.2f}x |")
+            print(f"| {name} | {key} | {counts[key][0]} | {counts[key][1]} | {medians[key] * 1e3:.2f} |"
+                  f" {medians['float32'] / medians[key]:.2f}x |")
+    if args.train_models:
+        print("\n| training step | variant | FP8 GEMMs | FP8 convolutions | other GEMMs | median ms |"
+              " speed-up vs bfloat16 |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+    for name in args.train_models:
+        steps, batch, counts = training_steps(name, args.smoke, device, args.dump)
+        medians = timed_rounds(steps, batch, args.runs, device)
+        for key in TRAIN_VARIANTS:
+            print(f"| {name} | {key} | {' | '.join(map(str, counts[key]))} | {medians[key] * 1e3:.2f} |"
+                  f" {medians['bfloat16'] / medians[key]:.2f}x |")
     return 0
 
 

@@ -40,12 +40,12 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.errors import AmpRewriteError
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import TensorRef, parse_tensor_name
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 
@@ -157,7 +157,7 @@ def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, s
                 continue
             for tensor in data_inputs:
                 ref = parse_tensor_name(tensor)
-                if ref.node in nodes and _origin(nodes, ref.node).op not in ("Const", *_VARIABLE_READS):
+                if ref.node in nodes and origin(nodes, ref.node).op not in ("Const", *_VARIABLE_READS):
                     found.add((function, ref.node, ref.port))
     return frozenset(found)
 
@@ -265,14 +265,12 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
     """Where ``tensor``'s amax comes from: the float32 tensor behind the rewrite's casts,
     then, through ops that only move values (Identity, Reshape, ...), a Const, a variable
     read or neither."""
-    ref = parse_tensor_name(tensor)
-    while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
-        ref = parse_tensor_name(nodes[ref.node].input[0])
+    ref = amp_source(nodes, tensor)
     source = f"{ref.node}:{ref.port}"
-    origin = _origin(nodes, ref.node)
-    if origin.op == "Const":
+    found_origin = origin(nodes, ref.node)
+    if found_origin.op == "Const":
         return Operand(source, "constant", None, None)
-    if origin.op in _VARIABLE_READS:
+    if found_origin.op in _VARIABLE_READS:
         return Operand(source, "variable", None, None)
     found = amax.get((function, ref.node, ref.port))
     if found is None:
@@ -286,21 +284,85 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
     return Operand(source, "activation", found, power_of_two_scale(found, dtype))
 
 
-def _origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
+def amp_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> TensorRef:
+    """The tensor behind the rewrite's own casts that ``tensor`` is (itself if it is no such cast)."""
+    ref = parse_tensor_name(tensor)
+    while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
+        ref = parse_tensor_name(nodes[ref.node].input[0])
+    return ref
+
+
+def origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
     """The node whose values ``name`` passes on, through ops that only move values and the rewrite's casts."""
-    origin = nodes[name]
-    while origin.op in _SAME_VALUES or origin.op == "Cast" and origin.name.endswith(_AMP_SUFFIX):
-        origin = nodes[parse_tensor_name(origin.input[0]).node]
-    return origin
+    found = nodes[name]
+    while found.op in _SAME_VALUES or found.op == "Cast" and found.name.endswith(_AMP_SUFFIX):
+        found = nodes[parse_tensor_name(found.input[0]).node]
+    return found
 
 
-class _Builder:
+class NodeWriter:
+    """Adds nodes to one item of the rewrite's output (its GraphDef and a name -> node map of it):
+    what the float8 steps build their quantize/dequantize and scale nodes with."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef]) -> None:
+        self.graph_def, self.nodes = graph_def, nodes
+
+    def add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
+        """A node ``name``; ``attrs``: a bool, a DataType enum, or any ``AttrValue``."""
+        node = self.graph_def.node.add(name=name, op=op, input=inputs, device=device)
+        for key, value in attrs.items():
+            if isinstance(value, attr_value_pb2.AttrValue):
+                node.attr[key].CopyFrom(value)
+            elif isinstance(value, bool):
+                node.attr[key].b = value
+            else:
+                node.attr[key].type = value
+        self.nodes[name] = node
+        return name
+
+    def const(self, name: str, value: float | list[int] | np.ndarray, dtype: int, device: str) -> str:
+        node = self.graph_def.node.add(name=name, op="Const", device=device)
+        node.attr["dtype"].type = dtype
+        numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
+                       types_pb2.DT_INT32: np.int32}[dtype]
+        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(np.asarray(value, numpy_dtype)))
+        self.nodes[name] = node
+        return name
+
+    def amax(self, base: str, tensor: str, dtype: int, device: str) -> str:
+        """``Max(Abs(tensor))`` over all its elements, as a float32 scalar (``dtype``: the tensor's)."""
+        f32 = types_pb2.DT_FLOAT
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        magnitude = add("abs", "Abs", [tensor], T=dtype)
+        flat = add("flat", "Reshape", [magnitude, self.const(f"{base}/flat_shape", [-1], types_pb2.DT_INT32, device)],
+                   T=dtype, Tshape=types_pb2.DT_INT32)
+        amax = add("amax", "Max", [flat, self.const(f"{base}/axis", 0, types_pb2.DT_INT32, device)],
+                   T=dtype, Tidx=types_pb2.DT_INT32, keep_dims=False)
+        if dtype != f32:
+            amax = add("amax_float32", "Cast", [amax], SrcT=dtype, DstT=f32, Truncate=False)
+        return amax
+
+    def exponent(self, base: str, amax: str, format_max: float, exponents: tuple[int, int], device: str) -> str:
+        """``floor(log2(format_max / amax))`` clipped to ``exponents``, in float32 (``amax``: a float32
+        scalar): the exponent of ``power_of_two_scale``, in the graph (the top of the range for 0)."""
+        f32 = types_pb2.DT_FLOAT
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        low, high = exponents
+        ratio = add("ratio", "RealDiv", [self.const(f"{base}/float8_max", format_max, f32, device), amax], T=f32)
+        log2 = add("log2", "Mul", [add("log", "Log", [ratio], T=f32),
+                                   self.const(f"{base}/inverse_ln2", 1.0 / math.log(2.0), f32, device)], T=f32)
+        return add("exponent", "ClipByValue", [add("floor", "Floor", [log2], T=f32),
+                                               self.const(f"{base}/exponent_min", low, f32, device),
+                                               self.const(f"{base}/exponent_max", high, f32, device)], T=f32)
+
+
+class _Builder(NodeWriter):
     """Adds the quantize/dequantize nodes to one item: one chain per (tensor, dtype), shared by
     every matmul that reads the tensor, named ``<node>-<port>-Float8-<id>/<step>`` after the
     float32 tensor the amax is of."""
 
     def __init__(self, graph_def: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef]) -> None:
-        self.graph_def, self.nodes = graph_def, nodes
+        super().__init__(graph_def, nodes)
         self.chains: dict[tuple[str, int], str] = {}
 
     def dequantized(self, tensor: str, operand: Operand, dtype: int) -> str:
@@ -317,15 +379,15 @@ class _Builder:
             index += 1
         base = f"{source.node}-{source.port}-Float8-{index}"
         device = self.nodes[parse_tensor_name(tensor).node].device
-        add = lambda step, op, inputs, **attrs: self._add(f"{base}/{step}", op, inputs, device, attrs)
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
         if operand.scale is not None:
-            scale = self._const(f"{base}/scale", operand.scale, dtype, device)
-            unscale = self._const(f"{base}/unscale", 1.0 / operand.scale, dtype, device)
+            scale = self.const(f"{base}/scale", operand.scale, dtype, device)
+            unscale = self.const(f"{base}/unscale", 1.0 / operand.scale, dtype, device)
         else:
             scale, unscale = self._scales_in_graph(base, tensor, dtype, device)
         scaled = add("scaled", "Mul", [tensor, scale], T=dtype)
-        low = self._const(f"{base}/min", -FLOAT8_MAX, dtype, device)
-        high = self._const(f"{base}/max", FLOAT8_MAX, dtype, device)
+        low = self.const(f"{base}/min", -FLOAT8_MAX, dtype, device)
+        high = self.const(f"{base}/max", FLOAT8_MAX, dtype, device)
         clipped = add("clipped", "ClipByValue", [scaled, low, high], T=dtype)
         quantized = add("quantized", "Cast", [clipped], SrcT=dtype, DstT=FLOAT8, Truncate=False)
         dequantized = add("dequantized", "Cast", [quantized], SrcT=FLOAT8, DstT=dtype, Truncate=False)
@@ -335,47 +397,16 @@ class _Builder:
         """``2**e`` and ``2**-e`` with ``e = floor(log2(448 / max|w|))`` clipped to ``dtype``'s
         exact range, computed in float32 on every call (a variable's weights)."""
         f32 = types_pb2.DT_FLOAT
-        add = lambda step, op, inputs, **attrs: self._add(f"{base}/{step}", op, inputs, device, attrs)
-        low, high = _EXPONENTS[dtype]
-        magnitude = add("abs", "Abs", [tensor], T=dtype)
-        flat = add("flat", "Reshape", [magnitude, self._const(f"{base}/flat_shape", [-1], types_pb2.DT_INT32, device)],
-                   T=dtype, Tshape=types_pb2.DT_INT32)
-        amax = add("amax", "Max", [flat, self._const(f"{base}/axis", 0, types_pb2.DT_INT32, device)],
-                   T=dtype, Tidx=types_pb2.DT_INT32, keep_dims=False)
-        if dtype != f32:
-            amax = add("amax_float32", "Cast", [amax], SrcT=dtype, DstT=f32, Truncate=False)
-        ratio = add("ratio", "RealDiv", [self._const(f"{base}/float8_max", FLOAT8_MAX, f32, device), amax], T=f32)
-        log2 = add("log2", "Mul", [add("log", "Log", [ratio], T=f32),
-                                   self._const(f"{base}/inverse_ln2", 1.0 / math.log(2.0), f32, device)], T=f32)
-        exponent = add("exponent", "ClipByValue", [add("floor", "Floor", [log2], T=f32),
-                                                   self._const(f"{base}/exponent_min", low, f32, device),
-                                                   self._const(f"{base}/exponent_max", high, f32, device)], T=f32)
-        two = self._const(f"{base}/two", 2.0, f32, device)
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        amax = self.amax(base, tensor, dtype, device)
+        exponent = self.exponent(base, amax, FLOAT8_MAX, _EXPONENTS[dtype], device)
+        two = self.const(f"{base}/two", 2.0, f32, device)
         scale = add("scale_float32", "Pow", [two, exponent], T=f32)
         unscale = add("unscale_float32", "Pow", [two, add("negated", "Neg", [exponent], T=f32)], T=f32)
         if dtype != f32:
             scale = add("scale", "Cast", [scale], SrcT=f32, DstT=dtype, Truncate=False)
             unscale = add("unscale", "Cast", [unscale], SrcT=f32, DstT=dtype, Truncate=False)
         return scale, unscale
-
-    def _add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
-        node = self.graph_def.node.add(name=name, op=op, input=inputs, device=device)
-        for key, value in attrs.items():
-            if isinstance(value, bool):
-                node.attr[key].b = value
-            else:
-                node.attr[key].type = value
-        self.nodes[name] = node
-        return name
-
-    def _const(self, name: str, value: float | list[int], dtype: int, device: str) -> str:
-        node = self.graph_def.node.add(name=name, op="Const", device=device)
-        node.attr["dtype"].type = dtype
-        numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
-                       types_pb2.DT_INT32: np.int32}[dtype]
-        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(np.asarray(value, numpy_dtype)))
-        self.nodes[name] = node
-        return name
 
 
 PROBE = "Float8Probe"  # in the names of add_probes' nodes

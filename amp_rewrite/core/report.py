@@ -54,7 +54,7 @@ class ItemStats:
     vertices_converted: int
     casts_added: int
     casts_to_target: int  # excluding casts of Const and variable outputs, as grappler counts
-    float8_matmuls: int = 0  # target float8: matmuls whose operands became float8_e4m3fn
+    float8_matmuls: int = 0  # matmuls whose operands became float8 (target float8, or FP8 training)
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,9 @@ class Report:
         )
         if painted != self.target:
             line += f"; {self._total('float8_matmuls', function)} matmul(s) on float8_e4m3fn operands"
+        elif self._total("float8_matmuls", function):  # FP8 training (core/float8_training.py)
+            line += (f"; {self._total('float8_matmuls', function)} matmul(s) on float8 operands"
+                     " (E4M3, gradients E5M2)")
         return line
 
     def kept_float32(self) -> dict[str, int]:

@@ -37,6 +37,10 @@ class Rule(enum.Enum):
     FLOAT8_CONST_OPERAND = (
         "float8-const-operand", "allowed matmul kept float16: a Const operand is folded to float16 before XLA, so no FP8 GEMM"
     )
+    # ... and, FP8 training (core/float8_training.py), a converted matmul of a training step ...
+    FLOAT8_TRAINING = (
+        "float8-training", "matmul on float8 operands with delayed scaling: E4M3 inputs, an E5M2 incoming gradient"
+    )
     # ... either way (spec §2.3 passes 0, 3, 8, 9; cross_function) ...
     CROSS_FUNCTION = "cross-function", "shares its type with the other side of a function or loop boundary"
     TENSOR_LIST = "tensor-list", "a TensorList and its users share one element type"

@@ -12,11 +12,14 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from amp_rewrite.training.float8_state import Float8State
+
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 # A fixed scale at which this many steps in a row from the first are all skipped never trains: say so.
 SKIPPED_STEPS_TO_WARN = 10
 SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
+FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables
 
 
 def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
@@ -61,11 +64,15 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     """
 
     def __init__(self, inner_optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
-                 dynamic_growth_steps=DEFAULT_GROWTH_STEPS, fixed=False, name=None, **kwargs):
+                 dynamic_growth_steps=DEFAULT_GROWTH_STEPS, fixed=False, float8_amax_history_length=None,
+                 name=None, **kwargs):
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         self.fixed = fixed
         self._gradients: str | None = None  # SCALED or UNSCALED once the code has said which
+        # FP8 training's state (target="float8"): tracked here, so checkpoints and SavedModels carry it.
+        self.float8_state = (Float8State(float8_amax_history_length) if float8_amax_history_length is not None
+                             else None)
 
     @property
     def loss_scale(self):
@@ -160,4 +167,23 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.dynamic_scale.assign(tf.where(tf.math.is_finite(self.dynamic_scale), self.dynamic_scale, before))
 
     def get_config(self):
-        return {**super().get_config(), "fixed": self.fixed}
+        length = self.float8_state.amax_history_length if self.float8_state is not None else None
+        return {**super().get_config(), "fixed": self.fixed, "float8_amax_history_length": length}
+
+    def save_own_variables(self, store):
+        """Keras' numbered variables, then the float8 state by name (``float8:<key>:<kind>``, with
+        ``/`` as ``:``, which no op name holds): its variables exist only once a step is traced."""
+        super().save_own_variables(store)
+        if self.float8_state is not None:
+            for name, variable in self.float8_state.items():
+                store[FLOAT8_PREFIX + name.replace("/", ":")] = variable.numpy()
+
+    def load_own_variables(self, store):
+        numbered = {key: store[key] for key in store.keys() if not key.startswith(FLOAT8_PREFIX)}
+        super().load_own_variables(numbered)
+        for key in store.keys():
+            if key.startswith(FLOAT8_PREFIX):
+                if self.float8_state is None:
+                    raise ValueError(f"the file holds FP8 training state ({key!r}) for an optimizer without it;"
+                                     " save and load with the same amp_rewrite optimizer")
+                self.float8_state.set(key[len(FLOAT8_PREFIX):].replace(":", "/"), store[key][...])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -26,15 +26,18 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import atomic_function, transform
 from tensorflow.python.training.experimental import mixed_precision_global_state
 
-from amp_rewrite.training import optimizers, session
+from amp_rewrite.training import float8, optimizers, session
 from amp_rewrite.core import functions
+from amp_rewrite.core import float8 as core_float8
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
+from amp_rewrite.training.float8_state import DEFAULT_AMAX_HISTORY_LENGTH, Float8State, check_history_length
 
 log = logging.getLogger(__name__)
 
 MIN_COMPUTE_CAPABILITY = (7, 0)
+FLOAT8 = "float8"  # FP8 training (training/float8.py), on a base precision
 # The first TensorFlow release whose XLA compiles the FunctionDef registered under a
 # jit_compile=True function's name when it is called on its own; older ones compile the
 # body as traced (it still works for one called from another function, as Keras' steps
@@ -47,18 +50,25 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 class LiveRewrite:
     """What new traces are rewritten with."""
 
-    target: str
+    target: str  # the precision painted: for FP8 training, the base precision around the float8 matmuls
     lists: OpLists
     cross_function: bool = False
+    float8: float8.Float8Training | None = None  # FP8 training (target="float8"): its state
+
+    @property
+    def name(self) -> str:
+        """The target as the user named it: ``"float8"`` for FP8 training."""
+        return "float8" if self.float8 is not None else self.target
 
 
 @dataclass
 class LiveState:
     """Everything the live rewrite changes in this process, and how to put it back.
 
-    The first ``enable`` installs three things — the trace callback, the Session
-    ``__init__`` patch (``session.patch_session_init``) and TensorFlow's "graph rewrite
-    enabled" flag — and ``disable`` restores each as it found it. Sessions created while it
+    The first ``enable`` installs four things — the trace callback, the FuncGraph transform
+    that prepares FP8 training's state (``float8.prepare_trace``), the Session ``__init__``
+    patch (``session.patch_session_init``) and TensorFlow's "graph rewrite enabled" flag —
+    and ``disable`` restores each as it found it. Sessions created while it
     was on keep running their mirrors. A warning shown once is shown once per enabling.
     """
 
@@ -92,9 +102,11 @@ def _install() -> list[Callable[[], None]]:
     # AMP on in run our rewrite instead (session.py).
     mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(True)
     transform.CONCRETE_FUNCTION_CALLBACKS.append(_on_new_function)
-    restore_session_init = session.patch_session_init(active)
+    transform.FUNC_GRAPH_TRANSFORMS.append(_on_new_graph)
+    restore_session_init = session.patch_session_init(active, lambda key: STATE.show_once(key))
     return [lambda: mixed_precision_global_state.set_mixed_precision_graph_rewrite_enabled(flag),
             lambda: transform.CONCRETE_FUNCTION_CALLBACKS.remove(_on_new_function),
+            lambda: transform.FUNC_GRAPH_TRANSFORMS.remove(_on_new_graph),
             restore_session_init]
 
 
@@ -153,8 +165,22 @@ def target_name(target: Any) -> Any:
         return target
 
 
-def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveRewrite | None:
+def start(target: Any, lists: Any = None, cross_function: bool = False, *,
+          amax_history_length: Any = None, base_precision: Any = "bfloat16",
+          float8_state: Float8State | None = None) -> LiveRewrite | None:
     """Rewrite every new trace from now on; returns the settings, or None if it stays off."""
+    settings = plan_settings(target, lists, cross_function, amax_history_length=amax_history_length,
+                             base_precision=base_precision, float8_state=float8_state)
+    if settings is not None:
+        STATE.enable(settings)
+    return settings
+
+
+def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, *,
+                  amax_history_length: Any = None, base_precision: Any = "bfloat16",
+                  float8_state: Float8State | None = None) -> LiveRewrite | None:
+    """The settings ``start`` would enable, every argument checked; nothing is changed yet.
+    ``amax_history_length`` None: ``float8_state``'s (a resumed wrapper's), else Keras' 1024."""
     policy = _mixed_keras_policy()
     if policy:
         raise ValueError(
@@ -162,18 +188,45 @@ def start(target: Any, lists: Any = None, cross_function: bool = False) -> LiveR
             f" {policy!r}: the two must not be combined. Call keras.config.set_dtype_policy('float32') first,"
             " or use the Keras policy alone."
         )
+    if target_name(target) == FLOAT8:
+        core_float8.check_tensorflow()
+        base = target_name(base_precision)
+        if base not in float8.BASE_PRECISIONS:
+            raise ValueError(f"base_precision must be one of {', '.join(map(repr, float8.BASE_PRECISIONS))} (the"
+                             f" precision around the float8 matmuls), got {base_precision!r}")
+        if amax_history_length is None:
+            amax_history_length = (float8_state.amax_history_length if float8_state is not None
+                                   else DEFAULT_AMAX_HISTORY_LENGTH)
+        length = check_history_length(amax_history_length)
+        if float8_state is not None and float8_state.amax_history_length != length:
+            raise ValueError(f"this optimizer's float8 state keeps amax histories of {float8_state.amax_history_length}"
+                             f" steps; pass amax_history_length={float8_state.amax_history_length}")
+        _refuse_switch(FLOAT8)
+        state = float8_state if float8_state is not None else Float8State(length)
+        return LiveRewrite(base, load_lists(base, lists), cross_function, float8.Float8Training(state))
+    if (amax_history_length, base_precision) != (None, "bfloat16"):
+        raise ValueError(f"amax_history_length and base_precision apply to target='float8', not {target!r};"
+                         " leave them out")
     if target is None:
         target, why = detect_target()
         if target is None:
             warnings.warn(f"amp_rewrite: mixed precision graph rewrite stays off: {why}; pass target= to force one",
-                          stacklevel=3)
+                          stacklevel=4)
             return None
         log.info("amp_rewrite: rewriting to %s (%s)", target, why)
     else:
         target = lookup_target(target_name(target)).name  # None above: detect it
-    settings = LiveRewrite(target, load_lists(target, lists), cross_function)
-    STATE.enable(settings)
-    return settings
+    _refuse_switch(target)
+    return LiveRewrite(target, load_lists(target, lists), cross_function)
+
+
+def _refuse_switch(target: str) -> None:
+    """FP8 training and another target do not take turns while enabled: the traces of one would
+    run beside an optimizer wrapper (and state) made for the other."""
+    before = STATE.settings
+    if before is not None and FLOAT8 in (target, before.name) and before.name != target:
+        raise ValueError(f"amp_rewrite: the rewrite is enabled for target {before.name!r} (its optimizer wrapper is in"
+                         f" use); call amp_rewrite.disable_mixed_precision_graph_rewrite() before enabling {target!r}")
 
 
 def stop() -> None:
@@ -182,22 +235,59 @@ def stop() -> None:
     STATE.disable()
 
 
-def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = "dynamic", target: Any = None,
-                                         cross_function: bool = False) -> Any:
+class _DefaultLossScale:
+    """``loss_scale``'s default: ``"dynamic"``, except no scaling for FP8 training on bfloat16,
+    whose delayed scales already follow the gradients (a loss scale's ×2 steps would only clip them)."""
+
+    def __repr__(self) -> str:
+        return "'dynamic' (None for target='float8' on bfloat16)"
+
+
+DEFAULT_LOSS_SCALE = _DefaultLossScale()
+
+
+def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None,
+                                         cross_function: bool = False,
+                                         amax_history_length: int | None = None,
+                                         base_precision: str = "bfloat16") -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``:
-    ``"dynamic"`` (2**15, ×2 after 2000 finite steps, ÷2 and skip on a non-finite step), a
-    number (fixed), a ``tf.compat.v1.mixed_precision.DynamicLossScale``/``FixedLossScale``,
+    ``"dynamic"`` (the default: 2**15, ×2 after 2000 finite steps, ÷2 and skip on a non-finite
+    step), a number (fixed), a ``tf.compat.v1.mixed_precision.DynamicLossScale``/``FixedLossScale``,
     or None (no scaling; fine for bfloat16). ``target``: ``"float16"``, ``"bfloat16"`` (or
-    ``tf.float16``/``tf.bfloat16``), or None to pick from the hardware (the rewrite stays off,
-    with a warning, when neither fits). Enabling again with another target warns.
-    ``cross_function``: paint across call and loop boundaries (``rewrite_graph_def``'s
-    option); the functions a trace calls are then rewritten into private copies of its own.
+    ``tf.float16``/``tf.bfloat16``), ``"float8"`` (FP8 training: the matmuls on float8, the rest
+    in ``base_precision``, ``"bfloat16"`` (no loss scaling by default) or ``"float16"``, with
+    delayed scaling over ``amax_history_length`` steps (default 1024); the state is tracked by the returned
+    wrapper as ``float8_state``), or None to pick float16 or bfloat16 from the hardware (the
+    rewrite stays off, with a warning, when neither fits). Enabling again with another target
+    warns; float8 and another target are an error. ``cross_function``: paint across call and
+    loop boundaries (``rewrite_graph_def``'s option); the functions a trace calls are then
+    rewritten into private copies of its own.
+
+    A Keras 3 wrapper this function returned for float8 (``model.optimizer`` after
+    ``keras.models.load_model``) may be passed back with ``target="float8"``: the rewrite is
+    enabled with its state (and its ``amax_history_length``), and it is returned as it is.
     """
-    wrapped = optimizers.wrap_optimizer(opt, loss_scale)
+    resumed = optimizers.float8_state_of(opt) if target_name(target) == FLOAT8 else None
+    if resumed is not None and loss_scale is not DEFAULT_LOSS_SCALE:
+        raise ValueError(f"this {type(opt).__name__} is already amp_rewrite's float8 wrapper, with its own loss scale;"
+                         " leave loss_scale out to resume with it")
+    settings = plan_settings(target, cross_function=cross_function, amax_history_length=amax_history_length,
+                             base_precision=base_precision, float8_state=resumed)
+    training = settings.float8 if settings is not None else None
+    if resumed is None:
+        if loss_scale is DEFAULT_LOSS_SCALE:
+            loss_scale = None if training is not None and settings.target == "bfloat16" else "dynamic"
+        wrapped = optimizers.wrap_optimizer(
+            opt, loss_scale, float8_amax_history_length=training.amax_history_length if training else None)
+        if training is not None:  # the wrapper made the state it tracks
+            settings = replace(settings, float8=float8.Float8Training(optimizers.float8_state_of(wrapped)))
+    else:
+        wrapped = opt
     before = STATE.settings
-    settings = start(target, cross_function=cross_function)
+    if settings is not None:
+        STATE.enable(settings)
     if before is not None and settings is not None and settings.target != before.target:
         warnings.warn(
             f"amp_rewrite: the rewrite was enabled for {before.target} and is now enabled for {settings.target}:"
@@ -216,10 +306,15 @@ def disable_mixed_precision_graph_rewrite() -> None:
 
 
 @contextlib.contextmanager
-def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False) -> Iterator[LiveRewrite | None]:
-    """Rewrite the tf.functions traced inside the block (no optimizer wrapping)."""
+def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False,
+                    amax_history_length: int | None = None,
+                    base_precision: str = "bfloat16") -> Iterator[LiveRewrite | None]:
+    """Rewrite the tf.functions traced inside the block (no optimizer wrapping). With
+    ``target="float8"`` the yielded settings' ``float8.state`` holds the block's FP8 state:
+    checkpoint it yourself."""
     before = STATE.settings
-    settings = start(target, lists, cross_function)
+    settings = start(target, lists, cross_function, amax_history_length=amax_history_length,
+                     base_precision=base_precision)
     try:
         yield settings
     finally:
@@ -292,19 +387,22 @@ def private_copies(
 
 
 def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: LiveRewrite,
-                                atomic: Any = None) -> int:
+                                atomic: Any = None, step: float8.TraceStep | None = None) -> tuple[int, int]:
     """Rewrite the registered function ``name`` in the eager context; its callees are rewritten
     into private copies (``private_copies``) that only the new ``name`` calls.
 
-    Returns how many functions were registered. The signature of ``name`` never changes.
-    ``atomic``: ``name``'s AtomicFunction, whose children (the functions copied into a graph
-    or SavedModel with it) gain the copies, which then live as long as it does.
+    Returns how many functions were registered and how many matmuls run on float8. The
+    signature of ``name`` never changes. ``atomic``: ``name``'s AtomicFunction, whose children
+    (the functions copied into a graph or SavedModel with it) gain the copies, which then live
+    as long as it does. ``step``: FP8 training's findings in ``name``'s FuncGraph, for its float8 chains.
     """
     ctx = context.context()
     function = ctx.get_function_def(name)
     graph_def = _call_graph(function, library)
     result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=settings.lists,
                                cross_function=settings.cross_function, entry_functions=[name])
+    if step is not None and settings.float8 is not None:
+        result = float8.quantize(graph_def, result, name, step, settings.float8)
     original = {f.signature.name: f for f in graph_def.library.function}
     rewritten = {f.signature.name: f for f in result.graph_def.library.function}
     copies = private_copies(name, original, rewritten)
@@ -320,7 +418,7 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
                 atomic.children.append(atomic_function.AtomicFunction(
                     copy_name, ctx, _child_type(atomic, copy_to_original[copy_name])))
     log.debug("amp_rewrite: %s: %s", name, result.report.summary())
-    return len(copies)
+    return len(copies), result.report.float8_matmuls
 
 
 def _child_type(atomic: Any, original_name: str) -> Any:
@@ -355,10 +453,21 @@ def _on_new_function(concrete_function: Any) -> None:
             f" the body as traced, so {name} may run in float32; use TensorFlow"
             f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
-    changed = rewrite_registered_function(name, library, settings,
-                                          getattr(concrete_function, "_inference_function", None))
+    step = float8.trace_step(concrete_function.graph) if settings.float8 is not None else None
+    changed, float8_matmuls = rewrite_registered_function(
+        name, library, settings, getattr(concrete_function, "_inference_function", None), step)
+    if float8_matmuls and not (jit_compile or step.under_xla or float8.xla_jit_enabled()) \
+            and STATE.show_once("float8-emulated"):
+        warnings.warn(float8.emulated_warning(name, float8_matmuls), stacklevel=2)
     if not changed and settings.target == "float16" and "cpu-float16" not in STATE.shown:
         _warn_if_cpu_placed(name, [function_def, *library.function], settings.lists)
+
+
+def _on_new_graph(func_graph: Any) -> None:
+    """FP8 training's transform of each traced FuncGraph, before its FunctionDef exists."""
+    settings = STATE.settings
+    if settings is not None and settings.float8 is not None:
+        float8.prepare_trace(func_graph, settings.target, settings.lists, settings.float8)
 
 
 def _warn_if_cpu_placed(name: str, functions: list[function_pb2.FunctionDef], lists: OpLists) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
+from amp_rewrite.training.float8_state import Float8State
 from amp_rewrite.training.keras_optimizer import (
     DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, count_skipped_step,
 )
@@ -169,8 +170,9 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
 _INNER_TO_WRAPPER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
-    """``opt`` wrapped in its family's loss-scale optimizer, configured from ``loss_scale``."""
+def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic", float8_amax_history_length: int | None = None) -> Any:
+    """``opt`` wrapped in its family's loss-scale optimizer, configured from ``loss_scale``; with
+    ``float8_amax_history_length``, tracking a new ``Float8State`` as ``float8_state`` (FP8 training)."""
     if _already_wrapped(opt):
         raise ValueError(
             f'"opt" is already a loss-scale optimizer ({type(opt).__name__}); pass the optimizer it wraps'
@@ -183,22 +185,37 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic") -> Any:
             f"amp_rewrite: this {type(opt).__name__} is already wrapped by a loss-scale optimizer that is still in use"
             " (an earlier enable_mixed_precision_graph_rewrite returned it); two wrappers of one optimizer keep two"
             " loss scales and both step it: use the wrapper you have, or wrap a new optimizer", stacklevel=3)
-    wrapped = _wrap(opt, family, plan)
+    wrapped = _wrap(opt, family, plan, float8_amax_history_length)
     _INNER_TO_WRAPPER[opt] = weakref.ref(wrapped)
     return wrapped
 
 
-def _wrap(opt: Any, family: str, plan: ScalePlan) -> Any:
-    if family == "keras":
+def float8_state_of(opt: Any) -> Float8State | None:
+    """The FP8 training state a wrapper of ours tracks, or None (any other object)."""
+    state = getattr(opt, "float8_state", None)
+    return state if isinstance(state, Float8State) else None
+
+
+def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: int | None) -> Any:
+    if family == "keras":  # it makes its float8 state itself: a .keras file rebuilds it from the config
         return LossScaleOptimizer(opt, initial_scale=plan.initial_scale,
                                   dynamic_growth_steps=plan.growth_steps if plan.dynamic else NEVER,
-                                  fixed=not plan.dynamic)
+                                  fixed=not plan.dynamic, float8_amax_history_length=float8_amax_history_length)
     if family == "tf_keras":
         tf_keras = sys.modules["tf_keras"]
-        return tf_keras.mixed_precision.LossScaleOptimizer(
+        wrapped = tf_keras.mixed_precision.LossScaleOptimizer(
             opt, dynamic=plan.dynamic, initial_scale=plan.initial_scale,
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
+    else:
+        wrapped = _wrap_v1(opt, plan)
+    if float8_amax_history_length is not None:  # neither tracks attributes by assignment
+        wrapped.float8_state = Float8State(float8_amax_history_length)
+        wrapped._track_trackable(wrapped.float8_state, name="float8_state")  # pylint: disable=protected-access
+    return wrapped
+
+
+def _wrap_v1(opt: Any, plan: ScalePlan) -> Any:
     # TF1's optimizer takes nothing but its deprecated loss scales, so TensorFlow's notice that
     # DynamicLossScale is deprecated (it points to Keras) would only confuse a v1 user: silenced.
     with deprecation.silence():

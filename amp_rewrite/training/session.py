@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -48,6 +49,7 @@ from tensorflow.python.framework import importer
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.training import float8
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +110,10 @@ class Mirror:
         return feeds
 
 
-def patch_session_init(active: Callable[[], Any]) -> Callable[[], None]:
+def patch_session_init(active: Callable[[], Any], show_once: Callable[[str], bool]) -> Callable[[], None]:
     """Make a Session created while ``active()`` gives settings (a ``live.LiveRewrite``) run the
-    mirror; returns the function that puts ``BaseSession.__init__`` back."""
+    mirror; returns the function that puts ``BaseSession.__init__`` back. ``show_once(key)``:
+    whether a once-only warning is still to be shown."""
     original = session_lib.BaseSession.__init__
 
     @functools.wraps(original)
@@ -122,6 +125,7 @@ def patch_session_init(active: Callable[[], Any]) -> Callable[[], None]:
         original(self, target, graph, _without_grappler_amp(config))
         self.__class__ = _mirrored_class(type(self))
         self._amp_rewrite_settings = settings
+        self._amp_rewrite_show_once = show_once
         self._amp_rewrite_mirror = None
         self._amp_rewrite_lock = threading.Lock()
 
@@ -187,6 +191,7 @@ class MirroredSession(session_lib.BaseSession):
     reaches the mirror's, with outputs and operations mapped by name."""
 
     _amp_rewrite_settings: Any
+    _amp_rewrite_show_once: Callable[[str], bool]
     _amp_rewrite_mirror: Mirror | None
     _amp_rewrite_lock: threading.Lock
 
@@ -307,24 +312,34 @@ class _CastingCallable:
 # --- building and growing the mirror ---------------------------------------------------------
 
 
-def _rewrite(session: MirroredSession, frozen: RewriteResult | None) -> tuple[graph_pb2.GraphDef, RewriteResult]:
-    """The user's GraphDef now, and its rewrite with ``frozen``'s nodes frozen."""
+def _rewrite(session: MirroredSession,
+             frozen: RewriteResult | None) -> tuple[graph_pb2.GraphDef, RewriteResult, list[str]]:
+    """The user's GraphDef now, its rewrite with ``frozen``'s nodes frozen, and the initializers
+    of the FP8 training state the rewrite added (run once, before the nodes they initialize)."""
     settings = session._amp_rewrite_settings  # pylint: disable=protected-access
     graph_def = session.graph.as_graph_def()
     result = rewrite_graph_def(graph_def, target=settings.target, lists=settings.lists,
                                cross_function=settings.cross_function, frozen=frozen)
+    initializers: list[str] = []
+    if settings.float8 is not None:
+        result, initializers = float8.session_step(graph_def, result, settings.float8)
+        if result.report.float8_matmuls and not float8.xla_jit_enabled(session._config) \
+                and session._amp_rewrite_show_once("float8-emulated"):  # pylint: disable=protected-access
+            warnings.warn(float8.emulated_warning("this Session's graph", result.report.float8_matmuls), stacklevel=6)
     log.debug("amp_rewrite: session graph version %d rewritten", session.graph.version)
-    return graph_def, result
+    return graph_def, result, initializers
 
 
 def _build(session: MirroredSession) -> Mirror:
-    source, result = _rewrite(session, None)
+    source, result, initializers = _rewrite(session, None)
     graph = tf.Graph()
     setattr(graph, MIRROR_GRAPH_ATTR, session.graph)
     with graph.as_default():
         tf.graph_util.import_graph_def(result.graph_def, name="")
     inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=session._config)  # pylint: disable=protected-access
     inner._extend_graph()  # pylint: disable=protected-access
+    if initializers:
+        inner.run([graph.get_operation_by_name(name) for name in initializers])
     return Mirror(graph, inner, result, {node.name: node for node in source.node},
                   {node.name: node for node in result.graph_def.node},
                   {f.signature.name: f for f in result.graph_def.library.function})
@@ -333,7 +348,7 @@ def _build(session: MirroredSession) -> Mirror:
 def _grow(session: MirroredSession, mirror: Mirror) -> None:
     """Import into ``mirror`` the nodes and functions the user's graph gained, painted around the
     frozen ones; refuse if the new ops would change one the mirror runs."""
-    source, result = _rewrite(session, mirror.result)
+    source, result, initializers = _rewrite(session, mirror.result)
     sources = {node.name: node for node in source.node}
     nodes = {node.name: node for node in result.graph_def.node}
     functions = {f.signature.name: f for f in result.graph_def.library.function}
@@ -368,6 +383,9 @@ def _grow(session: MirroredSession, mirror: Mirror) -> None:
         mirror.graph.get_operation_by_name(name)._add_control_inputs(  # pylint: disable=protected-access
             [mirror.graph.get_operation_by_name(producer) for producer in producers])
     mirror.session._extend_graph()  # pylint: disable=protected-access
+    added = [mirror.graph.get_operation_by_name(name) for name in initializers if name not in mirror.nodes]
+    if added:
+        mirror.session.run(added)
     mirror.result, mirror.sources, mirror.nodes, mirror.functions = result, sources, nodes, functions
     log.debug("amp_rewrite: %d nodes added to the running mirror", len(new.node))
 

@@ -1,0 +1,426 @@
+"""FP8 training: the matmuls of a training step, forward and backward, on float8 operands.
+
+After the base rewrite (bfloat16 or float16) of one training step, every MatMul,
+BatchMatMul(V2), two-operand Einsum and Conv2D it converted (a *forward* matmul) takes
+float8_e4m3fn operands, and the matmuls of its gradient (*backward* ones: the
+MatMul/BatchMatMul/Einsum of its gradient formula, Conv2DBackpropInput/Filter for a
+Conv2D) take the incoming gradient as float8_e5m2 and the forward operand as the forward
+matmul's own E4M3 values — Transformer Engine's "hybrid" recipe. Each chain ends in the
+matmul's own dtype, the form XLA's GEMM rewriter (``MatchFp8Param``) fuses into an FP8 GEMM:
+
+    x ─ [Cast(float32)] ─ Mul(scale) ─ clip to ±max, non-finite kept ─ Cast(float8) ─ Cast(bfloat16) ─ Mul(1/scale) ─ MatMul
+
+The quantizing half runs in float32 (XLA fuses it; a float16 ``x * scale`` near E5M2's
+57344 would overflow), the dequantizing half in the matmul's dtype, with ``1/scale`` a power
+of two exact in it. A value that is Inf or NaN stays so, so a loss-scale optimizer still
+sees the overflow and skips the step.
+
+**Delayed scaling.** In a training step each quantized operand — a forward matmul's input 0
+and 1, and the gradient of its output — has a state: a float32 ``scale`` and an
+``amax_history`` of the last N steps' largest |x|, two resource variables the caller provides
+as ``ReadVariableOp`` nodes in the graph (``State``). A step quantizes with the scale as it
+was, then records its own amax (a non-finite amax is not recorded: the history stays as it
+was) and sets the scale for the next step from the history:
+``2**floor(log2(max / max(history)))``, kept while the history holds nothing but 0. While
+it does (a fresh state, or steps that saw only zeros or non-finite values), the step scales
+each operand by its own amax, as a function without gradients (evaluate, predict, an
+export) always does: such a function has no state.
+
+**Which matmul is whose gradient** (``find_matmuls``): a backward matmul lives in the name
+scope TensorFlow gives a gradient (``gradient_tape/<forward op>/…`` for a GradientTape,
+``gradients/<forward op>_grad/…`` for ``tf.gradients``) and reads one of the forward
+matmul's own input tensors, as TensorFlow's gradient formulas do; the other operand it
+reads is the incoming gradient. Matmuls in a gradient scope that pass neither test are no
+forward matmul and stay in the base precision.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
+
+from amp_rewrite.core import float8, functions
+from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.report import Report
+from amp_rewrite.core.rules import Reason, Rule
+
+
+@dataclass(frozen=True)
+class Format:
+    """One float8 format: its name, DataType and largest finite value."""
+
+    name: str
+    dtype: int
+    max: float
+
+
+E4M3 = Format("float8_e4m3fn", types_pb2.DT_FLOAT8_E4M3FN, float8.FLOAT8_MAX)  # weights and activations
+E5M2 = Format("float8_e5m2", types_pb2.DT_FLOAT8_E5M2, 57344.0)  # gradients: 5 exponent bits, Inf exists
+
+STATE_SCOPE = "amp_rewrite_float8"  # the state's read nodes and every node of the chains live under it
+HISTORY, SCALE = "amax_history", "scale"
+# Exponents e such that 1/scale = 2**-e is exact in the matmul's dtype (the scale itself is
+# applied in float32): float16 holds 2**-24 (subnormal) to 2**15, bfloat16 float32's normal range.
+_EXPONENTS = {types_pb2.DT_HALF: (-15, 24), types_pb2.DT_BFLOAT16: (-126, 126)}
+# The backward ops of each forward op, and which of their inputs are the two matmul operands.
+_BACKWARD_OPS = {
+    "MatMul": frozenset({"MatMul"}),
+    "BatchMatMul": frozenset({"BatchMatMul", "BatchMatMulV2", "MatMul"}),
+    "BatchMatMulV2": frozenset({"BatchMatMul", "BatchMatMulV2", "MatMul"}),
+    "Einsum": frozenset({"Einsum"}),
+    "Conv2D": frozenset({"Conv2DBackpropInput", "Conv2DBackpropFilter"}),
+}
+_OPERAND_POSITIONS = {"MatMul": (0, 1), "BatchMatMul": (0, 1), "BatchMatMulV2": (0, 1), "Einsum": (0, 1),
+                      "Conv2DBackpropInput": (1, 2), "Conv2DBackpropFilter": (0, 2)}
+# The name scope TensorFlow opens for an op's gradient: GradientTape's, tf.gradients' (and its _N).
+_GRADIENT_ROOT = re.compile(r"(?:^|/)(?:gradient_tape|gradients(?:_\d+)?)/")
+_UNIQUIFIED = re.compile(r"_\d+$")  # the suffix TensorFlow gives a name taken in its scope
+_AMP_SUFFIX = "AutoMixedPrecision"  # the base rewrite's own casts (casts.SUFFIX)
+
+
+@dataclass(frozen=True)
+class Backward:
+    """One backward matmul of a forward one: where it reads the forward operand (which of the
+    forward's inputs) and where it reads the incoming gradient."""
+
+    node: str
+    operand_position: int
+    forward_input: int
+    gradient_position: int
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """A forward matmul the base rewrite converts, its two operands and its backward matmuls."""
+
+    node: str
+    op: str
+    inputs: tuple[str, str]  # the tensors it reads, as in the input graph
+    backward: tuple[Backward, ...] = ()
+
+    def key(self, operand: int | None) -> str:
+        """The state key of input ``operand``, or (None) of the gradient of its output."""
+        return f"{self.node}/output_grad" if operand is None else f"{self.node}/input_{operand}"
+
+    def keys(self) -> tuple[tuple[str, Format], ...]:
+        """The operands it quantizes, as state keys with their formats."""
+        forward = ((self.key(0), E4M3), (self.key(1), E4M3))
+        return (*forward, (self.key(None), E5M2)) if self.backward else forward
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The forward matmuls of one item, with their backward ones; and the converted matmuls
+    that stay in the base precision, with why."""
+
+    matmuls: tuple[Matmul, ...]
+    kept: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def trains(self) -> bool:
+        """Whether the item takes gradients of its matmuls: a training step, which records amax."""
+        return any(matmul.backward for matmul in self.matmuls)
+
+    def keys(self) -> tuple[tuple[str, Format], ...]:
+        return tuple(key for matmul in self.matmuls for key in matmul.keys())
+
+
+@dataclass(frozen=True)
+class State:
+    """One operand's state in a graph: the ``ReadVariableOp`` nodes of its scale and its amax
+    history; their inputs are the variables' handles."""
+
+    scale: str
+    history: str
+
+
+def in_gradient_scope(name: str) -> bool:
+    return _GRADIENT_ROOT.search(name) is not None
+
+
+def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> Plan:
+    """The forward matmuls of one item (a main graph, or a body with ``_Arg``/``_Retval``
+    nodes) among ``converted`` (the nodes the base rewrite converts), and their backward
+    matmuls: see the module doc. ``graph_def`` is the item before the rewrite."""
+    nodes = {node.name: node for node in graph_def.node}
+    forward: dict[str, Matmul] = {}
+    kept: dict[str, str] = {}
+    for node in graph_def.node:
+        data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+        if (node.op not in float8.MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
+                or len(data_inputs) != float8.MATMUL_OPS[node.op]):
+            continue
+        constants = [tensor for tensor in data_inputs
+                     if float8.origin(nodes, parse_tensor_name(tensor).node).op == "Const"]
+        if constants:
+            kept[node.name] = (f"stays in the base precision: Const operand {constants[0]!r} is folded before XLA"
+                               " sees it, so FP8 would add its error without an FP8 GEMM")
+            continue
+        forward[node.name] = Matmul(node.name, node.op, (_canonical(data_inputs[0]), _canonical(data_inputs[1])))
+    backward: dict[str, list[Backward]] = {}
+    for node in graph_def.node:
+        if node.op in _OPERAND_POSITIONS and in_gradient_scope(node.name):
+            found = _forward_of(node, forward)
+            if found is not None:
+                backward.setdefault(found[0], []).append(found[1])
+    matmuls = tuple(replace(matmul, backward=tuple(backward.get(name, ()))) for name, matmul in forward.items())
+    return Plan(matmuls, kept)
+
+
+def _canonical(tensor: str) -> str:
+    ref = parse_tensor_name(tensor)
+    return f"{ref.node}:{ref.port}"
+
+
+def _forward_of(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
+    """The forward matmul whose gradient ``node`` computes, and how it reads it; None if none."""
+    positions = _OPERAND_POSITIONS[node.op]
+    if len(node.input) <= max(positions):
+        return None
+    operands = [_canonical(node.input[position]) for position in positions]
+    for match in _GRADIENT_ROOT.finditer(node.name):
+        segments = node.name[match.end():].split("/")
+        # The longest forward name first, the whole name too: an Einsum's gradient einsums sit
+        # beside it, uniquified (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1),
+        # a MatMul's under it.
+        for length in range(len(segments), 0, -1):
+            scope = "/".join(segments[:length])
+            whole = (scope, _UNIQUIFIED.sub("", scope)) if length == len(segments) else ()
+            for name in (*whole, scope.removesuffix("_grad")):
+                matmul = forward.get(name)
+                if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
+                    continue
+                shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
+                          if tensor in matmul.inputs]
+                if len(shared) == 1:  # one forward operand; the other one is the incoming gradient
+                    index, forward_input = shared[0]
+                    return name, Backward(node.name, positions[index], forward_input, positions[1 - index])
+    return None
+
+
+def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str]:
+    """The nodes of ``function``'s item whose ``T`` the base rewrite converted."""
+    return frozenset(vertex.node for item in report.pending if item.function == function
+                     for vertex in item.converted if vertex.attr.name == "T")
+
+
+def quantize_training_step(
+    graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
+) -> tuple[graph_pb2.GraphDef, dict[str, Reason]]:
+    """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
+    A forward matmul is quantized where the base rewrite converted it; a backward one where
+    it also has its forward matmul's dtype. ``state``: key -> its read nodes in ``graph_def``;
+    an operand without one (a function without gradients: ``evaluate``, ``predict``, an
+    export) is scaled by its own amax in that call, so such a function needs no state. Where a
+    state has a history, the step records amax and updates it: the updates are control inputs
+    of the backward matmuls (of the forward matmul itself where it has none), so they run
+    whenever the step trains. Returns the new GraphDef and the reason of each quantized
+    matmul; ``graph_def`` is not modified."""
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    nodes = {node.name: node for node in output.node}
+    builder = _TrainingBuilder(output, nodes, history_length)
+    reasons: dict[str, Reason] = {}
+    for matmul in plan.matmuls:
+        node = nodes.get(matmul.node)
+        dtype = node.attr["T"].type if node is not None else None
+        if dtype not in _EXPONENTS:
+            continue
+        chains = [builder.chain(matmul.key(index), E4M3, node.input[index], dtype, state.get(matmul.key(index)))
+                  for index in (0, 1)]
+        node.input[0], node.input[1] = chains
+        gradient_key = matmul.key(None)
+        quantized_backward = []
+        for backward in matmul.backward:
+            backward_node = nodes[backward.node]
+            if backward_node.attr["T"].type != dtype:
+                continue
+            backward_node.input[backward.operand_position] = chains[backward.forward_input]
+            backward_node.input[backward.gradient_position] = builder.chain(
+                gradient_key, E5M2, backward_node.input[backward.gradient_position], dtype, state.get(gradient_key))
+            quantized_backward.append(backward_node)
+            reasons[backward.node] = Reason(
+                Rule.FLOAT8_TRAINING, f"gradient of {matmul.node}: the incoming gradient {E5M2.name}, input"
+                f" {backward.forward_input} {E4M3.name} as in the forward matmul", matmul.node)
+        scaling = "delayed scaling" if matmul.key(0) in state else "scales from this call's amax"
+        reasons[matmul.node] = Reason(
+            Rule.FLOAT8_TRAINING, f"inputs {E4M3.name}" + (f", {len(quantized_backward)} backward matmul(s) on"
+                                                           f" {E5M2.name} gradients" if quantized_backward else "")
+            + f", {scaling}")
+        keys = [matmul.key(0), matmul.key(1)] + ([gradient_key] if quantized_backward else [])
+        updates = [update for key in keys if key in state for update in builder.update(key, state[key])]
+        for consumer in quantized_backward or [node]:
+            consumer.input.extend(f"^{update}" for update in updates if f"^{update}" not in consumer.input)
+    return output, reasons
+
+
+class _TrainingBuilder(float8.NodeWriter):
+    """The chains and updates of one item, named under ``STATE_SCOPE/<key>``: one chain per
+    (key, tensor), shared by every matmul that reads it with that key; one update per key."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef],
+                 history_length: int) -> None:
+        super().__init__(graph_def, nodes)
+        self.history_length = history_length
+        self.chains: dict[tuple[str, str], str] = {}
+        self.amaxes: dict[str, list[str]] = {}  # key -> the amax of each of its chains' float32 sources
+        self.formats: dict[str, tuple[Format, int, str]] = {}  # key -> format, matmul dtype, device
+        self.updated: dict[str, list[str]] = {}
+
+    def chain(self, key: str, fmt: Format, tensor: str, dtype: int, state: State | None) -> str:
+        """The dequantized ``tensor`` (an input of a matmul of ``dtype``), quantized with ``key``'s
+        scale: the state's, or (None) one from the tensor's own amax."""
+        tensor = _canonical(tensor)
+        if (key, tensor) in self.chains:
+            return self.chains[(key, tensor)]
+        amaxes = self.amaxes.setdefault(key, [])
+        base = f"{STATE_SCOPE}/{key}" + (f"_{len(amaxes)}" if amaxes else "")
+        device = self.nodes[parse_tensor_name(tensor).node].device
+        self.formats[key] = (fmt, dtype, device)
+        f32 = types_pb2.DT_FLOAT
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        source = _float32_source(self.nodes, tensor)
+        if source is None:
+            source = add("float32", "Cast", [tensor], SrcT=dtype, DstT=f32, Truncate=False)
+        amax = self.amax(base, source, f32, device)
+        scale = self._power_of_two(f"{base}/current", amax, fmt, dtype, device)
+        if state is not None:  # the state's scale once its history has seen an amax
+            scale = add("step_scale", "SelectV2", [self._seen(key, state, device), f"{state.scale}:0", scale], T=f32)
+        unscale = self._unscale(base, scale, dtype, device)
+        scaled = add("scaled", "Mul", [source, scale], T=f32)
+        clipped = add("clipped", "ClipByValue", [scaled, self.const(f"{base}/min", -fmt.max, f32, device),
+                                                 self.const(f"{base}/max", fmt.max, f32, device)], T=f32)
+        saturated = add("saturated", "SelectV2", [add("finite", "IsFinite", [scaled], T=f32), clipped, scaled], T=f32)
+        quantized = add("quantized", "Cast", [saturated], SrcT=f32, DstT=fmt.dtype, Truncate=False)
+        dequantized = add("dequantized", "Cast", [quantized], SrcT=fmt.dtype, DstT=dtype, Truncate=False)
+        unscaled = add("unscaled", "Mul", [dequantized, unscale], T=dtype)
+        amaxes.append(amax)
+        self.chains[(key, tensor)] = unscaled
+        return unscaled
+
+    def _seen(self, key: str, state: State, device: str) -> str:
+        """``key``'s ``max(history) > 0`` (one per key): whether its scale comes from an amax."""
+        base = f"{STATE_SCOPE}/{key}/seen"
+        if base not in self.nodes:
+            f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+            largest = self.add(f"{base}/largest", "Max", [f"{state.history}:0",
+                                                         self.const(f"{base}/axis", 0, i32, device)],
+                               device, {"T": f32, "Tidx": i32, "keep_dims": False})
+            self.add(base, "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], device, {"T": f32})
+        return base
+
+    def _power_of_two(self, base: str, amax: str, fmt: Format, dtype: int, device: str) -> str:
+        """``2**floor(log2(fmt.max / amax))`` within ``_EXPONENTS[dtype]``, a float32 scalar."""
+        f32 = types_pb2.DT_FLOAT
+        exponent = self.exponent(base, amax, fmt.max, _EXPONENTS[dtype], device)
+        return self.add(f"{base}/scale", "Pow", [self.const(f"{base}/two", 2.0, f32, device), exponent], device,
+                        {"T": f32})
+
+    def _unscale(self, base: str, scale: str, dtype: int, device: str) -> str:
+        """``base/unscale``: ``1/scale`` in ``dtype`` (exact: a power of two within ``_EXPONENTS``)."""
+        name = f"{base}/unscale"
+        if name not in self.nodes:
+            f32 = types_pb2.DT_FLOAT
+            inverse = self.add(f"{name}_float32", "Reciprocal", [scale], device, {"T": f32})
+            self.add(name, "Cast", [inverse], device, {"SrcT": f32, "DstT": dtype, "Truncate": False})
+        return name
+
+    def update(self, key: str, state: State) -> list[str]:
+        """The nodes that record this step's amax of ``key``'s chains and set the next scale."""
+        if key in self.updated:
+            return self.updated[key]
+        fmt, dtype, device = self.formats[key]
+        f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+        base = f"{STATE_SCOPE}/{key}/update"
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        amax, *others = self.amaxes[key]
+        for index, other in enumerate(others):
+            amax = add(f"amax_{index + 1}", "Maximum", [amax, other], T=f32)
+        history = f"{state.history}:0"
+        entry = add("entry", "Reshape", [amax, self.const(f"{base}/entry_shape", [1], i32, device)], T=f32, Tshape=i32)
+        older = add("older", "Slice", [history, self.const(f"{base}/begin", [0], i32, device),
+                                       self.const(f"{base}/size", [self.history_length - 1], i32, device)],
+                    T=f32, Index=i32)
+        rolled = add("rolled", "ConcatV2", [entry, older, self.const(f"{base}/axis", 0, i32, device)],
+                     T=f32, Tidx=i32, N=attr_value_pb2.AttrValue(i=2))
+        finite = add("finite", "IsFinite", [amax], T=f32)
+        new_history = add("history", "SelectV2", [finite, rolled, history], T=f32)
+        largest = add("largest", "Max", [new_history, self.const(f"{base}/history_axis", 0, i32, device)],
+                      T=f32, Tidx=i32, keep_dims=False)
+        candidate = self._power_of_two(base, largest, fmt, dtype, device)
+        seen = add("seen", "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], T=f32)
+        scale = add("next_scale", "SelectV2", [seen, candidate, f"{state.scale}:0"], T=f32)
+        handle = lambda read: self.nodes[read].input[0]
+        # validate_shape: its default, which TensorFlow writes into a registered function (a caller's rewrite reads it)
+        assigns = [add("assign_history", "AssignVariableOp", [handle(state.history), new_history], dtype=f32,
+                       validate_shape=False),
+                   add("assign_scale", "AssignVariableOp", [handle(state.scale), scale], dtype=f32,
+                       validate_shape=False)]
+        self.updated[key] = assigns
+        return assigns
+
+
+def _float32_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
+    """The float32 tensor the base rewrite cast to give ``tensor``, or None if it made none."""
+    ref = parse_tensor_name(tensor)
+    node = nodes[ref.node]
+    if node.op != "Cast" or not node.name.endswith(_AMP_SUFFIX) or node.attr["SrcT"].type != types_pb2.DT_FLOAT:
+        return None
+    return _canonical(node.input[0])
+
+
+def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]], history_length: int,
+              device: str = "") -> tuple[graph_pb2.GraphDef, dict[str, State], list[str]]:
+    """A copy of ``graph_def`` (a main graph) with a resource variable per state of ``keys`` that
+    it lacks — ``VarHandleOp`` ``STATE_SCOPE/<key>/scale`` (and ``/amax_history``), read by
+    ``…/read`` — and the initializers (a scale of 1, a history of zeros) to run once before the
+    graph first runs. Returns the GraphDef, every key's state and the initializers' names."""
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(graph_def)
+    nodes = {node.name: node for node in output.node}
+    writer = float8.NodeWriter(output, nodes)
+    f32 = types_pb2.DT_FLOAT
+    state, initializers = {}, []
+    for key, _ in keys:
+        reads = {}
+        for kind, shape, initial in ((SCALE, [], 1.0), (HISTORY, [history_length], [0.0] * history_length)):
+            base = f"{STATE_SCOPE}/{key}/{kind}"
+            reads[kind] = f"{base}/read"
+            if base in nodes:
+                continue
+            shape_proto = tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n)
+                                                                 for n in shape])
+            writer.add(base, "VarHandleOp", [], device, {
+                "dtype": f32, "shape": attr_value_pb2.AttrValue(shape=shape_proto),
+                "shared_name": attr_value_pb2.AttrValue(s=base.encode())})
+            writer.add(reads[kind], "ReadVariableOp", [base], device, {"dtype": f32})
+            initializers.append(writer.add(f"{base}/initial", "AssignVariableOp",
+                                           [base, writer.const(f"{base}/initial_value", initial, f32, device)],
+                                           device, {"dtype": f32, "validate_shape": False}))
+        state[key] = State(reads[SCALE], reads[HISTORY])
+    return output, state, initializers
+
+
+def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
+                            state: Mapping[str, State], history_length: int) -> tuple[graph_pb2.GraphDef, Report]:
+    """``quantize_training_step`` on one item of a rewrite's output (``function``: a library
+    function's name, or ``MAIN_GRAPH``), with the report's reasons and counts for it."""
+    program = program_of(result_graph_def)
+    body, reasons = quantize_training_step(program.item(function), plan, state, history_length)
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(result_graph_def)
+    if function == MAIN_GRAPH:
+        del output.node[:]
+        output.node.extend(body.node)
+    else:
+        rewritten = functions.to_function_def(body, program.library[function], program.op_defs)
+        output.library.function[program.positions[function]].CopyFrom(rewritten)
+    items = tuple(replace(item, float8_matmuls=len(reasons)) if item.function == function else item
+                  for item in report.items)
+    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason
+                                                                  for node, reason in reasons.items()}})
+                    if item.function == function else item for item in report.pending)
+    return output, Report(report.target, items, pending)
