@@ -753,12 +753,7 @@ def _with_probes(graph_def: graph_pb2.GraphDef, quantized: Sequence[tuple[str, s
     probes: dict[tuple[str, str], tuple[TensorKey, TensorKey]] = {}
     for item, names in by_item.items():
         body, found = float8.add_probes(program.item(item), names)
-        if item == MAIN_GRAPH:
-            del output.node[:]
-            output.node.extend(body.node)
-        else:
-            function_def = functions.to_function_def(body, program.library[item], program.op_defs)
-            output.library.function[program.positions[item]].CopyFrom(function_def)
+        program.put(output, item, body)
         for node, (reference, difference) in found.items():
             probes[(item, node)] = ((item, reference, 0), (item, difference, 0))
     return output, probes

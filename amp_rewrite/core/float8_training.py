@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
-from amp_rewrite.core import float8, functions
+from amp_rewrite.core import float8
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.report import Report
@@ -412,12 +412,7 @@ def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report
     body, reasons = quantize_training_step(program.item(function), plan, state, history_length)
     output = graph_pb2.GraphDef()
     output.CopyFrom(result_graph_def)
-    if function == MAIN_GRAPH:
-        del output.node[:]
-        output.node.extend(body.node)
-    else:
-        rewritten = functions.to_function_def(body, program.library[function], program.op_defs)
-        output.library.function[program.positions[function]].CopyFrom(rewritten)
+    program.put(output, function, body)
     items = tuple(replace(item, float8_matmuls=len(reasons)) if item.function == function else item
                   for item in report.items)
     pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason

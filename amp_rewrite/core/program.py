@@ -45,6 +45,16 @@ class Program:
             body = self._bodies[name] = functions.body_graph_def(self.library[name], self.op_defs)
         return body
 
+    def put(self, output: graph_pb2.GraphDef, name: str, body: graph_pb2.GraphDef) -> None:
+        """Write item ``name``'s new ``body`` into ``output`` (a copy of ``graph_def``): the
+        main graph's nodes, or the function's FunctionDef rebuilt at its place in the library."""
+        if name == MAIN_GRAPH:
+            del output.node[:]
+            output.node.extend(body.node)
+        else:
+            rewritten = functions.to_function_def(body, self.library[name], self.op_defs)
+            output.library.function[self.positions[name]].CopyFrom(rewritten)
+
 
 def program_of(graph_def: graph_pb2.GraphDef) -> Program:
     """Index ``graph_def``'s library; bodies are built when first asked for."""

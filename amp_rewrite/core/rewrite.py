@@ -200,8 +200,7 @@ def _rewrite_items(
         else:
             # 9. The body back into its FunctionDef, at its place in the output's library
             # (the input's library, in the same order, until every function is back).
-            rewritten = functions.to_function_def(graph, program.library[name], program.op_defs)
-            output.library.function[program.positions[name]].CopyFrom(rewritten)
+            program.put(output, name, graph)
         stats.append(item_stats)
         decisions.append(item_decisions)
         progress(len(items) + len(stats), total)

@@ -232,8 +232,7 @@ class _Edits:
             body = output if item == MAIN_GRAPH else _copy(program.item(item))
             self._apply_to(item, body)
             if item != MAIN_GRAPH:
-                rewritten = functions.to_function_def(body, program.library[item], program.op_defs)
-                output.library.function[program.positions[item]].CopyFrom(rewritten)
+                program.put(output, item, body)
         return output
 
     def _apply_to(self, item: str, body: graph_pb2.GraphDef) -> None:
