@@ -73,6 +73,21 @@ def test_casts_are_named_shared_and_placed_like_grappler(target, kind):
     assert list(_node(out, "deny1").input) == ["clr1-0-CastToFp32-0-AutoMixedPrecision"]
 
 
+def test_the_rewrites_casts_are_told_apart_from_the_users():
+    """``casts.is_amp_cast`` is the one test for a cast the rewrite added: every cast of a
+    rewrite passes it; a user's Cast, even one named like ours in part, does not."""
+    from amp_rewrite.core import casts as core_casts
+
+    graph_def = _chain()
+    user = graph_def.node.add(name="user-AutoMixedPrecision", op="Cast")
+    user.input.append("input")
+    user.attr["SrcT"].type = user.attr["DstT"].type = types_pb2.DT_FLOAT
+    out = rewrite_graph_def(graph_def, target="bfloat16", fetches=["fetch"]).graph_def
+    added = {n.name for n in out.node if core_casts.is_amp_cast(n)}
+    assert added == {"input-0-CastToBf16-0-AutoMixedPrecision", "clr1-0-CastToFp32-0-AutoMixedPrecision"}
+    assert not core_casts.is_amp_cast(_node(out, "allow1"))
+
+
 def test_cast_ids_skip_names_already_taken():
     graph_def = _chain()
     taken = graph_def.node.add()

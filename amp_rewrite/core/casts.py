@@ -9,6 +9,7 @@ source's device.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
@@ -20,6 +21,13 @@ from amp_rewrite.core.typegraph import Vertex
 
 SUFFIX = "AutoMixedPrecision"
 CAST_TO_FLOAT32 = "CastToFp32"  # the <Kind> of a target → float32 cast; the other way is the target's
+# The name every cast the rewrite adds has (spec §2.6); the index only keeps names unique.
+CAST_NAME = re.compile(rf"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastTo\w+)-(?P<index>\d+)-{SUFFIX}$")
+
+
+def is_amp_cast(node_def: node_def_pb2.NodeDef) -> bool:
+    """Whether ``node_def`` is a cast the rewrite (ours or grappler's) added: the one way to tell."""
+    return node_def.op == "Cast" and node_def.name.endswith(SUFFIX) and CAST_NAME.match(node_def.name) is not None
 
 
 @dataclass(frozen=True)

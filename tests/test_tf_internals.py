@@ -1,0 +1,45 @@
+"""The one door to TensorFlow's private names (``amp_rewrite/_tf.py``): every listed name is
+there on the installed TensorFlow, and a feature whose name is gone or changed refuses in one
+line naming the TensorFlow version, the name and the feature."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from amp_rewrite import _tf
+
+
+def test_every_listed_name_is_there_on_the_installed_tensorflow():
+    assert _tf.ENTRIES, "the table lists the private names"
+    assert _tf.problems() == []
+
+
+def test_a_name_removed_in_a_fresh_process_is_one_line_naming_version_name_and_feature():
+    script = (
+        "from tensorflow.python.eager.polymorphic_function import transform\n"
+        "del transform.CONCRETE_FUNCTION_CALLBACKS\n"
+        "from amp_rewrite import _tf\n"
+        "try:\n"
+        "    _tf.require(_tf.LIVE)\n"
+        "except _tf.TensorFlowInternalsError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(lines) == 1, run.stdout + run.stderr
+    import tensorflow as tf
+
+    assert f"TensorFlow {tf.__version__}" in lines[0]
+    assert "transform.CONCRETE_FUNCTION_CALLBACKS is gone" in lines[0]
+    assert _tf.LIVE in lines[0]
+
+
+def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch):
+    from tensorflow.python.client import session
+
+    monkeypatch.setattr(session.BaseSession, "_call_tf_sessionprun", lambda self, feed_dict, handle, fetch_list: None)
+    with pytest.raises(_tf.TensorFlowInternalsError, match=r"_call_tf_sessionprun takes \(feed_dict, handle"):
+        _tf.require(_tf.SESSION)
+    _tf.require(_tf.LIVE)  # another feature's names are not asked for
