@@ -13,13 +13,13 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from amp_rewrite.calibration.staging import check_destination, staged
+from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name
@@ -277,34 +277,60 @@ def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep:
     return op_lists.keeping(dict.fromkeys(keep, "")) if keep else op_lists
 
 
+class Checkpoint(Protocol):
+    """A ``variables/`` checkpoint written in place of the source's (``cli.weights.LowCheckpoint``)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def write(self, variables: Path) -> None: ...
+
+
 def write_model(
     model: Model, graph_def: graph_pb2.GraphDef, destination: str | os.PathLike, force: bool = False,
-    accept: Callable[[Path], bool] | None = None, variables: Callable[[Path], None] | None = None,
+    accept: Callable[[Path], bool] | None = None, variables: Checkpoint | None = None,
 ) -> bool:
     """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically.
 
-    ``variables`` rewrites the copy's ``variables/`` folder (weights stored low) before the
-    fingerprint hashes it. ``accept`` sees the finished copy before it is moved into place
-    (validation); when it returns False nothing is written. Returns whether ``destination``
-    was written."""
+    ``variables`` writes the copy's checkpoint (weights stored low) in place of the source's,
+    which is then not copied, before the fingerprint hashes it. The free space the result
+    needs is checked before anything is written. ``accept`` sees the finished copy before it
+    is moved into place (validation); when it returns False nothing is written. Returns
+    whether ``destination`` was written."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
+    skip = {model.path / name for name in (*SAVED_MODEL_FILES, FINGERPRINT)}
+    if variables is not None:
+        skip.update((model.path / "variables").glob("variables.*"))
+    check_room(destination, _size_of(model, graph_def, skip) + (variables.size if variables is not None else 0))
     with staged(destination, force) as target:
         if model.kind == "graphdef":
-            _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
+            with step("writing the graph"):
+                _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
         else:
-            _copy_contents(model.path, target, skip=(*SAVED_MODEL_FILES, FINGERPRINT))
+            with step("copying the SavedModel's files"):
+                _copy_contents(model.path, target, skip)
             if variables is not None:
-                variables(target / "variables")
-            _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
-                         _rewritten_saved_model(model, graph_def), text=model.text)
-            _write_fingerprint(target)
+                with step("writing the checkpoint"):
+                    variables.write(target / "variables")
+            with step("writing saved_model.pb"):
+                _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
+                             _rewritten_saved_model(model, graph_def), text=model.text)
+                _write_fingerprint(target)
         if accept is not None and not accept(target):
             shutil.rmtree(target) if target.is_dir() else target.unlink()
             return False
     return True
+
+
+def _size_of(model: Model, graph_def: graph_pb2.GraphDef, skip: set[Path]) -> int:
+    """About the bytes ``write_model`` writes besides a new checkpoint: the graph, and the files it copies."""
+    if model.kind == "graphdef":
+        return graph_def.ByteSize()
+    copied = sum(path.stat().st_size for path in model.path.rglob("*") if path.is_file() and path not in skip)
+    return copied + model.saved_model.ByteSize() + graph_def.ByteSize() - model.graph_def.ByteSize()
 
 
 def _rewritten_saved_model(model: Model, graph_def: graph_pb2.GraphDef) -> saved_model_pb2.SavedModel:
@@ -322,15 +348,15 @@ def _rewritten_saved_model(model: Model, graph_def: graph_pb2.GraphDef) -> saved
     return saved_model
 
 
-def _copy_contents(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
-    """Copy files' contents only: directories and files get the user's default modes (umask),
-    so the copy is writable and removable whatever the source's modes."""
+def _copy_contents(source: Path, target: Path, skip: set[Path] = frozenset()) -> None:
+    """Copy files' contents only (but those in ``skip``): directories and files get the user's
+    default modes (umask), so the copy is writable and removable whatever the source's modes."""
     target.mkdir()
     for entry in sorted(source.iterdir()):
-        if entry.name in skip:
+        if entry in skip:
             continue
         if entry.is_dir():
-            _copy_contents(entry, target / entry.name)
+            _copy_contents(entry, target / entry.name, skip)
         else:
             shutil.copyfile(entry, target / entry.name)
 

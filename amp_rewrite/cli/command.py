@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
 
@@ -376,11 +377,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return not failures[0] or args.keep_failed
 
     steps("writing")
-    from amp_rewrite.cli.weights import write_checkpoint
-
-    variables = (lambda folder: write_checkpoint(model, stored, folder)) if stored and stored.low_keys else None
-    written = write_model(written_model, result.graph_def, args.dst, force=args.force,
-                          accept=accept if feeds is not None else None, variables=variables)
+    with _checkpoint(args, model, stored) as variables:
+        written = write_model(written_model, result.graph_def, args.dst, force=args.force,
+                              accept=accept if feeds is not None else None, variables=variables)
     steps.done()
     _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
@@ -391,6 +390,28 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+PROGRESS_BYTES = 1 << 30  # a checkpoint this large shows a progress bar over the bytes written
+
+
+@contextlib.contextmanager
+def _checkpoint(args: argparse.Namespace, model: Model, stored: StoredWeights | None) -> Iterator[Any]:
+    """The checkpoint ``convert`` writes in place of the source's (None: the source's is copied),
+    with a progress bar over its bytes on a terminal for a model of a GB or more, unless --quiet."""
+    if model.kind != "savedmodel" or stored is None or not stored.low_keys:
+        yield None
+        return
+    from tqdm import tqdm
+
+    from amp_rewrite.cli.weights import LowCheckpoint
+
+    checkpoint = LowCheckpoint(model, stored)
+    shown = not args.quiet and sys.stderr.isatty() and checkpoint.size >= PROGRESS_BYTES
+    with tqdm(total=checkpoint.size, unit="B", unit_scale=True, desc="amp-rewrite: writing the checkpoint",
+              disable=not shown, leave=False, file=sys.stderr) as bar:
+        checkpoint.progress = bar.update
+        yield checkpoint
 
 
 def _store_weights(args: argparse.Namespace, model: Model,

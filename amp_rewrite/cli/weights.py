@@ -5,21 +5,28 @@ keeps them float32).
 dtype, and changes the graph. What the graph cannot say is read here: which object of a
 SavedModel's object graph holds which checkpoint key (the checkpoint's own object graph),
 and which keys another MetaGraphDef sharing ``variables/`` restores. Then the SavedModel's
-``SavedVariable.dtype`` entries and the checkpoint change to match: the checkpoint is
-written again with TensorFlow's own writer (``SaveV2``, run eagerly), every key read back
-from the source, the low ones rounded once as the per-call cast rounded them
-(``core.weights.round_to``), every other tensor (the object graph's key included) as it was.
+``SavedVariable.dtype`` entries and the checkpoint change to match. The checkpoint is
+written in bounded memory, whatever its size (``LowCheckpoint``): a chunk of low keys at a
+time, read back from the source and rounded once as the per-call cast rounded them
+(``core.weights.round_to``), written by TensorFlow's own ``SaveV2``; every other tensor (the
+object graph's key included) copied byte for byte; the source's shards kept.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import itertools
+import math
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from tensorflow.core.protobuf import saved_model_pb2, trackable_object_graph_pb2
+import numpy as np
+from google.protobuf import message
+from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
+from amp_rewrite.cli import bundle
 from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
@@ -28,6 +35,8 @@ from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restor
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as
+CHUNK_BYTES = 16 << 20  # float32 bytes of low keys read, rounded and written at once (tests pass less)
+COPY_BLOCK = 8 << 20    # bytes copied at once from a source shard
 
 
 def checkpoint_prefix(model: Model) -> Path:
@@ -58,6 +67,7 @@ def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWe
         return store_weights(result.graph_def, target, kept=kept, variables=False, constants=True)
     if not (model.path / "variables" / "variables.index").exists():
         return store_weights(result.graph_def, target, kept=kept, variables=False)
+    checked_index(model)
     reader = _reader(model)
     objects, blocked = _object_graph(model, reader)
     for index, meta in enumerate(model.saved_model.meta_graphs):
@@ -91,9 +101,11 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
     proto = model.meta_graph.object_graph_def
     if not proto.nodes or not reader.has_tensor(OBJECT_GRAPH_KEY):
         return None, {}  # a TF1 SavedModel: its graph's savers are all there is
+    import tensorflow as tf
+
     try:
         trackable = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    except Exception as error:  # noqa: BLE001 - a corrupt tensor or proto: one line, whatever raised
+    except (tf.errors.OpError, ValueError, IndexError, message.DecodeError) as error:  # IndexError: bytes missing
         raise _unreadable(model, error) from None
     object_to_key, blocked = {}, {}
     for node_id, node in enumerate(trackable.nodes):
@@ -121,30 +133,201 @@ def with_weights(model: Model, stored: StoredWeights) -> Model:
     return dataclasses.replace(model, saved_model=saved_model)
 
 
-def write_checkpoint(model: Model, stored: StoredWeights, variables: Path) -> None:
-    """``variables/`` of the staged copy: the source's checkpoint with ``stored``'s low keys
-    in the target dtype. The copy of the source's files there is replaced."""
-    import tensorflow as tf
+class LowCheckpoint:
+    """``variables/`` of the staged copy, written a chunk at a time: the source's checkpoint
+    with ``stored``'s low keys in the target dtype, in the source's shards.
 
-    low = stored.low_keys
-    if not low:
-        return  # nothing changes: the copied checkpoint stays byte for byte
-    dtype = next(weight.dtype for weight in stored.weights if weight.low)
-    reader = _reader(model)
-    keys = sorted(reader.get_variable_to_dtype_map())
-    values = []
-    for key in keys:
+    Every other key's bytes are copied as they are (its crc32c with them). The low keys are
+    read (TensorFlow's reader, which checks each crc32c; a key larger than a chunk is read
+    in slices from its shard), rounded, and written by TensorFlow's ``SaveV2`` a chunk at a
+    time, each chunk's shard appended to the source key's shard; one index over them all.
+    At most ``chunk_bytes`` of float32 values (and their rounded copy) are held at once."""
+
+    def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes
+        self.dtype = next(weight.dtype for weight in stored.weights if weight.low)
+        self.source = checked_index(model)
+        self.progress: Callable[[int], None] = lambda written: None
+
+    @property
+    def size(self) -> int:
+        """The bytes it writes: every low key's in half, the others' as they are."""
+        return sum(entry.size // (2 if key in self.low else 1) for key, entry in self.source.entries.items())
+
+    def write(self, variables: Path) -> None:
+        prefix, shards = variables / "variables", self.source.header.num_shards
+        entries = {key: entry for key, entry in self.source.entries.items() if entry.slices}  # whole-tensor entries
+        with tempfile.TemporaryDirectory(prefix=".chunks.", dir=variables) as scratch:
+            reader = _reader(self.model)
+            for shard in range(shards):
+                with open(bundle.data_path(prefix, shard, shards), "wb") as out:
+                    self._copy_shard(shard, out, entries)
+                    _Chunks(self, reader, shard, out, Path(scratch), entries).write()
+        bundle_index = bundle.Index(self.source.header, entries)
+        bundle.index_path(prefix).write_bytes(bundle.index_bytes(bundle_index))
+
+    def _copy_shard(self, shard: int, out: BinaryIO, entries: dict[str, Any]) -> None:
+        """The keys that do not change, their bytes as they are, in the source's order."""
+        kept = sorted(((entry.offset, key) for key, entry in self.source.entries.items()
+                       if entry.shard_id == shard and not entry.slices and key not in self.low))
+        path = bundle.data_path(checkpoint_prefix(self.model), shard, self.source.header.num_shards)
+        with open(path, "rb") as source:
+            for _, key in kept:
+                entry = self.source.entries[key]
+                entries[key] = _moved(entry, shard, out.tell())
+                _copy_bytes(source, out, entry.offset, entry.size)
+                self.progress(entry.size)
+
+
+def _moved(entry: Any, shard: int, offset: int) -> Any:
+    moved = tensor_bundle_pb2.BundleEntryProto()
+    moved.CopyFrom(entry)
+    moved.shard_id, moved.offset = shard, offset
+    return moved
+
+
+def _copy_bytes(source: BinaryIO, out: BinaryIO, offset: int, size: int) -> None:
+    """``size`` bytes of ``source`` from ``offset`` appended to ``out``, a block at a time."""
+    source.seek(offset)
+    while size:
+        block = source.read(min(size, COPY_BLOCK))
+        if not block:
+            raise ModelError(f"{source.name}: ends before byte {offset + size}; the shard is truncated: copy"
+                             " variables/ from the original export")
+        out.write(block)
+        size -= len(block)
+
+
+class _Chunks:
+    """One shard's low keys, read, rounded and written a chunk at a time (``LowCheckpoint``)."""
+
+    def __init__(self, checkpoint: LowCheckpoint, reader: Any, shard: int, out: BinaryIO, scratch: Path,
+                 entries: dict[str, Any]) -> None:
+        self.checkpoint, self.reader, self.shard, self.out = checkpoint, reader, shard, out
+        self.scratch, self.entries = scratch, entries
+        self.names: list[str] = []
+        self.slices: list[str] = []
+        self.values: list[np.ndarray] = []
+        self.held = 0
+
+    def write(self) -> None:
+        source = self.checkpoint.source
+        low = sorted((entry.offset, key) for key, entry in source.entries.items()
+                     if entry.shard_id == self.shard and key in self.checkpoint.low)
+        for _, key in low:
+            for spec, start, count in _pieces(source.entries[key], self.checkpoint.chunk_bytes):
+                if self.held and self.held + count * 4 > self.checkpoint.chunk_bytes:
+                    self._flush()
+                self.names.append(key)
+                self.slices.append(spec)
+                self.values.append(round_to(self._read(key, spec, start, count), self.checkpoint.dtype))
+                self.held += count * 4
+        self._flush()
+
+    def _read(self, key: str, spec: str, start: int, count: int) -> np.ndarray:
+        import tensorflow as tf
+
+        if not spec:
+            try:
+                return self.reader.get_tensor(key)
+            except (tf.errors.OpError, ValueError) as error:
+                raise _unreadable(self.checkpoint.model, error) from None
+        entry = self.checkpoint.source.entries[key]
+        path = bundle.data_path(checkpoint_prefix(self.checkpoint.model), self.shard,
+                                self.checkpoint.source.header.num_shards)
+        values = np.fromfile(path, dtype="<f4", count=count, offset=entry.offset + start * 4)
+        if values.size != count:
+            raise ModelError(f"{path}: ends inside key '{key}'; the shard is truncated: copy variables/ from the"
+                             " original export")
+        return values.reshape(_slice_shape(spec))
+
+    def _flush(self) -> None:
+        """The chunk held: written by ``SaveV2``, its shard appended to ours, its entries moved there."""
+        import tensorflow as tf
+
+        if not self.names:
+            return
+        prefix = self.scratch / "chunk"
         try:
-            value = reader.get_tensor(key)
-        except (tf.errors.OpError, ValueError) as error:
-            raise _unreadable(model, error) from None
-        values.append(round_to(value, dtype) if key in low else value)  # bytes as read: numpy drops trailing NULs
-    for old in variables.glob("variables.*"):
-        old.unlink()
+            with tf.device("CPU:0"):
+                tf.raw_ops.SaveV2(prefix=str(prefix), tensor_names=self.names, shape_and_slices=self.slices,
+                                  tensors=self.values)
+        except tf.errors.OpError as error:
+            raise ModelError(f"{self.scratch.parent}: cannot write the checkpoint ({tensorflow_cause(error)});"
+                             " nothing was written; check the free space and permissions there") from None
+        written = bundle.read_index(prefix)
+        base = self.out.tell()
+        for key, entry in written.entries.items():
+            if entry.slices:  # a key written in slices: its whole-tensor entry lists them all
+                if key in self.entries:
+                    self.entries[key].slices.extend(entry.slices)
+                else:
+                    self.entries[key] = entry
+            else:
+                self.entries[key] = _moved(entry, self.shard, base + entry.offset)
+        data = bundle.data_path(prefix, 0, 1)
+        with open(data, "rb") as chunk:
+            _copy_bytes(chunk, self.out, 0, data.stat().st_size)
+        self.checkpoint.progress(data.stat().st_size)
+        data.unlink()
+        bundle.index_path(prefix).unlink()
+        self.names, self.slices, self.values, self.held = [], [], [], 0
+
+
+def _pieces(entry: Any, chunk_bytes: int) -> Iterator[tuple[str, int, int]]:
+    """A float32 key as read and written: ("", 0, its elements) when it fits a chunk, else
+    its slices, each contiguous in the shard: (SaveV2's shape-and-slice, first element, elements).
+    A slice runs along the first axis whose trailing block fits, one index of each axis before."""
+    dims = [dim.size for dim in entry.shape.dim]
+    elements = math.prod(dims)
+    if elements * 4 <= chunk_bytes:
+        yield "", 0, elements
+        return
+    axis = next(axis for axis in range(len(dims)) if math.prod(dims[axis + 1:]) * 4 <= chunk_bytes)
+    block = math.prod(dims[axis + 1:])
+    step = max(1, chunk_bytes // (block * 4))
+    shape = " ".join(map(str, dims))
+    for leading in itertools.product(*(range(size) for size in dims[:axis])):
+        first = 0
+        for index, size in zip(leading, dims[:axis]):
+            first = first * size + index
+        for start in range(0, dims[axis], step):
+            length = min(step, dims[axis] - start)
+            spec = ":".join([*(f"{index},1" for index in leading), f"{start},{length}",
+                             *("-" for _ in dims[axis + 1:])])
+            yield f"{shape} {spec}", (first * dims[axis] + start) * block, length * block
+
+
+def _slice_shape(spec: str) -> list[int]:
+    """The shape of the values a ``SaveV2`` shape-and-slice string names."""
+    *dims, slices = spec.split(" ")
+    return [int(size) if extent == "-" else int(extent.split(",")[1])
+            for size, extent in zip(dims, slices.split(":"))]
+
+
+def checked_index(model: Model) -> bundle.Index:
+    """The source checkpoint's index, with every shard there and long enough for the keys it
+    holds: a missing or cut shard is one line before anything is written."""
+    prefix = checkpoint_prefix(model)
     try:
-        with tf.device("CPU:0"):
-            tf.raw_ops.SaveV2(prefix=str(variables / "variables"), tensor_names=keys,
-                              shape_and_slices=[""] * len(keys), tensors=values)
-    except tf.errors.OpError as error:
-        raise ModelError(f"{variables}: cannot write the checkpoint ({tensorflow_cause(error)}); nothing was"
-                         " written; check the free space and permissions there") from None
+        index = bundle.read_index(prefix)
+    except OSError as error:
+        raise ModelError(f"{bundle.index_path(prefix)}: cannot read ({error.strerror}); copy variables/ from the"
+                         " original export") from None
+    except (bundle.BundleError, message.DecodeError) as error:
+        raise ModelError(f"{bundle.index_path(prefix)}: not a checkpoint index TensorFlow wrote ({error}); copy"
+                         " variables/ from the original export") from None
+    shards = index.header.num_shards
+    ends = [0] * shards
+    for entry in index.entries.values():
+        if not entry.slices and entry.shard_id < shards:
+            ends[entry.shard_id] = max(ends[entry.shard_id], entry.offset + entry.size)
+    for shard, end in enumerate(ends):
+        path = bundle.data_path(prefix, shard, shards)
+        if not path.exists():
+            raise ModelError(f"{path}: missing (the index names {shards} shard(s)); copy variables/ from the"
+                             " original export")
+        if path.stat().st_size < end:
+            raise ModelError(f"{path}: {path.stat().st_size} bytes, but the index places keys up to byte {end};"
+                             " the shard is truncated: copy variables/ from the original export")
+    return index
