@@ -504,3 +504,116 @@ def test_saved_model_cli_runs_the_result(converted: Models) -> None:
     assert converted.saved_model_cli.returncode == 0, err[-2000:]
     want = tf.saved_model.load(str(out)).signatures["other"](x=tf.ones((2, 8)))["out"].numpy()
     np.testing.assert_allclose(np.load(converted.root / "cli_run" / "out.npy"), want, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Streaming: the checkpoint is written a chunk at a time, in the source's shards
+
+CHUNK = 1024  # bytes of float32 values per chunk in these tests (the default is 16 MB)
+
+
+class _Streamed(tf.Module):
+    """A conv kernel (4.6 kB: sliced on its second axis), a dense kernel of 40 kB (sliced on
+    its first) and two small ones, every one read through a cast by a converted op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.conv = tf.Variable(rng.standard_normal((3, 3, 8, 16)).astype(np.float32), name="conv")
+        self.big = tf.Variable(rng.standard_normal((16, 625)).astype(np.float32), name="big")
+        self.w1 = tf.Variable(rng.standard_normal((625, 8)).astype(np.float32), name="w1")
+        self.w2 = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32), name="w2")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 8], tf.float32)])
+    def serve(self, x: tf.Tensor) -> tf.Tensor:
+        h = tf.reduce_mean(tf.nn.conv2d(x, self.conv, 1, "VALID"), axis=[1, 2])
+        return tf.matmul(tf.nn.relu(tf.matmul(tf.matmul(h, self.big), self.w1)), self.w2)
+
+
+def _shards(saved_model: Path) -> dict[str, tuple[frozenset[int], bool]]:
+    """Each key of the checkpoint: (the shards holding its bytes, stored in slices)."""
+    from amp_rewrite.cli import bundle
+
+    index = bundle.read_index(saved_model / "variables" / "variables")
+    return {key: (frozenset(part.shard_id for _, part, _ in bundle.parts(index, key)), bool(entry.slices))
+            for key, entry in index.entries.items() if not key.startswith("\0")}
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("streamed")
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=12_000)
+    tf.saved_model.save(_Streamed(), str(root / "src"), options=tf.saved_model.SaveOptions(
+        experimental_sharding_callback=policy))
+    return root / "src"
+
+
+def test_the_checkpoint_is_written_a_chunk_at_a_time_in_the_sources_shards(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: no SaveV2 call holds more than a chunk of values; a key larger than a chunk is
+    written in slices; every key stays in its source shard; the values are the rounded
+    source values, and the model serves the numbers of the float32-weights conversion."""
+    from amp_rewrite.cli import weights
+
+    calls: list[int] = []
+    save = tf.raw_ops.SaveV2
+
+    def counted(**kwargs: Any) -> Any:
+        calls.append(sum(np.asarray(value).nbytes * 2 for value in kwargs["tensors"]))  # float32 bytes
+        return save(**kwargs)
+
+    monkeypatch.setattr(weights, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(tf.raw_ops, "SaveV2", counted)
+    assert_ok(run_cli("convert", streamed, tmp_path / "low", "--target", "bfloat16"))
+    monkeypatch.setattr(tf.raw_ops, "SaveV2", save)
+    assert_ok(run_cli("convert", streamed, tmp_path / "f32w", "--target", "bfloat16", "--float32-weights"))
+    source, result = _shards(streamed), _shards(tmp_path / "low")
+    assert len(set().union(*(shards for shards, _ in source.values()))) >= 3, source
+    assert {key: shard for key, (shard, _) in result.items()} == {key: shard for key, (shard, _) in source.items()}
+    assert len(calls) >= 40 and max(calls) <= CHUNK, calls  # 4 low variables of 51 kB, 1 kB a call
+    sliced = {key for key, (_, in_slices) in result.items() if in_slices}
+    assert sliced == {_key("conv"), _key("big"), _key("w1")}
+    old, new = _checkpoint(streamed)[1], _checkpoint(tmp_path / "low")[1]
+    for name in ("conv", "big", "w1", "w2"):
+        assert new[_key(name)].dtype == tf.bfloat16.as_numpy_dtype
+        np.testing.assert_array_equal(new[_key(name)], round_to(old[_key(name)], BF16))
+    x = tf.constant(np.random.default_rng(0).standard_normal((2, 6, 6, 8)).astype(np.float32))
+    loaded = [tf.saved_model.load(str(tmp_path / name)) for name in ("low", "f32w")]
+    np.testing.assert_array_equal(*(model.serve(x).numpy() for model in loaded))
+
+
+def test_a_missing_shard_is_one_line_and_nothing_is_written(streamed: Path, tmp_path: Path) -> None:
+    """Rule: a shard the index names but variables/ lacks: exit 2 naming it, before anything is written."""
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(streamed), str(broken)], check=True)
+    shard = sorted((broken / "variables").glob("variables.data-*"))[1]
+    shard.unlink()
+    before = hash_tree(broken)
+    (tmp_path / "out").mkdir()
+    for flags in ((), ("--float32-weights",)):
+        line = error_line(run_cli("convert", broken, tmp_path / "out" / "dst", "--target", "bfloat16", *flags))
+        count = len(list((streamed / "variables").glob("variables.data-*")))
+        assert line == (f"amp-rewrite: error: {shard}: missing (the index names {count} shard(s)); copy variables/"
+                        " from the original export")
+        assert listing(tmp_path / "out") == set() and hash_tree(broken) == before
+
+
+def test_a_destination_without_room_is_one_line_and_nothing_is_written(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: the free space the result needs is checked first: too little is exit 2, nothing written."""
+    import shutil
+
+    from amp_rewrite.calibration import staging
+
+    real = shutil.disk_usage
+
+    def small(path: Any) -> Any:
+        return real(path)._replace(free=30_000)
+
+    monkeypatch.setattr(staging.shutil, "disk_usage", small)
+    (tmp_path / "out").mkdir()
+    line = error_line(run_cli("convert", streamed, tmp_path / "out" / "dst", "--target", "bfloat16"))
+    assert line.startswith(f"amp-rewrite: error: {tmp_path / 'out'}: the result needs ")
+    assert line.endswith("MB and 0.03 MB is free there; nothing was written; free some space or choose another"
+                         " destination")
+    assert listing(tmp_path / "out") == set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from tensorflow.core.protobuf import tensor_bundle_pb2
 
@@ -189,3 +190,49 @@ def index_bytes(index: Index) -> bytes:
     for key in sorted(index.entries, key=lambda name: name.encode("utf-8", "surrogateescape")):
         table.add(key.encode("utf-8", "surrogateescape"), index.entries[key].SerializeToString(deterministic=True))
     return table.finish()
+
+
+Extents = tuple[tuple[int, int], ...]  # (start, length) on each axis, in the whole tensor
+
+
+def _num_increasing(value: int) -> bytes:
+    raw = value.to_bytes((value.bit_length() + 7) // 8, "big")
+    return bytes([len(raw)]) + raw
+
+
+def _signed_increasing(value: int) -> bytes:
+    """OrderedCode's signed numbers: n bytes, the first with n leading ones then a zero; a
+    negative number is its complement's bytes inverted."""
+    if value < 0:
+        return bytes(~byte & 0xFF for byte in _signed_increasing(~value))
+    size = next(n for n in range(1, 8) if value < 1 << (7 * n - 1))
+    return (value | ((1 << size) - 1) << (7 * size)).to_bytes(size, "big")
+
+
+def slice_key(name: str, extents: Iterable[tuple[int, int]]) -> str:
+    """The key TensorFlow stores one slice of tensor ``name`` under (``EncodeTensorNameSlice``);
+    a length of -1 is the whole axis."""
+    extents = tuple(extents)
+    escaped = b"".join(b"\0\xff" if byte == 0 else b"\xff\0" if byte == 0xFF else bytes([byte])
+                       for byte in name.encode("utf-8"))
+    out = b"\0" + escaped + b"\0\1" + _num_increasing(len(extents))
+    out += b"".join(_signed_increasing(start) + _signed_increasing(length) for start, length in extents)
+    return out.decode("utf-8", "surrogateescape")
+
+
+def parts(index: Index, key: str) -> list[tuple[str, tensor_bundle_pb2.BundleEntryProto, Extents]]:
+    """Where a tensor's bytes are: its own entry, or one entry per stored slice; each with the
+    part of the tensor it holds. Raises BundleError when a slice's entry is missing."""
+    entry = index.entries[key]
+    dims = [dim.size for dim in entry.shape.dim]
+    if not entry.slices:
+        return [(key, entry, tuple((0, size) for size in dims))]
+    found = []
+    for stored in entry.slices:
+        given = [(extent.start, extent.length if extent.HasField("length") else -1) for extent in stored.extent]
+        name = slice_key(key, given)
+        if name not in index.entries:
+            raise BundleError(f"key '{key}' names a slice the index does not hold")
+        found.append((name, index.entries[name], tuple((start, size if length < 0 else length) for
+                                                       (start, length), size in zip(given, dims))))
+    return found

@@ -418,11 +418,13 @@ def _store_weights(args: argparse.Namespace, model: Model,
                    result: RewriteResult) -> tuple[Model, RewriteResult, StoredWeights | None]:
     """The weights in the target dtype, unless --float32-weights: the model to write (its
     object graph's variable dtypes), the graph, and what was stored (None: nothing changed)."""
-    if args.float32_weights:
-        return model, result, None
     import dataclasses
 
     from amp_rewrite.cli import weights
+
+    if args.float32_weights:
+        weights.check_checkpoint(model)
+        return model, result, None
 
     stored = weights.stored_weights(model, result, args.target)
     return weights.with_weights(model, stored), dataclasses.replace(result, graph_def=stored.graph_def), stored

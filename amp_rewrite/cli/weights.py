@@ -18,6 +18,7 @@ import itertools
 import math
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -67,7 +68,7 @@ def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWe
         return store_weights(result.graph_def, target, kept=kept, variables=False, constants=True)
     if not (model.path / "variables" / "variables.index").exists():
         return store_weights(result.graph_def, target, kept=kept, variables=False)
-    checked_index(model)
+    check_checkpoint(model)
     reader = _reader(model)
     objects, blocked = _object_graph(model, reader)
     for index, meta in enumerate(model.saved_model.meta_graphs):
@@ -135,43 +136,50 @@ def with_weights(model: Model, stored: StoredWeights) -> Model:
 
 class LowCheckpoint:
     """``variables/`` of the staged copy, written a chunk at a time: the source's checkpoint
-    with ``stored``'s low keys in the target dtype, in the source's shards.
+    with ``stored``'s low keys in the target dtype, each part of them in its source shard.
 
-    Every other key's bytes are copied as they are (its crc32c with them). The low keys are
-    read (TensorFlow's reader, which checks each crc32c; a key larger than a chunk is read
-    in slices from its shard), rounded, and written by TensorFlow's ``SaveV2`` a chunk at a
-    time, each chunk's shard appended to the source key's shard; one index over them all.
-    At most ``chunk_bytes`` of float32 values (and their rounded copy) are held at once."""
+    Every other key's bytes are copied as they are (their crc32c with them). The low keys
+    are read (TensorFlow's reader, which checks each crc32c; a part larger than a chunk is
+    read in slices straight from its shard), rounded, and written by TensorFlow's ``SaveV2``
+    a chunk at a time, each chunk's shard appended to the source part's shard; one index over
+    them all. At most ``chunk_bytes`` of float32 values (and their rounded copy) are held."""
 
-    def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes
+    def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int | None = None) -> None:
+        self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes or CHUNK_BYTES
         self.dtype = next(weight.dtype for weight in stored.weights if weight.low)
         self.source = checked_index(model)
+        try:
+            self.parts = {key: bundle.parts(self.source, key) for key in sorted(self.low)}
+        except bundle.BundleError as error:
+            raise ModelError(f"{bundle.index_path(checkpoint_prefix(model))}: {error}; copy variables/ from the"
+                             " original export") from None
+        self.low_entries = {name for found in self.parts.values() for name, _, _ in found}
         self.progress: Callable[[int], None] = lambda written: None
 
     @property
     def size(self) -> int:
-        """The bytes it writes: every low key's in half, the others' as they are."""
-        return sum(entry.size // (2 if key in self.low else 1) for key, entry in self.source.entries.items())
+        """The bytes it writes: the low keys' in half, the others' as they are."""
+        return sum(entry.size // (2 if key in self.low_entries else 1) for key, entry in self.source.entries.items())
 
     def write(self, variables: Path) -> None:
         prefix, shards = variables / "variables", self.source.header.num_shards
-        entries = {key: entry for key, entry in self.source.entries.items() if entry.slices}  # whole-tensor entries
+        entries = {key: entry for key, entry in self.source.entries.items() if entry.slices and key not in self.low}
         with tempfile.TemporaryDirectory(prefix=".chunks.", dir=variables) as scratch:
             reader = _reader(self.model)
             for shard in range(shards):
                 with open(bundle.data_path(prefix, shard, shards), "wb") as out:
                     self._copy_shard(shard, out, entries)
                     _Chunks(self, reader, shard, out, Path(scratch), entries).write()
-        bundle_index = bundle.Index(self.source.header, entries)
-        bundle.index_path(prefix).write_bytes(bundle.index_bytes(bundle_index))
+        bundle.index_path(prefix).write_bytes(bundle.index_bytes(bundle.Index(self.source.header, entries)))
+
+    def shard_path(self, shard: int) -> Path:
+        return bundle.data_path(checkpoint_prefix(self.model), shard, self.source.header.num_shards)
 
     def _copy_shard(self, shard: int, out: BinaryIO, entries: dict[str, Any]) -> None:
         """The keys that do not change, their bytes as they are, in the source's order."""
-        kept = sorted(((entry.offset, key) for key, entry in self.source.entries.items()
-                       if entry.shard_id == shard and not entry.slices and key not in self.low))
-        path = bundle.data_path(checkpoint_prefix(self.model), shard, self.source.header.num_shards)
-        with open(path, "rb") as source:
+        kept = sorted((entry.offset, key) for key, entry in self.source.entries.items()
+                      if entry.shard_id == shard and not entry.slices and key not in self.low_entries)
+        with open(self.shard_path(shard), "rb") as source:
             for _, key in kept:
                 entry = self.source.entries[key]
                 entries[key] = _moved(entry, shard, out.tell())
@@ -198,111 +206,133 @@ def _copy_bytes(source: BinaryIO, out: BinaryIO, offset: int, size: int) -> None
         size -= len(block)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Values read, rounded and written at once: all of a stored part, or a slice of one."""
+
+    key: str
+    dims: tuple[int, ...]       # the whole tensor's
+    extents: bundle.Extents     # what this piece holds of it
+    part: Any                   # the stored entry holding it
+    first: int                  # its first element's place in the part
+    whole_part: bool
+
+    @property
+    def elements(self) -> int:
+        return math.prod(length for _, length in self.extents)
+
+    @property
+    def spec(self) -> str:
+        """SaveV2's and RestoreV2's shape-and-slice: "" for the whole tensor."""
+        if all(start == 0 and length == size for (start, length), size in zip(self.extents, self.dims)):
+            return ""
+        return " ".join(map(str, self.dims)) + " " + ":".join(f"{start},{length}" for start, length in self.extents)
+
+
+def _pieces(key: str, dims: tuple[int, ...], part: Any, extents: bundle.Extents, chunk_bytes: int
+            ) -> Iterator[_Piece]:
+    """A stored part of a float32 key whole when it fits a chunk, else in slices contiguous in
+    its shard: along the first axis whose trailing block fits, one index on each axis before."""
+    lengths = [length for _, length in extents]
+    if math.prod(lengths) * 4 <= chunk_bytes:
+        yield _Piece(key, dims, extents, part, 0, True)
+        return
+    axis = next(axis for axis in range(len(lengths)) if math.prod(lengths[axis + 1:]) * 4 <= chunk_bytes)
+    block = math.prod(lengths[axis + 1:])
+    step = max(1, chunk_bytes // (block * 4))
+    for leading in itertools.product(*(range(size) for size in lengths[:axis])):
+        row = 0
+        for index, size in zip(leading, lengths[:axis]):
+            row = row * size + index
+        for start in range(0, lengths[axis], step):
+            length = min(step, lengths[axis] - start)
+            local = [*((index, 1) for index in leading), (start, length), *((0, size) for size in lengths[axis + 1:])]
+            yield _Piece(key, dims, tuple((origin + begin, size) for (origin, _), (begin, size) in zip(extents, local)),
+                         part, (row * lengths[axis] + start) * block, False)
+
+
 class _Chunks:
-    """One shard's low keys, read, rounded and written a chunk at a time (``LowCheckpoint``)."""
+    """One shard's low parts, read, rounded and written a chunk at a time (``LowCheckpoint``)."""
 
     def __init__(self, checkpoint: LowCheckpoint, reader: Any, shard: int, out: BinaryIO, scratch: Path,
                  entries: dict[str, Any]) -> None:
         self.checkpoint, self.reader, self.shard, self.out = checkpoint, reader, shard, out
         self.scratch, self.entries = scratch, entries
-        self.names: list[str] = []
-        self.slices: list[str] = []
+        self.pieces: list[_Piece] = []
         self.values: list[np.ndarray] = []
-        self.held = 0
 
     def write(self) -> None:
-        source = self.checkpoint.source
-        low = sorted((entry.offset, key) for key, entry in source.entries.items()
-                     if entry.shard_id == self.shard and key in self.checkpoint.low)
-        for _, key in low:
-            for spec, start, count in _pieces(source.entries[key], self.checkpoint.chunk_bytes):
-                if self.held and self.held + count * 4 > self.checkpoint.chunk_bytes:
-                    self._flush()
-                self.names.append(key)
-                self.slices.append(spec)
-                self.values.append(round_to(self._read(key, spec, start, count), self.checkpoint.dtype))
-                self.held += count * 4
+        checkpoint = self.checkpoint
+        for key, found in checkpoint.parts.items():
+            dims = tuple(dim.size for dim in checkpoint.source.entries[key].shape.dim)
+            for _, part, extents in sorted(found, key=lambda found: found[1].offset):
+                if part.shard_id != self.shard:
+                    continue
+                for piece in _pieces(key, dims, part, extents, checkpoint.chunk_bytes):
+                    if self.pieces and (sum(p.elements for p in self.pieces) + piece.elements) * 4 > \
+                            checkpoint.chunk_bytes:
+                        self._flush()
+                    self.values.append(round_to(self._read(piece), checkpoint.dtype))
+                    self.pieces.append(piece)
         self._flush()
 
-    def _read(self, key: str, spec: str, start: int, count: int) -> np.ndarray:
+    def _read(self, piece: _Piece) -> np.ndarray:
+        """A whole part through TensorFlow's reader (its crc32c checked), a slice of one from the shard."""
         import tensorflow as tf
 
-        if not spec:
+        if piece.whole_part:
             try:
-                return self.reader.get_tensor(key)
-            except (tf.errors.OpError, ValueError) as error:
+                if not piece.spec:
+                    return self.reader.get_tensor(piece.key)
+                prefix = str(checkpoint_prefix(self.checkpoint.model))
+                with tf.device("CPU:0"):
+                    return tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[piece.key], shape_and_slices=[piece.spec],
+                                                dtypes=[tf.float32])[0].numpy()
+            except (tf.errors.OpError, ValueError, IndexError) as error:
                 raise _unreadable(self.checkpoint.model, error) from None
-        entry = self.checkpoint.source.entries[key]
-        path = bundle.data_path(checkpoint_prefix(self.checkpoint.model), self.shard,
-                                self.checkpoint.source.header.num_shards)
-        values = np.fromfile(path, dtype="<f4", count=count, offset=entry.offset + start * 4)
-        if values.size != count:
-            raise ModelError(f"{path}: ends inside key '{key}'; the shard is truncated: copy variables/ from the"
+        path = self.checkpoint.shard_path(self.shard)
+        values = np.fromfile(path, dtype="<f4", count=piece.elements, offset=piece.part.offset + piece.first * 4)
+        if values.size != piece.elements:
+            raise ModelError(f"{path}: ends inside key '{piece.key}'; the shard is truncated: copy variables/ from the"
                              " original export")
-        return values.reshape(_slice_shape(spec))
+        return values.reshape([length for _, length in piece.extents])
 
     def _flush(self) -> None:
         """The chunk held: written by ``SaveV2``, its shard appended to ours, its entries moved there."""
         import tensorflow as tf
 
-        if not self.names:
+        if not self.pieces:
             return
         prefix = self.scratch / "chunk"
         try:
             with tf.device("CPU:0"):
-                tf.raw_ops.SaveV2(prefix=str(prefix), tensor_names=self.names, shape_and_slices=self.slices,
-                                  tensors=self.values)
+                tf.raw_ops.SaveV2(prefix=str(prefix), tensor_names=[piece.key for piece in self.pieces],
+                                  shape_and_slices=[piece.spec for piece in self.pieces], tensors=self.values)
         except tf.errors.OpError as error:
             raise ModelError(f"{self.scratch.parent}: cannot write the checkpoint ({tensorflow_cause(error)});"
                              " nothing was written; check the free space and permissions there") from None
         written = bundle.read_index(prefix)
         base = self.out.tell()
         for key, entry in written.entries.items():
-            if entry.slices:  # a key written in slices: its whole-tensor entry lists them all
-                if key in self.entries:
-                    self.entries[key].slices.extend(entry.slices)
-                else:
-                    self.entries[key] = entry
-            else:
+            if not entry.slices:
                 self.entries[key] = _moved(entry, self.shard, base + entry.offset)
+            elif key in self.entries:  # a key written in slices: its whole-tensor entry lists them all
+                self.entries[key].slices.extend(entry.slices)
+            else:
+                self.entries[key] = entry
         data = bundle.data_path(prefix, 0, 1)
         with open(data, "rb") as chunk:
             _copy_bytes(chunk, self.out, 0, data.stat().st_size)
         self.checkpoint.progress(data.stat().st_size)
         data.unlink()
         bundle.index_path(prefix).unlink()
-        self.names, self.slices, self.values, self.held = [], [], [], 0
+        self.pieces, self.values = [], []
 
 
-def _pieces(entry: Any, chunk_bytes: int) -> Iterator[tuple[str, int, int]]:
-    """A float32 key as read and written: ("", 0, its elements) when it fits a chunk, else
-    its slices, each contiguous in the shard: (SaveV2's shape-and-slice, first element, elements).
-    A slice runs along the first axis whose trailing block fits, one index of each axis before."""
-    dims = [dim.size for dim in entry.shape.dim]
-    elements = math.prod(dims)
-    if elements * 4 <= chunk_bytes:
-        yield "", 0, elements
-        return
-    axis = next(axis for axis in range(len(dims)) if math.prod(dims[axis + 1:]) * 4 <= chunk_bytes)
-    block = math.prod(dims[axis + 1:])
-    step = max(1, chunk_bytes // (block * 4))
-    shape = " ".join(map(str, dims))
-    for leading in itertools.product(*(range(size) for size in dims[:axis])):
-        first = 0
-        for index, size in zip(leading, dims[:axis]):
-            first = first * size + index
-        for start in range(0, dims[axis], step):
-            length = min(step, dims[axis] - start)
-            spec = ":".join([*(f"{index},1" for index in leading), f"{start},{length}",
-                             *("-" for _ in dims[axis + 1:])])
-            yield f"{shape} {spec}", (first * dims[axis] + start) * block, length * block
-
-
-def _slice_shape(spec: str) -> list[int]:
-    """The shape of the values a ``SaveV2`` shape-and-slice string names."""
-    *dims, slices = spec.split(" ")
-    return [int(size) if extent == "-" else int(extent.split(",")[1])
-            for size, extent in zip(dims, slices.split(":"))]
+def check_checkpoint(model: Model) -> None:
+    """A SavedModel's checkpoint, if it has one, has every shard, each long enough (``checked_index``)."""
+    if model.kind == "savedmodel" and bundle.index_path(checkpoint_prefix(model)).exists():
+        checked_index(model)
 
 
 def checked_index(model: Model) -> bundle.Index:
