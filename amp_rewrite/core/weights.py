@@ -27,8 +27,10 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
+from networkx.utils import UnionFind
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
 from tensorflow.python.framework import dtypes, tensor_util
@@ -184,6 +186,8 @@ class _Index:
     nodes: Mapping[str, node_def_pb2.NodeDef]
     readers: Mapping[Port, list[tuple[str, int]]]  # (node, port) -> [(reader, input position)]
     order: tuple[str, ...]
+    position: Mapping[str, int]  # node -> its place in ``order``
+    decoded: dict[tuple[str, int], list[str] | None] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(graph_def: graph_pb2.GraphDef) -> _Index:
@@ -193,7 +197,9 @@ class _Index:
                 ref = parse_tensor_name(tensor)
                 if not ref.is_control:
                     readers[(ref.node, ref.port)].append((node.name, position))
-        return _Index({node.name: node for node in graph_def.node}, readers, tuple(n.name for n in graph_def.node))
+        order = tuple(node.name for node in graph_def.node)
+        return _Index({node.name: node for node in graph_def.node}, readers, order,
+                      {name: position for position, name in enumerate(order)})
 
     def readers_of(self, node: str, port: int = 0) -> list[tuple[str, int]]:
         return self.readers.get((node, port), [])
@@ -307,36 +313,18 @@ def _where(item: str) -> str:
 # Variables: 1. follow every handle, 2. who reads each value, 3. decide per group, 4. edits
 
 
-class _Sets:
-    """Union-find over handle places: one set per variable (with its copies)."""
-
-    def __init__(self) -> None:
-        self.parent: dict[Place, Place] = {}
-
-    def find(self, place: Place) -> Place:
-        parent = self.parent.setdefault(place, place)
-        while parent != place:
-            self.parent[place] = self.parent.setdefault(parent, parent)
-            place, parent = parent, self.parent[parent]
-        return place
-
-    def union(self, a: Place, b: Place) -> None:
-        root_a, root_b = self.find(a), self.find(b)
-        if root_a != root_b:
-            self.parent[max(root_a, root_b)] = min(root_a, root_b)
-
-    def groups(self) -> dict[Place, list[Place]]:
-        found: dict[Place, list[Place]] = defaultdict(list)
-        for place in list(self.parent):
-            found[self.find(place)].append(place)
-        return found
+def _groups(sets: UnionFind) -> list[list[Place]]:
+    """The sets, each in the order its places were first seen, ordered by their first place:
+    the same groups, in the same order, on every run."""
+    seen = {place: position for position, place in enumerate(sets.parents)}
+    return sorted((sorted(group, key=seen.__getitem__) for group in sets.to_sets()), key=lambda g: seen[g[0]])
 
 
 @dataclass
 class _Handles:
     """Step 1's findings: the handle groups, the ops on each handle, and what stops one."""
 
-    sets: _Sets = field(default_factory=_Sets)
+    sets: UnionFind = field(default_factory=UnionFind)  # one set per variable (with its copies)
     accesses: list[tuple[Place, Place]] = field(default_factory=list)   # (handle, read or assign op)
     blockers: dict[Place, list[str]] = field(default_factory=lambda: defaultdict(list))
     keys: dict[Place, set[str]] = field(default_factory=lambda: defaultdict(set))  # handle -> checkpoint keys
@@ -390,12 +378,12 @@ def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: Ob
                 key = objects.object_to_key.get(node_id)
                 if key is not None and arg.type == RESOURCE:
                     found.keys[(function, arg.name)].add(key)
-                    found.sets.find((function, arg.name))
+                    found.sets[(function, arg.name)]
     return found
 
 
 def _follow(program: Program, item: str, index: _Index, handle: Place, found: _Handles, loop_body: bool) -> None:
-    found.sets.find(handle)
+    found.sets[handle]
     stack, seen = [(handle[1], 0)], set()
     while stack:
         port = stack.pop()
@@ -464,11 +452,26 @@ def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[
 
 
 def _strings(index: _Index, node: str, position: int) -> list[str] | None:
-    """The string list a ``Const`` input holds (SaveV2/RestoreV2 tensor names), or None."""
-    source = index.input_node(node, position)
-    if source.op != "Const":
+    """The string list a ``Const`` input holds (SaveV2/RestoreV2 tensor names), or None;
+    decoded once per node (a saver's list names every key, and is asked for each)."""
+    if (node, position) not in index.decoded:
+        source = index.input_node(node, position)
+        index.decoded[(node, position)] = None if source.op != "Const" else [
+            value.decode() for value in np.asarray(tensor_util.MakeNdarray(source.attr["value"].tensor)).ravel()]
+    return index.decoded[(node, position)]
+
+
+def _string_at(index: _Index, item: str, node: str, position: int, at: int) -> str | None:
+    """Entry ``at`` of a saver's string list (``_strings``), or None; a list too short for the
+    tensors the op saves or restores is one line (TensorFlow fails on it when it runs)."""
+    found = _strings(index, node, position)
+    if found is None:
         return None
-    return [value.decode() for value in np.asarray(tensor_util.MakeNdarray(source.attr["value"].tensor)).ravel()]
+    if at >= len(found):
+        op = index.nodes[node].op
+        raise GraphError(f"{op} '{node}'{_where(item)} has tensor {at} but its input {position} lists"
+                         f" {len(found)} name(s); the saver is malformed: export the model again")
+    return found[at]
 
 
 def _elements(node: node_def_pb2.NodeDef) -> int:
@@ -501,21 +504,20 @@ def _store_variables(
     for assign, restored in restores.items():
         if restored is not None:
             (item, restore), port, _ = restored
-            names = _strings(indexes[item], restore, 1)
-            if names is not None:
-                handles.keys[access_handle[assign]].add(names[port])
+            key = _string_at(indexes[item], item, restore, 1, port)
+            if key is not None:
+                handles.keys[access_handle[assign]].add(key)
     sliced: set[str] = set()  # keys saved in slices: SaveV2 of the whole checkpoint would join them
     for handle, reads in handle_reads.items():
         for (item, save), tensor in reads.saves:
-            names = _strings(indexes[item], save, 1)
-            slices = _strings(indexes[item], save, 2)
-            if names is None:
+            key = _string_at(indexes[item], item, save, 1, tensor)
+            if key is None:
                 handles.blockers[handle].append(f"its checkpoint key in SaveV2 '{save}'{_where(item)} is computed"
                                                 " at run time")
             else:
-                handles.keys[handle].add(names[tensor])
-            if slices is not None and slices[tensor]:
-                sliced.add(names[tensor] if names is not None else save)
+                handles.keys[handle].add(key)
+            if _string_at(indexes[item], item, save, 2, tensor):
+                sliced.add(key if key is not None else save)
     # 3. Decide per group; 4. the edits of a group stored low.
     weights = []
     key_to_objects: dict[str, list[int]] = defaultdict(list)
@@ -528,15 +530,18 @@ def _store_variables(
                " does not rewrite")
         for handle in list(handles.keys):
             handles.blockers[handle].append(why)
-    for places in _key_groups(handles).values():
-        weight = _decide(places, indexes, handles, handle_reads, access_handle, restores, dtype, kept, blocked_keys,
+    handle_accesses: dict[Place, list[Place]] = defaultdict(list)
+    for handle, access in handles.accesses:
+        handle_accesses[handle].append(access)
+    for places in _key_groups(handles):
+        weight = _decide(places, indexes, handles, handle_reads, handle_accesses, restores, dtype, kept, blocked_keys,
                          key_to_objects, names, edits)
         if weight is not None:
             weights.append(weight)
     return weights
 
 
-def _key_groups(handles: _Handles) -> dict[Place, list[Place]]:
+def _key_groups(handles: _Handles) -> list[list[Place]]:
     """Handle groups, where handles with one checkpoint key are one variable (the object
     graph binds a function's argument to a variable the main graph holds as a VarHandleOp)."""
     by_key: dict[str, Place] = {}
@@ -545,7 +550,7 @@ def _key_groups(handles: _Handles) -> dict[Place, list[Place]]:
             if key in by_key:
                 handles.sets.union(by_key[key], handle)
             by_key[key] = handle
-    return handles.sets.groups()
+    return _groups(handles.sets)
 
 
 def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, list[Place]] | None:
@@ -563,17 +568,16 @@ def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, 
 
 def _decide(
     places: list[Place], indexes: Mapping[str, _Index], handles: _Handles, handle_reads: Mapping[Place, _Reads],
-    access_handle: Mapping[Place, Place], restores: Mapping[Place, tuple[Place, int, list[Place]] | None],
+    handle_accesses: Mapping[Place, list[Place]], restores: Mapping[Place, tuple[Place, int, list[Place]] | None],
     dtype: int, kept: Mapping[Place, str], blocked_keys: Mapping[str, str],
     key_to_objects: Mapping[str, list[int]], names: Mapping[int, str], edits: _Edits,
 ) -> Weight | None:
     """Steps 3-4 for one group: its Weight (None if it is no float32 variable) and, when it
     is stored low, its edits."""
-    members = set(places)
     variables = sorted((p for p in places if indexes[p[0]].nodes.get(p[1]) is not None
                         and indexes[p[0]].nodes[p[1]].op == "VarHandleOp"),
-                       key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].order.index(p[1])))
-    accesses = [access for access, handle in access_handle.items() if handle in members]
+                       key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].position[p[1]]))
+    accesses = [access for place in places for access in handle_accesses.get(place, ())]
     node_dtypes = {place: indexes[place[0]].nodes[place[1]].attr["dtype"].type for place in [*variables, *accesses]}
     if len(set(node_dtypes.values())) > 1:
         raise GraphError(_disagreement(node_dtypes, indexes))
