@@ -617,3 +617,39 @@ def test_a_destination_without_room_is_one_line_and_nothing_is_written(
     assert line.endswith("MB and 0.03 MB is free there; nothing was written; free some space or choose another"
                          " destination")
     assert listing(tmp_path / "out") == set()
+
+
+def test_validation_holds_one_model_at_a_time(streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: --validate lets the source go before it loads the result: the two are never in memory together."""
+    import gc
+    import weakref
+
+    loads: list[weakref.ref] = []
+    alive_at_second: list[bool] = []
+    load = tf.saved_model.load
+
+    def tracked(path: str, tags: Any = None) -> Any:
+        if loads:
+            gc.collect()
+            alive_at_second.append(loads[0]() is not None)
+        model = load(path, tags=tags)
+        loads.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(tf.saved_model, "load", tracked)
+    assert_ok(run_cli("convert", streamed, tmp_path / "dst", "--target", "bfloat16", "--validate", "1"))
+    assert alive_at_second == [False]
+
+
+def test_a_validation_that_cannot_fit_in_memory_is_one_line_before_writing(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a model larger than the memory left is refused before anything is written, saying how to go on."""
+    from amp_rewrite.calibration import validate
+
+    monkeypatch.setattr(validate, "available_memory", lambda: 10_000)
+    (tmp_path / "out").mkdir()
+    line = error_line(run_cli("convert", streamed, tmp_path / "out" / "dst", "--target", "bfloat16", "--validate", 1))
+    assert line == (f"amp-rewrite: error: {streamed}: --validate loads the model (0.0 GB) and 0.0 GB of memory is"
+                    " available; it cannot fit: convert without --validate and --inputs, then validate the result"
+                    " where it fits")
+    assert listing(tmp_path / "out") == set()

@@ -359,6 +359,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                                   " name them with --fetch NAME[:PORT]")
         feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+        validate.check_fits(model, _weights_bytes(model))
         _say(args, *[f"Note: {note}" for note in notes])
     for leftover in staging.remove_leftovers(args.dst):
         _say(args, f"Removed {leftover}, left by an interrupted run")
@@ -390,6 +391,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _weights_bytes(model: Model) -> int:
+    """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
+    if model.kind == "graphdef":
+        return model.graph_def.ByteSize()
+    return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
 
 
 PROGRESS_BYTES = 1 << 30  # a checkpoint this large shows a progress bar over the bytes written
