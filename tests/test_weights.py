@@ -653,3 +653,39 @@ def test_a_validation_that_cannot_fit_in_memory_is_one_line_before_writing(
                     " available; it cannot fit: convert without --validate and --inputs, then validate the result"
                     " where it fits")
     assert listing(tmp_path / "out") == set()
+
+
+# --------------------------------------------------------------------------------------
+# Fine-tuning: weights stored low are not float32 master weights, and say so
+
+
+def test_a_fine_tuner_sees_the_low_weights_as_not_trainable_and_is_told(converted: Models, tmp_path: Path) -> None:
+    """Rule: in a Keras export's result the bfloat16 variables are non-trainable (an update of
+    3e-4 rounds away on a weight of 1): the variables, the export's lists and TFSMLayer's
+    trainable weights say so; a TF1 result's trainable_variables collection likewise; convert
+    says so and names --float32-weights, whose result keeps every variable trainable."""
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.LayerNormalization()])
+    model.export(str(tmp_path / "keras"), verbose=False)
+    for name, flags in (("low", ()), ("f32w", ("--float32-weights",))):
+        assert_ok(run_cli("convert", tmp_path / "keras", tmp_path / name, "--target", "bfloat16", *flags))
+    low, kept = (tf.saved_model.load(str(tmp_path / name)) for name in ("low", "f32w"))
+    assert len(low.variables) == len(kept.trainable_variables) == 4
+    assert any(v.dtype == tf.bfloat16 for v in low.variables)
+    assert all(v.trainable == (v.dtype == tf.float32) for v in low.variables)
+    assert all(v.dtype == tf.float32 for v in low.trainable_variables)
+    assert {v.name for v in low.non_trainable_variables} >= {v.name for v in low.variables if v.dtype == tf.bfloat16}
+    layers = [keras.layers.TFSMLayer(str(tmp_path / name), call_endpoint="serve", trainable=True)
+              for name in ("low", "f32w")]
+    float32 = sum(v.dtype == tf.float32 for v in low.variables)
+    assert [len(layer.trainable_weights) for layer in layers] == [float32, 4]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        tf.compat.v1.saved_model.loader.load(session, ["serve"], str(_ok(converted, "tf1")))
+        assert tf.compat.v1.trainable_variables() == []
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        tf.compat.v1.saved_model.loader.load(session, ["serve"], str(converted.src["tf1"]))
+        assert [v.op.name for v in tf.compat.v1.trainable_variables()] == ["w"]
+    told = ("  the bfloat16 ones are saved non-trainable (an update smaller than their precision rounds away): to"
+            " fine-tune the result, convert with --float32-weights")
+    assert told in converted.runs["module"].out.splitlines() and told in converted.runs["tf1"].out.splitlines()

@@ -2,9 +2,9 @@
 
 1. Weights streamed: TF1 SavedModels of 0.5, 2 and 6 GB of float32 variables (a chain of
    4096x4096 MatMul+Relu layers, generated a layer at a time), each converted to bfloat16
-   (default: weights stored low) as a user runs it, beside ``--float32-weights`` (the
-   process's baseline: TensorFlow imported, the graphs loaded and rewritten, the files
-   copied) and TensorFlow's own ``load`` + ``save`` of the same model (the v1 loader and
+   (default: weights stored low) as a user runs it, beside ``inspect --float32-weights``
+   (the process's baseline: TensorFlow imported, the graphs loaded and rewritten, nothing
+   written) and TensorFlow's own ``load`` + ``save`` of the same model (the v1 loader and
    ``Builder``, as the model is a TF1 one). Goal: peak RSS at most the baseline + 0.1x the
    variables, time at most TensorFlow's load + save. ``--validate 1`` is measured beside
    them: at most the baseline + the source and the result once each (1.5x the variables).
@@ -173,14 +173,15 @@ def measure_size(directory: Path, size: float, width: int, huge: bool) -> tuple[
     if generated.code:
         raise SystemExit(_failed("generating", generated))
     try:
-        baseline = convert(source, directory / "out", "--float32-weights")
+        baseline = run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
+                       "--float32-weights")
         ours = convert(source, directory / "out")
         tf_own = None if huge else python(LOAD_SAVE, source, directory / "out")
         shutil.rmtree(directory / "out", ignore_errors=True)
         validated = convert(source, directory / "out", "--validate", "1")
     finally:
         shutil.rmtree(source, ignore_errors=True)
-    for label, found in (("--float32-weights", baseline), ("convert", ours), ("load+save", tf_own)):
+    for label, found in (("inspect", baseline), ("convert", ours), ("load+save", tf_own)):
         if found is not None and found.code:
             raise SystemExit(_failed(label, found))
     above = (ours.peak - baseline.peak) / variables

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from google.protobuf import message
+from tensorflow.core.framework import variable_pb2
 from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
@@ -36,6 +37,7 @@ from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restor
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as
+TRAINABLE_COLLECTION = "trainable_variables"    # a TF1 MetaGraphDef's (tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
 CHUNK_BYTES = 16 << 20  # float32 bytes of low keys read, rounded and written at once (tests pass less)
 COPY_BLOCK = 8 << 20    # bytes copied at once from a source shard
 
@@ -122,16 +124,43 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
 
 
 def with_weights(model: Model, stored: StoredWeights) -> Model:
-    """``model`` whose object graph says the dtype each variable is now stored in."""
-    if model.kind != "savedmodel" or not stored.low_objects:
+    """``model`` whose object graph says the dtype each variable is now stored in, and that
+    the low ones are not trainable (TF1: out of the trainable_variables collection): updates
+    smaller than their precision would round away, so fine-tuning code must not see them as
+    float32 master weights (``--float32-weights`` keeps those)."""
+    if model.kind != "savedmodel" or not stored.low_keys:
         return model
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
-    nodes = saved_model.meta_graphs[model.meta_graph_index].object_graph_def.nodes
+    meta = saved_model.meta_graphs[model.meta_graph_index]
     dtype = next(weight.dtype for weight in stored.weights if weight.low)
     for node_id in stored.low_objects:
-        nodes[node_id].variable.dtype = dtype
+        meta.object_graph_def.nodes[node_id].variable.dtype = dtype
+        meta.object_graph_def.nodes[node_id].variable.trainable = False
+    _untrain_lists(meta.object_graph_def, stored.low_objects)
+    if TRAINABLE_COLLECTION in meta.collection_def:
+        low = {weight.name for weight in stored.weights if weight.low}
+        values = meta.collection_def[TRAINABLE_COLLECTION].bytes_list.value
+        kept = [value for value in values
+                if parse_tensor_name(variable_pb2.VariableDef.FromString(value).variable_name).node not in low]
+        del values[:]
+        values.extend(kept)
     return dataclasses.replace(model, saved_model=saved_model)
+
+
+def _untrain_lists(proto: Any, low: frozenset[int]) -> None:
+    """A Keras export's ``trainable_variables`` list without the low variables, which join its
+    ``non_trainable_variables`` (the lists ``model.export`` saves on the root object)."""
+    lists = {child.local_name: proto.nodes[child.node_id] for child in proto.nodes[0].children} if proto.nodes else {}
+    trainable, frozen = lists.get("trainable_variables"), lists.get("non_trainable_variables")
+    if trainable is None or frozen is None:
+        return
+    moved = [child.node_id for child in trainable.children if child.node_id in low]
+    kept = [child.node_id for child in trainable.children if child.node_id not in low]
+    for found, node_ids in ((trainable, kept), (frozen, [c.node_id for c in frozen.children] + moved)):
+        del found.children[:]
+        for position, node_id in enumerate(node_ids):
+            found.children.add(node_id=node_id, local_name=str(position))
 
 
 class LowCheckpoint:

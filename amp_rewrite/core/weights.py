@@ -116,6 +116,9 @@ class StoredWeights:
             if kept and kind == "variable":
                 line += f"; {len(kept)} stay{'s' if len(kept) == 1 else ''} float32:"
             lines.append(line)
+            if kind == "variable" and low:
+                lines.append(f"  the {self.target} ones are saved non-trainable (an update smaller than their precision"
+                             " rounds away): to fine-tune the result, convert with --float32-weights")
             if kind == "variable":
                 shown = kept if every else kept[:SHOWN_KEPT]
                 lines += [f"  {weight.name}: {weight.reason}" for weight in shown]
