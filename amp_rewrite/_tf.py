@@ -132,6 +132,14 @@ CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow
 
 # --- weights and SavedModels (core/weights.py, cli/weights.py, calibration/savedmodel.py) -----
 
+SAVED_MODEL_WRITING = "writing a SavedModel (convert)"
+# The rewrite spells out default-valued attrs; a file that promises them stripped is stripped again.
+STRIP_DEFAULT_ATTRS = Private(SAVED_MODEL_WRITING, "tensorflow.python.framework.meta_graph",
+                              "strip_graph_default_valued_attrs", ("meta_graph_def",))
+# fingerprint.pb hashes the graph and the checkpoint's index; TensorFlow publishes only the reader.
+WRITE_FINGERPRINT = Private(SAVED_MODEL_WRITING, "tensorflow.python.saved_model.fingerprinting_utils",
+                            "write_fingerprint", ("export_dir",))
+
 # --- calibration (calibration/statistics.py, calibration/calibrate.py) ------------------------
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------

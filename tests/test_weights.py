@@ -689,3 +689,42 @@ def test_a_fine_tuner_sees_the_low_weights_as_not_trainable_and_is_told(converte
     told = ("  the bfloat16 ones are saved non-trainable (an update smaller than their precision rounds away): to"
             " fine-tune the result, convert with --float32-weights")
     assert told in converted.runs["module"].out.splitlines() and told in converted.runs["tf1"].out.splitlines()
+
+
+def test_a_graph_def_over_2_gb_is_one_line_naming_the_limit_and_the_way(tmp_path: Path) -> None:
+    """Rule: protobuf writes GraphDefs over 2 GB but cannot read them: the line says so and
+    sends the user to a SavedModel, without reading the file (a sparse one here)."""
+    big = tmp_path / "frozen.pb"
+    with open(big, "wb") as file:
+        file.truncate(2**31 + 1)
+    line = error_line(run_cli("convert", big, tmp_path / "out.pb"))
+    assert line == (f"amp-rewrite: error: {big}: 2.1 GB, and protobuf cannot read a GraphDef over 2 GB (it can write"
+                    " one); save the model as a SavedModel, whose variables live outside the graph"
+                    " (tf.saved_model.save, or model.export), and convert that")
+    assert not (tmp_path / "out.pb").exists()
+
+
+def test_a_big_checkpoint_shows_a_progress_bar_on_a_terminal_and_none_with_quiet(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: on a terminal, writing a large checkpoint shows a bar over its bytes; --quiet shows none."""
+    import io
+
+    from amp_rewrite.cli import command
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+    for name, flags in (("shown", ()), ("quiet", ("--quiet",))):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        code = command.main(["convert", str(streamed), str(tmp_path / name), "--target", "bfloat16", *flags])
+        monkeypatch.undo()
+        monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+        assert code == 0
+        bar = [part for part in terminal.getvalue().split("\r") if "writing the checkpoint" in part]
+        if flags:
+            assert terminal.getvalue() == ""
+        else:
+            assert bar and "100%" in bar[-1], terminal.getvalue()

@@ -19,6 +19,7 @@ from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
+from amp_rewrite import _tf
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
@@ -28,6 +29,7 @@ from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"
+PROTOBUF_LIMIT = 2**31 - 1   # the largest message protobuf parses
 DEFAULT_TAG_SET = "serve"
 KERAS_FILES = (".keras", ".h5", ".hdf5")
 TF_KERAS_METADATA = "keras_metadata.pb"   # written by tf_keras' model.save(dir), read by tf_keras.models.load_model
@@ -73,6 +75,10 @@ class Model:
 
 def _parse(path: Path, proto: message.Message) -> message.Message:
     try:
+        if path.suffix != ".pbtxt" and isinstance(proto, graph_pb2.GraphDef) and path.stat().st_size > PROTOBUF_LIMIT:
+            raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef over"
+                             " 2 GB (it can write one); save the model as a SavedModel, whose variables live outside"
+                             " the graph (tf.saved_model.save, or model.export), and convert that")
         data = path.read_bytes()
     except OSError as error:
         raise ModelError(f"{path}: cannot read ({error.strerror}); check the path and permissions") from None
@@ -299,6 +305,7 @@ def write_model(
     whether ``destination`` was written."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
+    _tf.require(_tf.SAVED_MODEL_WRITING)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
     skip = {model.path / name for name in (*SAVED_MODEL_FILES, FINGERPRINT)}
@@ -337,14 +344,12 @@ def _rewritten_saved_model(model: Model, graph_def: graph_pb2.GraphDef) -> saved
     """The source's SavedModel with the chosen MetaGraphDef's graph replaced. The rewrite
     spells out default-valued attrs; where the file promises ``stripped_default_attrs``
     they are stripped again, so the promise stays true (older consumers rely on it)."""
-    from tensorflow.python.framework import meta_graph
-
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
     meta = saved_model.meta_graphs[model.meta_graph_index]
     meta.graph_def.CopyFrom(graph_def)
     if meta.meta_info_def.stripped_default_attrs:
-        meta_graph.strip_graph_default_valued_attrs(meta)
+        _tf.STRIP_DEFAULT_ATTRS.get()(meta)
     return saved_model
 
 
@@ -370,8 +375,6 @@ def _write_proto(path: Path, proto: message.Message, text: bool) -> None:
 
 def _write_fingerprint(directory: Path) -> None:
     """A fresh fingerprint.pb: the old one hashes the old graph."""
-    from tensorflow.python.saved_model import fingerprinting_utils
-
     if (directory / "saved_model.pb").exists():
-        fingerprinting_utils.write_fingerprint(str(directory))
+        _tf.WRITE_FINGERPRINT.get()(str(directory))
 

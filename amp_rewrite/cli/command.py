@@ -416,8 +416,10 @@ def _checkpoint(args: argparse.Namespace, model: Model, stored: StoredWeights | 
 
     checkpoint = LowCheckpoint(model, stored)
     shown = not args.quiet and sys.stderr.isatty() and checkpoint.size >= PROGRESS_BYTES
+    if shown:
+        print(file=sys.stderr)  # the bar below the open "writing …" line
     with tqdm(total=checkpoint.size, unit="B", unit_scale=True, desc="amp-rewrite: writing the checkpoint",
-              disable=not shown, leave=False, file=sys.stderr) as bar:
+              disable=not shown, file=sys.stderr) as bar:
         checkpoint.progress = bar.update
         yield checkpoint
 

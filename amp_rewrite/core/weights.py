@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
+import tensorflow as tf
 from networkx.utils import UnionFind
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
-from tensorflow.python.framework import dtypes, tensor_util
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.errors import GraphError
@@ -138,7 +138,7 @@ def round_to(values: np.ndarray, dtype: int) -> np.ndarray:
     """float32 ``values`` in ``dtype`` (DT_HALF, DT_BFLOAT16), rounded to nearest even as
     TensorFlow's ``Cast`` rounds them: each weight rounded once, as the per-call cast did."""
     with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype's range is inf, as the cast gives
-        return np.asarray(values, np.float32).astype(dtypes.as_dtype(dtype).as_numpy_dtype)
+        return np.asarray(values, np.float32).astype(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class _Edits:
             for (attr, index), dtype in self.list_types.get(place, {}).items():
                 node.attr[attr].list.type[index] = dtype
             if place in self.values:
-                node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(self.values[place]))
+                node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(self.values[place]))
             if place in self.removed_casts:
                 replaced[node.name] = node.input[0]
         for node in list(body.node):
@@ -460,7 +460,7 @@ def _strings(index: _Index, node: str, position: int) -> list[str] | None:
     if (node, position) not in index.decoded:
         source = index.input_node(node, position)
         index.decoded[(node, position)] = None if source.op != "Const" else [
-            value.decode() for value in np.asarray(tensor_util.MakeNdarray(source.attr["value"].tensor)).ravel()]
+            value.decode() for value in np.asarray(tf.make_ndarray(source.attr["value"].tensor)).ravel()]
     return index.decoded[(node, position)]
 
 
@@ -663,7 +663,7 @@ def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int
             readers = index.readers_of(name)
             if (item, name) in kept or not readers or not all(_casts_to(index.nodes[r], dtype) for r, _ in readers):
                 continue
-            value = tensor_util.MakeNdarray(node.attr["value"].tensor)
+            value = tf.make_ndarray(node.attr["value"].tensor)
             edits.types[(item, name)]["dtype"] = dtype
             edits.values[(item, name)] = round_to(value, dtype)
             edits.drop_casts([(item, reader) for reader, _ in readers], dtype, kept)
