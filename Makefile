@@ -38,6 +38,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_calibration.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_serving.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_memory.py --dir $${AMP_BIG_DIR:-/tmp} || status=$$?; \
 	exit $$status
 
 # A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).
