@@ -119,6 +119,7 @@ LOAD_SAVE = textwrap.dedent('''
 
 MLP = textwrap.dedent('''
     import sys, keras
+    sys.setrecursionlimit(100_000)  # Keras walks a 1,000-block functional model recursively
     blocks, path = int(sys.argv[1]), sys.argv[2]
     inputs = keras.Input((64,))
     h = inputs

@@ -614,6 +614,15 @@ def _decide(
         reasons = list(dict.fromkeys(reasons))
         more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
         return Weight(name, "variable", elements, FLOAT32, reasons[0] + more, tuple(keys), objects)
+    _edit_low(variables, accesses, reads, restores, indexes, dtype, kept, edits)
+    return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
+
+
+def _edit_low(variables: list[Place], accesses: list[Place], reads: _Reads,
+              restores: Mapping[Place, tuple[Place, int, list[Place]] | None], indexes: Mapping[str, _Index],
+              dtype: int, kept: Mapping[Place, str], edits: _Edits) -> None:
+    """Step 4 for a group stored low: every op on it, its savers' entries, its restores and
+    initializers take ``dtype``; the casts that read it go."""
     for item, node in [*variables, *accesses, *reads.forwards, *reads.shapes]:
         attr = "T" if indexes[item].nodes[node].op in FORWARD_OPS | SHAPE_OPS else "dtype"
         edits.types[(item, node)][attr] = dtype
@@ -633,7 +642,6 @@ def _decide(
         elif not (value.op in READ_OPS | FORWARD_OPS and (assign[0], value.name) in
                   {*accesses, *reads.forwards}):
             edits.cast_values.add(assign)  # a float32 value (an initializer) rounded on the way in
-    return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
 
 
 def _disagreement(node_dtypes: Mapping[Place, int], indexes: Mapping[str, _Index]) -> str:
