@@ -9,6 +9,7 @@ Most tests read the conversions one module-scoped fixture makes (``converted``).
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -728,3 +729,16 @@ def test_a_big_checkpoint_shows_a_progress_bar_on_a_terminal_and_none_with_quiet
             assert terminal.getvalue() == ""
         else:
             assert bar and "100%" in bar[-1], terminal.getvalue()
+
+
+def test_a_tf1_saved_model_validates_in_a_session(converted: Models, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a TF1 SavedModel is validated through TensorFlow's v1 loader (each variable
+    restored in place), not tf.saved_model.load (every tensor restored before assigning)."""
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("tf.saved_model.load used for a TF1 SavedModel")
+
+    monkeypatch.setattr(tf.saved_model, "load", refused)
+    run = run_cli("convert", converted.src["tf1"], tmp_path / "dst", "--target", "bfloat16", "--validate", 2)
+    assert_ok(run)
+    assert re.search(r"^  ok   serving_default/y: max abs [0-9.e-]+, p99-rel [0-9.e-]+$", run.out, re.M), run.out

@@ -504,7 +504,8 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 
     random = args.inputs is None
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric)
+        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric,
+                                                tf1=not model.meta_graph.object_graph_def.nodes)
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)
