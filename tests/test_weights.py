@@ -742,3 +742,20 @@ def test_a_tf1_saved_model_validates_in_a_session(converted: Models, tmp_path: P
     run = run_cli("convert", converted.src["tf1"], tmp_path / "dst", "--target", "bfloat16", "--validate", 2)
     assert_ok(run)
     assert re.search(r"^  ok   serving_default/y: max abs [0-9.e-]+, p99-rel [0-9.e-]+$", run.out, re.M), run.out
+
+
+def test_a_graph_def_is_read_and_written_a_node_at_a_time_as_protobuf_would(converted: Models, tmp_path: Path) -> None:
+    """Rule: the node-at-a-time reader gives protobuf's own message, the writer its
+    deterministic bytes (library and versions included); a cut file is one line."""
+    from amp_rewrite.calibration import savedmodel
+
+    model = savedmodel.read_model(_ok(converted, "frozen"))
+    expected = graph_pb2.GraphDef.FromString(converted.out["frozen"].read_bytes())
+    assert model.graph_def == expected and len(expected.node) > 3
+    expected.library.function.add().signature.name = "f"  # a field after the nodes
+    savedmodel._write_proto(tmp_path / "written.pb", expected, text=False)
+    assert (tmp_path / "written.pb").read_bytes() == expected.SerializeToString(deterministic=True)
+    cut = tmp_path / "cut.pb"
+    cut.write_bytes((tmp_path / "written.pb").read_bytes()[:-40])
+    with pytest.raises(savedmodel.ModelError, match=r"cut\.pb: not a valid GraphDef \(.*\); is the file truncated\?$"):
+        savedmodel.read_model(cut)

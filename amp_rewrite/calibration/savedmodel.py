@@ -13,7 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import BinaryIO, Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
@@ -75,22 +75,80 @@ class Model:
 
 def _parse(path: Path, proto: message.Message) -> message.Message:
     try:
-        if path.suffix != ".pbtxt" and isinstance(proto, graph_pb2.GraphDef) and path.stat().st_size > PROTOBUF_LIMIT:
-            raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef over"
-                             " 2 GB (it can write one); save the model as a SavedModel, whose variables live outside"
-                             " the graph (tf.saved_model.save, or model.export), and convert that")
+        if path.suffix != ".pbtxt" and isinstance(proto, graph_pb2.GraphDef):
+            if path.stat().st_size > PROTOBUF_LIMIT:
+                raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef"
+                                 " over 2 GB (it can write one); save the model as a SavedModel, whose variables live"
+                                 " outside the graph (tf.saved_model.save, or model.export), and convert that")
+            with open(path, "rb") as file:
+                return _parse_nodes(file, proto)
         data = path.read_bytes()
     except OSError as error:
         raise ModelError(f"{path}: cannot read ({error.strerror}); check the path and permissions") from None
+    except message.DecodeError as error:
+        raise _invalid(path, proto, error) from None
     try:
         if path.suffix == ".pbtxt":
             text_format.Parse(data.decode("utf-8"), proto)
         else:
             proto.ParseFromString(data)
     except (message.DecodeError, text_format.ParseError, UnicodeDecodeError) as error:
-        detail = str(error).splitlines()[0] if str(error) else "not a valid protocol buffer"
-        raise ModelError(f"{path}: not a valid {type(proto).__name__} ({detail}); is the file truncated?") from None
+        raise _invalid(path, proto, error) from None
     return proto
+
+
+def _invalid(path: Path, proto: message.Message, error: Exception) -> ModelError:
+    detail = str(error).splitlines()[0] if str(error) else "not a valid protocol buffer"
+    return ModelError(f"{path}: not a valid {type(proto).__name__} ({detail}); is the file truncated?")
+
+
+def _varint(file: BinaryIO) -> int | None:
+    """A varint read from ``file``; None at its end."""
+    value, shift = 0, 0
+    while byte := file.read(1):
+        value |= (byte[0] & 0x7F) << shift
+        if not byte[0] & 0x80:
+            return value
+        shift += 7
+    if shift:
+        raise message.DecodeError("the file ends inside a varint")
+    return None
+
+
+def _parse_nodes(file: BinaryIO, graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    """A binary GraphDef parsed a node at a time: protobuf's parser holds the file's bytes and
+    the message at once (twice a frozen graph's weights); this holds the message and one node.
+    The other fields (library, versions) are parsed together at the end, as protobuf merges them."""
+    rest = bytearray()
+    while (tag := _varint(file)) is not None:
+        wire = tag & 7
+        if wire == 0:
+            payload = _encode_varint(_varint(file) or 0)
+        elif wire in (1, 5):
+            payload = file.read(8 if wire == 1 else 4)
+        elif wire == 2:
+            length = _varint(file) or 0
+            payload = file.read(length)
+            if len(payload) != length:
+                raise message.DecodeError(f"the file ends inside a field of {length} bytes")
+            if tag >> 3 == 1:  # GraphDef.node
+                graph_def.node.add().MergeFromString(payload)
+                continue
+            payload = _encode_varint(length) + payload
+        else:
+            raise message.DecodeError(f"unsupported wire type {wire}")
+        rest += _encode_varint(tag) + payload
+    graph_def.MergeFromString(bytes(rest))
+    return graph_def
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None) -> Model:
@@ -369,8 +427,28 @@ def _copy_contents(source: Path, target: Path, skip: set[Path] = frozenset()) ->
 def _write_proto(path: Path, proto: message.Message, text: bool) -> None:
     if text:
         path.write_text(text_format.MessageToString(proto), encoding="utf-8")
+    elif isinstance(proto, graph_pb2.GraphDef):
+        _write_nodes(path, proto)
     else:
         path.write_bytes(proto.SerializeToString(deterministic=True))
+
+
+def _write_nodes(path: Path, graph_def: graph_pb2.GraphDef) -> None:
+    """A binary GraphDef written a node at a time, the bytes of its deterministic serialization
+    (fields in number order: the nodes, field 1, first), without the whole of it in memory."""
+    rest = graph_pb2.GraphDef()
+    for field, value in graph_def.ListFields():
+        if field.name == "node":
+            continue
+        if field.message_type is not None:
+            getattr(rest, field.name).CopyFrom(value)
+        else:
+            setattr(rest, field.name, value)
+    with open(path, "wb") as file:
+        for node in graph_def.node:
+            data = node.SerializeToString(deterministic=True)
+            file.write(b"\n" + _encode_varint(len(data)) + data)
+        file.write(rest.SerializeToString(deterministic=True))
 
 
 def _write_fingerprint(directory: Path) -> None:
