@@ -11,7 +11,7 @@
 2. Larger than RAM: the same, with variables larger than this machine's memory (30 GB on a
    24 GB machine; ``--huge``), generated without building it in memory; converted only (no
    TensorFlow load + save can hold it), and ``--validate 1`` refused in one line.
-3. Many variables: Keras MLPs of Dense + LayerNorm blocks (``--blocks``, 1,000 by default),
+3. Many variables: Keras MLPs of Dense + LayerNorm blocks (``--blocks``, 300 and 1,000),
    exported with ``model.export``; the weights step (``cli.weights.stored_weights``) against
    the whole conversion. Goal: at most 10%.
 
@@ -233,11 +233,12 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="where models are written (default: a temporary directory)")
     parser.add_argument("--sizes", default="0.5,2,6", help="GB of variables, comma-separated")
     parser.add_argument("--huge", type=float, default=30, help="GB of variables beyond RAM (0: skip)")
-    parser.add_argument("--blocks", type=int, default=1000, help="Dense+LayerNorm blocks of the MLP (0: skip)")
+    parser.add_argument("--blocks", default="300,1000", help="Dense+LayerNorm blocks of each MLP, comma-separated")
     args = parser.parse_args()
     width = SMOKE_WIDTH if args.smoke else WIDTH
     sizes = [0.00004] if args.smoke else [float(size) for size in args.sizes.split(",") if size]  # 2 layers
-    huge, blocks = (0 if args.smoke else args.huge), (2 if args.smoke else args.blocks)  # smoke: 6 processes
+    huge = 0 if args.smoke else args.huge  # smoke: 6 processes
+    blocks = [2] if args.smoke else [int(count) for count in args.blocks.split(",") if count]
     with tempfile.TemporaryDirectory(prefix="bench_memory.", dir=None if args.smoke else args.dir) as scratch:
         directory = Path(scratch)
         check_disk(directory, max([*sizes, huge]) * GB * 1.6)  # the source, the result and a margin
@@ -253,8 +254,9 @@ def main() -> int:
             ok = ok and met
         if blocks:
             print("\n| MLP blocks | weights step (s) | conversion (s) | weights step share |\n|---:|---:|---:|---:|")
-            row, met = measure_blocks(directory, blocks)
-            print(row)
+        for count in blocks:
+            row, met = measure_blocks(directory, count)
+            print(row, flush=True)
             ok = ok and met
     print(f"\nGoals: peak at most baseline + {MEMORY_GOAL}x the variables, convert at most load+save, --validate at"
           f" most baseline + {VALIDATE_GOAL}x, the weights step at most {WEIGHTS_STEP_GOAL:.0%}:"
