@@ -26,6 +26,7 @@ from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.core.weights import without_nodes
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"
@@ -436,14 +437,7 @@ def _write_proto(path: Path, proto: message.Message, text: bool) -> None:
 def _write_nodes(path: Path, graph_def: graph_pb2.GraphDef) -> None:
     """A binary GraphDef written a node at a time, the bytes of its deterministic serialization
     (fields in number order: the nodes, field 1, first), without the whole of it in memory."""
-    rest = graph_pb2.GraphDef()
-    for field, value in graph_def.ListFields():
-        if field.name == "node":
-            continue
-        if field.message_type is not None:
-            getattr(rest, field.name).CopyFrom(value)
-        else:
-            setattr(rest, field.name, value)
+    rest = without_nodes(graph_def)
     with open(path, "wb") as file:
         for node in graph_def.node:
             data = node.SerializeToString(deterministic=True)

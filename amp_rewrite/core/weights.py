@@ -217,7 +217,7 @@ class _Edits:
 
     types: dict[Place, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))       # attr -> dtype
     list_types: dict[Place, dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
-    values: dict[Place, np.ndarray] = field(default_factory=dict)   # Const -> its new value
+    rounded: set[Place] = field(default_factory=set)                # Consts whose value is rounded to their dtype
     removed_casts: set[Place] = field(default_factory=set)          # casts whose readers read their input instead
     cast_values: set[Place] = field(default_factory=set)            # AssignVariableOps whose value gets a cast
 
@@ -231,12 +231,18 @@ class _Edits:
                 self.removed_casts.add(place)
 
     def items(self) -> set[str]:
-        places = [*self.types, *self.list_types, *self.values, *self.removed_casts, *self.cast_values]
+        places = [*self.types, *self.list_types, *self.rounded, *self.removed_casts, *self.cast_values]
         return {item for item, _ in places}
 
     def apply(self, program: Program) -> graph_pb2.GraphDef:
-        output = graph_pb2.GraphDef()
-        output.CopyFrom(program.graph_def)
+        """The edited copy. The main graph is copied a node at a time, a rounded Const built
+        from its float32 value: a frozen graph's weights are never held twice in float32."""
+        output = without_nodes(program.graph_def)
+        for node in program.graph_def.node:
+            if (MAIN_GRAPH, node.name) in self.rounded:
+                _put_rounded(output.node.add(), node, self.types[(MAIN_GRAPH, node.name)]["dtype"])
+            else:
+                output.node.add().CopyFrom(node)
         for item in sorted(self.items()):
             body = output if item == MAIN_GRAPH else _copy(program.item(item))
             self._apply_to(item, body)
@@ -252,8 +258,8 @@ class _Edits:
                 node.attr[attr].type = dtype
             for (attr, index), dtype in self.list_types.get(place, {}).items():
                 node.attr[attr].list.type[index] = dtype
-            if place in self.values:
-                node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(self.values[place]))
+            if place in self.rounded and item != MAIN_GRAPH:  # the main graph's: rounded as copied
+                _put_rounded(node, node, self.types[place]["dtype"])
             if place in self.removed_casts:
                 replaced[node.name] = node.input[0]
         for node in list(body.node):
@@ -261,6 +267,27 @@ class _Edits:
                 node.input[1] = _add_cast(body, node, self.types[(item, node.name)]["dtype"])
         if replaced:
             _bypass(body, replaced)
+
+
+def without_nodes(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    """A copy of ``graph_def`` but its nodes (library, versions, debug info)."""
+    copy = graph_pb2.GraphDef()
+    for field, value in graph_def.ListFields():
+        if field.name == "node":
+            continue
+        if field.message_type is not None:
+            getattr(copy, field.name).CopyFrom(value)
+        else:
+            setattr(copy, field.name, value)
+    return copy
+
+
+def _put_rounded(node: node_def_pb2.NodeDef, const: node_def_pb2.NodeDef, dtype: int) -> None:
+    """``node``: the float32 Const ``const`` with its value rounded to ``dtype`` (``node`` may be ``const``)."""
+    value = tf.make_tensor_proto(round_to(tf.make_ndarray(const.attr["value"].tensor), dtype))
+    if node is not const:
+        node.CopyFrom(const)  # one float32 value at a time, replaced at once
+    node.attr["value"].tensor.CopyFrom(value)
 
 
 def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
@@ -671,12 +698,12 @@ def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int
             readers = index.readers_of(name)
             if (item, name) in kept or not readers or not all(_casts_to(index.nodes[r], dtype) for r, _ in readers):
                 continue
-            value = tf.make_ndarray(node.attr["value"].tensor)
             edits.types[(item, name)]["dtype"] = dtype
-            edits.values[(item, name)] = round_to(value, dtype)
+            edits.rounded.add((item, name))
             edits.drop_casts([(item, reader) for reader, _ in readers], dtype, kept)
             label = f"{item}::{name}" if item != MAIN_GRAPH else name
-            weights.append(Weight(label, "constant", int(value.size), dtype))
+            elements = math.prod(dim.size for dim in node.attr["value"].tensor.tensor_shape.dim)
+            weights.append(Weight(label, "constant", elements, dtype))
     return weights
 
 
