@@ -533,7 +533,7 @@ class _Streamed(tf.Module):
 
 def _shards(saved_model: Path) -> dict[str, tuple[frozenset[int], bool]]:
     """Each key of the checkpoint: (the shards holding its bytes, stored in slices)."""
-    from amp_rewrite.cli import bundle
+    from amp_rewrite.calibration import bundle
 
     index = bundle.read_index(saved_model / "variables" / "variables")
     return {key: (frozenset(part.shard_id for _, part, _ in bundle.parts(index, key)), bool(entry.slices))

@@ -70,7 +70,7 @@ GENERATE = textwrap.dedent('''
     import sys, numpy as np, tensorflow as tf
     from pathlib import Path
     from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2
-    from amp_rewrite.cli import bundle
+    from amp_rewrite.calibration import bundle
     path, layers, width = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     graph = tf.Graph()
     with graph.as_default():

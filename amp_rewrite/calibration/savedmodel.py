@@ -20,6 +20,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from amp_rewrite import _tf
+from amp_rewrite.calibration.bundle import encode_varint
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
@@ -124,7 +125,7 @@ def _parse_nodes(file: BinaryIO, graph_def: graph_pb2.GraphDef) -> graph_pb2.Gra
     while (tag := _varint(file)) is not None:
         wire = tag & 7
         if wire == 0:
-            payload = _encode_varint(_varint(file) or 0)
+            payload = encode_varint(_varint(file) or 0)
         elif wire in (1, 5):
             payload = file.read(8 if wire == 1 else 4)
         elif wire == 2:
@@ -135,21 +136,12 @@ def _parse_nodes(file: BinaryIO, graph_def: graph_pb2.GraphDef) -> graph_pb2.Gra
             if tag >> 3 == 1:  # GraphDef.node
                 graph_def.node.add().MergeFromString(payload)
                 continue
-            payload = _encode_varint(length) + payload
+            payload = encode_varint(length) + payload
         else:
             raise message.DecodeError(f"unsupported wire type {wire}")
-        rest += _encode_varint(tag) + payload
+        rest += encode_varint(tag) + payload
     graph_def.MergeFromString(bytes(rest))
     return graph_def
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None) -> Model:
@@ -441,7 +433,7 @@ def _write_nodes(path: Path, graph_def: graph_pb2.GraphDef) -> None:
     with open(path, "wb") as file:
         for node in graph_def.node:
             data = node.SerializeToString(deterministic=True)
-            file.write(b"\n" + _encode_varint(len(data)) + data)
+            file.write(b"\n" + encode_varint(len(data)) + data)
         file.write(rest.SerializeToString(deterministic=True))
 
 

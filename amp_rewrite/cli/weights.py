@@ -28,7 +28,7 @@ from tensorflow.core.framework import variable_pb2
 from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
-from amp_rewrite.cli import bundle
+from amp_rewrite.calibration import bundle
 from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH

@@ -8,7 +8,8 @@ TensorFlow's reader and ``SaveV2`` take or give whole tensors and write a shard 
 and ``MergeV2Checkpoints`` keeps each call's shard; this module gives what they do not: each
 key's place in the shards (to copy bytes as they are, keep the source's sharding, find a
 shard missing or cut short before anything is written) and an index over shards written
-piecewise. The bytes of every tensor stay TensorFlow's own (``cli/weights.py``).
+piecewise. The bytes of every tensor stay TensorFlow's own (``cli/weights.py``). No TensorFlow
+but its protos.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def _put_varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """Protobuf's and LevelDB's base-128 varint."""
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
@@ -163,10 +165,10 @@ class _TableWriter:
         body, restarts = bytearray(), []
         for key, value in pairs:
             restarts.append(len(body))
-            body += _put_varint(0) + _put_varint(len(key)) + _put_varint(len(value)) + key + value
+            body += encode_varint(0) + encode_varint(len(key)) + encode_varint(len(value)) + key + value
         restarts = restarts or [0]
         body += struct.pack(f"<{len(restarts)}I", *restarts) + struct.pack("<I", len(restarts))
-        handle = _put_varint(len(self.out)) + _put_varint(len(body))
+        handle = encode_varint(len(self.out)) + encode_varint(len(body))
         self.out += body + bytes([UNCOMPRESSED]) + struct.pack("<I", masked_crc32c(bytes(body) + b"\0"))
         return handle
 
