@@ -759,3 +759,18 @@ def test_a_graph_def_is_read_and_written_a_node_at_a_time_as_protobuf_would(conv
     cut.write_bytes((tmp_path / "written.pb").read_bytes()[:-40])
     with pytest.raises(savedmodel.ModelError, match=r"cut\.pb: not a valid GraphDef \(.*\); is the file truncated\?$"):
         savedmodel.read_model(cut)
+
+
+def test_a_saver_whose_name_list_is_too_short_is_one_line(converted: Models, tmp_path: Path) -> None:
+    """Rule: a RestoreV2 whose tensor_names lists fewer keys than the outputs its graph reads
+    (a malformed export) is exit 2 naming the op, not an IndexError."""
+    broken = tmp_path / "short"
+    subprocess.run(["cp", "-r", str(converted.src["tf1"]), str(broken)], check=True)
+    proto = saved_model_pb2.SavedModel.FromString((broken / "saved_model.pb").read_bytes())
+    names = next(node for node in proto.meta_graphs[0].graph_def.node if node.name == "save/RestoreV2/tensor_names")
+    names.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([], dtype=object), dtype=tf.string))
+    (broken / "saved_model.pb").write_bytes(proto.SerializeToString())
+    line = error_line(run_cli("convert", broken, tmp_path / "dst", "--target", "bfloat16"))
+    assert line == (f"amp-rewrite: error: {broken}: RestoreV2 'save/RestoreV2' in the main graph has tensor 0 but its"
+                    " input 1 lists 0 name(s); the saver is malformed: export the model again")
+    assert not (tmp_path / "dst").exists()
