@@ -33,7 +33,9 @@ def _build() -> None:
     clr1 = tf.nn.relu(allow1, name="clr1")
     deny1 = tf.exp(clr1, name="deny1")
     allow2 = tf.matmul(deny1, w, name="a_rather_long_scope/with/a_rather_long_node_name_allow2")
-    tf.identity(allow2, name="output")
+    # One wide layer: the drawing is wider than the window, which must scroll inside its box.
+    branches = [tf.nn.relu(allow2, name=f"branch_{i}_with_a_name_long_enough_to_widen_its_layer") for i in range(8)]
+    tf.identity(tf.add_n(branches, name="sum"), name="output")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +128,7 @@ def test_the_graph_reads_at_the_report_width_in_chromium(rewrite, tmp_path, monk
                 continue  # Graphviz labels casts by their dtypes, other nodes "name\\nop": checked on one
             assert lines == 1, f"{name!r} is not on one line"
             assert 0 < text_width <= box_width, f"{name!r} ({text_width:.0f} px) overflows its box ({box_width:.0f} px)"
+        assert page.evaluate("document.querySelector('.graph-box svg').getBoundingClientRect().width > window.innerWidth")
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), "the graph widens the page"
         page.evaluate("document.querySelectorAll('.graph-box g.node').forEach(function (g) {"
                       f" if (g.querySelector('title').textContent === {long_name!r})"
