@@ -11,6 +11,7 @@ converted nodes, the casts and their neighbours), and the report says so.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from xml.sax.saxutils import escape, quoteattr
@@ -20,6 +21,7 @@ import networkx as nx
 
 LAYOUT_MAX_NODES = 300  # drawn by the browser: past a few hundred boxes the picture stops being readable
 EMBED_MAX_BYTES = 8_000_000  # Graphviz's SVG of 1,500 nodes is ~2 MB; past this the report links it
+_NAMESPACES = re.compile(r'\s+xmlns(?::xlink)?="[^"]*"')
 CHAR_W, PAD_X, BOX_H, GAP_X, GAP_Y, MARGIN = 6.8, 14, 34, 18, 46, 16  # px, for 11 px monospace
 
 
@@ -53,7 +55,12 @@ def from_graphviz(svg_text: str) -> GraphView | None:
     if len(svg_text.encode("utf-8")) > EMBED_MAX_BYTES:
         return None
     start = svg_text.find("<svg")
-    return GraphView(markupsafe.Markup(svg_text[start:]), "Graphviz") if start >= 0 else None
+    if start < 0:
+        return None
+    opening, rest = svg_text[start:].split(">", 1)
+    # Inside HTML an <svg> needs no namespace declarations (the parser knows SVG and xlink:),
+    # and the page then names no URL at all: it opens from file:// with nothing to fetch.
+    return GraphView(markupsafe.Markup(_NAMESPACES.sub("", opening) + ">" + rest), "Graphviz")
 
 
 def bound(nodes: Sequence[ViewNode], edges: Sequence[ViewEdge], low: set[str],
@@ -125,7 +132,7 @@ def layout_svg(nodes: Sequence[ViewNode], edges: Sequence[ViewEdge], title: str)
             box[name] = (x, MARGIN + 20 + index * (BOX_H + GAP_Y), _box_width(by_name[name]))
             x += box[name][2] + GAP_X
     height = MARGIN * 2 + 20 + len(layers) * (BOX_H + GAP_Y)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="layout" width="{width:.0f}" height="{height:.0f}"'
+    out = [f'<svg class="layout" width="{width:.0f}" height="{height:.0f}"'
            f' viewBox="0 0 {width:.0f} {height:.0f}" font-family="ui-monospace,Menlo,Consolas,monospace" font-size="11">',
            f'<text x="{MARGIN}" y="{MARGIN + 4}" font-family="Helvetica,Arial,sans-serif" font-size="13">'
            f'{escape(title)}</text>']
