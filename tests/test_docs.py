@@ -15,6 +15,7 @@ left out unseen. A failure names the file and line.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -235,3 +236,111 @@ def test_readme_blocks_wait_for_part_b() -> None:
     count = sum(1 for block in blocks_of(README) if block.language in RUN_LANGUAGES)
     pytest.skip(f"README.md: its {count} runnable blocks wait for issue 36 part B (the README's rewrite);"
                 " AMP_DOCS_README=1 runs them")
+
+
+# --------------------------------------------------------------------------------------
+# The generated parts (docs/hooks.py), checked without MkDocs
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_has_every_subcommand_and_option() -> None:
+    """Each option string of each subcommand's parser (but --help) appears in the generated reference."""
+    import argparse
+
+    from amp_rewrite.cli.command import build_parser
+
+    hooks = _hooks()
+    page = hooks.cli_options()
+    for name, sub in hooks._subcommands(build_parser()).items():
+        assert f"## `amp-rewrite {name}`" in page
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for flag in action.option_strings:
+                assert f"`{flag}`" in page, f"{name} {flag} is missing from the CLI reference"
+            if not action.option_strings:
+                assert f"`{action.metavar or action.dest}` (positional)" in page
+
+
+def test_exit_codes_page_is_the_help_text() -> None:
+    """Every code the command's help lists is one row, with its meaning."""
+    from amp_rewrite.cli.command import DESCRIPTION
+
+    table = _hooks().exit_codes()
+    section = DESCRIPTION.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
+    for line in filter(str.strip, section.splitlines()):
+        code, meaning = line.split(None, 1)
+        assert f"| `{code}` | {meaning} |" in table
+
+
+def test_api_reference_covers_all_public_names() -> None:
+    """One mkdocstrings block per name of amp_rewrite.__all__, and nothing else."""
+    import amp_rewrite
+
+    blocks = re.findall(r"^::: amp_rewrite\.(\w+)$", _hooks().api(), re.MULTILINE)
+    assert blocks == list(amp_rewrite.__all__)
+
+
+def test_op_list_pages_hold_every_op_of_the_yaml_lists() -> None:
+    """Each op of lists/<target>.yaml is a row under its list, and the counts add up."""
+    hooks = _hooks()
+    for target in ("float16", "bfloat16"):
+        page = hooks.op_list(target)
+        document = yaml.safe_load((ROOT / "lists" / f"{target}.yaml").read_text())
+        for colour in hooks.LIST_COLOURS:
+            ops = (document.get(colour) or {}).get("ops") or {}
+            if colour in document:
+                assert f"### `{colour}` ({len(ops)} ops)" in page
+            for op in ops:
+                assert f"| `{op}` |" in page, f"{target} {colour} {op} missing"
+    assert "| `float16` | 39 | 9 | 43 | 110 | 0 |" in hooks.op_list_counts()
+
+
+def test_mutation_table_lists_every_mutant() -> None:
+    """The design page's table is tools/mutation_check.py's MUTANTS, one row each."""
+    hooks = _hooks()
+    table = hooks.mutations()
+    names = re.findall(r"^\| `([\w-]+)` \|", table, re.MULTILINE)
+    assert names == [mutant.name for mutant in sys.modules["mutation_check"].MUTANTS] and len(names) >= 10
+
+
+def test_an_unknown_generated_part_fails_naming_the_page() -> None:
+    with pytest.raises(ValueError, match=r"docs/x\.md: unknown generated part 'no-such-part'"):
+        _hooks().expand("<!-- generated: no-such-part -->\n", "docs/x.md")
+
+
+def test_every_page_is_in_the_navigation_and_every_generated_part_is_known() -> None:
+    """A page left out of mkdocs.yml's nav is built but unreachable; a misspelt marker would stay a comment."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
+
+    def paths(entries):
+        for entry in entries:
+            value = entry if isinstance(entry, str) else next(iter(entry.values()))
+            yield from paths(value) if isinstance(value, list) else [value]
+
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert sorted(paths(config["nav"])) == pages
+    hooks = _hooks()
+    for page in pages:
+        for match in hooks.MARKER.finditer((ROOT / "docs" / page).read_text()):
+            assert match["name"] in hooks.GENERATORS, f"docs/{page}: unknown generated part {match['name']!r}"
+
+
+def test_licence_and_metadata() -> None:
+    """LICENSE is Apache-2.0 and pyproject.toml says so; its classifiers name the Pythons requires-python allows."""
+    import tomllib
+
+    assert "Apache License\n                           Version 2.0" in (ROOT / "LICENSE").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert project["requires-python"] == ">=3.9,<3.14"
+    versions = [c.rsplit(" ", 1)[1] for c in project["classifiers"] if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert versions == [f"3.{minor}" for minor in range(9, 14)]
+    assert {"mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"} == set(project["optional-dependencies"]["docs"])
