@@ -339,7 +339,8 @@ def test_licence_and_metadata() -> None:
 
     assert "Apache License\n                           Version 2.0" in (ROOT / "LICENSE").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert project["license"] == {"text": "Apache-2.0"}
+    assert "License :: OSI Approved :: Apache Software License" in project["classifiers"]
     assert project["requires-python"] == ">=3.9,<3.14"
     versions = [c.rsplit(" ", 1)[1] for c in project["classifiers"] if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
     assert versions == [f"3.{minor}" for minor in range(9, 14)]
