@@ -376,10 +376,12 @@ def _edges(item: DumpItem, node_to_dtypes: Mapping[str, Sequence[str]], target: 
 def _view(dump: Dump, item: DumpItem, drawing: Drawing, directory: Path) -> graph_view.GraphView:
     """What the report draws for a model item: Graphviz's SVG inline when it made one, else
     the built-in layout (bounded), with the reason it stands in."""
+    why = drawing.note
     if drawing.svg:
         view = graph_view.from_graphviz((directory / f"{item.stem}.svg").read_text(encoding="utf-8"))
         if view is not None:
             return graph_view.GraphView(view.svg, view.drawn_by, drawing.note)
+        why = f"Graphviz's graphs/{item.stem}.svg is too big to embed"
     node_to_dtypes = {node.name: _output_dtypes(node, dump.op_defs) for node in item.after.node}
     nodes = [graph_view.ViewNode(node.name, node.op, CLASS_TO_STYLE[item.node_to_class[node.name]][0],
                                  "; ".join(f"{d.attr}: {d.before} → {d.after} [{d.rule}]"
@@ -388,7 +390,6 @@ def _view(dump: Dump, item: DumpItem, drawing: Drawing, directory: Path) -> grap
     low = {name for name, node_class in item.node_to_class.items() if node_class in ("converted", "cast")}
     view = graph_view.built_in(nodes, _edges(item, node_to_dtypes, dump.report.painted), low,
                                f"{dump.title} — {item.label}")
-    why = drawing.note or "Graphviz's SVG is too big to embed"
     return graph_view.GraphView(view.svg, view.drawn_by, "; ".join(filter(None, (why, view.note))))
 
 

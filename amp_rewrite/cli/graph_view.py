@@ -22,6 +22,7 @@ import networkx as nx
 LAYOUT_MAX_NODES = 300  # drawn by the browser: past a few hundred boxes the picture stops being readable
 EMBED_MAX_BYTES = 8_000_000  # Graphviz's SVG of 1,500 nodes is ~2 MB; past this the report links it
 _NAMESPACES = re.compile(r'\s+xmlns(?::xlink)?="[^"]*"')
+_TOOLTIPS = re.compile(r'\s+xlink:title="[^"]*"')
 CHAR_W, PAD_X, BOX_H, GAP_X, GAP_Y, MARGIN = 6.8, 14, 34, 18, 46, 16  # px, for 11 px monospace
 
 
@@ -60,7 +61,8 @@ def from_graphviz(svg_text: str) -> GraphView | None:
     opening, rest = svg_text[start:].split(">", 1)
     # Inside HTML an <svg> needs no namespace declarations (the parser knows SVG and xlink:),
     # and the page then names no URL at all: it opens from file:// with nothing to fetch.
-    return GraphView(markupsafe.Markup(_NAMESPACES.sub("", opening) + ">" + rest), "Graphviz")
+    # The tooltips (every decision's reason again) go too: a click shows the decisions' rows.
+    return GraphView(markupsafe.Markup(_NAMESPACES.sub("", opening) + ">" + _TOOLTIPS.sub("", rest)), "Graphviz")
 
 
 def bound(nodes: Sequence[ViewNode], edges: Sequence[ViewEdge], low: set[str],
