@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench fuzz matrix dist clean
+.PHONY: install test demo bench fuzz matrix dist docs clean
 
 # Re-install only when the package metadata changes.
 $(STAMP): pyproject.toml
@@ -14,6 +14,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The docs extra (MkDocs, its theme, mkdocstrings), installed into .venv once.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site in site/, strict: a warning (a broken link, a docstring mkdocstrings
+# cannot read, an unknown generated part) fails the build. tests/test_docs.py runs its examples.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m mkdocs build --strict --site-dir site
 
 # -rs: every skip says why. Skips: the fuzz's grappler property where live grappler cannot
 # answer (bfloat16 without AVX512F); a test that is only a comparison with grappler on a
@@ -59,4 +70,4 @@ dist: install
 	$(PY) -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) .matrix *.egg-info .pytest_cache build dist
+	rm -rf $(VENV) .matrix *.egg-info .pytest_cache build dist site

@@ -14,6 +14,9 @@ Training runs without XLA unless ``--jit`` (the float8 numbers are the same cast
 way; XLA's CPU compile of each Keras step takes tens of seconds). Takes ~3 minutes on 2 cores.
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/compare_fp8_training.py [--epochs 8] [--models cnn transformer]
+
+``--svg-dir docs/benchmarks`` also draws each model's loss curves, one line per variant,
+as ``fp8_loss_<model>.svg`` (tools/plots.py), which the documentation's benchmarks page shows.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from amp_rewrite.testing import digits  # noqa: E402
+from plots import Series, line_chart  # noqa: E402  (tools/, this script's folder)
 
 LABELS = {"float32": "float32", "bfloat16": "bfloat16 (ours)", "float8": "float8 (ours)",
           "keras-float8": "float8 (Keras policy)"}
@@ -37,11 +41,13 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", choices=digits.MODELS, default=list(digits.MODELS))
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--jit", action="store_true", help="train under XLA (jit_compile=True): slower to compile")
+    parser.add_argument("--svg-dir", type=Path, metavar="DIR", help="draw each model's loss curves into DIR")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*run emulated without XLA.*")
     data = digits.digits()
     accuracy_rows, loss_rows = [], []
     for name in args.models:
+        curves = []
         for variant in digits.VARIANTS:
             trained = digits.train(name, variant, epochs=args.epochs, jit_compile=args.jit, data=data)
             count = digits.count_float8_matmuls(digits.training_step_hlo(name, variant))
@@ -49,7 +55,11 @@ def main() -> int:
             accuracy_rows.append(f"| {name} | {LABELS[variant]} | {trained.accuracy:.4f} | {fp8} |")
             loss_rows.append(f"| {name} | {LABELS[variant]} | " + " | ".join(f"{loss:.3f}" for loss in trained.losses)
                              + " |")
+            curves.append(Series(LABELS[variant], tuple(enumerate(trained.losses, start=1))))
             print(accuracy_rows[-1], flush=True)
+        if args.svg_dir:
+            line_chart(args.svg_dir / f"fp8_loss_{name}.svg", f"digits {name}: training loss per epoch",
+                       x_label="epoch", y_label="training loss", series=curves)
     print(f"\nHeld-out accuracy after {args.epochs} epochs, and the dots/convolutions of one training step"
           " on float8 operands (forward | backward):\n")
     print("| model | variant | accuracy | FP8 forward | FP8 backward |")
