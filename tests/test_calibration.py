@@ -10,10 +10,13 @@
    decisions never stand);
 4. the overlay reproduces the calibrated rewrite byte for byte without data, and names a
    traced function by its stable name;
-5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
+5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line);
+6. a model without a numeric output has "nothing to compare", never "ok"; a run the loaded
+   session cannot take in is loaded afresh and said, and no other error is hidden.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -27,6 +30,7 @@ from tensorflow.core.framework import graph_pb2
 import amp_rewrite
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model
+from amp_rewrite.core.lists import load_lists
 from amp_rewrite.core.target import lookup_target
 
 from test_cli import assert_ok, error_line, run_cli
@@ -456,3 +460,97 @@ def test_overlay_works_in_the_live_rewrite_without_data(tmp_path: Path) -> None:
     assert not np.all(np.isfinite(outputs["plain"]))
     assert np.all(np.isfinite(outputs["overlay"]))
     assert np.abs(outputs["overlay"] - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+# --------------------------------------------------------------------------------------
+# Nothing to compare; what the loaded session cannot take in
+
+
+class Text(tf.Module):
+    """A dense layer whose only output is its values as strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = tf.Variable(_weights(1, (WIDTH, 8), 0.1))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32, name="x")])
+    def __call__(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"text": tf.strings.as_string(tf.matmul(x, self.w))}
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calibration") / "text"
+    module = Text()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
+    return path
+
+
+@pytest.mark.parametrize("target", ["float16", "float8"])
+def test_a_model_without_a_numeric_output_has_nothing_to_compare(text_model: Path, dense_model: Path,
+                                                                 target: str) -> None:
+    """Rule: with no output that is a number, no run can check the rewrite: calibration
+    says "nothing to compare" and is neither ok nor over tolerance (``compared`` False,
+    its run's score NaN); a model with a numeric output is compared and ok."""
+    lines: list[str] = []
+    model = read_model(text_model)
+    feeds, _ = validate.plan_feeds(model, inputs(0), 1)
+    found = calibrate.run_calibration(model, feeds, target=target, lists=load_lists("float16"), say=lines.append)
+    assert not found.compared and not found.ok and not found.reached_goal, "\n".join(lines)
+    assert math.isnan(found.rounds[found.best].score(1.0))
+    assert "calibration: validation run 1: nothing to compare (no output of the model is a number)" in lines
+    assert any(line.startswith("calibration: nothing to compare: no output of the model is a number")
+               for line in lines), "\n".join(lines)
+    assert not any("tolerance" in line or "goal" in line for line in lines), "\n".join(lines)
+    numeric = amp_rewrite.calibrate(dense_model, inputs(0), target=target)
+    assert numeric.compared and numeric.ok
+
+
+def test_cli_nothing_to_compare_is_a_warning_and_the_result_is_written(tmp_path: Path, text_model: Path) -> None:
+    """Rule: ``calibrate`` and ``convert --calibrate`` on a model without a numeric output
+    warn that calibration had nothing to compare, and write their result (exit 0): the
+    range rules' decisions stand, no output failed."""
+    data = _npz(tmp_path / "calib.npz", 1.0, 0)
+    overlay = tmp_path / "keep.yaml"
+    calibrated = run_cli("calibrate", text_model, "--inputs", data, "--out", overlay)
+    assert_ok(calibrated)
+    warning = "warning: calibration had nothing to compare: no output of"
+    assert warning in calibrated.err and overlay.exists(), calibrated.err
+    converted = run_cli("convert", text_model, tmp_path / "converted", "--calibrate", data)
+    assert_ok(converted)
+    assert warning in converted.err and (tmp_path / "converted" / "saved_model.pb").exists()
+    assert "over tolerance" not in converted.err + converted.out
+
+
+def _collect_twice(model: Model, graph_def: graph_pb2.GraphDef, feeds: validate.Feeds
+                   ) -> dict[statistics.TensorKey, statistics.TensorStats]:
+    keys = statistics.float_tensors(graph_def)
+    with statistics.Runner(model, feeds) as runner:
+        runner.collect(graph_def, keys, TINY)
+        return runner.collect(graph_def, keys, TINY).stats  # added to the loaded session, where it can be
+
+
+def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Rule: when a later run cannot be added to the loaded session (``import_graph_def``'s
+    ValueError, a graph lookup's KeyError), the model is loaded afresh for it, a warning
+    says why, and its statistics are the same; any other error is not hidden."""
+    graph_def = mlp_graph_def()
+    model, feeds = _graph_model(graph_def), {validate.GRAPH: [inputs(0)]}
+    expected = _collect_twice(model, graph_def, feeds)
+
+    def refuse(*args: object) -> None:
+        raise ValueError("Node 'x' is refused")
+
+    monkeypatch.setattr(statistics, "_add", refuse)
+    with caplog.at_level(logging.WARNING, logger=statistics.__name__):
+        assert _collect_twice(model, graph_def, feeds) == expected
+    assert "calibration: run 2 cannot be added to the loaded session (Node 'x' is refused); the model is loaded" \
+           " afresh for it" in caplog.text
+
+    def broken(*args: object) -> None:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(statistics, "_add", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        _collect_twice(model, graph_def, feeds)
