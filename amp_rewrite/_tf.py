@@ -133,6 +133,8 @@ CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow
 # --- weights and SavedModels (core/weights.py, cli/weights.py, calibration/savedmodel.py) -----
 
 # --- calibration (calibration/statistics.py, calibration/calibrate.py) ------------------------
+# None: public APIs do the job (tf.make_ndarray, tf.make_tensor_proto, tf.compat.v1.saved_model.loader;
+# the loader's deprecation warning is dropped by a filter on tf.get_logger(), not deprecation.silence).
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------
 

@@ -148,6 +148,42 @@ def test_large_tensors_are_bucketed_on_a_sample_and_their_largest_value_is_exact
     assert broken.nonfinite >= 1
 
 
+def tf1_loop_graph_def() -> graph_pb2.GraphDef:
+    """x → a TF1 while loop (3 × MatMul → Tanh) → MatMul: control flow v1, whose frames
+    (Enter … Exit) are in the main graph."""
+    w1, w2 = _weights(1, (WIDTH, WIDTH), 0.1), _weights(2, (WIDTH, 8), 0.1)
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, WIDTH], name="x")
+            _, looped = tf.compat.v1.while_loop(
+                lambda i, a: i < 3, lambda i, a: (i + 1, tf.tanh(tf.matmul(a, w1, name="loop_matmul"))),
+                [tf.constant(0), x])
+            tf.matmul(looped, w2, name="after")
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+    return graph.as_graph_def()
+
+
+def test_tensors_in_tf1_loop_frames_are_not_measured_and_the_rest_calibrates() -> None:
+    """Rule: a TF1 while loop's tensors live in its frame, which the statistics' nodes
+    cannot join (TensorFlow refuses the run: "has inputs from different frames"): they are
+    left unmeasured (a constant's statistics come from its value, without a run), the
+    tensors outside the loop (its Exit's included) are measured, and calibration runs to
+    the end."""
+    graph_def = tf1_loop_graph_def()
+    ops = {n.name: n.op for n in graph_def.node}
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    assert result.ok and result.compared
+    measured = {key[1] for key in result.stats}
+    assert {"x", "after", "while/Exit_1"} <= measured
+    run_in_loop = {name for name in measured if name.startswith("while/") and ops[name] not in ("Exit", "Const")}
+    assert not run_in_loop and "while/loop_matmul" in ops
+
+
 def test_range_rules_keep_the_overflowing_matmul_and_what_reads_it() -> None:
     """matmul1's outputs reach ~1.3e5 on inputs × 5000, over float16's 65504: it and relu1,
     which reads them, stay float32 with the measurement as reason; matmul2, fed by relu1's

@@ -313,9 +313,10 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
         body = graph_pb2.GraphDef()
         body.CopyFrom(program.item(item))
         nodes = {n.name: n for n in body.node}
+        looped = _in_loop_frames(body) if item == MAIN_GRAPH else set()
         found = []  # (index, tensor, dtype)
         for index, key in entries:
-            node_def = nodes.get(key[1])
+            node_def = nodes.get(key[1]) if key[1] not in looped else None
             dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
             if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
                 strides[index] = sampling_stride(_static_shape(node_def, key[2]))
@@ -346,6 +347,30 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     return output, main_calls, strides
 
 
+def _in_loop_frames(graph_def: graph_pb2.GraphDef) -> set[str]:
+    """The main-graph nodes whose outputs are inside a TF1 while loop's frame (after an
+    ``Enter``, before its ``Exit``). Only nodes of the same frame may read such a tensor, and
+    the folds' constants and variables are outside it, so these tensors are not measured
+    (TensorFlow refuses the run: "has inputs from different frames")."""
+    ops = {node_def.name: node_def.op for node_def in graph_def.node}
+    readers: dict[str, list[str]] = {}
+    for node_def in graph_def.node:
+        for tensor in node_def.input:
+            readers.setdefault(parse_tensor_name(tensor).node, []).append(node_def.name)
+    depth: dict[str, int] = {}
+    pending = [(name, 1) for name, op in ops.items() if op in _ENTER]
+    while pending:
+        name, level = pending.pop()
+        if depth.get(name, 0) >= level:
+            continue
+        depth[name] = level
+        for reader in readers.get(name, ()):
+            op = ops[reader]
+            pending.append((reader, level + 1 if op in _ENTER else level - 1 if op in _EXIT else level))
+    return {name for name, level in depth.items() if level > 0}
+
+
+_ENTER, _EXIT = frozenset({"Enter", "RefEnter"}), frozenset({"Exit", "RefExit"})
 _VARIABLES = ((_MAXIMA, _F32, [_BUCKETS]), (_SUMS, _F64, [_BUCKETS, _MOMENTS]), (_PEAKS, _F32, []))
 def _shared(prefix: str, name: str) -> str:
     """The name a statistics variable is shared by, in function bodies and the main graph."""
