@@ -590,3 +590,13 @@ def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch:
     monkeypatch.setattr(statistics, "_add", broken)
     with pytest.raises(TypeError, match="a bug"):
         _collect_twice(model, graph_def, feeds)
+
+
+def test_the_caller_stays_eager_between_runs() -> None:
+    """Rule: the session a calibration runs in is not made the default, nor its graph: the
+    caller's code between runs (``say``, here) runs as eagerly as it was called."""
+    eager: list[bool] = []
+    model = _graph_model(mlp_graph_def(scale=5000.0))
+    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, target="float16", lists=load_lists("float16"),
+                              say=lambda line: eager.append(tf.executing_eagerly()))
+    assert len(eager) >= 3 and all(eager), eager

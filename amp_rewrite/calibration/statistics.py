@@ -758,10 +758,12 @@ class _WithoutDeprecations(logging.Filter):
 
 @contextlib.contextmanager
 def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
-    """A Session with ``graph_def`` loaded as ``model`` would be; closed on exit. Its graph
-    is not left the default one while the session is open."""
+    """A Session with ``graph_def`` loaded as ``model`` would be; closed on exit. Neither it
+    nor its graph is made the default while it is open: the caller's code between runs
+    stays as eager as it was."""
     graph = tf.Graph()
-    with tf.compat.v1.Session(graph=graph, config=config) as session:
+    session = tf.compat.v1.Session(graph=graph, config=config)
+    try:
         if model.kind == "graphdef":
             with graph.as_default():
                 tf.graph_util.import_graph_def(graph_def, name="")
@@ -779,6 +781,8 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
             finally:
                 logger.removeFilter(quiet)
             yield session
+    finally:
+        session.close()
 
 
 def _stage_saved_model(model: Model, graph_def: graph_pb2.GraphDef, directory: Path) -> None:
