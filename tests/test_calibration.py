@@ -321,12 +321,14 @@ class Dense(tf.Module):
         return {"y": tf.matmul(tf.nn.relu(tf.matmul(x, self.w1)), self.w2)}
 
 
-@pytest.fixture(scope="module")
-def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calibration") / "dense"
-    module = Dense()
+def _saved(module: tf.Module, path: Path) -> Path:
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
     return path
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved(Dense(), tmp_path_factory.mktemp("calibration") / "dense")
 
 
 def _npz(path: Path, scale: float, seed: int) -> Path:
@@ -516,10 +518,7 @@ class Text(tf.Module):
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calibration") / "text"
-    module = Text()
-    tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
-    return path
+    return _saved(Text(), tmp_path_factory.mktemp("calibration") / "text")
 
 
 @pytest.mark.parametrize("target", ["float16", "float8"])
