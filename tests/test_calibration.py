@@ -12,7 +12,9 @@
    traced function by its stable name;
 5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line);
 6. a model without a numeric output has "nothing to compare", never "ok"; a run the loaded
-   session cannot take in is loaded afresh and said, and no other error is hidden.
+   session cannot take in is loaded afresh and said, and no other error is hidden; a TF1
+   while loop's tensors are left unmeasured and the rest calibrates; the caller's code
+   between runs stays eager.
 """
 from __future__ import annotations
 

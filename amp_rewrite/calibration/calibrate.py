@@ -572,16 +572,16 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         target = replace(target, tolerance=tolerance)
     check_max_rounds(max_rounds)
     thresholds = thresholds or Thresholds.for_target(target)
-    keys, high = _measure_float32(model, runner, thresholds, say, source)
+    keys, high = _measure_float32(model, runner, thresholds, say, source)  # 1. statistics
     c = _Repairing(model, runner, target, lists, cross_function, thresholds, max_rounds, say, metric_name, measure, high,
                    keys=keys, touching=tensors_of(model.graph_def, set(high.stats)), where=node_items(model.graph_def))
-    result, kept, tried = _keep_out_of_range(c)
+    result, kept, tried = _keep_out_of_range(c)  # 2. range rules
     range_kept = len(kept)
-    repair = _repair(c, result, kept, tried)
+    repair = _repair(c, result, kept, tried)  # 3. repair by validation: the best run stands
     result, best_round = repair.last, repair.round
     if repair.result is not None:
         result, kept = repair.result, repair.kept
-        if repair.score <= GOAL_SHARE:
+        if repair.score <= GOAL_SHARE:  # then each matmul repair kept, tried converted alone
             result, kept, best_round = _give_back(c, result, kept, repair.measured, best_round)
     keep = keep_entries(kept, c.where)
     calibration = Calibration(target.name, c.high.stats, keep, kept, range_kept, tuple(c.rounds),

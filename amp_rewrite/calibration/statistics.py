@@ -9,7 +9,8 @@ variables shared by name (``ResourceScatterAdd``, ``ResourceScatterMax``). A fun
 lists its folds as control outputs, so TensorFlow runs them, and stateless control flow
 and calls become their stateful forms, so nothing prunes them. The model then runs in a
 TF1 Session (a SavedModel through TensorFlow's own loader, which restores variables and
-runs init ops) once per feed, and the variables are read back. Constants need no run:
+runs init ops) once per feed, and the variables are read back; a calibration's runs share
+one session at a time (``Runner``). Constants need no run:
 their statistics come from their values. Signatures that compute the same outputs from
 the same inputs (a Keras export's ``serve`` and ``serving_default``) run once.
 
@@ -297,7 +298,8 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
-    names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
+    names: what one run computes, e.g. a signature's ancestors; a key in none is left out,
+    as is one inside a TF1 while loop's frame: ``_in_loop_frames``).
     Returns the copy, per group the main graph's node a run must ask for, and per key
     index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
     share: one per run of a ``Runner``."""
