@@ -536,8 +536,6 @@ def test_a_model_without_a_numeric_output_has_nothing_to_compare(text_model: Pat
     assert not found.compared and not found.ok and not found.reached_goal, "\n".join(lines)
     assert math.isnan(found.rounds[found.best].score(1.0))
     assert "calibration: validation run 1: nothing to compare (no output of the model is a number)" in lines
-    assert any(line.startswith("calibration: nothing to compare: no output of the model is a number")
-               for line in lines), "\n".join(lines)
     assert not any("tolerance" in line or "goal" in line for line in lines), "\n".join(lines)
     numeric = amp_rewrite.calibrate(dense_model, inputs(0), target=target)
     assert numeric.compared and numeric.ok

@@ -691,11 +691,11 @@ def _give_back(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str],
 
 
 def _report_repair(c: _Repairing, calibration: Calibration, stale: int) -> None:
-    """The last line of a calibration that did not meet the goal: why, and what to do."""
+    """The last line of a calibration that did not meet the goal: why, and what to do
+    (nothing compared: its run's line said so)."""
     if not calibration.compared:
-        c.say("calibration: nothing to compare: no output of the model is a number, so no run could check the"
-              " rewrite; its decisions are the range rules' alone")
-    elif not calibration.ok:
+        return
+    if not calibration.ok:
         why = (f"the cap of {c.max_rounds} validation run(s) (--max-rounds) was reached"
                if len(c.rounds) >= c.max_rounds
                else "keeping more nodes float32 made it no better" if stale >= _STALE_RUNS
@@ -837,7 +837,7 @@ def _float8_run(c: _Context, search: _Float8Search, result: RewriteResult, quant
 
 def _report_float8(c: _Context, calibration: Calibration) -> None:
     """The last line of a float8 calibration that did not meet the goal: why, and what to do
-    (nothing compared: the float16 calibration said so)."""
+    (nothing compared: its runs' lines said so)."""
     if not calibration.compared:
         return
     if not calibration.ok:
