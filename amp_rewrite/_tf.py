@@ -141,6 +141,8 @@ WRITE_FINGERPRINT = Private(SAVED_MODEL_WRITING, "tensorflow.python.saved_model.
                             "write_fingerprint", ("export_dir",))
 
 # --- calibration (calibration/statistics.py, calibration/calibrate.py) ------------------------
+# None: public APIs do the job (tf.make_ndarray, tf.make_tensor_proto, tf.compat.v1.saved_model.loader;
+# the loader's deprecation warning is dropped by a filter on tf.get_logger(), not deprecation.silence).
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------
 

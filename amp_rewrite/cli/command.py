@@ -346,7 +346,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate)
         result, lists = calibration.result, calibration.lists
-        if not calibration.ok and not args.keep_failed:
+        if calibration.compared and not calibration.ok and not args.keep_failed:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
                   " (--keep-failed writes it anyway)", file=sys.stderr)
             return EXIT_VALIDATION
@@ -472,6 +472,9 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     if result.float8 is not None:
         _say(args, f"Calibration: {result.result.report.float8_matmuls} matmul(s) on float8_e4m3fn operands,"
                    f" {len(result.float8.lossy)} kept float16 as too lossy in float8")
+    if not result.compared:
+        print(f"amp-rewrite: warning: calibration had nothing to compare: no output of {model.path} is a number, so no"
+              " run could check the rewrite; its decisions are the range rules' alone", file=sys.stderr)
     if kept and not calibrate.converted_nodes(result.result):
         print(f"amp-rewrite: warning: nothing converted: calibration keeps every node the lists convert float32, so"
               f" the rewrite runs as the float32 model does; target {args.target} does not suit this model as"
@@ -493,7 +496,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     staging.write_text_atomically(args.out, calibration.overlay(base))
     _say(args, f"Wrote {args.out}: use it with amp-rewrite convert {args.src} DST --target {args.target}"
                f" --lists {args.out}")
-    return EXIT_OK if calibration.ok else EXIT_VALIDATION
+    return EXIT_OK if calibration.ok or not calibration.compared else EXIT_VALIDATION
 
 
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
