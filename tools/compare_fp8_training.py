@@ -26,18 +26,31 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from amp_rewrite.core.float8 import MIN_TENSORFLOW  # noqa: E402
 from amp_rewrite.testing import digits  # noqa: E402
 
 LABELS = {"float32": "float32", "bfloat16": "bfloat16 (ours)", "float8": "float8 (ours)",
           "keras-float8": "float8 (Keras policy)"}
 
 
-def main() -> int:
+CANNOT_RUN = 77  # exit status: this TensorFlow cannot do FP8 training (tests/test_tools.py skips, naming why)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=digits.MODELS, default=list(digits.MODELS))
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--jit", action="store_true", help="train under XLA (jit_compile=True): slower to compile")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="checks this script: the MLP, one epoch")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.epochs = ["mlp"], 1
+    import tensorflow as tf
+
+    if tuple(int(part) for part in tf.__version__.split(".")[:2]) < MIN_TENSORFLOW:
+        print(f"FP8 training needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))}+; this is {tf.__version__}",
+              file=sys.stderr)
+        return CANNOT_RUN
     warnings.filterwarnings("ignore", message=".*run emulated without XLA.*")
     data = digits.digits()
     accuracy_rows, loss_rows = [], []

@@ -142,7 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET", help="float16 and/or bfloat16 (default: both)")
     parser.add_argument("--yaml", action="store_true", help="print YAML 'ops:' skeletons instead of plain lists")
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks this script: float16's lists (a virtual GPU: any CPU), each one non-empty")
     args = parser.parse_args(argv)
+    if args.smoke:
+        name_to_ops = dump_lists("float16")
+        print({name: len(ops) for name, ops in name_to_ops.items()})
+        return 0 if all(name_to_ops.values()) and "MatMul" in name_to_ops["allow"] else 1
     unknown = sorted(set(args.targets) - set(TARGETS))
     if unknown:
         parser.error(f"unknown target(s) {unknown}; use one of {', '.join(TARGETS)}")
