@@ -60,7 +60,9 @@ from tensorflow.python.framework import op_def_registry
 from amp_rewrite.testing.reference import GrapplerUnavailable, grappler_environ, oracle_inputs, unavailable_reason
 from amp_rewrite.testing.reference import run_grappler as _run_live
 
-ANSWERS = Path(__file__).with_name("grappler_answers.zip")
+# The recording; AMP_GRAPPLER_ANSWERS names another file (tools/record_grappler.py --smoke records into a copy).
+ANSWERS_FILE = "AMP_GRAPPLER_ANSWERS"
+ANSWERS = Path(os.environ.get(ANSWERS_FILE) or Path(__file__).with_name("grappler_answers.zip"))
 # The TensorFlow release whose lists lists/*.yaml hold: answers come from it.
 LISTS_TENSORFLOW = "2.21"
 # Set to 1 by tools/record_grappler.py: ask live grappler and write every answer asked for.
