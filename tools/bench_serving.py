@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import os
 import re
@@ -83,7 +85,7 @@ REGIMES = ("batch 1", "batch 8")
 FULL = Sizes(image_size=224, bert_layers=12, bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522,
              short_seq=16, long_seq=128, rounds=15, warmup=3, load_rounds=3,
              profiled=tuple((regime, variant) for regime in REGIMES for variant in VARIANTS))
-# --smoke: each kind of child once, on a tiny BERT; checks the script, measures nothing.
+# --smoke: each kind of child once, in this process, on a tiny BERT; checks the script, measures nothing.
 SMOKE = Sizes(image_size=32, bert_layers=1, bert_hidden=32, bert_heads=2, bert_ffn=64, bert_vocab=100,
               short_seq=4, long_seq=8, rounds=1, warmup=0, load_rounds=1, profiled=(("batch 1", "low"),))
 SMOKE_MODELS = "bert"
@@ -245,8 +247,11 @@ def _kind(op: str, dtype: int, low: int) -> str:
 CHILDREN = {"export": child_export, "load": child_load, "time": child_time, "profile": child_profile}
 
 
-def run_child(kind: str, spec: dict[str, Any], timeout: int) -> dict[str, Any]:
-    """One child process: this script with ``--child``; its JSON answer, or {"error": ...}."""
+def run_child(kind: str, spec: dict[str, Any], timeout: int, in_process: bool = False) -> dict[str, Any]:
+    """One child process: this script with ``--child``; its JSON answer, or {"error": ...}.
+    ``in_process`` (--smoke): the same child code in this process, its numbers meaningless."""
+    if in_process:
+        return json.loads(json.dumps(CHILDREN[kind](dict(spec))))
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         command = [sys.executable, __file__, "--child", json.dumps({"kind": kind, "out": out.name, **spec})]
         try:
@@ -258,10 +263,21 @@ def run_child(kind: str, spec: dict[str, Any], timeout: int) -> dict[str, Any]:
         return json.loads(Path(out.name).read_text(encoding="utf-8"))
 
 
-def convert(source: Path, destination: Path, target: str, *extra: str) -> tuple[float, str]:
+def convert(source: Path, destination: Path, target: str, *extra: str, in_process: bool = False) -> tuple[float, str]:
+    """``amp-rewrite convert`` as a user runs it (``in_process``, --smoke: ``amp_rewrite.cli.main``);
+    (seconds, "ok: " and its Weights block, or the error line)."""
     start = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(source), str(destination),
-                            "--target", target, *extra], capture_output=True, text=True, cwd=REPO, check=False)
+    args = ["convert", str(source), str(destination), "--target", target, *extra]
+    if in_process:
+        from amp_rewrite import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(args)
+        child = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    else:
+        child = subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True, cwd=REPO,
+                               check=False)
     if child.returncode != 0:
         return time.perf_counter() - start, (child.stderr.strip().splitlines() or ["failed"])[-1]
     lines = child.stdout.splitlines()
@@ -298,16 +314,22 @@ class ModelResult:
         return statistics.median(theirs / mine for theirs, mine in pairs)
 
 
-def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int) -> ModelResult:
+def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int,
+            in_process: bool = False) -> ModelResult:
+    """One model's variants: exported, converted, sized, loaded, timed (``in_process``: --smoke)."""
     result = ModelResult(model)
+
+    def run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return run_child(kind, spec, timeout, in_process)
+
     dirs = {variant: workdir / f"{model}-{variant}" for variant in VARIANTS}
     common = {"model": model, "sizes": dataclasses.asdict(sizes), "device": device, "target": target}
-    exported = run_child("export", {**common, "dir": str(dirs["float32"])}, timeout)
+    exported = run("export", {**common, "dir": str(dirs["float32"])})
     if "error" in exported:
         result.errors.append(f"export: {exported['error']}")
         return result
     for variant, extra in (("low", ()), ("float32-weights", ("--float32-weights",))):
-        seconds, line = convert(dirs["float32"], dirs[variant], target, *extra)
+        seconds, line = convert(dirs["float32"], dirs[variant], target, *extra, in_process=in_process)
         if not line.startswith("ok") and line:
             result.errors.append(f"convert {variant}: {line}")
             return result
@@ -319,13 +341,13 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
     for round_index in range(sizes.load_rounds):  # each variant loaded in its own process, in turn, the order rotated
         for variant in order[round_index:] + order[:round_index]:
             directory = dirs[variant]
-            answer = run_child("load", {**common, "dir": str(directory)}, timeout)
+            answer = run("load", {**common, "dir": str(directory)})
             if "error" in answer:
                 result.errors.append(f"load {variant}: {answer['error']}")
                 return result
             result.loads.setdefault(variant, []).append(answer)
     print(f"{model}: loads measured", file=sys.stderr, flush=True)
-    timed = run_child("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()}}, timeout)
+    timed = run("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()}})
     if "error" in timed:
         result.errors.append(f"timing: {timed['error']}")
         return result
@@ -333,7 +355,7 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
     for regime, variant in sizes.profiled:  # where a goal is missed, or low weights run slower than float32 ones
         slower = result.speed_up(regime, "low", base="float32-weights") < 0.95
         if result.speed_up(regime, "low") < GOALS[regime] or slower:
-            answer = run_child("profile", {**common, "dir": str(dirs[variant]), "regime": regime}, timeout)
+            answer = run("profile", {**common, "dir": str(dirs[variant]), "regime": regime})
             if "error" not in answer:
                 result.profiles[(regime, variant)] = answer["profile"]
             else:
@@ -476,7 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = f"{gpus}. {machine}"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="amp-rewrite-serving-") as workdir:
-        results = [measure(model, sizes, args.device, target, Path(workdir), args.child_timeout) for model in models]
+        results = [measure(model, sizes, args.device, target, Path(workdir), args.child_timeout, args.smoke)
+                   for model in models]
         section = render(results, sizes, args.device, target, machine, time.perf_counter() - started, args.smoke)
         print(section)
         output = None if args.no_write else args.output

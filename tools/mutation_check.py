@@ -244,9 +244,10 @@ def _run_tests(directory: Path, tests: tuple[str, ...]) -> tuple[list[str], int,
 
 
 def _check_imports_the_copy(directory: Path) -> None:
+    """The copy's package is the one its tests import (found, not run: no TensorFlow import)."""
     environ = {**os.environ, "PYTHONPATH": str(directory), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    found = subprocess.run([sys.executable, "-c", "import amp_rewrite; print(amp_rewrite.__file__)"], cwd=directory,
-                           env=environ, capture_output=True, text=True).stdout.strip()
+    found = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('amp_rewrite')"
+                            ".origin)"], cwd=directory, env=environ, capture_output=True, text=True).stdout.strip()
     if not found.startswith(str(directory)):
         raise SystemExit(f"error: the copy's amp_rewrite is not the one imported ({found}); is it installed elsewhere?")
 
