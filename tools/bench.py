@@ -880,6 +880,20 @@ def update_markdown(text: str | None, section: str, body: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def write_section(output: Path | None, name: str, section: str, smoke_dir: Path | None) -> None:
+    """Replace section ``name`` of ``output`` (None: write nothing) with ``section``; a smoke
+    run (``smoke_dir``) writes a copy of ``output`` there instead, leaving the file alone."""
+    if output is None:
+        return
+    if smoke_dir is not None:
+        if output.exists():
+            shutil.copy(output, smoke_dir / output.name)
+        output = smoke_dir / output.name
+    old = output.read_text(encoding="utf-8") if output.exists() else None
+    output.write_text(update_markdown(old, name, section), encoding="utf-8")
+    print(f"wrote section {name} of {output}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -900,15 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcomes = run_all(settings, Path(workdir))
         section = render_section(settings, outcomes, machine, time.perf_counter() - started)
         print(section)
-        output = settings.output
-        if settings.smoke and output is not None:  # the file itself is left alone: a copy of it is written
-            output = Path(workdir) / output.name
-            if settings.output.exists():
-                shutil.copy(settings.output, output)
-        if output is not None:
-            old = output.read_text(encoding="utf-8") if output.exists() else None
-            output.write_text(update_markdown(old, settings.section, section), encoding="utf-8")
-            print(f"wrote section {settings.section} of {output}", file=sys.stderr)
+        write_section(settings.output, settings.section, section, Path(workdir) if settings.smoke else None)
     failed = [o.job.name for o in outcomes if o.error]
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -40,7 +40,6 @@ import json
 import os
 import re
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -502,15 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    for model in models]
         section = render(results, sizes, args.device, target, machine, time.perf_counter() - started, args.smoke)
         print(section)
-        output = None if args.no_write else args.output
-        if args.smoke and output is not None:  # the file itself is left alone: a copy of it is written
-            output = Path(workdir) / output.name
-            if args.output.exists():
-                shutil.copy(args.output, output)
-        if output is not None:
-            old = output.read_text(encoding="utf-8") if output.exists() else None
-            output.write_text(bench.update_markdown(old, f"{args.device}-{target}-serving", section), encoding="utf-8")
-            print(f"wrote section {args.device}-{target}-serving of {output}", file=sys.stderr)
+        bench.write_section(None if args.no_write else args.output, f"{args.device}-{target}-serving", section,
+                            Path(workdir) if args.smoke else None)
     return 1 if any(r.errors for r in results) else 0
 
 
