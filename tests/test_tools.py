@@ -65,7 +65,7 @@ def child(tool, log, tmp):
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        except BaseException:
+        except BaseException:  # the child's top level: shown as Python shows it, then exit 1 (never the runner's loop)
             traceback.print_exc()
     finally:
         sys.stdout.flush()
