@@ -515,6 +515,8 @@ def _cpu_description() -> str:
 
 def skip_comparison() -> NoReturn:
     """Skip a test that is nothing but a comparison with grappler, where ``rewrite`` or
-    ``lists`` has no answer on this release (None), saying why."""
-    why = tests_without_answer.get(_current_test(), f"no recorded grappler answer on TensorFlow {tf.__version__}")
+    ``lists`` has no answer on this release (None), saying why; the summary names it too,
+    also where the question was asked before it, for another test (a shared fixture)."""
+    why = tests_without_answer.setdefault(
+        _current_test(), f"TensorFlow {tf.__version__} has no recorded answer for a question a fixture asked earlier")
     pytest.skip(f"nothing to compare: {why}")
