@@ -1,7 +1,7 @@
 """Break the code on purpose, one small fault at a time, and report which tests catch each.
 
 Each mutant is one deliberate fault in the source (swap two colouring steps, drop a cast,
-flip a list entry, an off-by-one in a port; a weight stored low for a float32 reader, FP8
+flip a list entry, an off-by-one in a port; weights rounded twice, FP8
 gradients in E4M3, calibration's range rule off, the Session mirror's values in the wrong
 dtype, the live rewrite's private copies unregistered, ...), applied to a copy of the
 checkout (the files ``git ls-files`` lists, links as links) in a temporary directory: the
@@ -152,11 +152,11 @@ MUTANTS = (
     ),
     # Beyond the pass. Each anchor is a line that states its rule outright, the least likely to move.
     Mutant(
-        "weights-any-reader",
-        "a float32 constant is stored low when any reader casts it, not all: a float32 reader gets low values",
+        "weights-rounded-through-float16",
+        "weights stored bfloat16 are rounded through float16 first, not once as TensorFlow's Cast rounds them",
         "amp_rewrite/core/weights.py",
-        (("not all(_casts_to(index.nodes[r], dtype) for r, _ in readers)",
-          "not any(_casts_to(index.nodes[r], dtype) for r, _ in readers)"),),
+        (("        return np.asarray(values, np.float32).astype(dtypes.as_dtype(dtype).as_numpy_dtype)\n",
+          "        return np.asarray(values, np.float32).astype(np.float16).astype(dtypes.as_dtype(dtype).as_numpy_dtype)\n"),),
         ("tests/test_weights.py",),
     ),
     Mutant(
