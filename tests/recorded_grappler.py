@@ -18,7 +18,8 @@ come from (``LISTS_TENSORFLOW``), on a CPU that runs both passes. Then:
 * a missing answer is told apart from a stale recording. On the release the answers come
   from, every missing answer is stale: the test fails. On another release a test may ask
   the question the recording holds for it with another graph, because that release builds
-  the graph otherwise (TensorFlow 2.16's GELU is ``Erf``, 2.21's ``Erfc``): then
+  the graph otherwise (TensorFlow 2.16's GELU is ``Erf``, 2.21's ``Erfc``; the question is
+  the test file's, as a module's shared fixture asks for whichever test runs first): then
   ``rewrite`` returns None, the test leaves out its grappler comparison (a test that is
   nothing else skips, saying why) and still runs its own assertions and numerics, and the
   summary counts and names those tests, under pytest-xdist too. Any other missing answer
@@ -251,8 +252,8 @@ def _missing(question: dict, payload: bytes, key: str, reason: str | None) -> st
     else:
         where = f"and live grappler cannot answer here: {reason}"
     differing = _differing_fields(question, payload)
-    what = ("; the recording holds no question of this test's" if differing is None else
-            f"; the recording asked this test the same with another {', '.join(differing)}")
+    what = ("; the recording holds no question of this test's file" if differing is None else
+            f"; the recording asked this test's file the same with another {', '.join(differing)}")
     return (
         f"no recorded grappler answer {key[:12]} for {question['kind']} {question['target']} "
         f"({_current_test()}){what}; {where}; re-run tools/record_grappler.py on a "
@@ -262,12 +263,14 @@ def _missing(question: dict, payload: bytes, key: str, reason: str | None) -> st
 
 def _differing_fields(question: dict, payload: bytes) -> list[str] | None:
     """The fewest fields in which a question of this kind and target that the recording
-    holds for this test differs from this one (``["graph"]``: only the graph), or None
-    where the recording holds none of this test's."""
+    holds for this test's file differs from this one (``["graph"]``: only the graph), or
+    None where it holds none. By file, not by test: a module's shared fixture asks for the
+    test that happens to run first, which pytest-xdist's order changes."""
     asked = {**question, "graph": _digest(payload)}
-    test = _current_test()
+    module = _current_test().split("::")[0]
     recorded = [q for q in _store().index["answers"].values()
-                if test in q.get("tests", ()) and q.get("kind") == question["kind"] and q.get("target") == question["target"]]
+                if any(test.split("::")[0] == module for test in q.get("tests", ()))
+                and q.get("kind") == question["kind"] and q.get("target") == question["target"]]
     if not recorded:
         return None
     return min((sorted(name for name in (set(asked) | set(q)) - {"tests", "oracle_inputs"} if q.get(name) != asked.get(name))

@@ -81,7 +81,7 @@ def test_a_question_nobody_recorded_fails_and_says_how_to_record(
     earlier = {"kind": "rewrite", "target": "float16", "fetches": ["other"], "our_lists": True, "environ": {},
                "graph": "0" * 16, "tests": [recorded_grappler._current_test()]}
     monkeypatch.setitem(recorded_grappler._store().index["answers"], "earlier", earlier)
-    with pytest.raises(recorded_grappler.MissingAnswer, match="this test the same with another fetches, graph;"):
+    with pytest.raises(recorded_grappler.MissingAnswer, match="this test's file the same with another fetches, graph;"):
         recorded_grappler.rewrite(_never_recorded(), target="float16", fetches=["fetch"])
 
 
@@ -118,17 +118,17 @@ def test_another_release_makes_no_comparison_and_the_test_goes_on(
 
 
 @pytest.mark.parametrize("recorded, said", [
-    (None, "the recording holds no question of this test's"),
-    ({"fetches": ["other"]}, "the recording asked this test the same with another fetches, graph"),
+    (None, "the recording holds no question of this test's file"),
+    ({"fetches": ["other"]}, "the recording asked this test's file the same with another fetches, graph"),
     ({"environ": {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL": "TREAT_INFER_AS_DENY"}},
-     "the recording asked this test the same with another environ, graph"),
+     "the recording asked this test's file the same with another environ, graph"),
 ], ids=["test-never-recorded", "other-fetches", "other-environ"])
 def test_a_stale_recording_fails_on_another_release_too(
     replaying: None, monkeypatch: pytest.MonkeyPatch, recorded: dict | None, said: str
 ) -> None:
-    """Another release explains only another graph: a test the recording never heard of, or
-    one that now asks with other fetches or variables, is a stale recording there too, and
-    fails naming what differs, never a silent skip."""
+    """Another release explains only another graph: a test file the recording never heard
+    of, or a question it now asks with other fetches or variables, is a stale recording
+    there too, and fails naming what differs, never a silent skip."""
     monkeypatch.setattr(recorded_grappler, "_installed_release", lambda: "2.16")
     monkeypatch.setattr(recorded_grappler, "comparisons", Counter())
     monkeypatch.setattr(recorded_grappler, "tests_without_answer", {})
