@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,14 +103,20 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Every tool's smoke run: tool name -> {"code", "seconds", "wrote", "log"}."""
     folder = tmp_path_factory.mktemp("tools")
     results = folder / "results.jsonl"
+    # Each tool's TMPDIR is short, in the system's temporary directory: Chromium puts a Unix
+    # socket there, whose path may not exceed 107 bytes (pytest's own folders can).
+    temporary = Path(tempfile.mkdtemp(prefix="amp-smoke-"))
     lines = []
     for tool in TOOLS:
         if tool.name not in AWAITING_SMOKE:
-            (folder / tool.stem).mkdir()
-            lines.append(f"{tool}\t{folder / f'{tool.stem}.log'}\t{folder / tool.stem}\n")
+            (temporary / tool.stem).mkdir()
+            lines.append(f"{tool}\t{folder / f'{tool.stem}.log'}\t{temporary / tool.stem}\n")
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    subprocess.run([sys.executable, "-c", RUNNER, str(ROOT), str(results), str(TIMEOUT_S)], input="".join(lines),
-                   cwd=ROOT, env=environ, text=True, timeout=TIMEOUT_S * len(lines), check=False)
+    try:
+        subprocess.run([sys.executable, "-c", RUNNER, str(ROOT), str(results), str(TIMEOUT_S)], input="".join(lines),
+                       cwd=ROOT, env=environ, text=True, timeout=TIMEOUT_S * len(lines), check=False)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     runs = {}
     for line in results.read_text(encoding="utf-8").splitlines() if results.exists() else ():
         run = json.loads(line)
