@@ -30,7 +30,8 @@ docs: $(DOCS_STAMP)
 # answer (bfloat16 without AVX512F); a test that is only a comparison with grappler on a
 # TensorFlow release that builds its graph otherwise; the drawing tests without Graphviz's
 # dot, the browser test without Chromium, the unprivileged-user test without root and
-# setpriv; the float8 tests before TensorFlow 2.18. The summary counts the comparisons.
+# setpriv; the float8 tests before TensorFlow 2.18; a tool's smoke run (tests/test_tools.py:
+# every tools/*.py --smoke) that cannot run here, with its reason. The summary counts the comparisons.
 # -n 2 --dist loadfile: two pytest-xdist workers (CI's two cores), each test file in one of them,
 # so a file's module fixtures (trained models, exported SavedModels) are built once.
 test: install

@@ -146,4 +146,13 @@ WRITE_FINGERPRINT = Private(SAVED_MODEL_WRITING, "tensorflow.python.saved_model.
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------
 
+# grappler's AMP pass run on its own has no public entry (tf.config.optimizer runs it inside
+# a function call, on the local devices); the oracle needs it on a virtual cluster.
+ORACLE = "grappler as an oracle (amp_rewrite.testing.reference: the conformance tests and tools)"
+OPTIMIZE_GRAPH = Private(ORACLE, "tensorflow.python.grappler.tf_optimizer", "OptimizeGraph",
+                         ("config_proto", "metagraph", "verbose", "graph_id", "cluster", "strip_default_attributes"))
+GRAPPLER_CLUSTER = Private(ORACLE, "tensorflow.python.grappler.cluster", "Cluster",
+                           ("allow_soft_placement", "disable_detailed_stats", "disable_timeline", "devices"))
+ONEDNN_DTYPE_SUPPORTED = Private(ORACLE, "tensorflow.python.util._pywrap_utils", "IsDataTypeSupportedByOneDNNOnThisCPU")
+
 ENTRIES: tuple[Private, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Private))

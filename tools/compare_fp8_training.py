@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from amp_rewrite.core.float8 import MIN_TENSORFLOW  # noqa: E402
 from amp_rewrite.testing import digits  # noqa: E402
 from plots import Series, line_chart  # noqa: E402  (tools/, this script's folder)
 
@@ -36,19 +37,34 @@ LABELS = {"float32": "float32", "bfloat16": "bfloat16 (ours)", "float8": "float8
           "keras-float8": "float8 (Keras policy)"}
 
 
-def main() -> int:
+CANNOT_RUN = 77  # exit status: this TensorFlow cannot do FP8 training (tests/test_tools.py skips, naming why)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=digits.MODELS, default=list(digits.MODELS))
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--jit", action="store_true", help="train under XLA (jit_compile=True): slower to compile")
     parser.add_argument("--svg-dir", type=Path, metavar="DIR", help="draw each model's loss curves into DIR")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks this script: the MLP, one epoch, our FP8 only (the variants are digits' code,"
+                             " tested with it)")
+    args = parser.parse_args(argv)
+    variants = digits.VARIANTS
+    if args.smoke:
+        args.models, args.epochs, variants = ["mlp"], 1, ("float8",)
+    import tensorflow as tf
+
+    if tuple(int(part) for part in tf.__version__.split(".")[:2]) < MIN_TENSORFLOW:
+        print(f"FP8 training needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))}+; this is {tf.__version__}",
+              file=sys.stderr)
+        return CANNOT_RUN
     warnings.filterwarnings("ignore", message=".*run emulated without XLA.*")
     data = digits.digits()
     accuracy_rows, loss_rows = [], []
     for name in args.models:
         curves = []
-        for variant in digits.VARIANTS:
+        for variant in variants:
             trained = digits.train(name, variant, epochs=args.epochs, jit_compile=args.jit, data=data)
             count = digits.count_float8_matmuls(digits.training_step_hlo(name, variant))
             fp8 = f"{count.forward_float8}/{count.forward} | {count.backward_float8}/{count.backward}"

@@ -5,7 +5,8 @@ A destination is built in a temporary directory beside it (``staged``) and moved
 place only if nothing appeared there meanwhile; a killed run's leftover is removed by the
 next run to the same destination (``remove_leftovers``).
 
-``on_interrupt`` handles Ctrl-C and SIGTERM for a whole command. The handler undoes what
+``on_interrupt`` handles Ctrl-C and SIGTERM for a whole command; only the console entry
+point installs it (``amp_rewrite.cli.console``): it ends the process. The handler undoes what
 the run has begun (staging directories, temporary files and directories), prints one
 line and exits 128 + the signal's number (130, 143) at once. It cleans up itself rather
 than by raising: an exception raised from a handler can be swallowed by TensorFlow's C++
@@ -58,18 +59,21 @@ def _handle(signum: int, frame: object) -> None:
 
 
 def _exit(signum: int) -> None:
-    """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``."""
-    line = _interrupted_line()
-    for key in sorted(_undo, reverse=True):
-        with contextlib.suppress(Exception):
-            _undo[key][0]()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    with contextlib.suppress(Exception):
-        newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (command._Steps)
-        sys.stderr.write(f"{newline}{line}\n")
-        sys.stderr.flush()
-    os._exit(128 + signum)
+    """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``
+    (whatever an undo raises: the process ends here)."""
+    try:
+        line = _interrupted_line()
+        for key in sorted(_undo, reverse=True):
+            with contextlib.suppress(OSError):  # one path that cannot be removed does not stop the other undos
+                _undo[key][0]()
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: the exit code still says it
+            sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):
+            newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (command._Steps)
+            sys.stderr.write(f"{newline}{line}\n")
+            sys.stderr.flush()
+    finally:
+        os._exit(128 + signum)
 
 
 @contextlib.contextmanager

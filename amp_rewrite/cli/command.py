@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import re
 import shutil
 import sys
@@ -16,14 +15,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
-
-if os.path.basename(sys.argv[0]) == "amp-rewrite":
-    silence_native_stderr()
-
 # No TensorFlow in these two: plain Python.
-from amp_rewrite.calibration import staging  # noqa: E402
-from amp_rewrite.core.errors import AmpRewriteError, ModelError  # noqa: E402
+from amp_rewrite.calibration import staging
+from amp_rewrite.core.errors import AmpRewriteError, ModelError
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.savedmodel import Model
@@ -201,16 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with staging.on_interrupt():  # Ctrl-C and SIGTERM from here on: nothing left behind, exit 130/143
-        args = build_parser().parse_args(argv)
-        try:
-            return COMMANDS[args.command](args)
-        except (AmpRewriteError, OSError) as error:
-            if args.debug:
-                raise
-            message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
-            print(f"amp-rewrite: error: {message}", file=sys.stderr)
-            return EXIT_USAGE
+    """The command's boundary: an error is one line and exit 2. Signals are the caller's
+    (``amp_rewrite.cli``: the console script handles them, a program in process gets
+    ``KeyboardInterrupt``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (AmpRewriteError, OSError) as error:
+        if args.debug:
+            raise
+        message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
+        print(f"amp-rewrite: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:
