@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import collections
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Hypothesis keeps a cache of the source's constants under .hypothesis/ in the working
+# directory; a test must not write into the checkout (test_tools checks the tools' runs).
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "amp-rewrite-hypothesis"))
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef

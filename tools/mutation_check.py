@@ -155,8 +155,8 @@ MUTANTS = (
         "weights-rounded-through-float16",
         "weights stored bfloat16 are rounded through float16 first, not once as TensorFlow's Cast rounds them",
         "amp_rewrite/core/weights.py",
-        (("        return np.asarray(values, np.float32).astype(dtypes.as_dtype(dtype).as_numpy_dtype)\n",
-          "        return np.asarray(values, np.float32).astype(np.float16).astype(dtypes.as_dtype(dtype).as_numpy_dtype)\n"),),
+        (("        return np.asarray(values, np.float32).astype(tf.as_dtype(dtype).as_numpy_dtype)\n",
+          "        return np.asarray(values, np.float32).astype(np.float16).astype(tf.as_dtype(dtype).as_numpy_dtype)\n"),),
         ("tests/test_weights.py",),
     ),
     Mutant(
