@@ -141,7 +141,7 @@ def _port_count_error(node_def: node_def_pb2.NodeDef, expected: int) -> GraphErr
     )
 
 
-_REGISTERED_LAYOUTS: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
+_REGISTERED_LAYOUTS: dict[tuple[str, tuple[str, ...]], _AttrLayout] = {}
 _REGISTERED_NODE_TYPES: dict[tuple, NodeTypes] = {}
 
 
@@ -229,7 +229,7 @@ class TypeGraph:
     vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]                         # node name -> op
     labelled: frozenset[str]                    # nodes with a "_kernel" label attr
-    float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
+    float32: Mapping[Vertex, None]              # the vertices that were float32 when built, in graph order
     op_defs: Mapping[str, op_def_pb2.OpDef]     # library function name -> signature: the ops that call one
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
@@ -286,38 +286,63 @@ def build_type_graph(
     signatures of the library functions the nodes may call (``Program.op_defs``); None
     reads them from the node graph's own library.
 
-    Fills in the working copy's missing default attrs first (the caller's graph is
-    untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
-    ``N``, an ``IdentityN``'s list length), and networkx's adjacency dicts are filled
-    the way ``add_nodes_from``/``add_edges_from`` do, without their per-item checks.
+    Two steps: each node's port map and vertices (filling in the working copy's missing
+    default attrs first; the caller's graph is untouched), then the edges between vertices.
     """
     functions = support.library_op_defs(nodes.graph["library"]) if op_defs is None else op_defs
     node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
-    types: dict[str, NodeTypes] = {}
-    node_vertices: dict[str, list[Vertex | None]] = {}  # in ``NodeTypes.attrs`` order, None where not in ``graph``
-    float32: list[Vertex] = []
-    ops: dict[str, str] = {}
-    labelled: set[str] = set()
     graph = nx.DiGraph()
+    found = _add_vertices(graph, node_defs, functions, dtypes)
+    _add_edges(graph, nodes, node_defs, found.types, found.vertices)
+    return TypeGraph(graph, nodes, found.types, node_defs, found.vertices, found.ops, frozenset(found.labelled),
+                     found.float32, functions)
+
+
+# What every vertex and every edge of a type graph carries: nothing. One shared empty dict,
+# never written (``add_implicit_edges`` gives its edges their own), saves two allocations a node.
+_NO_ATTRS: dict = {}
+
+
+class _Vertices(NamedTuple):
+    """What ``_add_vertices`` found: ``TypeGraph``'s fields of the same names."""
+
+    types: dict[str, NodeTypes]
+    vertices: dict[str, list[Vertex | None]]
+    ops: dict[str, str]
+    labelled: set[str]
+    float32: dict[Vertex, None]
+
+
+def _add_vertices(
+    graph: nx.DiGraph, node_defs: Mapping[str, node_def_pb2.NodeDef], functions: Mapping[str, op_def_pb2.OpDef],
+    dtypes: frozenset[int] | None,
+) -> _Vertices:
+    """Each node's port map and its vertices of ``dtypes`` (all for None), added to ``graph``
+    as networkx's ``add_nodes_from`` would, without its per-item checks.
+
+    Nodes with the same op and attr names share their layout, and those with the same
+    counts too (an ``AddN``'s ``N``, an ``IdentityN``'s list length) their port map. Without
+    library functions every op is a registered one, and what they share holds for any
+    graph: kept across graphs.
+    """
+    found = _Vertices({}, {}, {}, set(), {})
+    types, node_vertices, ops, labelled, float32 = found
     vertex_data, succ, pred = graph._node, graph._succ, graph._pred
-    # Nodes with the same op and attr shape share port maps. Without library functions
-    # every op is a registered one, and what they share holds for any graph: kept.
-    layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
+    layouts: dict[tuple[str, tuple[str, ...]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
     shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
-    new_vertex = tuple.__new__
+    new_vertex, no_attrs = tuple.__new__, _NO_ATTRS
     keep_all, dt_float, dt_invalid = dtypes is None, types_pb2.DT_FLOAT, types_pb2.DT_INVALID
     for name, node_def in node_defs.items():
         attrs = node_def.attr
         op = ops[name] = node_def.op
-        layout_key = (op, frozenset(attrs))
+        layout_key = (op, tuple(attrs))  # a tuple is cheaper to make than a frozenset; its order may vary
         layout = layouts.get(layout_key)
         if layout is None:
-            layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
+            layout = layouts[layout_key] = _attr_layout(node_def, frozenset(layout_key[1]), functions)
         if layout.labelled:
             labelled.add(name)
-        if layout.defaults:
-            for attr_name, default in layout.defaults:
-                attrs[attr_name].CopyFrom(default)
+        for attr_name, default in layout.defaults:
+            attrs[attr_name].CopyFrom(default)
         key = (layout_key, tuple(
             len(attrs[attr_name].list.type) if is_list else attrs[attr_name].i for attr_name, is_list in layout.counted
         )) if layout.counted else layout_key
@@ -339,15 +364,25 @@ def build_type_graph(
                     dtype = listed[index] if index < len(listed) else dt_invalid
             if keep_all or dtype in dtypes:
                 vertex = new_vertex(Vertex, (name, attr))
-                vertex_data[vertex] = {}
+                vertex_data[vertex] = no_attrs
                 succ[vertex] = {}
                 pred[vertex] = {}
                 if dtype == dt_float:
-                    float32.append(vertex)
+                    float32[vertex] = None
                 vertices.append(vertex)
             else:
                 vertices.append(None)
         node_vertices[name] = vertices
+    return found
+
+
+def _add_edges(
+    graph: nx.DiGraph, nodes: nx.MultiDiGraph, node_defs: Mapping[str, node_def_pb2.NodeDef],
+    types: Mapping[str, NodeTypes], node_vertices: Mapping[str, list[Vertex | None]],
+) -> None:
+    """An edge for every data edge of ``nodes`` between two vertices of ``graph``, once however
+    many tensors join them; every node's data inputs are counted against its port map."""
+    succ, pred, no_attrs = graph._succ, graph._pred, _NO_ATTRS
     for dst, in_edges in nodes._pred.items():
         dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
         data_inputs = 0
@@ -368,9 +403,7 @@ def build_type_graph(
                 except IndexError:  # more data inputs than the op has
                     raise _port_count_error(node_defs[dst], len(dst_slots)) from None
                 u = src_vertices[src_slots[out_port]]
-                if u is None or v is None:
-                    continue
-                succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
+                if u is not None and v is not None:
+                    succ[u][v] = pred[v][u] = no_attrs
         if data_inputs != len(dst_slots):
             raise _port_count_error(node_defs[dst], len(dst_slots))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, frozenset(labelled), tuple(float32), functions)
