@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
@@ -62,45 +63,52 @@ def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
 
 
 def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> CastStats:
-    """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy)."""
+    """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy): the ALLOW
+    vertices' dtypes, then a cast on every output port whose readers' colours differ."""
+    converted = _convert_dtypes(ctx, painting.allow)
+    added, to_target_counted = _insert_casts(ctx, painting.allow)
+    return CastStats(converted, added, to_target_counted)
+
+
+def _convert_dtypes(ctx: PaintContext, allow: frozenset[Vertex]) -> int:
+    """Each float32 vertex in ``allow`` takes the target dtype; returns how many."""
+    node_defs, target_dtype = ctx.types.node_defs, ctx.target.dtype
+    converted = 0
+    for vertex in ctx.float32:  # graph order, so the first fixed port found is the one named
+        if vertex not in allow:
+            continue
+        name, attr = vertex
+        node_def = node_defs[name]
+        if not attr.name:
+            raise GraphError(
+                f"node '{name}' ({node_def.op}): its {attr} port is fixed float32 and cannot be"
+                f" converted; add '{name}' to keep_nodes or drop UNSAFE_FORCE_ALL"
+            )
+        value = node_def.attr[attr.name]
+        if attr.index < 0:
+            value.type = target_dtype
+        else:
+            value.list.type[attr.index] = target_dtype
+        converted += 1
+    return converted
+
+
+def _insert_casts(ctx: PaintContext, allow: frozenset[Vertex]) -> tuple[int, int]:
+    """One cast per output port of a float32 vertex and direction, for the readers whose
+    colour differs from the vertex's: (casts added, grappler's count of those to the target)."""
     types, target_dtype, to_target_kind = ctx.types, ctx.target.dtype, ctx.target.cast_kind
-    nodes, consumers_of = types.nodes, types.graph._succ
-    allow = painting.allow
-    converted = added = to_target_counted = 0
+    nodes, consumers_of, node_defs, ops = types.nodes, types.graph._succ, types.node_defs, types.ops
+    added = to_target_counted = 0
     vertices, node_types = types.vertices, types.types
     by_port: dict[int, list] = {}
     by_port_node = None  # the node ``by_port`` lists the out-edges of
-    # Only ALLOW vertices and the producers of ALLOW vertices change or get a cast. When
-    # ALLOW vertices are few (float16), listing those producers first is cheaper than
-    # testing every other vertex's consumers; when many (bfloat16), it costs more.
-    feeds_allow: set[Vertex] | None = None
-    if 3 * len(allow) < len(ctx.float32):
-        feeds_allow, fanins = set(), types.graph._pred
-        for vertex in allow:
-            feeds_allow.update(fanins.get(vertex, ()))
-    for vertex in ctx.float32:  # graph order: nodes in order, each node's vertices in order
+    for vertex in _cast_candidates(ctx, allow):
         src_allow = vertex in allow
-        if not src_allow and feeds_allow is not None and vertex not in feeds_allow:
-            continue
-        name, attr = vertex
-        if src_allow:
-            node_def = types.node_def(name)
-            if not attr.name:
-                raise GraphError(
-                    f"node '{name}' ({node_def.op}): its {attr} port is fixed float32 and cannot be"
-                    f" converted; add '{name}' to keep_nodes or drop UNSAFE_FORCE_ALL"
-                )
-            value = node_def.attr[attr.name]
-            if attr.index < 0:
-                value.type = target_dtype
-            else:
-                value.list.type[attr.index] = target_dtype
-            converted += 1
         # A cast goes where a consumer's colour differs; most vertices have none.
         consumers = consumers_of[vertex]
         if allow.issuperset(consumers) if src_allow else allow.isdisjoint(consumers):
             continue
-        node_def = types.node_def(name)
+        name, attr = vertex
         if by_port_node != name:  # the node's out-edges before its first cast
             by_port_node, by_port = name, {}
             for dst, keyed in nodes._succ[name].items():
@@ -115,10 +123,21 @@ def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> Cast
             to_target = not src_allow
             kind = to_target_kind if to_target else CAST_TO_FLOAT32
             src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target_dtype) if to_target else (target_dtype, types_pb2.DT_FLOAT)
-            cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_def, src_dtype, dst_dtype)
+            cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_defs[name], src_dtype, dst_dtype)
             graph_io.insert_node(nodes, cast, name, port, moved)
             added += 1
-            if to_target and node_def.op != "Const" and node_def.op not in VARIABLE_OPS \
-                    and not ctx.reads_ref_variable(name):
+            if to_target and ops[name] != "Const" and ops[name] not in VARIABLE_OPS and not ctx.reads_ref_variable(name):
                 to_target_counted += 1
-    return CastStats(converted, added, to_target_counted)
+    return added, to_target_counted
+
+
+def _cast_candidates(ctx: PaintContext, allow: frozenset[Vertex]) -> Iterable[Vertex]:
+    """The float32 vertices, in graph order, that may need a cast: ALLOW ones and the
+    producers of ALLOW ones. When ALLOW vertices are few (float16), listing those producers
+    first is cheaper than testing every other vertex's consumers; when many (bfloat16), all."""
+    if 3 * len(allow) >= len(ctx.float32):
+        return ctx.float32
+    feeds_allow, fanins = set(allow), ctx.types.graph._pred
+    for vertex in allow:
+        feeds_allow.update(fanins.get(vertex, ()))
+    return [vertex for vertex in ctx.float32 if vertex in feeds_allow]
