@@ -1,10 +1,10 @@
 """The only mutation: set painted dtypes and insert Cast nodes at colour boundaries.
 
-Works on the working copy of the node graph (spec §2.6, normal path): every float32
-vertex in ALLOW gets the target dtype, and each output port whose consumers disagree
-with it in colour gets one Cast, shared by all those consumers, named
-``<src>-<port>-CastTo{Fp16,Bf16,Fp32}-<id>-AutoMixedPrecision`` and placed on the
-source's device.
+Works on the working copy of the node graph (spec §2.6, normal path), knowing of the
+colouring only its ALLOW set: every float32 vertex in ALLOW gets the target dtype, and
+each output port whose consumers disagree with it in colour gets one Cast, shared by all
+those consumers, named ``<src>-<port>-CastTo{Fp16,Bf16,Fp32}-<id>-AutoMixedPrecision``
+and placed on the source's device.
 """
 from __future__ import annotations
 
@@ -15,12 +15,17 @@ from typing import Iterable
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
-from amp_rewrite.core.colouring import VARIABLE_OPS, PaintContext, Painting
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core import graph_io
-from amp_rewrite.core.typegraph import Vertex
+from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.target import Target
+from amp_rewrite.core.typegraph import TypeGraph, Vertex
 
 SUFFIX = "AutoMixedPrecision"
+# Grappler does not count a cast to the target fed by these (nor by a Const).
+VARIABLE_OPS = frozenset(
+    {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
+     "_ReadVariablesOp"}
+)
 CAST_TO_FLOAT32 = "CastToFp32"  # the <Kind> of a target → float32 cast; the other way is the target's
 # The name every cast the rewrite adds has (spec §2.6); the index only keeps names unique.
 CAST_NAME = re.compile(rf"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastTo\w+)-(?P<index>\d+)-{SUFFIX}$")
@@ -62,19 +67,19 @@ def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
     return cast
 
 
-def change_types_and_insert_casts(ctx: PaintContext, painting: Painting) -> CastStats:
-    """Applies ``painting`` to ``ctx.types.nodes`` in place (the working copy): the ALLOW
-    vertices' dtypes, then a cast on every output port whose readers' colours differ."""
-    converted = _convert_dtypes(ctx, painting.allow)
-    added, to_target_counted = _insert_casts(ctx, painting.allow)
+def change_types_and_insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) -> CastStats:
+    """Applies the painting's ``allow`` to ``types.nodes`` in place (the working copy): the
+    ALLOW vertices' dtypes, then a cast on every output port whose readers' colours differ."""
+    converted = _convert_dtypes(types, target, allow)
+    added, to_target_counted = _insert_casts(types, target, allow)
     return CastStats(converted, added, to_target_counted)
 
 
-def _convert_dtypes(ctx: PaintContext, allow: frozenset[Vertex]) -> int:
+def _convert_dtypes(types: TypeGraph, target: Target, allow: frozenset[Vertex]) -> int:
     """Each float32 vertex in ``allow`` takes the target dtype; returns how many."""
-    node_defs, target_dtype = ctx.types.node_defs, ctx.target.dtype
+    node_defs, target_dtype = types.node_defs, target.dtype
     converted = 0
-    for vertex in ctx.float32:  # graph order, so the first fixed port found is the one named
+    for vertex in types.float32:  # graph order, so the first fixed port found is the one named
         if vertex not in allow:
             continue
         name, attr = vertex
@@ -93,16 +98,16 @@ def _convert_dtypes(ctx: PaintContext, allow: frozenset[Vertex]) -> int:
     return converted
 
 
-def _insert_casts(ctx: PaintContext, allow: frozenset[Vertex]) -> tuple[int, int]:
+def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) -> tuple[int, int]:
     """One cast per output port of a float32 vertex and direction, for the readers whose
     colour differs from the vertex's: (casts added, grappler's count of those to the target)."""
-    types, target_dtype, to_target_kind = ctx.types, ctx.target.dtype, ctx.target.cast_kind
+    target_dtype, to_target_kind = target.dtype, target.cast_kind
     nodes, consumers_of, node_defs, ops = types.nodes, types.graph._succ, types.node_defs, types.ops
     added = to_target_counted = 0
     vertices, node_types = types.vertices, types.types
     by_port: dict[int, list] = {}
     by_port_node = None  # the node ``by_port`` lists the out-edges of
-    for vertex in _cast_candidates(ctx, allow):
+    for vertex in _cast_candidates(types, allow):
         src_allow = vertex in allow
         # A cast goes where a consumer's colour differs; most vertices have none.
         consumers = consumers_of[vertex]
@@ -126,18 +131,18 @@ def _insert_casts(ctx: PaintContext, allow: frozenset[Vertex]) -> tuple[int, int
             cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_defs[name], src_dtype, dst_dtype)
             graph_io.insert_node(nodes, cast, name, port, moved)
             added += 1
-            if to_target and ops[name] != "Const" and ops[name] not in VARIABLE_OPS and not ctx.reads_ref_variable(name):
+            if to_target and ops[name] != "Const" and ops[name] not in VARIABLE_OPS and not types.reads_ref_variable(name):
                 to_target_counted += 1
     return added, to_target_counted
 
 
-def _cast_candidates(ctx: PaintContext, allow: frozenset[Vertex]) -> Iterable[Vertex]:
+def _cast_candidates(types: TypeGraph, allow: frozenset[Vertex]) -> Iterable[Vertex]:
     """The float32 vertices, in graph order, that may need a cast: ALLOW ones and the
     producers of ALLOW ones. When ALLOW vertices are few (float16), listing those producers
     first is cheaper than testing every other vertex's consumers; when many (bfloat16), all."""
-    if 3 * len(allow) >= len(ctx.float32):
-        return ctx.float32
-    feeds_allow, fanins = set(allow), ctx.types.graph._pred
+    if 3 * len(allow) >= len(types.float32):
+        return types.float32
+    feeds_allow, fanins = set(allow), types.graph._pred
     for vertex in allow:
         feeds_allow.update(fanins.get(vertex, ()))
-    return [vertex for vertex in ctx.float32 if vertex in feeds_allow]
+    return [vertex for vertex in types.float32 if vertex in feeds_allow]

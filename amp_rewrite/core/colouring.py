@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
 import numpy as np
+import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2, types_pb2
-from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
@@ -69,10 +69,6 @@ BOUNDED_WHEN_NONPOSITIVE = frozenset({"Exp"})
 # Ops whose output is never negative.
 NONNEGATIVE_OPS = frozenset(
     {"Abs", "Exp", "Relu", "Relu6", "Sigmoid", "Softmax", "Softplus", "Sqrt", "Square", "SquaredDifference"}
-)
-VARIABLE_OPS = frozenset(
-    {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
-     "_ReadVariablesOp"}
 )
 
 
@@ -204,19 +200,6 @@ class PaintContext:
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 
-    def reads_ref_variable(self, node: str) -> bool:
-        """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
-        op = self.ops[node]
-        if op not in ("Identity", "Enter"):
-            return False
-        producer = self.types.data_producer(node, 0)
-        if producer is None or producer[0] not in self.ops:
-            return False  # no input, or a Cast the final pass inserted (never on a ref edge)
-        source = producer[0]
-        if op == "Identity":
-            return self.ops[source] in ("Variable", "VariableV2")
-        return self.reads_ref_variable(source)
-
 
 def bounded_ops(lists: OpLists) -> frozenset[str]:
     """The deny ops that act as infer ops where their argument is never positive; none
@@ -279,7 +262,7 @@ def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
     node_def = types.node_def(node)
     if node_def.op != "Const" or "value" not in node_def.attr:
         return False
-    values = tensor_util.MakeNdarray(node_def.attr["value"].tensor)
+    values = tf.make_ndarray(node_def.attr["value"].tensor)
     return values.dtype.kind == "f" and bool(np.all(values <= 0))
 
 
@@ -655,7 +638,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
     ops, processed, float32, frozen, clear_ops = ctx.ops, ctx.processed, ctx.float32, ctx.frozen_nodes, ctx.lists.clear
     boundary, pinned = ctx.boundary, ctx.pinned
     kernel_answers, has_target_kernel, reads_ref_variable = ctx.memo.by_vertex, ctx.has_target_kernel, \
-        ctx.reads_ref_variable
+        ctx.types.reads_ref_variable
 
     def enter(v: Vertex) -> bool:
         node = v.node

@@ -288,7 +288,8 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
     decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow,
                                  {**reasons, **explained})
     # 8. Types and casts, the one mutation (of the working copy).
-    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
+    stats = (casts.change_types_and_insert_casts(ctx.types, ctx.target, painting.allow) if painting.allow
+             else casts.CastStats(0, 0, 0))
     log.debug("%s: step 8 types and casts: %d vertices converted, %d casts", function or "main graph",
               stats.vertices_converted, stats.casts_added)
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,

@@ -256,6 +256,19 @@ class TypeGraph:
                 if data["src_port"] == port:
                     yield dst, data["dst_port"]
 
+    def reads_ref_variable(self, node: str) -> bool:
+        """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
+        op = self.ops[node]
+        if op not in ("Identity", "Enter"):
+            return False
+        producer = self.data_producer(node, 0)
+        if producer is None or producer[0] not in self.ops:
+            return False  # no input, or a Cast the final pass inserted (never on a ref edge)
+        source = producer[0]
+        if op == "Identity":
+            return self.ops[source] in ("Variable", "VariableV2")
+        return self.reads_ref_variable(source)
+
     def data_producer(self, node: str, port: int) -> tuple[str, int] | None:
         for src, keyed in self.nodes._pred[node].items():
             for data in keyed.values():
