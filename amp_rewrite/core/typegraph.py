@@ -331,13 +331,9 @@ def _add_vertices(
     dtypes: frozenset[int] | None,
 ) -> _Vertices:
     """Each node's port map and its vertices of ``dtypes`` (all for None), added to ``graph``
-    as networkx's ``add_nodes_from`` would, without its per-item checks.
-
-    Nodes with the same op and attr names share their layout, and those with the same
-    counts too (an ``AddN``'s ``N``, an ``IdentityN``'s list length) their port map. Without
-    library functions every op is a registered one, and what they share holds for any
-    graph: kept across graphs.
-    """
+    as networkx's ``add_nodes_from`` would, without its per-item checks. Nodes of one op and
+    attr names share a layout, and of equal counts (an ``AddN``'s ``N``) a port map: for any
+    graph when every op is a registered one (no library functions), so kept across graphs."""
     found = _Vertices({}, {}, {}, set(), {})
     types, node_vertices, ops, labelled, float32 = found
     vertex_data, succ, pred = graph._node, graph._succ, graph._pred
