@@ -1,9 +1,10 @@
 """GraphDef ⇄ networkx and FunctionDef ⇄ body round trips, and the tensor-name grammar (graph_io is the only parser)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite import GraphError
 from amp_rewrite.core import functions
@@ -12,6 +13,7 @@ from amp_rewrite.core.graph_io import (
     CONTROL,
     TensorRef,
     insert_node,
+    make_node_def,
     new_node_def,
     parse_tensor_name,
     take_graph_def,
@@ -172,3 +174,53 @@ def test_function_body_round_trip_is_exact():
     assert [graph_def.library.function[program.positions[name]].signature.name for name in program.library] == list(
         program.library
     )
+
+
+# --- make_node_def: the one NodeDef builder ------------------------------------------------
+
+
+def test_make_node_def_types_each_attr_from_the_op_definition():
+    """``N`` is an int attr and ``T``/``Tidx`` type attrs: the same Python int lands in the
+    field its definition names, and the node TensorFlow builds from the same call agrees."""
+    graph_def = graph_pb2.GraphDef()
+    node = make_node_def("ConcatV2", "concat", ["a", "b", "axis"], device="/device:CPU:0", into=graph_def.node,
+                         N=2, T=types_pb2.DT_HALF, Tidx=tf.int32)
+    assert graph_def.node[0] == node
+    assert (node.attr["N"].WhichOneof("value"), node.attr["N"].i) == ("i", 2)
+    assert (node.attr["T"].WhichOneof("value"), node.attr["T"].type) == ("type", types_pb2.DT_HALF)
+    assert node.attr["Tidx"].type == types_pb2.DT_INT32
+    assert list(node.input) == ["a", "b", "axis"] and node.device == "/device:CPU:0"
+    listed = make_node_def("IdentityN", "n", ["a", "b"], T=[types_pb2.DT_FLOAT, tf.bfloat16])
+    assert list(listed.attr["T"].list.type) == [types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16]
+    const = make_node_def("Const", "c", dtype=types_pb2.DT_FLOAT, value=np.arange(3, dtype=np.float32))
+    assert tf.make_ndarray(const.attr["value"].tensor).tolist() == [0.0, 1.0, 2.0]
+    placeholder = make_node_def("Placeholder", "p", dtype=types_pb2.DT_FLOAT, shape=[None, 3], _note=b"kept")
+    assert [d.size for d in placeholder.attr["shape"].shape.dim] == [-1, 3]
+    assert placeholder.attr["_note"].s == b"kept"
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({"N": 2, "T": 2.5}, "node 'bad' \\(AddN\\): attribute 'T' is of type type: give a DataType"),
+        ({"N": types_pb2.DT_FLOAT * 1.0, "T": types_pb2.DT_FLOAT}, "attribute 'N' is of type int: give an int"),
+        ({"N": True, "T": types_pb2.DT_FLOAT}, "attribute 'N' is of type int: give an int, not True"),
+        ({"N": 2, "T": 5000}, "attribute 'T' is of type type: give a DataType"),
+        ({"N": 2, "T": types_pb2.DT_FLOAT, "axis": 0}, "attribute 'axis' is not in the op's definition \\(it has N, T\\)"),
+        ({"N": 2, "T": attr_value_pb2.AttrValue(i=1)}, "attribute 'T' is of type type, but the AttrValue given holds i"),
+        ({"N": 2, "T": types_pb2.DT_FLOAT, "_x": 3}, "attribute '_x' is in no op definition"),
+    ],
+)
+def test_make_node_def_refuses_a_mistyped_or_unknown_attr_and_adds_nothing(attrs, message):
+    """The builder the float8 step, the casts and calibration share types attrs by the op's
+    definition: a value of the wrong kind, or an attr the op lacks, is one GraphError naming
+    node, op and attr, and the graph it was to go into is unchanged."""
+    graph_def = graph_pb2.GraphDef()
+    with pytest.raises(GraphError, match=message):
+        make_node_def("AddN", "bad", ["a", "b"], into=graph_def.node, **attrs)
+    assert len(graph_def.node) == 0
+
+
+def test_make_node_def_names_an_op_tensorflow_does_not_know():
+    with pytest.raises(GraphError, match="node 'n': op 'NoSuchOp' is neither registered"):
+        make_node_def("NoSuchOp", "n", T=types_pb2.DT_FLOAT)

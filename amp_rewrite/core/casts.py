@@ -60,11 +60,7 @@ def _cast_node(nodes, name: str, src_def: node_def_pb2.NodeDef, src_dtype: int, 
 
 @functools.cache
 def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
-    cast = node_def_pb2.NodeDef(op="Cast")
-    cast.attr["SrcT"].type = src_dtype
-    cast.attr["DstT"].type = dst_dtype
-    cast.attr["Truncate"].b = False
-    return cast
+    return graph_io.make_node_def("Cast", "", SrcT=src_dtype, DstT=dst_dtype, Truncate=False)
 
 
 def change_types_and_insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) -> CastStats:

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.errors import AmpRewriteError
-from amp_rewrite.core.graph_io import TensorRef, parse_tensor_name
+from amp_rewrite.core.graph_io import TensorRef, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 
@@ -307,26 +307,14 @@ class NodeWriter:
         self.graph_def, self.nodes = graph_def, nodes
 
     def add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
-        """A node ``name``; ``attrs``: a bool, a DataType enum, or any ``AttrValue``."""
-        node = self.graph_def.node.add(name=name, op=op, input=inputs, device=device)
-        for key, value in attrs.items():
-            if isinstance(value, attr_value_pb2.AttrValue):
-                node.attr[key].CopyFrom(value)
-            elif isinstance(value, bool):
-                node.attr[key].b = value
-            else:
-                node.attr[key].type = value
-        self.nodes[name] = node
+        """A node ``name``, its attrs typed by the op's definition (``graph_io.make_node_def``)."""
+        self.nodes[name] = make_node_def(op, name, inputs, device=device, into=self.graph_def.node, **attrs)
         return name
 
     def const(self, name: str, value: float | list[int] | np.ndarray, dtype: int, device: str) -> str:
-        node = self.graph_def.node.add(name=name, op="Const", device=device)
-        node.attr["dtype"].type = dtype
         numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
                        types_pb2.DT_INT32: np.int32}[dtype]
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.asarray(value, numpy_dtype)))
-        self.nodes[name] = node
-        return name
+        return self.add(name, "Const", [], device, {"dtype": dtype, "value": np.asarray(value, numpy_dtype)})
 
     def amax(self, base: str, tensor: str, dtype: int, device: str) -> str:
         """``Max(Abs(tensor))`` over all its elements, as a float32 scalar (``dtype``: the tensor's)."""
@@ -428,9 +416,8 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
         reference.name = f"{name}-{PROBE}/float16"
         reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
                               for tensor in node.input]
-        difference = output.node.add(name=f"{name}-{PROBE}/error", op="Sub", input=[name, reference.name],
-                                     device=node.device)
-        difference.attr["T"].type = node.attr["T"].type
+        difference = make_node_def("Sub", f"{name}-{PROBE}/error", [name, reference.name], device=node.device,
+                                   into=output.node, T=node.attr["T"].type)
         probes[name] = (reference.name, difference.name)
     return output, probes
 

@@ -16,12 +16,17 @@ keeps both in step. The NodeDefs live in one working GraphDef,
 """
 from __future__ import annotations
 
+import numbers
 import operator
-from typing import Iterable, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable, NamedTuple
 
 import networkx as nx
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from google.protobuf.message import Message
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, op_def_pb2, tensor_pb2, \
+    tensor_shape_pb2, types_pb2
 
+from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 
 CONTROL = -1
@@ -161,7 +166,7 @@ def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
 
 def new_node_def(graph: nx.MultiDiGraph) -> node_def_pb2.NodeDef:
     """An empty NodeDef for ``insert_node``, made inside the working GraphDef so that
-    ``take_graph_def`` hands it back without a copy."""
+    ``take_graph_def`` hands it back without a copy (fill it from a ``make_node_def`` template)."""
     working = graph.graph.get("graph_def")
     return working.node.add() if working is not None else node_def_pb2.NodeDef()
 
@@ -196,3 +201,130 @@ def insert_node(
             keyed = out_edges[consumer] = in_edges[name] = {}
         keyed[position] = {"src_port": 0, "dst_port": position, "tensor": name}
         node_data[consumer]["node_def"].input[position] = name
+
+
+# --------------------------------------------------------------------------------------
+# Building nodes
+
+
+def make_node_def(
+    op: str, name: str, inputs: Iterable[str] = (), *, device: str = "",
+    into: Any = None, functions: Mapping[str, op_def_pb2.OpDef] | None = None, **attrs: object,
+) -> node_def_pb2.NodeDef:
+    """The one way to build a NodeDef: ``name`` running ``op`` on ``inputs``, its attrs typed
+    by the op's definition, so that an ``int`` attr (``N``, ``axis``) and a ``type`` attr
+    (``T``, ``dtype``) cannot be confused, and an attr the definition lacks, or a value of
+    the wrong kind, is a ``GraphError`` naming the node, op and attr.
+
+    A value is what the attr's type takes: a ``DataType`` enum value (or ``tf.DType``) for
+    ``type``, int, float, bool, str or bytes, a shape (dims, ``tf.TensorShape`` or the
+    proto), a tensor (an array or ``TensorProto``), a function name, a sequence of those
+    for ``list(...)``, or an ``AttrValue`` of that kind. Attrs named ``_...`` (TensorFlow's
+    own, in no definition) take an ``AttrValue``, a bool or a string. ``into``: the
+    repeated NodeDef field to create the node in (``graph_def.node``, a FunctionDef's
+    ``node_def``), without a copy; None makes it alone. ``functions``: library signatures,
+    for a node that calls one (``Program.op_defs``).
+    """
+    typed: dict[str, attr_value_pb2.AttrValue] = {}
+    if attrs:
+        op_def = support.resolve_op_def(node_def_pb2.NodeDef(name=name, op=op), functions or {})
+        attr_defs = {attr.name: attr for attr in op_def.attr}
+        for key, value in attrs.items():
+            attr_def = attr_defs.get(key)
+            where = f"node '{name}' ({op}): attribute '{key}'"
+            if attr_def is None and not key.startswith("_"):
+                raise GraphError(f"{where} is not in the op's definition (it has {', '.join(attr_defs) or 'none'})")
+            typed[key] = _attr_value(attr_def.type if attr_def is not None else "", value, where)
+    # Checked first, then made: a bad attr leaves ``into`` as it was.
+    return (into.add if into is not None else node_def_pb2.NodeDef)(name=name, op=op, input=list(inputs),
+                                                                  device=device, attr=typed)
+
+
+# attr type -> (AttrValue field, what a Python value of it is, its name in errors)
+_KINDS: dict[str, tuple[str, Any, str]] = {
+    "type": ("type", lambda v: _datatype(v) is not None, "a DataType (e.g. types_pb2.DT_FLOAT) or tf.DType"),
+    "int": ("i", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an int"),
+    "float": ("f", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a float"),
+    "bool": ("b", lambda v: isinstance(v, bool), "a bool"),
+    "string": ("s", lambda v: isinstance(v, (str, bytes)), "a str or bytes"),
+    "shape": ("shape", lambda v: _shape(v) is not None, "a shape (dims, tf.TensorShape or TensorShapeProto)"),
+    "tensor": ("tensor", lambda v: not isinstance(v, (str, bytes, Message)) or isinstance(v, tensor_pb2.TensorProto),
+               "a tensor (an array or TensorProto)"),
+    "func": ("func", lambda v: isinstance(v, (str, attr_value_pb2.NameAttrList)), "a function name or NameAttrList"),
+}
+
+
+def _attr_value(attr_type: str, given: object, where: str) -> attr_value_pb2.AttrValue:
+    """``given`` as an AttrValue of ``attr_type`` ("" for an attr in no definition)."""
+    value = attr_value_pb2.AttrValue()
+    listed = attr_type.startswith("list(")
+    kind = _KINDS.get(attr_type[len("list("):-1] if listed else attr_type)
+    if isinstance(given, attr_value_pb2.AttrValue):
+        field = given.WhichOneof("value")
+        expected = "list" if listed else kind[0] if kind else field
+        if field != expected:
+            raise GraphError(f"{where} is of type {attr_type}, but the AttrValue given holds {field or 'nothing'}")
+        value.CopyFrom(given)
+    elif not attr_type:
+        if not isinstance(given, (bool, str, bytes)):
+            raise GraphError(f"{where} is in no op definition: give an AttrValue, a bool or a string")
+        _put(value, "b" if isinstance(given, bool) else "s", given)
+    elif kind is None:
+        raise GraphError(f"{where} is of type {attr_type}: give an AttrValue")
+    elif listed:
+        field, fits, what = kind
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not all(map(fits, given)):
+            raise GraphError(f"{where} is of type {attr_type}: give a sequence of {what.removeprefix('a ')},"
+                             f" not {given!r}")
+        value.list.SetInParent()
+        for item in given:
+            _put(value.list, field, item)
+    else:
+        field, fits, what = kind
+        if not fits(given):
+            raise GraphError(f"{where} is of type {attr_type}: give {what}, not {given!r}")
+        _put(value, field, given)
+    return value
+
+
+def _put(holder: Message, field: str, given: Any) -> None:
+    """``given`` into ``field`` of an AttrValue, or appended to that field of its ``list``."""
+    repeated = isinstance(holder, attr_value_pb2.AttrValue.ListValue)
+    if field in ("shape", "tensor", "func"):
+        proto = (_shape(given) if field == "shape" else _tensor(given) if field == "tensor"
+                 else given if isinstance(given, attr_value_pb2.NameAttrList) else attr_value_pb2.NameAttrList(name=given))
+        (getattr(holder, field).add() if repeated else getattr(holder, field)).CopyFrom(proto)
+        return
+    given = _datatype(given) if field == "type" else given.encode() if isinstance(given, str) else given
+    if repeated:
+        getattr(holder, field).append(given)
+    else:
+        setattr(holder, field, given)
+
+
+def _datatype(given: object) -> int | None:
+    """A valid DataType enum value from ``given`` (an int or anything with ``as_datatype_enum``), or None."""
+    enum = getattr(given, "as_datatype_enum", given)
+    if isinstance(enum, bool) or not isinstance(enum, numbers.Integral) or enum == types_pb2.DT_INVALID:
+        return None
+    return int(enum) if int(enum) in types_pb2.DataType.values() else None
+
+
+def _shape(given: object) -> tensor_shape_pb2.TensorShapeProto | None:
+    if isinstance(given, tensor_shape_pb2.TensorShapeProto):
+        return given
+    if hasattr(given, "as_proto"):  # tf.TensorShape
+        return given.as_proto()
+    if isinstance(given, Sequence) and not isinstance(given, (str, bytes)) and all(
+            d is None or isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in given):
+        return tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=-1 if d is None else int(d)) for d in given])
+    return None
+
+
+def _tensor(given: object) -> tensor_pb2.TensorProto:
+    if isinstance(given, tensor_pb2.TensorProto):
+        return given
+    import tensorflow as tf  # only to turn an array into a TensorProto, its public converter
+
+    return tf.make_tensor_proto(given)
