@@ -19,6 +19,7 @@ from amp_rewrite.core.graph_io import (
     take_graph_def,
     to_graph_def,
     to_networkx,
+    working_copy,
 )
 
 
@@ -44,54 +45,55 @@ def test_round_trip_is_byte_identical():
     assert round_tripped.SerializeToString(deterministic=True) == graph_def.SerializeToString(deterministic=True)
 
 
-def test_take_graph_def_equals_to_graph_def_after_edits():
-    """take_graph_def hands back the working copy with added nodes appended: same as to_graph_def."""
+def _fresh(graph_def: graph_pb2.GraphDef) -> dict[str, tuple]:
+    """Each node's parsed inputs and readers, as ``working_copy`` indexes ``graph_def`` anew."""
+    fresh = working_copy(graph_def)
+    return {name: (fresh.inputs[name], fresh.readers[name]) for name in fresh.node_defs}
+
+
+def test_take_graph_def_hands_back_the_working_copy_with_added_nodes_appended():
+    """take_graph_def returns the working GraphDef itself (no node copied), the inserted nodes
+    last, each reader reading them; the caller's graph is untouched."""
     graph_def = _graph_with_control_edges()
-    graph = to_networkx(graph_def)
-    insert_node(graph, node_def_pb2.NodeDef(name="a2", op="Identity"), "split", 0, [("cat", 0), ("cat", 2)])
-    made_inside = new_node_def(graph)
-    made_inside.MergeFrom(node_def_pb2.NodeDef(name="b2", op="Identity"))
-    insert_node(graph, made_inside, "split", 1, [("y", 0)])
-    expected = to_graph_def(graph)
+    graph = working_copy(graph_def)
+    first = new_node_def(graph)
+    first.MergeFrom(node_def_pb2.NodeDef(name="a2", op="Identity"))
+    insert_node(graph, first, "split", 0, [("cat", 0), ("cat", 2)])
+    second = new_node_def(graph)
+    second.MergeFrom(node_def_pb2.NodeDef(name="b2", op="Identity"))
+    insert_node(graph, second, "split", 1, [("y", 0)])
     taken = take_graph_def(graph)
-    assert taken.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    assert taken is graph.graph_def and taken.node[-2] == first
     assert [n.name for n in taken.node][-2:] == ["a2", "b2"] and list(taken.node[-2].input) == ["split:0"]
     assert list(next(n for n in taken.node if n.name == "cat").input) == ["a2", "y", "a2", "cat/axis"]
     assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
 
 
 def test_take_graph_def_leaves_out_a_made_node_never_inserted():
-    graph = to_networkx(_graph_with_control_edges())
+    graph = working_copy(_graph_with_control_edges())
     new_node_def(graph).name = "stray"
     taken = take_graph_def(graph)
-    assert "stray" not in [n.name for n in taken.node]
-    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
+    assert [n.name for n in taken.node] == [n.name for n in _graph_with_control_edges().node]
 
 
-def test_insert_node_moves_inputs_and_edges_together():
-    """The inserted node's edges and its readers' inputs agree, and the graph reads as a
-    freshly built one: same edges, same ports, same spellings."""
-    graph = to_networkx(_graph_with_control_edges())
-    insert_node(graph, node_def_pb2.NodeDef(name="s1", op="Identity"), "split", 1, [("y", 0)])
-    assert not graph.has_edge("split", "y") and graph.has_edge("split", "s1") and graph.has_edge("s1", "y")
-    rebuilt = to_networkx(to_graph_def(graph))
-    def edges(g):
-        return sorted((u, v, k, d["src_port"], d["tensor"]) for u, v, k, d in g.edges(keys=True, data=True))
-    assert edges(graph) == edges(rebuilt)
-    assert list(graph.pred["cat"]) == list(rebuilt.pred["cat"])  # still split, y, cat/axis; "split" loses no key
-    assert graph.nodes["s1"]["node_def"].input == ["split:1"] and graph.nodes["y"]["node_def"].input == ["s1", "^gate"]
+def test_insert_node_moves_inputs_and_indexes_together():
+    """After an insert, the working copy's indexes read as those of a fresh working copy of
+    its GraphDef: same inputs, same ports, same readers in the same order."""
+    graph = working_copy(_graph_with_control_edges())
+    cast = new_node_def(graph)
+    cast.MergeFrom(node_def_pb2.NodeDef(name="s1", op="Identity"))
+    insert_node(graph, cast, "split", 1, [("y", 0)])
+    assert graph.data_readers("split", 1) == [("s1", 0)] and graph.data_readers("s1", 0) == [("y", 0)]
+    assert list(graph.node_defs["s1"].input) == ["split:1"] and list(graph.node_defs["y"].input) == ["s1", "^gate"]
+    assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
 
 
-def test_take_graph_def_copies_when_a_node_was_replaced():
-    graph_def = _graph_with_control_edges()
-    graph = to_networkx(graph_def)
-    replacement = node_def_pb2.NodeDef()
-    replacement.CopyFrom(graph.nodes["gate"]["node_def"])
-    replacement.device = "/device:CPU:0"
-    graph.nodes["gate"]["node_def"] = replacement
-    taken = take_graph_def(graph)
-    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
-    assert next(n for n in taken.node if n.name == "gate").device == "/device:CPU:0"
+def test_inputs_and_readers_carry_ports_and_control_inputs():
+    graph = working_copy(_graph_with_control_edges())
+    assert graph.inputs["cat"] == [("split", 0), ("y", 0), ("split", 0), ("cat/axis", 0)]
+    assert graph.inputs["y"] == [("split", 1), ("gate", CONTROL)]
+    assert graph.readers["split"] == [("y", 0), ("cat", 0), ("cat", 2)] and graph.readers["gate"] == [("y", 1)]
+    assert graph.data_readers("split", 0) == [("cat", 0), ("cat", 2)]
 
 
 def test_edges_carry_ports_and_control_flag():
@@ -121,14 +123,14 @@ def test_dangling_input_names_the_node():
     graph_def = _graph_with_control_edges()
     graph_def.node[-1].input[1] = "ghost:0"
     with pytest.raises(GraphError, match="node 'cat': input 'ghost:0' names a node that is not in the graph"):
-        to_networkx(graph_def)
+        working_copy(graph_def)
 
 
 def test_duplicate_node_name_is_rejected():
     graph_def = _graph_with_control_edges()
     graph_def.node.add().CopyFrom(graph_def.node[0])
     with pytest.raises(GraphError, match="duplicate node name 'x'"):
-        to_networkx(graph_def)
+        working_copy(graph_def)
 
 
 def _library_graph_def() -> graph_pb2.GraphDef:

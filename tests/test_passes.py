@@ -34,7 +34,7 @@ def context(build: Callable[[], object], *, unprocessed: Iterable[str] = (), lis
     """The paint context of the graph ``build`` makes: every node processed on the CPU
     except ``unprocessed``, placeholders (grappler preserves feeds) and the nodes the
     lists' keep_nodes keep."""
-    nodes = graph_io.to_networkx(graph_def_of(build))
+    nodes = graph_io.working_copy(graph_def_of(build))
     kept = preparation.find_processed_nodes(nodes, BFLOAT16, (), lists)[2]
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
     skipped = set(unprocessed) | set(kept)
@@ -166,7 +166,7 @@ def test_next_iteration_takes_the_colour_of_the_merge_it_feeds():
     graph_def = graph_def_of(build)
     merge = next(n for n in graph_def.node if n.name == "merge")
     merge.input[1] = "next"  # close the loop: Merge(enter, next)
-    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def), PAINTED_DTYPES)
+    types = typegraph.build_type_graph(graph_io.working_copy(graph_def), PAINTED_DTYPES)
     processed = {name: "CPU" for name in types.ops if name != "x"}
     ctx = PaintContext(types, LISTS, BFLOAT16, frozenset(processed), processed)
 
@@ -282,7 +282,7 @@ def test_kept_node_is_not_painted_by_the_passes_that_ignore_processed():
 
     graph_def = graph_def_of(loop)
     next(n for n in graph_def.node if n.name == "merge").input[1] = "next"  # Merge(enter, next)
-    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def), PAINTED_DTYPES)
+    types = typegraph.build_type_graph(graph_io.working_copy(graph_def), PAINTED_DTYPES)
     kept = {"next": Reason(Rule.KEEP_NODES, "matches keep_nodes entry 'next'", "next")}
     processed = {name: "CPU" for name in types.ops if name not in ("x", "next")}
     ctx = PaintContext(types, LISTS, BFLOAT16, frozenset(processed), processed, kept=kept)

@@ -43,14 +43,16 @@ class CastStats:
     casts_to_target: int  # grappler's count: casts to the target not fed by Const or variables
 
 
-def _cast_name(nodes, src: str, port: int, kind: str) -> str:
-    index = 0
-    while f"{src}-{port}-{kind}-{index}-{SUFFIX}" in nodes._node:
+def _cast_name(nodes: graph_io.WorkingGraph, src: str, port: int, kind: str) -> str:
+    name, index = f"{src}-{port}-{kind}-0-{SUFFIX}", 0
+    while name in nodes.node_defs:
         index += 1
-    return f"{src}-{port}-{kind}-{index}-{SUFFIX}"
+        name = f"{src}-{port}-{kind}-{index}-{SUFFIX}"
+    return name
 
 
-def _cast_node(nodes, name: str, src_def: node_def_pb2.NodeDef, src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
+def _cast_node(nodes: graph_io.WorkingGraph, name: str, src_def: node_def_pb2.NodeDef, src_dtype: int,
+               dst_dtype: int) -> node_def_pb2.NodeDef:
     cast = graph_io.new_node_def(nodes)
     cast.CopyFrom(_cast_template(src_dtype, dst_dtype))  # one copy instead of three attr map entries
     cast.name = name
@@ -99,6 +101,7 @@ def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) ->
     colour differs from the vertex's: (casts added, grappler's count of those to the target)."""
     target_dtype, to_target_kind = target.dtype, target.cast_kind
     nodes, consumers_of, node_defs, ops = types.nodes, types.graph._succ, types.node_defs, types.ops
+    readers, inputs = nodes.readers, nodes.inputs
     added = to_target_counted = 0
     vertices, node_types = types.vertices, types.types
     by_port: dict[int, list] = {}
@@ -112,9 +115,8 @@ def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) ->
         name, attr = vertex
         if by_port_node != name:  # the node's out-edges before its first cast
             by_port_node, by_port = name, {}
-            for dst, keyed in nodes._succ[name].items():
-                for position, data in keyed.items():
-                    by_port.setdefault(data["src_port"], []).append((dst, position))
+            for dst, position in readers[name]:
+                by_port.setdefault(inputs[dst][position].port, []).append((dst, position))
         for port in node_types[name].output_ports(attr):
             # Readers whose colour differs (an input of another dtype has no vertex: None, never ALLOW).
             moved = [(dst, position) for dst, position in by_port.get(port, ())

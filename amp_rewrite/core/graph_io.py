@@ -1,23 +1,26 @@
-"""GraphDef ⇄ networkx, and the tensor-name grammar, in one place.
+"""GraphDef ⇄ the pass's working copy, the tensor-name grammar, and building NodeDefs, in one place.
 
-The networkx form is a ``MultiDiGraph`` keyed by node name, in GraphDef order. Each node
-carries its ``NodeDef`` (a working copy). Each edge, keyed by its position in the
-consumer's input list, carries
+``working_copy`` copies a GraphDef and indexes it for the pass (``WorkingGraph``): each
+node's NodeDef by name in GraphDef order, its inputs parsed into ``TensorRef``s (data
+inputs first, ``CONTROL`` for ``^name``) and, per node, the (consumer, input position) of
+every input that names it. ``take_graph_def`` hands the working GraphDef back without
+copying a node; change edges only through ``insert_node``, which keeps NodeDef inputs and
+indexes in step. Plain dicts and lists: a networkx graph of the same would cost the pass a
+fifth of its time (``tools/compare_pass_speed.py``). ``to_networkx`` gives the networkx view
+for analyses: a ``MultiDiGraph`` keyed by node name, in GraphDef order, each node carrying
+its ``NodeDef``, each edge, keyed by its position in the consumer's input list,
 
 * ``src_port``: the producer's output port, or ``CONTROL`` for a ``^name`` input;
 * ``dst_port``: that position (data inputs come first, so for a data edge it is also the
   consumer's input port);
 * ``tensor``: the input string exactly as written (``"x"``, ``"x:0"``, ``"^x"``),
 
-so that ``to_graph_def(to_networkx(g)) == g`` byte for byte. A NodeDef's ``input`` list
-always reads the same as its in-edges: change edges only through ``insert_node``, which
-keeps both in step. The NodeDefs live in one working GraphDef,
-``graph.graph["graph_def"]``, that ``take_graph_def`` hands back without copying them.
+so that ``to_graph_def(to_networkx(g)) == g`` byte for byte. ``make_node_def`` is the one
+NodeDef builder: attrs typed by the op's definition.
 """
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Iterable, NamedTuple
 
@@ -73,34 +76,46 @@ def tensor_name(node: str, port: int) -> str:
     return f"^{node}" if port == CONTROL else f"{node}:{port}"
 
 
-def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
-    """Builds the node graph; raises ``GraphError`` on duplicate names or dangling inputs.
+class WorkingGraph:
+    """The pass's working copy of one item: a copy of its GraphDef, the NodeDef of each node
+    in it by name (graph order), each node's inputs parsed, and each node's readers. Only
+    ``insert_node`` changes edges, keeping a NodeDef's input list and both indexes in step;
+    nodes are only added (``new_node_def``), never removed."""
 
-    Fills networkx's adjacency dicts the way ``add_node``/``add_edge`` do (one key dict
-    shared by successor and predecessor maps), without their per-item checks: on a
-    7,000-node graph those checks cost more than the rest of the pass's graph building.
-    """
+    __slots__ = ("graph_def", "node_defs", "inputs", "readers")
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, node_defs: dict[str, node_def_pb2.NodeDef],
+                 inputs: dict[str, list[TensorRef]], readers: dict[str, list[tuple[str, int]]]) -> None:
+        self.graph_def = graph_def  # the copy; take_graph_def hands it back
+        self.node_defs = node_defs
+        self.inputs = inputs    # node -> its inputs, data ones first, as NodeDef.input reads
+        self.readers = readers  # node -> (consumer, input position) of every input naming it, in graph order
+
+    def data_readers(self, node: str, port: int) -> list[tuple[str, int]]:
+        """(consumer, input position) of every data input reading ``node:port``."""
+        inputs = self.inputs
+        return [(dst, position) for dst, position in self.readers[node] if inputs[dst][position].port == port]
+
+
+def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
+    """Copies and indexes ``graph_def`` (the caller's stays untouched); raises ``GraphError``
+    on duplicate names, dangling inputs, or a data input after a control one."""
     working = graph_pb2.GraphDef()
-    working.CopyFrom(graph_def)  # one copy of everything; the caller's graph stays untouched
-    graph = nx.MultiDiGraph(
-        versions=working.versions if working.HasField("versions") else None,
-        library=working.library if working.HasField("library") else None,
-        graph_def=working,
-    )
-    node_data, succ, pred = graph._node, graph._succ, graph._pred
-    node_defs = working.node
-    for node_def in node_defs:
+    working.CopyFrom(graph_def)  # one copy of everything
+    node_defs: dict[str, node_def_pb2.NodeDef] = {}
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node_def in working.node:
         name = node_def.name
-        node_data[name] = {"node_def": node_def}
-        succ[name] = {}
-        pred[name] = {}
-    if len(node_data) != len(node_defs):
+        node_defs[name] = node_def
+        readers[name] = []
+    if len(node_defs) != len(working.node):
         seen: set[str] = set()
-        duplicate = next(name for name in (node_def.name for node_def in node_defs) if name in seen or seen.add(name))
-        node_data.clear()
+        duplicate = next(name for name in (node_def.name for node_def in working.node) if name in seen or seen.add(name))
         raise GraphError(f"duplicate node name '{duplicate}'; node names must be unique")
-    for name, in_edges in pred.items():
-        node_def = node_data[name]["node_def"]
+    inputs: dict[str, list[TensorRef]] = {}
+    new_ref = _new_tuple
+    for name, node_def in node_defs.items():
+        refs = inputs[name] = []
         seen_control = False
         for position, tensor in enumerate(node_def.input[:]):  # a slice iterates twice as fast
             # Most inputs are "name" or "name:port": only the others go through the parser.
@@ -112,23 +127,80 @@ def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
                     port = int(port_text)
                 else:
                     producer, port = parse_tensor_name(tensor, consumer=name)
-            keyed = in_edges.get(producer)
-            if keyed is None:
-                out_edges = succ.get(producer)
-                if out_edges is None:
-                    raise GraphError(
-                        f"node '{name}': input '{tensor}' names a node that is not in the graph;"
-                        " fix or remove that input"
-                    )
-                keyed = out_edges[name] = in_edges[producer] = {}
+            producer_readers = readers.get(producer)
+            if producer_readers is None:
+                raise GraphError(
+                    f"node '{name}': input '{tensor}' names a node that is not in the graph; fix or remove that input"
+                )
             if port == CONTROL:
                 seen_control = True
             elif seen_control:
                 raise GraphError(
-                    f"node '{name}': data input '{tensor}' follows a control input;"
-                    " put control inputs ('^name') last"
+                    f"node '{name}': data input '{tensor}' follows a control input; put control inputs ('^name') last"
                 )
-            keyed[position] = {"src_port": port, "dst_port": position, "tensor": tensor}
+            producer_readers.append((name, position))
+            refs.append(new_ref(TensorRef, (producer, port)))
+    return WorkingGraph(working, node_defs, inputs, readers)
+
+
+def take_graph_def(graph: WorkingGraph) -> graph_pb2.GraphDef:
+    """The working GraphDef itself, with the nodes added since ``working_copy`` (by
+    ``new_node_def``, so already inside it), without copying a node. Leaves out a node made
+    by ``new_node_def`` but never inserted. The working graph must not be used afterwards."""
+    working = graph.graph_def
+    if len(working.node) != len(graph.node_defs):
+        kept = [node_def for node_def in working.node if graph.node_defs.get(node_def.name) is node_def]
+        del working.node[:]
+        working.node.extend(kept)
+    return working
+
+
+def new_node_def(graph: WorkingGraph) -> node_def_pb2.NodeDef:
+    """An empty NodeDef for ``insert_node``, made inside the working GraphDef so that
+    ``take_graph_def`` hands it back without a copy (fill it from a ``make_node_def`` template)."""
+    return graph.graph_def.node.add()
+
+
+def insert_node(
+    graph: WorkingGraph, node_def: node_def_pb2.NodeDef, producer: str, port: int,
+    consumers: Iterable[tuple[str, int]],
+) -> None:
+    """Adds ``node_def`` (from ``new_node_def``, no inputs yet) fed by ``producer:port``,
+    and moves each (consumer, input position) in ``consumers``, a data input that reads
+    ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
+    Keeps every NodeDef's inputs reading the same as the indexes."""
+    name, node_defs, inputs, readers = node_def.name, graph.node_defs, graph.inputs, graph.readers
+    assert name not in node_defs, f"node '{name}' is already in the graph"
+    node_def.input.append(tensor_name(producer, port))
+    node_defs[name] = node_def
+    inputs[name] = [_new_tuple(TensorRef, (producer, port))]
+    moved = list(consumers)
+    readers[name] = moved
+    gone = set(moved)
+    producer_readers = readers[producer]
+    producer_readers[:] = [reader for reader in producer_readers if reader not in gone]
+    producer_readers.append((name, 0))
+    output = _new_tuple(TensorRef, (name, 0))
+    for consumer, position in moved:
+        inputs[consumer][position] = output
+        node_defs[consumer].input[position] = name
+
+
+def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
+    """``graph_def`` as a networkx ``MultiDiGraph`` keyed by node name, in GraphDef order,
+    for analyses that want networkx (the command's deny paths): nodes carry their
+    ``node_def`` (a copy), edges ``src_port``, ``dst_port`` and ``tensor`` (module doc).
+    Checked as ``working_copy`` checks."""
+    working = working_copy(graph_def)
+    copy = working.graph_def
+    graph = nx.MultiDiGraph(versions=copy.versions if copy.HasField("versions") else None,
+                            library=copy.library if copy.HasField("library") else None)
+    for name, node_def in working.node_defs.items():
+        graph.add_node(name, node_def=node_def)
+    for name, refs in working.inputs.items():
+        written = working.node_defs[name].input
+        for position, (producer, port) in enumerate(refs):
+            graph.add_edge(producer, name, key=position, src_port=port, dst_port=position, tensor=written[position])
     return graph
 
 
@@ -140,67 +212,6 @@ def to_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
             getattr(graph_def, field).CopyFrom(graph.graph[field])
     graph_def.node.extend(data["node_def"] for _, data in graph.nodes(data=True))
     return graph_def
-
-
-def take_graph_def(graph: nx.MultiDiGraph) -> graph_pb2.GraphDef:
-    """``to_graph_def(graph)`` without copying every node: the working GraphDef itself, with
-    the nodes added since ``to_networkx`` appended (those from ``new_node_def`` are there
-    already). The graph must not be used afterwards.
-
-    Falls back to ``to_graph_def`` when the graph's first nodes, versions or library are
-    no longer the working GraphDef's own (a node was removed or replaced, or one from
-    ``new_node_def`` never inserted, say).
-    """
-    working = graph.graph.pop("graph_def", None)
-    node_defs = [data["node_def"] for data in graph._node.values()]
-    if working is None or len(node_defs) < len(working.node) or any(
-        map(operator.is_not, node_defs, working.node)
-    ) or any(
-        graph.graph[field] is not (getattr(working, field) if working.HasField(field) else None)
-        for field in ("versions", "library")
-    ):
-        return to_graph_def(graph)
-    working.node.extend(node_defs[len(working.node):])
-    return working
-
-
-def new_node_def(graph: nx.MultiDiGraph) -> node_def_pb2.NodeDef:
-    """An empty NodeDef for ``insert_node``, made inside the working GraphDef so that
-    ``take_graph_def`` hands it back without a copy (fill it from a ``make_node_def`` template)."""
-    working = graph.graph.get("graph_def")
-    return working.node.add() if working is not None else node_def_pb2.NodeDef()
-
-
-def insert_node(
-    graph: nx.MultiDiGraph, node_def: node_def_pb2.NodeDef, producer: str, port: int,
-    consumers: Iterable[tuple[str, int]],
-) -> None:
-    """Adds ``node_def`` (from ``new_node_def``, no inputs yet) fed by ``producer:port``,
-    and moves each (consumer, input position) in ``consumers``, a data input that reads
-    ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
-
-    Fills networkx's dicts as ``add_node``/``add_edge``/``remove_edge`` would, without
-    their checks, and keeps every NodeDef's inputs reading the same as its edges.
-    """
-    name, node_data, succ, pred = node_def.name, graph._node, graph._succ, graph._pred
-    assert name not in node_data, f"node '{name}' is already in the graph"
-    tensor = tensor_name(producer, port)
-    node_def.input.append(tensor)
-    node_data[name] = {"node_def": node_def}
-    keyed = succ[producer][name] = {0: {"src_port": port, "dst_port": 0, "tensor": tensor}}
-    out_edges = succ[name] = {}
-    pred[name] = {producer: keyed}
-    for consumer, position in consumers:
-        in_edges = pred[consumer]
-        old = in_edges[producer]
-        del old[position]
-        if not old:
-            del in_edges[producer], succ[producer][consumer]
-        keyed = out_edges.get(consumer)
-        if keyed is None:
-            keyed = out_edges[consumer] = in_edges[name] = {}
-        keyed[position] = {"src_port": 0, "dst_port": position, "tensor": name}
-        node_data[consumer]["node_def"].input[position] = name
 
 
 # --------------------------------------------------------------------------------------

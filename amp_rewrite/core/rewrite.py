@@ -5,7 +5,7 @@ The steps, numbered alike here, in the code below and in its DEBUG log lines (th
 
 1-2. ``lists.load_lists``: the four lists for the target, with TensorFlow's variables
      (spec §2.1 steps 1-2). Once per rewrite; then, for every item (spec §1.2):
-3.   ``graph_io.to_networkx``: the working copy of the item, the only graph changed.
+3.   ``graph_io.working_copy``: the working copy of the item, the only graph changed.
 4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4),
      and which ones keep_nodes keeps (deny ops in step 7.2).
 5.   ``preparation.upgrade_batch_norm_ops``: FusedBatchNorm(Grad) → V2 (spec §2.1 step 5).
@@ -248,11 +248,11 @@ def _prepare(
 ) -> _Item:
     """Steps 3-6 (module doc) on one item."""
     # 3. The working copy as a node graph; every fetch must exist.
-    nodes = graph_io.to_networkx(graph_def)
-    missing = [f for f in fetches if f not in nodes]
+    nodes = graph_io.working_copy(graph_def)
+    missing = [f for f in fetches if f not in nodes.node_defs]
     if missing:
         raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
-    log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes))
+    log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes.node_defs))
     # 4. Which nodes may be painted.
     processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function, reasons)
     log.debug("%s: step 4 processed nodes: %d, skipped %d (kept %d)", function or "main graph", len(processed),

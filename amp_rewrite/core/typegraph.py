@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import networkx as nx
 from tensorflow.core.framework import (
@@ -24,6 +24,7 @@ from tensorflow.core.framework import (
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.graph_io import WorkingGraph
 
 
 class TypeAttr(NamedTuple):
@@ -221,7 +222,7 @@ class TypeGraph:
     """Vertices and edges for colouring, over a node graph from ``graph_io``."""
 
     graph: nx.DiGraph                  # Vertex -> Vertex, no attrs (ports: see ``nodes``)
-    nodes: nx.MultiDiGraph             # the node graph it was built from
+    nodes: WorkingGraph                # the working copy it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
     node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
     # node name -> its vertices in ``NodeTypes.attrs`` order, None for those not in ``graph``
@@ -249,12 +250,9 @@ class TypeGraph:
         vertex = self.vertices[node][slot]
         return vertex if vertex is not None else Vertex(node, self.types[node].attrs[slot])
 
-    def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
+    def data_consumers(self, node: str, port: int) -> list[tuple[str, int]]:
         """(consumer, input port) for every data edge out of ``node:port``."""
-        for dst, keyed in self.nodes._succ[node].items():
-            for data in keyed.values():
-                if data["src_port"] == port:
-                    yield dst, data["dst_port"]
+        return self.nodes.data_readers(node, port)
 
     def reads_ref_variable(self, node: str) -> bool:
         """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
@@ -270,11 +268,8 @@ class TypeGraph:
         return self.reads_ref_variable(source)
 
     def data_producer(self, node: str, port: int) -> tuple[str, int] | None:
-        for src, keyed in self.nodes._pred[node].items():
-            for data in keyed.values():
-                if data["dst_port"] == port and data["src_port"] >= 0:
-                    return src, data["src_port"]
-        return None
+        inputs = self.nodes.inputs[node]
+        return tuple(inputs[port]) if port < len(inputs) and inputs[port].port >= 0 else None
 
 
 def add_implicit_edges(types: TypeGraph, edges: Iterable[tuple[Vertex, Vertex]]) -> None:
@@ -287,7 +282,7 @@ def add_implicit_edges(types: TypeGraph, edges: Iterable[tuple[Vertex, Vertex]])
 
 
 def build_type_graph(
-    nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None, op_defs: Mapping[str, op_def_pb2.OpDef] | None = None
+    nodes: WorkingGraph, dtypes: frozenset[int] | None = None, op_defs: Mapping[str, op_def_pb2.OpDef] | None = None
 ) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
 
@@ -302,11 +297,11 @@ def build_type_graph(
     Two steps: each node's port map and vertices (filling in the working copy's missing
     default attrs first; the caller's graph is untouched), then the edges between vertices.
     """
-    functions = support.library_op_defs(nodes.graph["library"]) if op_defs is None else op_defs
-    node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
+    functions = support.library_op_defs(nodes.graph_def.library) if op_defs is None else op_defs
+    node_defs = dict(nodes.node_defs)  # the nodes colouring knows: not the casts added later
     graph = nx.DiGraph()
     found = _add_vertices(graph, node_defs, functions, dtypes)
-    _add_edges(graph, nodes, node_defs, found.types, found.vertices)
+    _add_edges(graph, nodes, found.types, found.vertices)
     return TypeGraph(graph, nodes, found.types, node_defs, found.vertices, found.ops, frozenset(found.labelled),
                      found.float32, functions)
 
@@ -386,33 +381,45 @@ def _add_vertices(
 
 
 def _add_edges(
-    graph: nx.DiGraph, nodes: nx.MultiDiGraph, node_defs: Mapping[str, node_def_pb2.NodeDef],
-    types: Mapping[str, NodeTypes], node_vertices: Mapping[str, list[Vertex | None]],
+    graph: nx.DiGraph, nodes: WorkingGraph, types: Mapping[str, NodeTypes],
+    node_vertices: Mapping[str, list[Vertex | None]],
 ) -> None:
     """An edge for every data edge of ``nodes`` between two vertices of ``graph``, once however
-    many tensors join them; every node's data inputs are counted against its port map."""
-    succ, pred, no_attrs = graph._succ, graph._pred, _NO_ATTRS
-    for dst, in_edges in nodes._pred.items():
+    many tensors join them; every node's data inputs are counted against its port map.
+
+    A node's in-edges go in by producer, producers in the order of their first input (as the
+    node graph lists them): which predecessor a vertex lists first decides walk orders and
+    so which root a reason names. Only a node with three inputs or more can read a producer
+    again after another one."""
+    succ, pred, no_attrs, node_defs = graph._succ, graph._pred, _NO_ATTRS, nodes.node_defs
+    for dst, refs in nodes.inputs.items():
         dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
         data_inputs = 0
-        for src, keyed in in_edges.items():
-            src_vertices, src_slots = node_vertices[src], types[src].output_slots
-            for data in keyed.values():
-                out_port = data["src_port"]
-                if out_port < 0:
-                    continue
-                data_inputs += 1
-                if out_port >= len(src_slots):
-                    raise GraphError(
-                        f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
-                        f" which has {len(src_slots)} output(s)"
-                    )
-                try:
-                    v = dst_vertices[dst_slots[data["dst_port"]]]
-                except IndexError:  # more data inputs than the op has
-                    raise _port_count_error(node_defs[dst], len(dst_slots)) from None
-                u = src_vertices[src_slots[out_port]]
-                if u is not None and v is not None:
-                    succ[u][v] = pred[v][u] = no_attrs
+        for position in _by_producer(refs) if len(refs) > 2 else range(len(refs)):
+            src, out_port = refs[position]
+            if out_port < 0:
+                continue
+            data_inputs += 1
+            src_slots = types[src].output_slots
+            if out_port >= len(src_slots):
+                raise GraphError(
+                    f"node '{dst}': input '{node_defs[dst].input[position]}' names output {out_port} of '{src}',"
+                    f" which has {len(src_slots)} output(s)"
+                )
+            try:
+                v = dst_vertices[dst_slots[position]]
+            except IndexError:  # more data inputs than the op has
+                raise _port_count_error(node_defs[dst], len(dst_slots)) from None
+            u = node_vertices[src][src_slots[out_port]]
+            if u is not None and v is not None:
+                succ[u][v] = pred[v][u] = no_attrs
         if data_inputs != len(dst_slots):
             raise _port_count_error(node_defs[dst], len(dst_slots))
+
+
+def _by_producer(refs: Sequence[tuple[str, int]]) -> list[int]:
+    """Input positions grouped by producer, producers in the order of their first input."""
+    first: dict[str, int] = {}
+    for position, (producer, _) in enumerate(refs):
+        first.setdefault(producer, position)
+    return sorted(range(len(refs)), key=lambda position: first[refs[position][0]])
