@@ -14,7 +14,6 @@ from amp_rewrite.core.graph_io import (
     TensorRef,
     insert_node,
     make_node_def,
-    new_node_def,
     parse_tensor_name,
     take_graph_def,
     to_graph_def,
@@ -51,40 +50,34 @@ def _fresh(graph_def: graph_pb2.GraphDef) -> dict[str, tuple]:
     return {name: (fresh.inputs[name], fresh.readers[name]) for name in fresh.node_defs}
 
 
+_IDENTITY = node_def_pb2.NodeDef(op="Identity")
+
+
 def test_take_graph_def_hands_back_the_working_copy_with_added_nodes_appended():
     """take_graph_def returns the working GraphDef itself (no node copied), the inserted nodes
-    last, each reader reading them; the caller's graph is untouched."""
+    last, each on its device, each reader reading them; the caller's graph is untouched."""
     graph_def = _graph_with_control_edges()
     graph = working_copy(graph_def)
-    first = new_node_def(graph)
-    first.MergeFrom(node_def_pb2.NodeDef(name="a2", op="Identity"))
-    insert_node(graph, first, "split", 0, [("cat", 0), ("cat", 2)])
-    second = new_node_def(graph)
-    second.MergeFrom(node_def_pb2.NodeDef(name="b2", op="Identity"))
-    insert_node(graph, second, "split", 1, [("y", 0)])
+    first = insert_node(graph, _IDENTITY, "a2", "/device:CPU:0", "split", 0, [("cat", 0), ("cat", 2)])
+    insert_node(graph, _IDENTITY, "b2", "", "split", 1, [("y", 0)])
     taken = take_graph_def(graph)
-    assert taken is graph.graph_def and taken.node[-2] == first
+    assert taken is graph.graph_def and taken.node[-2] == first and first.device == "/device:CPU:0"
     assert [n.name for n in taken.node][-2:] == ["a2", "b2"] and list(taken.node[-2].input) == ["split:0"]
+    assert [n.op for n in taken.node][-2:] == ["Identity", "Identity"] and _IDENTITY.name == ""
     assert list(next(n for n in taken.node if n.name == "cat").input) == ["a2", "y", "a2", "cat/axis"]
     assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
-
-
-def test_take_graph_def_leaves_out_a_made_node_never_inserted():
-    graph = working_copy(_graph_with_control_edges())
-    new_node_def(graph).name = "stray"
-    taken = take_graph_def(graph)
-    assert [n.name for n in taken.node] == [n.name for n in _graph_with_control_edges().node]
 
 
 def test_insert_node_moves_inputs_and_indexes_together():
     """After an insert, the working copy's indexes read as those of a fresh working copy of
     its GraphDef: same inputs, same ports, same readers in the same order."""
     graph = working_copy(_graph_with_control_edges())
-    cast = new_node_def(graph)
-    cast.MergeFrom(node_def_pb2.NodeDef(name="s1", op="Identity"))
-    insert_node(graph, cast, "split", 1, [("y", 0)])
+    insert_node(graph, _IDENTITY, "s1", "", "split", 1, [("y", 0)])
     assert graph.data_readers("split", 1) == [("s1", 0)] and graph.data_readers("s1", 0) == [("y", 0)]
     assert list(graph.node_defs["s1"].input) == ["split:1"] and list(graph.node_defs["y"].input) == ["s1", "^gate"]
+    assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
+    insert_node(graph, _IDENTITY, "s0", "", "split", 0, [("cat", 2)])  # one of two readers of split:0
+    assert graph.data_readers("split", 0) == [("cat", 0), ("s0", 0)]
     assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
 
 

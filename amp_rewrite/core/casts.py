@@ -51,15 +51,6 @@ def _cast_name(nodes: graph_io.WorkingGraph, src: str, port: int, kind: str) -> 
     return name
 
 
-def _cast_node(nodes: graph_io.WorkingGraph, name: str, src_def: node_def_pb2.NodeDef, src_dtype: int,
-               dst_dtype: int) -> node_def_pb2.NodeDef:
-    cast = graph_io.new_node_def(nodes)
-    cast.CopyFrom(_cast_template(src_dtype, dst_dtype))  # one copy instead of three attr map entries
-    cast.name = name
-    cast.device = src_def.device
-    return cast
-
-
 @functools.cache
 def _cast_template(src_dtype: int, dst_dtype: int) -> node_def_pb2.NodeDef:
     return graph_io.make_node_def("Cast", "", SrcT=src_dtype, DstT=dst_dtype, Truncate=False)
@@ -126,8 +117,8 @@ def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) ->
             to_target = not src_allow
             kind = to_target_kind if to_target else CAST_TO_FLOAT32
             src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target_dtype) if to_target else (target_dtype, types_pb2.DT_FLOAT)
-            cast = _cast_node(nodes, _cast_name(nodes, name, port, kind), node_defs[name], src_dtype, dst_dtype)
-            graph_io.insert_node(nodes, cast, name, port, moved)
+            graph_io.insert_node(nodes, _cast_template(src_dtype, dst_dtype), _cast_name(nodes, name, port, kind),
+                                 node_defs[name].device, name, port, moved)
             added += 1
             if to_target and ops[name] != "Const" and ops[name] not in VARIABLE_OPS and not types.reads_ref_variable(name):
                 to_target_counted += 1

@@ -5,7 +5,7 @@ node's NodeDef by name in GraphDef order, its inputs parsed into ``TensorRef``s 
 inputs first, ``CONTROL`` for ``^name``) and, per node, the (consumer, input position) of
 every input that names it. ``take_graph_def`` hands the working GraphDef back without
 copying a node; change edges only through ``insert_node``, which keeps NodeDef inputs and
-indexes in step. Plain dicts and lists: a networkx graph of the same would cost the pass a
+indexes in step (it is the only way to add a node). Plain dicts and lists: a networkx graph of the same would cost the pass a
 fifth of its time (``tools/compare_pass_speed.py``). ``to_networkx`` gives the networkx view
 for analyses: a ``MultiDiGraph`` keyed by node name, in GraphDef order, each node carrying
 its ``NodeDef``, each edge, keyed by its position in the consumer's input list,
@@ -80,7 +80,7 @@ class WorkingGraph:
     """The pass's working copy of one item: a copy of its GraphDef, the NodeDef of each node
     in it by name (graph order), each node's inputs parsed, and each node's readers. Only
     ``insert_node`` changes edges, keeping a NodeDef's input list and both indexes in step;
-    nodes are only added (``new_node_def``), never removed."""
+    nodes are only added (by it), never removed."""
 
     __slots__ = ("graph_def", "node_defs", "inputs", "readers")
 
@@ -144,46 +144,40 @@ def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
 
 
 def take_graph_def(graph: WorkingGraph) -> graph_pb2.GraphDef:
-    """The working GraphDef itself, with the nodes added since ``working_copy`` (by
-    ``new_node_def``, so already inside it), without copying a node. Leaves out a node made
-    by ``new_node_def`` but never inserted. The working graph must not be used afterwards."""
-    working = graph.graph_def
-    if len(working.node) != len(graph.node_defs):
-        kept = [node_def for node_def in working.node if graph.node_defs.get(node_def.name) is node_def]
-        del working.node[:]
-        working.node.extend(kept)
-    return working
-
-
-def new_node_def(graph: WorkingGraph) -> node_def_pb2.NodeDef:
-    """An empty NodeDef for ``insert_node``, made inside the working GraphDef so that
-    ``take_graph_def`` hands it back without a copy (fill it from a ``make_node_def`` template)."""
-    return graph.graph_def.node.add()
+    """The working GraphDef itself, with the nodes ``insert_node`` added appended, without
+    copying a node. The working graph must not be used afterwards."""
+    return graph.graph_def
 
 
 def insert_node(
-    graph: WorkingGraph, node_def: node_def_pb2.NodeDef, producer: str, port: int,
-    consumers: Iterable[tuple[str, int]],
-) -> None:
-    """Adds ``node_def`` (from ``new_node_def``, no inputs yet) fed by ``producer:port``,
-    and moves each (consumer, input position) in ``consumers``, a data input that reads
-    ``producer:port``, onto its output 0: how a Cast goes between a tensor and readers.
-    Keeps every NodeDef's inputs reading the same as the indexes."""
-    name, node_defs, inputs, readers = node_def.name, graph.node_defs, graph.inputs, graph.readers
+    graph: WorkingGraph, template: node_def_pb2.NodeDef, name: str, device: str, producer: str, port: int,
+    consumers: Sequence[tuple[str, int]],
+) -> node_def_pb2.NodeDef:
+    """Adds a node ``name`` on ``device``, a copy of ``template`` (op and attrs, from
+    ``make_node_def``), fed by ``producer:port``, and moves each (consumer, input position)
+    in ``consumers``, data inputs that read ``producer:port``, onto its output 0: how a Cast
+    goes between a tensor and readers. Made inside the working GraphDef, so that
+    ``take_graph_def`` hands it back without a copy; NodeDef inputs and indexes stay in step."""
+    node_defs, inputs, readers = graph.node_defs, graph.inputs, graph.readers
     assert name not in node_defs, f"node '{name}' is already in the graph"
+    node_def = graph.graph_def.node.add()
+    node_def.CopyFrom(template)  # one copy instead of an attr map entry each
+    node_def.name = name
+    if device:
+        node_def.device = device
     node_def.input.append(tensor_name(producer, port))
     node_defs[name] = node_def
     inputs[name] = [_new_tuple(TensorRef, (producer, port))]
-    moved = list(consumers)
-    readers[name] = moved
-    gone = set(moved)
+    readers[name] = list(consumers)
     producer_readers = readers[producer]
-    producer_readers[:] = [reader for reader in producer_readers if reader not in gone]
+    moved = consumers if len(consumers) < 8 else set(consumers)  # a short list is searched faster than hashed
+    producer_readers[:] = [reader for reader in producer_readers if reader not in moved]
     producer_readers.append((name, 0))
     output = _new_tuple(TensorRef, (name, 0))
-    for consumer, position in moved:
+    for consumer, position in consumers:
         inputs[consumer][position] = output
         node_defs[consumer].input[position] = name
+    return node_def
 
 
 def to_networkx(graph_def: graph_pb2.GraphDef) -> nx.MultiDiGraph:
