@@ -285,8 +285,8 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
         v: colouring.explain(ctx, painting, skipped, v) for v in ctx.float32
         if v.attr.name and (v.node in skipped or v not in reasons)
     }
-    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow,
-                                 {**reasons, **explained})
+    reasons.update(explained)  # the painting's own dict: this item's painting is done with
+    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow, reasons)
     # 8. Types and casts, the one mutation (of the working copy).
     stats = (casts.change_types_and_insert_casts(ctx.types, ctx.target, painting.allow) if painting.allow
              else casts.CastStats(0, 0, 0))

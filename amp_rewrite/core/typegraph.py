@@ -224,7 +224,7 @@ class TypeGraph:
     graph: nx.DiGraph                  # Vertex -> Vertex, no attrs (ports: see ``nodes``)
     nodes: WorkingGraph                # the working copy it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
-    node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
+    node_defs: dict[str, node_def_pb2.NodeDef]  # ``nodes.node_defs``: node name -> NodeDef
     # node name -> its vertices in ``NodeTypes.attrs`` order, None for those not in ``graph``
     # (``node_vertices`` makes them): most are never asked for.
     vertices: dict[str, list[Vertex | None]]
@@ -298,7 +298,7 @@ def build_type_graph(
     default attrs first; the caller's graph is untouched), then the edges between vertices.
     """
     functions = support.library_op_defs(nodes.graph_def.library) if op_defs is None else op_defs
-    node_defs = dict(nodes.node_defs)  # the nodes colouring knows: not the casts added later
+    node_defs = nodes.node_defs  # casts join it later: nothing reads it for every node after they do
     graph = nx.DiGraph()
     found = _add_vertices(graph, node_defs, functions, dtypes)
     _add_edges(graph, nodes, found.types, found.vertices)
