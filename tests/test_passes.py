@@ -147,6 +147,26 @@ def test_allow_op_vertices_the_op_definition_rejects_are_removed():
     assert removed[sizes].rule is Rule.UNCONVERTIBLE
 
 
+def test_allow_op_vertices_of_a_quantized_node_are_removed():
+    """Step 7.7: a node with a quantized dtype anywhere (here Dequantize's ``T``, quint8) keeps
+    its float vertices out of ALLOW even when its op is allowlisted; a float-only node of the
+    same graph stays."""
+    def build():
+        quantized = tf.raw_ops.QuantizeV2(input=x(), min_range=-1.0, max_range=1.0, T=tf.quint8, name="quantize")
+        tf.raw_ops.Dequantize(input=quantized.output, min_range=quantized.output_min,
+                              max_range=quantized.output_max, name="allow_quantized")
+        tf.identity(x(), name="allow1")
+
+    lists = OpLists(target="bfloat16", allow={"Dequantize", "Identity"}, deny=(), infer=(), clear=())
+    ctx = context(build, lists=lists)
+    allow = set(colouring.add_allowlist_ops(ctx))
+    dequantized = Vertex("allow_quantized", TypeAttr("dtype"))
+    assert {dequantized} | t("allow1") <= allow
+    removed = colouring.remove_unconvertible_allow(ctx, allow)
+    assert dequantized in removed and removed[dequantized] == Reason(Rule.UNCONVERTIBLE, "the node is quantized")
+    assert not t("allow1") & removed.keys()
+
+
 def _v1_loop() -> None:
     """A v1 while loop's skeleton: Enter → Merge ⇄ NextIteration, the body one MatMul."""
     from tensorflow.python.ops import control_flow_ops  # Merge/NextIteration builders

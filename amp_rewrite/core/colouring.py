@@ -25,15 +25,12 @@ from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.target import Target
-from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex, dtype_of
+from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 
 log = logging.getLogger(__name__)
 
 
 DT_FLOAT = types_pb2.DT_FLOAT
-QUANTIZED = frozenset(
-    {types_pb2.DT_QINT8, types_pb2.DT_QUINT8, types_pb2.DT_QINT16, types_pb2.DT_QUINT16, types_pb2.DT_QINT32}
-)
 TENSOR_LIST_READERS = frozenset(
     {"TensorListConcat", "TensorListConcatV2", "TensorListGather", "TensorListGetItem",
      "TensorListPopBack", "TensorListStack"}
@@ -684,18 +681,19 @@ def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Ve
     """Step 7.7: allowlisted vertices whose op definition rejects the target, or quantized nodes (grappler logs
     "pass 6")."""
     removed: dict[Vertex, Reason] = {}
-    quantized: dict[str, bool] = {}
-    ops, allow_ops = ctx.ops, ctx.lists.allow
+    allows: dict[tuple[str, TypeAttr], bool] = {}  # op_allows_target by (op, attr): the same for every node
+    ops, allow_ops, quantized = ctx.ops, ctx.lists.allow, ctx.types.quantized
     for vertex in allow:
-        node = vertex.node
-        if ops[node] not in allow_ops:
+        node, attr = vertex
+        op = ops[node]
+        if op not in allow_ops:
             continue
-        if node not in quantized:
-            node_def = ctx.types.node_defs[node]
-            quantized[node] = any(dtype_of(node_def, a) in QUANTIZED for a in ctx.types.types[node].attrs)
-        if not ctx.op_allows_target(vertex):
-            removed[vertex] = Reason(Rule.UNCONVERTIBLE, f"the op definition of {ops[node]} does not allow the target dtype for {vertex.attr}")
-        elif quantized[node]:
+        allowed = allows.get((op, attr))
+        if allowed is None:
+            allowed = allows[(op, attr)] = ctx.op_allows_target(vertex)
+        if not allowed:
+            removed[vertex] = Reason(Rule.UNCONVERTIBLE, f"the op definition of {op} does not allow the target dtype for {attr}")
+        elif node in quantized:
             removed[vertex] = Reason(Rule.UNCONVERTIBLE, "the node is quantized")
     return removed
 

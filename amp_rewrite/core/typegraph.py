@@ -27,6 +27,11 @@ from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import WorkingGraph
 
 
+QUANTIZED = frozenset(
+    {types_pb2.DT_QINT8, types_pb2.DT_QUINT8, types_pb2.DT_QINT16, types_pb2.DT_QUINT16, types_pb2.DT_QINT32}
+)
+
+
 class TypeAttr(NamedTuple):
     """One dtype slot of a node: attr name (+ list index), or a fixed dtype."""
 
@@ -230,6 +235,7 @@ class TypeGraph:
     vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]                         # node name -> op
     labelled: frozenset[str]                    # nodes with a "_kernel" label attr
+    quantized: frozenset[str]                   # nodes with a quantized dtype (never converted, spec §2.3 pass 6)
     float32: Mapping[Vertex, None]              # the vertices that were float32 when built, in graph order
     op_defs: Mapping[str, op_def_pb2.OpDef]     # library function name -> signature: the ops that call one
 
@@ -303,7 +309,7 @@ def build_type_graph(
     found = _add_vertices(graph, node_defs, functions, dtypes)
     _add_edges(graph, nodes, found.types, found.vertices)
     return TypeGraph(graph, nodes, found.types, node_defs, found.vertices, found.ops, frozenset(found.labelled),
-                     found.float32, functions)
+                     frozenset(found.quantized), found.float32, functions)
 
 
 # What every vertex and every edge of a type graph carries: nothing. One shared empty dict,
@@ -318,6 +324,7 @@ class _Vertices(NamedTuple):
     vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]
     labelled: set[str]
+    quantized: set[str]
     float32: dict[Vertex, None]
 
 
@@ -329,8 +336,8 @@ def _add_vertices(
     as networkx's ``add_nodes_from`` would, without its per-item checks. Nodes of one op and
     attr names share a layout, and of equal counts (an ``AddN``'s ``N``) a port map: for any
     graph when every op is a registered one (no library functions), so kept across graphs."""
-    found = _Vertices({}, {}, {}, set(), {})
-    types, node_vertices, ops, labelled, float32 = found
+    found = _Vertices({}, {}, {}, set(), set(), {})
+    types, node_vertices, ops, labelled, quantized, float32 = found
     vertex_data, succ, pred = graph._node, graph._succ, graph._pred
     layouts: dict[tuple[str, tuple[str, ...]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
     shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
@@ -366,6 +373,8 @@ def _add_vertices(
                 else:
                     listed = value.list.type
                     dtype = listed[index] if index < len(listed) else dt_invalid
+            if dtype in QUANTIZED:
+                quantized.add(name)
             if keep_all or dtype in dtypes:
                 vertex = new_vertex(Vertex, (name, attr))
                 vertex_data[vertex] = no_attrs
