@@ -559,8 +559,7 @@ def add_clear_and_infer_between_allow(
     roots = _allow_op_vertices(ctx, seeds)
 
     allow_ops, infer_ops, clear_ops, bounded = lists.allow, lists.infer, lists.clear, ctx.bounded
-    boundary, pinned = ctx.boundary, ctx.pinned
-    kernel_answers, has_target_kernel = ctx.memo.by_vertex, ctx.has_target_kernel
+    boundary, pinned, has_target_kernel = ctx.boundary, ctx.pinned, ctx.has_target_kernel
 
     def enter_downstream(v: Vertex) -> bool:
         node = v.node
@@ -570,7 +569,7 @@ def add_clear_and_infer_between_allow(
             # ctx.is_infer(node) or ctx.is_clear(v), inlined
             and (op in infer_ops or node in bounded or bool(boundary) and v in boundary
                  or op in clear_ops and not (pinned and v in pinned))
-            and v in float32 and (kernel_answers.get(v) or has_target_kernel(v))
+            and v in float32 and has_target_kernel(v)  # the closure asks each vertex once: no memo first
         )
 
     downstream = _closure(graph._succ, roots, enter_downstream)
@@ -868,6 +867,12 @@ def _say_bounded(ctx: PaintContext, reasons: dict[Vertex, Reason], allow: set[Ve
     return reasons
 
 
+@functools.lru_cache(maxsize=1024)
+def _unlisted(op: str) -> Reason:
+    """The reason of an op in no list: one value per op, as most float32 vertices kept have it."""
+    return Reason(Rule.UNLISTED, f"op {op} is in no list")
+
+
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
     """Why one vertex has its final colour."""
     kept = ctx.kept.get(vertex.node)
@@ -889,7 +894,7 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     if colour is None:
         if op in ctx.lists.reasons:  # in the float32 section of the built-in file
             return Reason(Rule.SLOWER_CONVERTED, f"op {op}: {ctx.lists.reasons[op]}")
-        return Reason(Rule.UNLISTED, f"op {op} is in no list")
+        return _unlisted(op)
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
         return Reason(Rule.NO_KERNEL, f"no {ctx.target.name} kernel for {op} on {ctx.kernel_device[vertex.node]}")
     if colour is Colour.INFER:
