@@ -156,7 +156,7 @@ def paint_linked(
     its members do, so both sides of every boundary agree.
     """
     def dtype(item: str, vertex: Vertex) -> int:
-        return contexts[item].types.dtype(vertex) if vertex in contexts[item].types.graph else types_pb2.DT_INVALID
+        return contexts[item].types.dtype(vertex) if vertex in contexts[item].types.succ else types_pb2.DT_INVALID
 
     groups = [list(g) for g in links.groups if is_float32_group(g, dtype)]
     seeds: dict[str, set[Vertex]] = {name: set() for name in contexts}
@@ -171,7 +171,7 @@ def paint_linked(
 
         def denied(item: str, vertex: Vertex) -> bool:
             deny = paintings[item].deny
-            return vertex in deny or any(f in deny for f in contexts[item].types.graph.pred[vertex])
+            return vertex in deny or any(f in deny for f in contexts[item].types.pred[vertex])
 
         grew = False
         for group in groups + list_groups:

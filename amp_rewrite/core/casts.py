@@ -91,7 +91,7 @@ def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) ->
     """One cast per output port of a float32 vertex and direction, for the readers whose
     colour differs from the vertex's: (casts added, grappler's count of those to the target)."""
     target_dtype, to_target_kind = target.dtype, target.cast_kind
-    nodes, consumers_of, node_defs, ops = types.nodes, types.graph._succ, types.node_defs, types.ops
+    nodes, consumers_of, node_defs, ops = types.nodes, types.succ, types.node_defs, types.ops
     readers, inputs = nodes.readers, nodes.inputs
     added = to_target_counted = 0
     vertices, node_types = types.vertices, types.types
@@ -131,7 +131,7 @@ def _cast_candidates(types: TypeGraph, allow: frozenset[Vertex]) -> Iterable[Ver
     first is cheaper than testing every other vertex's consumers; when many (bfloat16), all."""
     if 3 * len(allow) >= len(types.float32):
         return types.float32
-    feeds_allow, fanins = set(allow), types.graph._pred
+    feeds_allow, fanins = set(allow), types.pred
     for vertex in allow:
         feeds_allow.update(fanins.get(vertex, ()))
     return [vertex for vertex in types.float32 if vertex in feeds_allow]

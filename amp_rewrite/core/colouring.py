@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
-import networkx as nx
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2, types_pb2
@@ -278,11 +277,11 @@ class Painting:
 
 
 def _reach(
-    graph: nx.DiGraph, root: Vertex, enter: Callable[[Vertex], bool], *, inputs: bool, outputs: bool
+    types: TypeGraph, root: Vertex, enter: Callable[[Vertex], bool], *, inputs: bool, outputs: bool
 ) -> list[Vertex]:
     """Pre-order DFS from ``root`` (always entered) through vertices ``enter`` accepts."""
     seen, stack, order = {root}, [root], []
-    pred, succ = graph._pred, graph._succ
+    pred, succ = types.pred, types.succ
     while stack:
         vertex = stack.pop()
         order.append(vertex)
@@ -317,7 +316,7 @@ def _closure(
 
 
 def _vertices(ctx: PaintContext) -> Iterator[Vertex]:
-    return iter(ctx.types.graph.nodes)
+    return iter(ctx.types.succ)
 
 
 # --- TensorList clusters (spec §2.5) -----------------------------------------------------
@@ -376,13 +375,13 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
         if "TensorList" not in op:
             continue  # tensor_list_float_vertex would say None
         root = Vertex(node, handle)
-        if node not in ctx.processed or root not in ctx.types.graph:
+        if node not in ctx.processed or root not in ctx.types.succ:
             continue
         root_float = tensor_list_float_vertex(ctx, node)
         if root_float is None:
             continue
         members, touches = {node}, set()
-        for vertex in _reach(ctx.types.graph, root, lambda v: True, inputs=True, outputs=True):
+        for vertex in _reach(ctx.types, root, lambda v: True, inputs=True, outputs=True):
             op = ctx.op(vertex)
             if vertex in ctx.list_links:
                 touches.add(vertex)
@@ -404,7 +403,7 @@ def tensor_list_implicit_edges(ctx: PaintContext, cluster: TensorListCluster) ->
         if ctx.types.node_def(node).op not in TENSOR_LIST_READERS or node not in ctx.processed:
             continue
         reader = tensor_list_float_vertex(ctx, node)
-        for vertex in _reach(ctx.types.graph, Vertex(node, handle), ctx.is_processed, inputs=True, outputs=False):
+        for vertex in _reach(ctx.types, Vertex(node, handle), ctx.is_processed, inputs=True, outputs=False):
             writer = tensor_list_float_vertex(ctx, vertex.node)
             if ctx.op(vertex) in TENSOR_LIST_WRITERS and writer is not None:
                 edges.append((writer, reader))
@@ -488,7 +487,7 @@ def propagate_deny_forward(
     """
     if ctx.lists.force_all:
         return {}
-    graph = ctx.types.graph
+    types = ctx.types
     lists = ctx.lists
     ops, stoppers, clear, kept = ctx.ops, lists.deny | lists.infer, lists.clear, ctx.kept
     denied = set(deny)
@@ -513,14 +512,14 @@ def propagate_deny_forward(
     if not roots:
         return {}
     # Pinned loop values are clear ops all the same: deny passes through them.
-    upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
+    upstream = _closure(types.pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
     added: dict[Vertex, Reason] = {}
     for root in roots:
         op = ctx.op(root)
         if root in denied and root not in deny_seeds:
             continue
         propagated = None  # one Reason for every vertex this root denies
-        for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
+        for vertex in _reach(types, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
                 if vertex == root:
@@ -551,7 +550,7 @@ def add_clear_and_infer_between_allow(
     ctx: PaintContext, allow: set[Vertex], deny: set[Vertex], seeds: frozenset[Vertex] = frozenset()
 ) -> dict[Vertex, Reason]:
     """Step 7.4: clear/infer vertices both downstream and upstream of allowlist ops (grappler logs "pass 3")."""
-    graph, lists = ctx.types.graph, ctx.lists
+    types, lists = ctx.types, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
     # Frozen converted vertices are roots too: the allow ops that made them so are frozen.
@@ -572,10 +571,10 @@ def add_clear_and_infer_between_allow(
             and v in float32 and has_target_kernel(v)  # the closure asks each vertex once: no memo first
         )
 
-    downstream = _closure(graph._succ, roots, enter_downstream)
+    downstream = _closure(types.succ, roots, enter_downstream)
     upstream: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
-    fanins = graph._pred
+    fanins = types.pred
     for root in roots:
         if root in upstream:
             continue
@@ -603,7 +602,7 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
 
     One sweep in vertex order, so a vertex added here can qualify a later one.
     """
-    fanins_of = ctx.types.graph._pred
+    fanins_of = ctx.types.pred
     added: dict[Vertex, Reason] = {}
     ops, processed, frozen, infer_ops, bounded, float32 = (ctx.ops, ctx.processed, ctx.frozen_nodes, ctx.lists.infer,
                                                           ctx.bounded, ctx.float32)
@@ -626,7 +625,6 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
 
 def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
     """Step 7.6: allow spreads both ways through clear vertices, never through infer ones (grappler logs "pass 5")."""
-    graph = ctx.types.graph
     painted = set(allow)
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
@@ -644,7 +642,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
             and v in float32 and (kernel_answers.get(v) or has_target_kernel(v)) and not reads_ref_variable(node)
         )
 
-    fanins, fanouts = graph._pred, graph._succ
+    fanins, fanouts = ctx.types.pred, ctx.types.succ
     # Once ``enter`` says no, it says no for good: the vertex is painted or can never be
     # entered; one it lets in is painted by that walk. So each vertex is asked once, over
     # all the walks.
@@ -848,7 +846,7 @@ def _first_colours(
     why.denied("7.0 tensor-list clusters", deny_found)
     allow_found = add_allowlist_ops(ctx)
     allow_found.update((v, CROSSING_ALLOW) for v in seeds if v not in allow_found)
-    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.graph)
+    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.succ)
     why.added("7.1 allow list", allow_found)
     return set(allow_found), set(deny_found)
 

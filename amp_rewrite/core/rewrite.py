@@ -263,7 +263,7 @@ def _prepare(
     # 6. The (node, type attribute) vertex graph, what colouring reads besides, and the
     # TensorList clusters with their implicit element edges (spec §2.1 steps 6-7).
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
-    linked = frozenset(v for v in links.vertices(function) if v in types.graph)
+    linked = frozenset(v for v in links.vertices(function) if v in types.succ)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
                        pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept,
@@ -271,7 +271,7 @@ def _prepare(
     tensor_lists = colouring.find_tensor_lists(ctx)
     typegraph.add_implicit_edges(types, tensor_lists.edges)
     log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",
-              len(types.graph), len(ctx.float32), len(tensor_lists.clusters))
+              len(types.succ), len(ctx.float32), len(tensor_lists.clusters))
     return _Item(graph_def, ctx, tensor_lists, skipped)
 
 
