@@ -85,7 +85,8 @@ def test_inputs_and_readers_carry_ports_and_control_inputs():
     graph = working_copy(_graph_with_control_edges())
     assert graph.inputs["cat"] == [("split", 0), ("y", 0), ("split", 0), ("cat/axis", 0)]
     assert graph.inputs["y"] == [("split", 1), ("gate", CONTROL)]
-    assert graph.readers["split"] == [("y", 0), ("cat", 0), ("cat", 2)] and graph.readers["gate"] == [("y", 1)]
+    assert graph.readers["split"] == [("y", 0), ("cat", 0), ("cat", 2)]
+    assert graph.readers["gate"] == []  # a control input reads no tensor
     assert graph.data_readers("split", 0) == [("cat", 0), ("cat", 2)]
 
 

@@ -3,12 +3,13 @@
 ``working_copy`` copies a GraphDef and indexes it for the pass (``WorkingGraph``): each
 node's NodeDef by name in GraphDef order, its inputs parsed into ``TensorRef``s (data
 inputs first, ``CONTROL`` for ``^name``) and, per node, the (consumer, input position) of
-every input that names it. ``take_graph_def`` hands the working GraphDef back without
+every data input that names it. ``take_graph_def`` hands the working GraphDef back without
 copying a node; change edges only through ``insert_node``, which keeps NodeDef inputs and
-indexes in step (it is the only way to add a node). Plain dicts and lists: a networkx graph of the same would cost the pass a
-fifth of its time (``tools/compare_pass_speed.py``). ``to_networkx`` gives the networkx view
-for analyses: a ``MultiDiGraph`` keyed by node name, in GraphDef order, each node carrying
-its ``NodeDef``, each edge, keyed by its position in the consumer's input list,
+indexes in step (it is the only way to add a node). Plain dicts and lists: a networkx
+graph of the same cost the pass a fifth of its time (``tools/compare_pass_speed.py``).
+``to_networkx`` gives the networkx view for analyses: a ``MultiDiGraph`` keyed by node
+name, in GraphDef order, each node carrying its ``NodeDef``, each edge, keyed by its
+position in the consumer's input list,
 
 * ``src_port``: the producer's output port, or ``CONTROL`` for a ``^name`` input;
 * ``dst_port``: that position (data inputs come first, so for a data edge it is also the
@@ -78,7 +79,7 @@ def tensor_name(node: str, port: int) -> str:
 
 class WorkingGraph:
     """The pass's working copy of one item: a copy of its GraphDef, the NodeDef of each node
-    in it by name (graph order), each node's inputs parsed, and each node's readers. Only
+    in it by name (graph order), each node's inputs parsed, and each node's data readers. Only
     ``insert_node`` changes edges, keeping a NodeDef's input list and both indexes in step;
     nodes are only added (by it), never removed."""
 
@@ -89,7 +90,7 @@ class WorkingGraph:
         self.graph_def = graph_def  # the copy; take_graph_def hands it back
         self.node_defs = node_defs
         self.inputs = inputs    # node -> its inputs, data ones first, as NodeDef.input reads
-        self.readers = readers  # node -> (consumer, input position) of every input naming it, in graph order
+        self.readers = readers  # node -> (consumer, input position) of every data input naming it, in graph order
 
     def data_readers(self, node: str, port: int) -> list[tuple[str, int]]:
         """(consumer, input position) of every data input reading ``node:port``."""
@@ -138,7 +139,8 @@ def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
                 raise GraphError(
                     f"node '{name}': data input '{tensor}' follows a control input; put control inputs ('^name') last"
                 )
-            producer_readers.append((name, position))
+            else:
+                producer_readers.append((name, position))
             refs.append(new_ref(TensorRef, (producer, port)))
     return WorkingGraph(working, node_defs, inputs, readers)
 
