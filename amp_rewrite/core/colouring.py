@@ -613,13 +613,16 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
             if (vertex is None or vertex in deny or vertex in allow or vertex in added or vertex not in float32
                     or not ctx.op_allows_target(vertex)):
                 continue
-            fanins = fanins_of[vertex]
-            if any(f in deny for f in fanins):
-                continue
-            feeder = next((f for f in fanins if f in allow or f in added), None)
-            if feeder is not None:
-                added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'",
-                                       feeder.node)
+            feeder = None  # the first fanin in ALLOW; none at all if any is DENY
+            for fanin in fanins_of[vertex]:
+                if fanin in deny:
+                    break
+                if feeder is None and (fanin in allow or fanin in added):
+                    feeder = fanin
+            else:
+                if feeder is not None:
+                    added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'",
+                                           feeder.node)
     return added
 
 
