@@ -119,9 +119,11 @@ def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
         refs = inputs[name] = []
         seen_control = False
         for position, tensor in enumerate(node_def.input[:]):  # a slice iterates twice as fast
-            # Most inputs are "name" or "name:port": only the others go through the parser.
+            # Most inputs are "name", "name:port" or "^name": only the others go through the parser.
             if ":" not in tensor and tensor[:1] not in ("^", ""):
                 producer, port = tensor, 0
+            elif tensor[:1] == "^" and tensor[1:2] not in ("^", ""):
+                producer, port = tensor[1:], CONTROL
             else:
                 producer, _, port_text = tensor.rpartition(":")
                 if port_text.isdigit() and producer and tensor[0] != "^":

@@ -132,7 +132,8 @@ def rewrite_graph_def(
                                                   progress or (lambda done, total: None), amax, lossy or {},
                                                   preserved or {}, _frozen_painting(frozen))
         report = Report(target.name, stats, decisions)
-    log.info("%s", report.summary())
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
