@@ -132,8 +132,7 @@ def rewrite_graph_def(
                                                   progress or (lambda done, total: None), amax, lossy or {},
                                                   preserved or {}, _frozen_painting(frozen))
         report = Report(target.name, stats, decisions)
-    if log.isEnabledFor(logging.INFO):
-        log.info("%s", report.summary())
+    log.info("%s", report.summary())
     return RewriteResult(output, report)
 
 
