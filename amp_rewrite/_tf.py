@@ -26,6 +26,7 @@ LIVE = "the live rewrite (enable_mixed_precision_graph_rewrite, mixed_precision)
 SESSION = "the Session path (a tf.compat.v1.Session created while the rewrite is on)"
 FLOAT8_TRAINING = "FP8 training (target='float8')"
 OPTIMIZERS = "the loss-scale optimizer wrappers"
+PASS = "the graph rewrite (TensorFlow's op definitions and kernel registry)"
 
 
 class TensorFlowInternalsError(AmpRewriteError):
@@ -129,6 +130,12 @@ CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow
 # --- the loss-scale optimizers (training/optimizers.py, training/keras_optimizer.py) ----------
 
 # --- the pass and its support checks (core/) --------------------------------------------------
+
+# No public API gives an op's OpDef or its registered kernels: grappler's questions
+# (SupportsF16DataType, IsKernelRegisteredForNode) can only be asked here (core/support.py).
+OP_DEF_REGISTRY_GET = Private(PASS, "tensorflow.python.framework.op_def_registry", "get", ("name",))
+REGISTERED_KERNELS_FOR_OP = Private(PASS, "tensorflow.python.framework.kernels", "get_registered_kernels_for_op",
+                                    ("name",))
 
 # --- weights and SavedModels (core/weights.py, cli/weights.py, calibration/savedmodel.py) -----
 

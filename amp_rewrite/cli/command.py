@@ -665,11 +665,15 @@ def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
 
 
 def _through_casts(graph_def: Any, tensor: str) -> str:
+    """The tensor behind the rewrite's own casts that ``tensor`` names (itself where it is none)."""
+    from amp_rewrite.core.casts import is_amp_cast
+    from amp_rewrite.core.graph_io import parse_tensor_name
+
     nodes = {n.name: n for n in graph_def.node}
-    name = tensor.split(":")[0].lstrip("^")
-    while name in nodes and nodes[name].op == "Cast" and name.endswith("-AutoMixedPrecision"):
+    name = parse_tensor_name(tensor).node
+    while name in nodes and is_amp_cast(nodes[name]):
         tensor = nodes[name].input[0]
-        name = tensor.split(":")[0]
+        name = parse_tensor_name(tensor).node
     return tensor
 
 
@@ -715,6 +719,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     """The shortest data path from the deny op that decided to the node, in the rewritten item."""
     import networkx as nx
 
+    from amp_rewrite.core.casts import is_amp_cast
     from amp_rewrite.core.graph_io import to_networkx
 
     graph = to_networkx(result.program.item(function))
@@ -722,7 +727,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
         path = nx.shortest_path(graph, source, node)
     except (nx.NetworkXNoPath, nx.NodeNotFound):
         return []
-    return [name for name in path if not re.search(r"-CastTo\w+-\d+-AutoMixedPrecision$", name)]
+    return [name for name in path if not is_amp_cast(graph.nodes[name]["node_def"])]
 
 
 COMMANDS = {"convert": cmd_convert, "calibrate": cmd_calibrate, "inspect": cmd_inspect, "explain": cmd_explain,
