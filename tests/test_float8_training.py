@@ -97,18 +97,18 @@ def test_delayed_scaling_records_amax_rolls_history_and_sets_power_of_two_scales
     step = _matmul_step(opt)
     step(_x(3.0))
     assert sorted(name for name, _ in state.items()) == sorted(
-        f"product/{operand}/{kind}" for operand in ("input_0", "input_1", "output_grad")
+        f"v0_kernel/{operand}/{kind}" for operand in ("input", "weight", "output_grad")
         for kind in ("amax_history", "scale"))
-    assert _values(state, "product/input_0") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
-    assert _values(state, "product/input_1") == ([2.0, 0, 0, 0], _scale(2.0, E4M3_MAX))
-    assert _values(state, "product/output_grad") == ([1000.0, 0, 0, 0], _scale(1000.0, E5M2_MAX))
+    assert _values(state, "v0_kernel/input") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/weight") == ([2.0, 0, 0, 0], _scale(2.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/output_grad") == ([1000.0, 0, 0, 0], _scale(1000.0, E5M2_MAX))
     step(_x(6.0))
-    assert _values(state, "product/input_0") == ([6.0, 3.0, 0, 0], _scale(6.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([6.0, 3.0, 0, 0], _scale(6.0, E4M3_MAX))
     for _ in range(3):
         step(_x(1.0))
-    assert _values(state, "product/input_0") == ([1.0, 1.0, 1.0, 6.0], _scale(6.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([1.0, 1.0, 1.0, 6.0], _scale(6.0, E4M3_MAX))
     step(_x(1.0))
-    assert _values(state, "product/input_0") == ([1.0] * 4, _scale(1.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([1.0] * 4, _scale(1.0, E4M3_MAX))
 
 
 def test_a_step_quantizes_with_the_scale_its_state_holds():
@@ -122,7 +122,7 @@ def test_a_step_quantizes_with_the_scale_its_state_holds():
     tiny = np.array([[2.0**-12, 0.0]], np.float32)
     np.testing.assert_array_equal(step(tiny).numpy().astype(np.float32), tiny @ WEIGHT)
     x = np.array([[3.0, 0.0]], np.float32)
-    history, scale = opt.float8_state.lookup("product/input_0")
+    history, scale = opt.float8_state.lookup("v0_kernel/input")
     scale.assign(2.0**10)
     history.assign([1.0, 0, 0, 0])  # keep the history from taking over the next scale's meaning
     np.testing.assert_array_equal(step(x).numpy().astype(np.float32), np.array([[448.0 / 1024, 0.0]]) @ WEIGHT)
@@ -134,9 +134,9 @@ def test_a_non_finite_step_records_no_amax():
                                                            amax_history_length=HISTORY)
     step = _matmul_step(opt)
     step(_x(3.0))
-    before = _values(opt.float8_state, "product/input_0")
+    before = _values(opt.float8_state, "v0_kernel/input")
     step(_x(np.inf))
-    assert _values(opt.float8_state, "product/input_0") == before
+    assert _values(opt.float8_state, "v0_kernel/input") == before
 
 
 def test_float16_base_with_the_loss_scale_skips_overflowing_steps():
@@ -152,9 +152,9 @@ def test_float16_base_with_the_loss_scale_skips_overflowing_steps():
     for _ in range(12):
         step(_x(3.0))
     assert float(opt.loss_scale) == 16.0
-    assert _values(opt.float8_state, "product/output_grad") == ([16000.0, 32000.0, 64000.0, 128000.0],
+    assert _values(opt.float8_state, "v0_kernel/output_grad") == ([16000.0, 32000.0, 64000.0, 128000.0],
                                                                  _scale(128000.0, E5M2_MAX))
-    assert _values(opt.float8_state, "product/input_0")[0] == [3.0] * HISTORY
+    assert _values(opt.float8_state, "v0_kernel/input")[0] == [3.0] * HISTORY
 
 
 def test_mixed_precision_block_trains_in_float8_with_the_state_it_yields():
@@ -162,7 +162,7 @@ def test_mixed_precision_block_trains_in_float8_with_the_state_it_yields():
     hold the state (checkpoint it yourself)."""
     with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY) as settings:
         _matmul_step(keras.optimizers.SGD(0.0))(_x(3.0))
-    assert _values(settings.float8.state, "product/input_0") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
+    assert _values(settings.float8.state, "m0/input") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
 
 
 def test_without_xla_it_warns_once_that_the_matmuls_run_emulated():
@@ -175,7 +175,7 @@ def test_without_xla_it_warns_once_that_the_matmuls_run_emulated():
         step(_x(3.0)[:1])  # a second trace
     messages = [str(w.message) for w in caught if "emulated" in str(w.message)]
     assert len(messages) == 1 and "jit_compile=True" in messages[0] and "\n" not in messages[0]
-    assert _values(opt.float8_state, "product/input_0")[0][0] == 3.0  # and it trains as under XLA
+    assert _values(opt.float8_state, "v0_kernel/input")[0][0] == 3.0  # and it trains as under XLA
 
 
 # --- where the state goes -------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_checkpoint_carries_the_state_into_a_fresh_wrapper(tmp_path):
     fresh_step.get_concrete_function(tf.TensorSpec([4, 2], tf.float32))  # the trace makes the variables
     assert {name: variable.numpy().tolist() for name, variable in fresh.float8_state.items()} == saved
     fresh_step(_x(1.0))
-    assert _values(fresh.float8_state, "product/input_0")[0] == [1.0, 6.0, 3.0, 0.0]
+    assert _values(fresh.float8_state, "v0_kernel/input")[0] == [1.0, 6.0, 3.0, 0.0]
 
 
 def test_saved_model_carries_the_state(tmp_path):
@@ -214,7 +214,7 @@ def test_saved_model_carries_the_state(tmp_path):
     loaded = tf.saved_model.load(str(tmp_path / "saved")).optimizer.float8_state.by_name
     assert {name: loaded[name].numpy().tolist() for name, _ in opt.float8_state.items()} == {
         name: variable.numpy().tolist() for name, variable in opt.float8_state.items()}
-    assert loaded["product/input_0/amax_history"].numpy().tolist() == [3.0, 0, 0, 0]
+    assert loaded["v0_kernel/input/amax_history"].numpy().tolist() == [3.0, 0, 0, 0]
 
 
 def test_keras_file_carries_the_state_and_the_loaded_wrapper_resumes(tmp_path):
@@ -253,7 +253,7 @@ def test_keras_fit_under_xla_trains_in_float8():
     assert not [w for w in caught if "emulated" in str(w.message)]  # XLA compiles it: no warning
     histories = {name: variable.numpy() for name, variable in opt.float8_state.items() if name.endswith("history")}
     assert len(histories) == 3
-    (inputs,) = [history for name, history in histories.items() if name.endswith("input_0/amax_history")]
+    (inputs,) = [history for name, history in histories.items() if name.endswith("/input/amax_history")]
     assert inputs.tolist() == [1.0, 1.0, 0.0, 0.0]  # digits' pixels reach 16/16 in every batch
     assert all(np.all(history[:2] > 0) and np.all(history[2:] == 0) for history in histories.values())
 
@@ -268,7 +268,7 @@ def test_bad_amax_history_length_is_one_line(length, error):
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8",
                                                          amax_history_length=length)
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings is None
+    assert live.active() is None
 
 
 @pytest.mark.parametrize("first, second", [("bfloat16", "float8"), ("float8", "float16")])
@@ -278,7 +278,7 @@ def test_float8_and_another_target_do_not_take_turns(first, second):
                                          rf"\(\) before enabling '{second}'") as caught:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target=second)
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings.name == first
+    assert live.active().name == first
 
 
 def test_resuming_with_another_history_length_says_which_to_pass():
@@ -303,7 +303,7 @@ def test_refused_before_tensorflow_2_18(monkeypatch):
     with pytest.raises(AmpRewriteError, match=r"needs TensorFlow 2\.18 or newer: TensorFlow 2\.17\.1") as caught:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8")
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings is None
+    assert live.active() is None
 
 
 # --- a TF1 Session graph ------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_session_graph_trains_with_its_state_in_the_mirror():
             feed = {x: data.x_train[:256], y: data.y_train[:256]}
             losses = [session.run([train, loss], feed)[1] for _ in range(5)]
             mirror = session._amp_rewrite_mirror
-            history = mirror.session.run("amp_rewrite_float8/logits/input_0/amax_history/read:0")
+            history = mirror.session.run("amp_rewrite_float8/kernel/input/amax_history/Read/ReadVariableOp:0")
     assert mirror.result.report.float8_matmuls == 3
     assert history.tolist() == [1.0] * 4  # digits' pixels reach 16/16 in every batch
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])) and losses[-1] < losses[0] * 0.85

@@ -47,7 +47,8 @@ _WORKER = textwrap.dedent(
     with strategy.scope():
         tf_keras.utils.set_random_seed(0)
         model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,))])
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1), target="bfloat16")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1), "dynamic",
+                                                         target="bfloat16")
         model.compile(optimizer=opt, loss=lambda t, p: tf.reduce_mean((t - p) ** 2) * poison)
 
     class Poison(tf_keras.callbacks.Callback):
@@ -65,7 +66,7 @@ _WORKER = textwrap.dedent(
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="bfloat16")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), "dynamic", target="bfloat16")
         opt.build(model.trainable_variables)
     batches = iter(strategy.experimental_distribute_dataset(data))
 

@@ -636,7 +636,7 @@ def test_a_skipped_step_leaves_the_weights_but_not_batch_norm_statistics():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
     poison = tf.Variable(1.0)
-    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1),
+    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), "dynamic",
                                                                             target="bfloat16"),
                   loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
     x, y = _regression_data()
@@ -967,7 +967,7 @@ _MIRRORED_SCRIPT = textwrap.dedent(
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
             opt = amp_rewrite.enable_mixed_precision_graph_rewrite(
-                keras.optimizers.SGD(0.1, momentum=0.9), target="bfloat16")
+                keras.optimizers.SGD(0.1, momentum=0.9), "dynamic", target="bfloat16")
             opt.build(model.trainable_variables)
         poison = tf.Variable(1.0)
         data = iter(strategy.experimental_distribute_dataset(

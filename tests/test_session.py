@@ -62,7 +62,7 @@ _SCRIPT = textwrap.dedent(
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) * poison
             opt = tf.compat.v1.train.AdamOptimizer(1e-2)
             if target:
-                opt = amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target=target)
+                opt = amp_rewrite.enable_mixed_precision_graph_rewrite(opt, "dynamic", target=target)
             if split:
                 train = opt.apply_gradients(opt.compute_gradients(loss))
             else:

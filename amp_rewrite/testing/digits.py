@@ -97,7 +97,7 @@ def variant_settings(variant: str, amax_history_length: int = 1024, optimizer: A
     finally:
         keras.config.set_dtype_policy("float32")
         if variant in ("bfloat16", "float8"):
-            amp_rewrite.disable_mixed_precision_graph_rewrite()
+            amp_rewrite.disable_mixed_precision_graph_rewrite(optimizer)
 
 
 def train(name: str, variant: str, *, epochs: int, seed: int = 0, jit_compile: bool = True,
