@@ -226,3 +226,52 @@ def test_keep_nodes_hold_and_a_new_op_is_painted_around_running_nodes(report):
 
 def test_v1_path_prints_no_deprecation_notice(report):
     assert "DynamicLossScale.__init__" not in report["stderr"] and "is deprecated" not in report["stderr"]
+
+
+def test_threads_racing_the_first_run_rewrite_the_graph_once(monkeypatch):
+    """8 threads call ``Session.run`` at once on a fresh mirrored Session: the mirror is built
+    once (one rewrite of the user's graph), and every thread gets the same result."""
+    import threading
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import amp_rewrite
+    from amp_rewrite.training import live
+    from amp_rewrite.training import session as amp_session
+
+    rewrites = []
+    rewrite = amp_session.rewrite_graph_def
+
+    def counted(*args, **kwargs):
+        rewrites.append(threading.get_ident())
+        time.sleep(0.2)  # the others reach the lock meanwhile
+        return rewrite(*args, **kwargs)
+
+    monkeypatch.setattr(amp_session, "rewrite_graph_def", counted)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 4))
+        product = tf.matmul(x, x)
+    live.stop()
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    try:
+        session = tf.compat.v1.Session(graph=graph)
+    finally:
+        live.stop()
+    start, results = threading.Barrier(8), []
+
+    def run() -> None:
+        start.wait()
+        results.append(session.run(product, {x: np.eye(4, dtype=np.float32)}))
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    session.close()
+    assert len(rewrites) == 1 and len(results) == 8
+    assert all(np.array_equal(result, np.eye(4)) for result in results)

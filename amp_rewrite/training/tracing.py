@@ -171,19 +171,20 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
     original = {f.signature.name: f for f in graph_def.library.function}
     rewritten = {f.signature.name: f for f in result.graph_def.library.function}
     copies = private_copies(name, original, rewritten)
-    register(context, function, copies, atomic, {private_name(f, name): f for f in rewritten})
+    if not register(context, function, copies, atomic, {private_name(f, name): f for f in rewritten}):
+        return 0, 0
     log.debug("amp_rewrite: %s: %s", name, result.report.summary())
     return len(copies), result.report.float8_matmuls
 
 
 def register(context: Any, function: function_pb2.FunctionDef, copies: list[function_pb2.FunctionDef],
-             atomic: Any, copy_to_original: Mapping[str, str]) -> None:
+             atomic: Any, copy_to_original: Mapping[str, str]) -> bool:
     """Register ``copies`` in ``context``: the private ones first (new names no caller knows yet),
-    then the new body of ``function`` in place of the old one. If that swap fails, the old body
-    is registered again and the private copies removed, so the function is never gone."""
+    then the new body of ``function`` in place of the old one. If TensorFlow refuses one, the
+    old body stays (or is registered again) and the private copies go: the function runs as
+    traced, which a warning says; returns whether the rewrite is registered."""
     name = function.signature.name
     added: list[str] = []
-    registered = False
     try:
         for copy in copies:
             copy_name = copy.signature.name
@@ -193,27 +194,27 @@ def register(context: Any, function: function_pb2.FunctionDef, copies: list[func
         for copy in copies:
             if copy.signature.name == name:
                 _swap(context, function, copy)
-        registered = True
-    finally:
-        if not registered:  # the error goes on to the caller, with nothing of ours left registered
-            for copy_name in added:
-                context.remove_function(copy_name)
+    except tf.errors.OpError as error:
+        for copy_name in added:
+            context.remove_function(copy_name)
+        warnings.warn(f"amp_rewrite: TensorFlow did not register the rewritten {name} ({error.message}), so it runs"
+                      " as traced, without the rewrite; please report this", stacklevel=4)
+        return False
     if atomic is not None:
         atomic_function = _tf.ATOMIC_FUNCTION.get()
         atomic.children.extend(atomic_function(copy_name, context, _child_type(atomic, copy_to_original[copy_name]))
                                for copy_name in added)
+    return True
 
 
 def _swap(context: Any, old: function_pb2.FunctionDef, new: function_pb2.FunctionDef) -> None:
     """Replace the registered ``old`` by ``new`` (same name); ``old`` is back if the add fails."""
     context.remove_function(old.signature.name)
-    swapped = False
     try:
         context.add_function_def(new)
-        swapped = True
-    finally:
-        if not swapped:
-            context.add_function_def(old)
+    except tf.errors.OpError:
+        context.add_function_def(old)
+        raise
 
 
 def _child_type(atomic: Any, original_name: str) -> Any:
