@@ -264,19 +264,22 @@ def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str
 
 def quantize_training_step(
     graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
-    workers: Workers | None = None,
-) -> tuple[graph_pb2.GraphDef, dict[str, Reason]]:
+    workers: Workers | None = None, in_function: bool = False,
+) -> tuple[graph_pb2.GraphDef, dict[str, Reason], list[str]]:
     """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
     A forward matmul is quantized where the base rewrite converted it; a backward one where
     it also has its forward matmul's dtype. ``state``: key -> its read nodes in ``graph_def``;
     an operand without one (a function without gradients: ``evaluate``, ``predict``, an
     export) is scaled by its own amax in that call, so such a function needs no state. Where a
     state has a history, the step records amax — the largest of every chain of its key, so
-    replicas of one matmul in one graph record and scale alike — and updates it: the updates
-    are control inputs of the backward matmuls (of the forward matmul itself where it has
-    none), so they run whenever the step trains. Returns the new GraphDef and the reason of
-    each quantized matmul; ``graph_def`` is not modified. ``workers``: the amaxes are the
-    largest of every worker's (``Workers``)."""
+    replicas of one matmul in one graph record and scale alike — and updates it. In a function
+    (``in_function``) the updates are returned, to become its control outputs: a key's chains may
+    sit in several phases of one step (a GAN's two updates), which only the end of the step
+    follows. In a main graph, run by what it fetches, they are control inputs of the backward
+    matmuls (of the forward matmul itself where it has none), so they run whenever the step
+    trains. Returns the new GraphDef, the reason of each quantized matmul and those updates;
+    ``graph_def`` is not modified. ``workers``: the amaxes are the largest of every worker's
+    (``Workers``)."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
@@ -289,11 +292,15 @@ def quantize_training_step(
             consumers.append(quantized)
     if workers is not None:
         builder.reduce_across(workers, [key for _, keys in consumers for key in keys if key in state])
+    control_outputs: list[str] = []
     for nodes_to_order, keys in consumers:
         updates = [update for key in keys if key in state for update in builder.update(key, state[key])]
+        if in_function:
+            control_outputs += [update for update in updates if update not in control_outputs]
+            continue
         for consumer in nodes_to_order:
             consumer.input.extend(f"^{update}" for update in updates if f"^{update}" not in consumer.input)
-    return output, reasons
+    return output, reasons, control_outputs
 
 
 def _quantize_matmul(builder: _TrainingBuilder, nodes: dict[str, node_def_pb2.NodeDef], matmul: Matmul,
@@ -525,10 +532,16 @@ def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report
     """``quantize_training_step`` on one item of a rewrite's output (``function``: a library
     function's name, or ``MAIN_GRAPH``), with the report's reasons and counts for it."""
     program = program_of(result_graph_def)
-    body, reasons = quantize_training_step(program.item(function), plan, state, history_length, workers)
+    body, reasons, control_outputs = quantize_training_step(program.item(function), plan, state, history_length,
+                                                            workers, in_function=function != MAIN_GRAPH)
     output = graph_pb2.GraphDef()
     output.CopyFrom(result_graph_def)
     program.put(output, function, body)
+    if control_outputs:
+        rewritten = output.library.function[program.positions[function]]
+        for name in control_outputs:
+            rewritten.signature.control_output.append(name)
+            rewritten.control_ret[name] = name
     items = tuple(replace(item, float8_matmuls=len(reasons)) if item.function == function else item
                   for item in report.items)
     pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason

@@ -93,15 +93,17 @@ class _Traces:
 
     def record(self, graph: Any, state: Float8State, variables: tuple[Any, ...]) -> None:
         with self._lock:
+            direct = True
             while hasattr(graph, "outer_graph"):  # an apply in a nested function updates in its callers too
                 records = self._applied.setdefault(graph, [])
-                if all(recorded is not state for recorded, _ in records):
-                    records.append((state, variables))
-                graph = getattr(graph, "outer_graph", None)
+                if all(recorded is not state for recorded, _, _ in records):
+                    records.append((state, variables, direct))
+                graph, direct = graph.outer_graph, False
 
-    def applied(self, graph: Any) -> list[tuple[Float8State, tuple[Any, ...]]]:
+    def applied(self, graph: Any, direct: bool = False) -> list[tuple[Float8State, tuple[Any, ...]]]:
+        """The applies traced in ``graph`` (``direct``: in it, not in a function it calls)."""
         with self._lock:
-            return list(self._applied.get(graph, ()))
+            return [(state, variables) for state, variables, here in self._applied.get(graph, ()) if here or not direct]
 
     def set_step(self, graph: Any, step: TraceStep) -> None:
         with self._lock:
@@ -140,7 +142,7 @@ def record_apply(state: Float8State | None, variables: Iterable[Any]) -> None:
         return
     variables = tuple(variables)
     if variables:
-        state.variables_updated = variables
+        state.updates(variables)
     graph = tf.compat.v1.get_default_graph()
     if hasattr(graph, "outer_graph"):  # a FuncGraph being traced
         TRACES.record(graph, state, variables)
@@ -166,7 +168,7 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     graph_def = func_graph.as_graph_def()
     plan = _plan(graph_def, target, lists)
     if not plan.trains:
-        if applied:
+        if TRACES.applied(func_graph, direct=True):
             _warn_untrained(func_graph.name, plan, graph_def)
         TRACES.set_step(func_graph, TraceStep({}, {}, under_xla))
         return

@@ -27,6 +27,13 @@ def check_history_length(value: object) -> int:
     return int(value)
 
 
+class _Untracked:
+    """Holds a value out of sight of ``tf.Module``'s tracking and its ``variables`` walk."""
+
+    def __init__(self) -> None:
+        self.value: tuple[Any, ...] = ()
+
+
 def workers(strategy: tf.distribute.Strategy) -> int:
     """How many workers (processes) run ``strategy``'s steps: MultiWorkerMirroredStrategy's, or 1."""
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -65,7 +72,17 @@ class Float8State(tf.Module):
                 self.keys = tf.Variable("", trainable=False, name=f"{name}_keys")
         self._keys_written = ""
         self._loaded: set[str] = set()  # keys set from a file, not yet checked against a trace
-        self.variables_updated: tuple[Any, ...] = ()  # the wrapper's variables, in its order (training.float8)
+        self._updated = _Untracked()
+
+    @property
+    def variables_updated(self) -> tuple[Any, ...]:
+        """The variables its wrapper updates, in its order (``training.float8`` keys matmuls by them);
+        not tracked (no attribute of the module is assigned): they are the model's."""
+        return self._updated.value
+
+    def updates(self, variables: Iterable[Any]) -> None:
+        """Its wrapper updates ``variables`` (``variables_updated``)."""
+        self._updated.value = tuple(variables)
 
     @property
     def strategy(self) -> tf.distribute.Strategy:
@@ -98,8 +115,11 @@ class Float8State(tf.Module):
             self._make(name, value)
 
     def _make(self, name: str, value: Any) -> None:
-        self.by_name[name] = tf.Variable(np.asarray(value, np.float32), trainable=False, name=name, dtype=tf.float32,
-                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # use_resource: a resource variable in a TF1 graph too (disable_v2_behavior), which FP8 training's reads
+        # and updates take (core.float8_training).
+        self.by_name[name] = tf.compat.v1.Variable(np.asarray(value, np.float32), trainable=False, name=name,
+                                                   dtype=tf.float32, use_resource=True,
+                                                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def items(self) -> Iterator[tuple[str, tf.Variable]]:
         """(name, variable), sorted by name."""

@@ -95,7 +95,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def build(self, var_list):
         super().build(var_list)
         if self.float8_state is not None:  # the variables whose matmuls record into it (training.float8)
-            self.float8_state.variables_updated = tuple(var_list)
+            self.float8_state.updates(var_list)
 
     def _record(self, trainable_variables) -> None:
         """At each traced apply: FP8 training records which variables it updates; a wrapper whose
