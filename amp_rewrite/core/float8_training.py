@@ -36,8 +36,9 @@ forward matmul and stay in the base precision.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
@@ -207,17 +208,26 @@ def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> P
 def weight_of(nodes: Mapping[str, node_def_pb2.NodeDef], inputs: Iterable[str]) -> list[tuple[int, str]]:
     """The operands among ``inputs`` that read a variable — through ops that only move values,
     a ``ReadVariableOp`` (or a ref variable's read ``Identity``) — as (input index, the node the
-    variable's handle comes from: ``VarHandleOp``/``VariableV2``, or a function's captured input)."""
+    variable's handle comes from: ``variable_handle``)."""
     found = []
     for index, tensor in enumerate(inputs):
         source = float8.origin(nodes, parse_tensor_name(tensor).node)
         if source.op == "ReadVariableOp":
-            source = float8.origin(nodes, parse_tensor_name(source.input[0]).node)
-        elif source.op not in ("VariableV2", "Variable"):
-            continue
-        if source.op in _VARIABLE_HANDLES and (source.op not in ("Placeholder", "_Arg") or _is_resource(source)):
-            found.append((index, source.name))
+            handle = variable_handle(nodes, source.input[0])
+        else:
+            handle = source.name if source.op in ("VariableV2", "Variable") else None
+        if handle is not None:
+            found.append((index, handle))
     return found
+
+
+def variable_handle(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
+    """The node resource ``tensor`` comes from, through ops that only move values, if it is a
+    variable's: ``VarHandleOp`` (a TF1 graph), or a function's resource input (a captured variable)."""
+    source = float8.origin(nodes, parse_tensor_name(tensor).node)
+    if source.op in _VARIABLE_HANDLES and (source.op not in ("Placeholder", "_Arg") or _is_resource(source)):
+        return source.name
+    return None
 
 
 def _is_resource(node: node_def_pb2.NodeDef) -> bool:
@@ -264,7 +274,7 @@ def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str
 
 def quantize_training_step(
     graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
-    workers: Workers | None = None, in_function: bool = False,
+    workers: Workers | None = None, in_function: bool = False, loop_amaxes: Mapping[str, Sequence[Any]] = {},
 ) -> tuple[graph_pb2.GraphDef, dict[str, Reason], list[str]]:
     """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
     A forward matmul is quantized where the base rewrite converted it; a backward one where
@@ -279,7 +289,8 @@ def quantize_training_step(
     matmuls (of the forward matmul itself where it has none), so they run whenever the step
     trains. Returns the new GraphDef, the reason of each quantized matmul and those updates;
     ``graph_def`` is not modified. ``workers``: the amaxes are the largest of every worker's
-    (``Workers``)."""
+    (``Workers``). ``loop_amaxes``: key -> the loops' outputs holding its amax over their
+    iterations (``float8_loops.LoopAmax``), recorded with the key's chains here."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
@@ -290,6 +301,10 @@ def quantize_training_step(
         quantized = _quantize_matmul(builder, nodes, matmul, state, reasons)
         if quantized is not None:
             consumers.append(quantized)
+    for key, amaxes in loop_amaxes.items():
+        builder.amaxes.setdefault(key, []).extend(amax.tensor for amax in amaxes)
+        builder.formats.setdefault(key, (amaxes[0].fmt, amaxes[0].dtype, amaxes[0].device))
+    consumers.append(([], list(loop_amaxes)))
     if workers is not None:
         builder.reduce_across(workers, [key for _, keys in consumers for key in keys if key in state])
     control_outputs: list[str] = []
@@ -351,9 +366,12 @@ class _TrainingBuilder(float8.NodeWriter):
         self.updated: dict[str, list[str]] = {}
         self.reduced: dict[str, str] = {}  # key -> its amax, the largest across workers (``reduce_across``)
 
-    def chain(self, key: str, fmt: Format, tensor: str, dtype: int, state: State | None) -> str:
+    def chain(self, key: str, fmt: Format, tensor: str, dtype: int, state: State | None,
+              given: str | None = None) -> str:
         """The dequantized ``tensor`` (an input of a matmul of ``dtype``), quantized with ``key``'s
-        scale: the state's, or (None) one from the tensor's own amax."""
+        scale: the state's once its history has seen an amax, else (or without a state) one from
+        the tensor's own amax. ``given``: instead of a state, a float32 scalar holding the scale
+        where it is > 0 (a loop body's, ``float8_loops``)."""
         tensor = _canonical(tensor)
         if (key, tensor) in self.chains:
             return self.chains[(key, tensor)]
@@ -368,8 +386,10 @@ class _TrainingBuilder(float8.NodeWriter):
             source = add("float32", "Cast", [tensor], SrcT=dtype, DstT=f32, Truncate=False)
         amax = self.amax(base, source, f32, device)
         scale = self._power_of_two(f"{base}/current", amax, fmt, dtype, device)
-        if state is not None:  # the state's scale once its history has seen an amax
-            scale = add("step_scale", "SelectV2", [self._seen(key, state, device), f"{state.scale}:0", scale], T=f32)
+        given = self.given_scale(key, state, device) if state is not None else given
+        if given is not None:
+            delayed = add("delayed", "Greater", [given, self.const(f"{base}/zero", 0.0, f32, device)], T=f32)
+            scale = add("step_scale", "SelectV2", [delayed, given, scale], T=f32)
         unscale = self._unscale(base, scale, dtype, device)
         scaled = add("scaled", "Mul", [source, scale], T=f32)
         clipped = add("clipped", "ClipByValue", [scaled, self.const(f"{base}/min", -fmt.max, f32, device),
@@ -382,15 +402,18 @@ class _TrainingBuilder(float8.NodeWriter):
         self.chains[(key, tensor)] = unscaled
         return unscaled
 
-    def _seen(self, key: str, state: State, device: str) -> str:
-        """``key``'s ``max(history) > 0`` (one per key): whether its scale comes from an amax."""
-        base = f"{STATE_SCOPE}/{key}/seen"
+    def given_scale(self, key: str, state: State, device: str) -> str:
+        """``key``'s scale where its history has seen an amax (``max(history) > 0``), else 0: what
+        its chains use (``chain``'s ``given``), here and in loop bodies. One per key."""
+        base = f"{STATE_SCOPE}/{key}/given_scale"
         if base not in self.nodes:
             f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
             largest = self.add(f"{base}/largest", "Max", [f"{state.history}:0",
                                                          self.const(f"{base}/axis", 0, i32, device)],
                                device, {"T": f32, "Tidx": i32, "keep_dims": False})
-            self.add(base, "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], device, {"T": f32})
+            zero = self.const(f"{base}/zero", 0.0, f32, device)
+            seen = self.add(f"{base}/seen", "Greater", [largest, zero], device, {"T": f32})
+            self.add(base, "SelectV2", [seen, f"{state.scale}:0", zero], device, {"T": f32})
         return base
 
     def _power_of_two(self, base: str, amax: str, fmt: Format, dtype: int, device: str) -> str:
@@ -527,24 +550,40 @@ def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]],
 
 
 def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
-                            state: Mapping[str, State], history_length: int,
-                            workers: Workers | None = None) -> tuple[graph_pb2.GraphDef, Report]:
+                            state: Mapping[str, State], history_length: int, workers: Workers | None = None,
+                            loops: tuple[Any, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
     """``quantize_training_step`` on one item of a rewrite's output (``function``: a library
-    function's name, or ``MAIN_GRAPH``), with the report's reasons and counts for it."""
+    function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops``
+    (``float8_loops.thread_loops``), with the report's reasons and counts for each item."""
+    from amp_rewrite.core import float8_loops  # it builds on this module
+
     program = program_of(result_graph_def)
-    body, reasons, control_outputs = quantize_training_step(program.item(function), plan, state, history_length,
-                                                            workers, in_function=function != MAIN_GRAPH)
+    step, functions, item_reasons, loop_amaxes = program.item(function), {}, {}, {}
+    if loops and function != MAIN_GRAPH:
+        threaded = float8_loops.thread_loops(program, step, loops, state, history_length)
+        step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
+                                                      threaded.amaxes)
+    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers,
+                                                            function != MAIN_GRAPH, loop_amaxes)
+    item_reasons[function] = reasons
     output = graph_pb2.GraphDef()
     output.CopyFrom(result_graph_def)
     program.put(output, function, body)
+    for name, rewritten in functions.items():
+        output.library.function[program.positions[name]].CopyFrom(rewritten)
     if control_outputs:
         rewritten = output.library.function[program.positions[function]]
         for name in control_outputs:
             rewritten.signature.control_output.append(name)
             rewritten.control_ret[name] = name
-    items = tuple(replace(item, float8_matmuls=len(reasons)) if item.function == function else item
-                  for item in report.items)
-    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason
-                                                                  for node, reason in reasons.items()}})
-                    if item.function == function else item for item in report.pending)
-    return output, Report(report.target, items, pending)
+    return output, _report_with(report, item_reasons)
+
+
+def _report_with(report: Report, item_reasons: Mapping[str, Mapping[str, Reason]]) -> Report:
+    """``report`` with each item's float8 matmuls counted and their reasons as overrides."""
+    items = tuple(replace(item, float8_matmuls=len(item_reasons[item.function])) if item.function in item_reasons
+                  else item for item in report.items)
+    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason for node, reason
+                                                                  in item_reasons[item.function].items()}})
+                    if item.function in item_reasons else item for item in report.pending)
+    return Report(report.target, items, pending)

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 
-MODELS = ("mlp", "cnn", "transformer")
+MODELS = ("mlp", "cnn", "transformer", "lstm")
 VARIANTS = ("float32", "bfloat16", "float8", "keras-float8")
 BATCH, LEARNING_RATE = 32, 1e-3
 
@@ -48,7 +48,8 @@ def digits() -> Digits:
 def build(name: str) -> keras.Model:
     """Model ``name`` on a flat 64-pixel input, with logits out: an MLP; a CNN (two Conv2D
     and a Dense); a Transformer block over the image's 8 rows (MultiHeadAttention, a GELU
-    feed-forward, LayerNormalization, a Dense head)."""
+    feed-forward, LayerNormalization, a Dense head); an LSTM over the 8 rows (its matmuls in a
+    while loop's body, and its gradient's)."""
     layers = keras.layers
     pixels = keras.Input((64,))
     if name == "mlp":
@@ -58,6 +59,8 @@ def build(name: str) -> keras.Model:
         hidden = layers.Conv2D(16, 3, padding="same", activation="relu")(image)
         hidden = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(hidden)
         hidden = layers.Flatten()(hidden)
+    elif name == "lstm":
+        hidden = layers.LSTM(32)(layers.Reshape((8, 8))(pixels))
     elif name == "transformer":
         rows = layers.Dense(32)(layers.Reshape((8, 8))(pixels))
         attention = layers.MultiHeadAttention(4, key_dim=8)(rows, rows)
@@ -101,12 +104,13 @@ def variant_settings(variant: str, amax_history_length: int = 1024, optimizer: A
 
 
 def train(name: str, variant: str, *, epochs: int, seed: int = 0, jit_compile: bool = True,
-          amax_history_length: int = 1024, data: Digits | None = None) -> Trained:
+          amax_history_length: int = 1024, data: Digits | None = None,
+          learning_rate: float = LEARNING_RATE) -> Trained:
     """Train ``name`` as ``variant`` (module doc); same weights, batches and order for every variant."""
     data = data if data is not None else digits()
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    with variant_settings(variant, amax_history_length) as optimizer:
+    with variant_settings(variant, amax_history_length, keras.optimizers.Adam(learning_rate)) as optimizer:
         model = build(name)
         if variant == "keras-float8":
             model.quantize("float8")

@@ -35,8 +35,8 @@ import re
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -44,9 +44,9 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2
 
 from amp_rewrite import _tf
-from amp_rewrite.core import float8_training
+from amp_rewrite.core import float8_loops, float8_training, functions
 from amp_rewrite.core.float8 import MATMUL_OPS
-from amp_rewrite.core.float8_training import HISTORY, SCALE, STATE_SCOPE, Plan, State
+from amp_rewrite.core.float8_training import HISTORY, SCALE, STATE_SCOPE, Plan, State, in_gradient_scope
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 BASE_PRECISIONS = ("bfloat16", "float16")
 _REPLICA = re.compile(r"^replica_\d+/")  # MirroredStrategy's prefix on the ops of replicas after the first
-_LOOPS = frozenset({"While", "StatelessWhile"})
+_LOOPS = float8_loops.LOOPS
+_CONTROL_FLOW = _LOOPS | {"If", "StatelessIf", "Case", "StatelessCase"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     state of its matmuls' operands in their owners' ``Float8State`` and read it in
     ``func_graph``. ``states``: the active enablements' states, newest last. Loop bodies and
     branches of ``tf.cond``/``tf.while_loop`` are left alone (their captures are fixed when the
-    transform runs): their matmuls are counted from the step that calls them."""
+    transform runs): the matmuls of a step's loops are planned here, with the step's
+    (``core.float8_loops``), and their state read in the step."""
     if isinstance(func_graph, _tf.CONTROL_FLOW_FUNC_GRAPH.get()):
         return
     applied = TRACES.applied(func_graph)
@@ -166,18 +168,23 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
         return
     under_xla = _tf.CONTROL_FLOW_UTIL.get()(func_graph)
     graph_def = func_graph.as_graph_def()
-    plan = _plan(graph_def, target, lists)
+    step_plan, loops = _plan(graph_def, target, lists)
+    plan = _with_loops(step_plan, loops)
     if not plan.trains:
         if TRACES.applied(func_graph, direct=True):
             _warn_untrained(func_graph.name, plan, graph_def)
         TRACES.set_step(func_graph, TraceStep({}, {}, under_xla))
         return
-    owners = _owners(func_graph, graph_def, plan, applied, states)
+    nodes = {node.name: node for node in graph_def.node}
+    sources = {m.node: name for m in step_plan.matmuls for _, name in float8_training.weight_of(nodes, m.inputs)[:1]}
+    sources.update({loop.name(m): loop.sources[m.node] for loop in loops for m in loop.matmuls
+                    if m.node in loop.sources})
+    owners = _owners(func_graph, plan, sources, applied, states)
     state = _read_state(func_graph, plan, owners)
     workers = _workers({id(owner): owner for owner, _ in owners.values()}.values())
     TRACES.set_step(func_graph, TraceStep(state, {node: base for node, (_, base) in owners.items()}, under_xla,
                                           workers))
-    _warn_where_float8_does_not_happen(func_graph.name, plan, owners, graph_def)
+    _warn_where_float8_does_not_happen(func_graph.name, plan, owners, graph_def, loops)
     for owner in {id(owner): owner for owner, _ in owners.values()}.values():
         used = [key for key in _owner_keys(plan, owners, owner)]
         report = owner.restore_report(used)
@@ -186,33 +193,46 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     log.debug("amp_rewrite: %s: float8 state for %d operand(s)", func_graph.name, len(state))
 
 
-def _plan(graph_def: graph_pb2.GraphDef, target: str, lists: OpLists, function: str = MAIN_GRAPH) -> Plan:
-    """The forward matmuls the base rewrite of ``graph_def`` converts, paired with their backward ones."""
-    item = program_of(graph_def).item(function)
+def _plan(graph_def: graph_pb2.GraphDef, target: str, lists: OpLists,
+          function: str = MAIN_GRAPH) -> tuple[Plan, tuple[float8_loops.Loop, ...]]:
+    """The forward matmuls the base rewrite of ``graph_def`` converts in item ``function`` and in
+    its loops, paired with their backward ones."""
+    program = program_of(graph_def)
     report = rewrite_graph_def(graph_def, target=target, lists=lists).report
-    return float8_training.find_matmuls(item, float8_training.converted_nodes(report, function))
+    return _planned(program, function, report)
 
 
-def _owners(func_graph: Any, graph_def: graph_pb2.GraphDef, plan: Plan,
+def _planned(program: Any, function: str, report: Any) -> tuple[Plan, tuple[float8_loops.Loop, ...]]:
+    """Item ``function``'s plan and loops, by the base rewrite's ``report`` of ``program``."""
+    plan = float8_training.find_matmuls(program.item(function), float8_training.converted_nodes(report, function))
+    return plan, float8_loops.find_loops(program, function, lambda item: float8_training.converted_nodes(report, item))
+
+
+def _with_loops(plan: Plan, loops: tuple[float8_loops.Loop, ...]) -> Plan:
+    """``plan`` with the loops' forward matmuls too, each named as the step's keys name it (``Loop.name``)."""
+    inside = tuple(replace(m, node=loop.name(m)) for loop in loops for m in loop.matmuls)
+    return replace(plan, matmuls=plan.matmuls + inside)
+
+
+def _owners(func_graph: Any, plan: Plan, sources: Mapping[str, str],
             applied: list[tuple[Float8State, tuple[Any, ...]]],
             states: Sequence[Float8State]) -> dict[str, tuple[Float8State, str]]:
-    """Forward matmul -> (the state it records into, its key base). By its weight's variable:
-    the wrapper that updates it, keyed ``v<index>_<name>``; else the step's only wrapper (those
-    that applied in it, or else the only active one), keyed ``m<k>`` in the step's order, the
-    replicas of one op sharing a key; else none."""
+    """Forward matmul -> (the state it records into, its key base). By its weight's variable
+    (``sources``: matmul -> the node its handle comes from in ``func_graph``): the wrapper that
+    updates it, keyed ``v<index>_<name>``; else the step's only wrapper (those that applied in
+    it, or else the only active one), keyed ``m<k>`` in the step's order, the replicas of one op
+    sharing a key; else none."""
     handle_to_owner: dict[int, tuple[Float8State, str]] = {}
     for state, variables in [*applied, *((s, s.variables_updated) for s in states)]:
         for index, variable in enumerate(variables):
             for handle in _handles(variable):
                 handle_to_owner.setdefault(id(handle), (state, f"v{index}_{_short_name(variable)}"))
     candidates = list({id(s): s for s, _ in applied}.values()) or list(states)
-    nodes = {node.name: node for node in graph_def.node}
     owners: dict[str, tuple[Float8State, str]] = {}
     ordinals: dict[tuple[int, str], str] = {}
     for matmul in plan.matmuls:
-        found = None
-        for _, source in float8_training.weight_of(nodes, matmul.inputs):
-            found = found or handle_to_owner.get(id(_eager_handle(func_graph, source)))
+        source = sources.get(matmul.node)
+        found = handle_to_owner.get(id(_eager_handle(func_graph, source))) if source is not None else None
         if found is None and len(candidates) == 1:
             owner = candidates[0]
             replica_free = _REPLICA.sub("", matmul.node)
@@ -319,7 +339,7 @@ def _warn_untrained(name: str, plan: Plan, graph_def: graph_pb2.GraphDef) -> Non
 
 
 def _warn_where_float8_does_not_happen(name: str, plan: Plan, owners: dict[str, tuple[Float8State, str]],
-                                       graph_def: graph_pb2.GraphDef) -> None:
+                                       graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...]) -> None:
     """One warning naming the converted matmuls of training step ``name`` that miss part of FP8."""
     problems = []
     unpaired = [m.node for m in plan.matmuls if not m.backward]
@@ -332,20 +352,26 @@ def _warn_where_float8_does_not_happen(name: str, plan: Plan, owners: dict[str, 
                         f" so they scale from each call's amax ({_some(unowned)})")
     if plan.kept:
         problems.append(f"{len(plan.kept)} matmul(s) stay in the base precision: a Const operand ({_some(plan.kept)})")
-    loops = _loop_note(graph_def)
-    if problems or loops:
-        warnings.warn(f"amp_rewrite: {name}: " + "; ".join(problems) + loops, stacklevel=4)
+    unreached = _loop_note(graph_def, loops)
+    if problems or unreached:
+        warnings.warn(f"amp_rewrite: {name}: " + "; ".join(problems) + unreached, stacklevel=4)
 
 
-def _loop_note(graph_def: graph_pb2.GraphDef) -> str:
-    """The matmuls in the step's loop bodies, which stay in the base precision, as a clause (or "")."""
-    loops = {node.attr["body"].func.name for node in graph_def.node if node.op in _LOOPS}
-    inside = [node.name for function in graph_def.library.function if function.signature.name in loops
-              for node in function.node_def if node.op in MATMUL_OPS]
+def _loop_note(graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...] = ()) -> str:
+    """The matmuls in the step's control-flow bodies that FP8 training does not reach (branches of a
+    ``tf.cond``, loops within loops: ``core.float8_loops`` quantizes the step's own loops), as a
+    clause (or "")."""
+    reached = {loop.body for loop in loops} | {loop.gradient_body for loop in loops}
+    bodies = {name for node in graph_def.node if node.op in _CONTROL_FLOW
+              for name in functions.called_functions(node)} - reached
+    inside = [f"{function.signature.name}/{node.name}" for function in graph_def.library.function
+              if function.signature.name in bodies for node in function.node_def if node.op in MATMUL_OPS
+              and not in_gradient_scope(node.name)]
     if not inside:
         return ""
-    return (f"; {len(inside)} matmul(s) inside while-loop bodies stay in the base precision ({_some(inside)}):"
-            " a loop body's FP8 state cannot be captured after it is traced")
+    return (f"; {len(inside)} matmul(s) inside the step's control flow stay in the base precision"
+            f" ({_some(inside)}): FP8 training reaches the step's own matmuls and its while loops' bodies, not"
+            " tf.cond branches nor loops within loops")
 
 
 def _some(names: Iterable[str], count: int = 3) -> str:
@@ -355,12 +381,12 @@ def _some(names: Iterable[str], count: int = 3) -> str:
 
 def quantize(source: graph_pb2.GraphDef, result: RewriteResult, function: str, step: TraceStep,
              training: Float8Training) -> RewriteResult:
-    """The base rewrite ``result`` of ``source`` with ``function``'s matmuls on float8 (module doc, 3)."""
-    plan = float8_training.find_matmuls(program_of(source).item(function),
-                                        float8_training.converted_nodes(result.report, function))
+    """The base rewrite ``result`` of ``source`` with ``function``'s matmuls, and its loops', on
+    float8 (module doc, 3)."""
+    plan, loops = _planned(program_of(source), function, result.report)
     graph_def, report = float8_training.training_step_rewritten(
         result.graph_def, result.report, function, plan.with_bases(step.bases), step.state,
-        training.amax_history_length, step.workers)
+        training.amax_history_length, step.workers, tuple(loop.with_bases(step.bases) for loop in loops))
     return RewriteResult(graph_def, report)
 
 
@@ -378,7 +404,7 @@ def add_graph_state(graph: Any, training: Float8Training, target: str, lists: Op
 def _graph_plan(graph_def: graph_pb2.GraphDef, target: str, lists: OpLists) -> Plan:
     """A TF1 graph's plan, keyed by each matmul's weight variable's name (stable in a graph built
     afresh), or its own name where it reads no variable."""
-    plan = _plan(graph_def, target, lists)
+    plan, _ = _plan(graph_def, target, lists)  # a TF1 graph's loops are v1 control flow: not looked into
     nodes = {node.name: node for node in graph_def.node}
     return plan.with_bases({m.node: next((name for _, name in float8_training.weight_of(nodes, m.inputs)), m.node)
                             for m in plan.matmuls})
