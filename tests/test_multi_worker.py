@@ -1,4 +1,4 @@
-"""MultiWorkerMirroredStrategy with two local worker processes, bfloat16.
+"""MultiWorkerMirroredStrategy with two local worker processes, bfloat16 and FP8 training.
 
 Each worker (``_WORKER``) trains the same model twice — tf_keras ``model.fit`` and a Keras 3
 custom loop with ``strategy.run`` — and on worker 1 alone the loss of step 1 is NaN. A
@@ -84,6 +84,32 @@ _WORKER = textwrap.dedent(
     report["keras"] = {"weights": [np.asarray(w.numpy()).tolist() for w in model.weights],
                        "iterations": int(opt.iterations.numpy()), "scale": float(opt.loss_scale.numpy()),
                        "good_in_a_row": int(opt.step_counter.numpy())}
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+    # Keras 3 custom loop, FP8 training: worker 1's inputs are 2 x worker 0's
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8",
+                                                               amax_history_length=4)
+        opt.build(model.trainable_variables)
+    x8 = x * (2.0 if task == 1 else 1.0)
+    batches = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x8, y)).batch(8).with_options(options)))
+
+    @tf.function
+    def float8_step(batch):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        strategy.run(replica_step, args=batch)
+
+    for i in range(STEPS):
+        float8_step(next(batches))
+    report["float8"] = {"state": {name: np.asarray(v.numpy()).tolist() for name, v in opt.float8_state.items()},
+                        "weights": [np.asarray(w.numpy()).tolist() for w in model.weights],
+                        "amax": [float(np.abs(x8[8 * i:8 * i + 8]).max()) for i in range(STEPS)]}
     print("RESULT " + json.dumps(report))
     """
 )
@@ -138,3 +164,17 @@ def test_both_workers_skip_one_workers_nan_and_end_equal(workers, path):
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
         assert np.all(np.isfinite(np.array(a)))
+
+
+def test_float8_workers_record_the_largest_amax_of_any_worker_and_scale_alike(workers):
+    """FP8 training in a Keras 3 ``strategy.run`` loop, worker 1's inputs twice worker 0's: each
+    step's input amax is reduced to the largest across workers (one collective), so both
+    workers hold the same state — the larger worker's amaxes, newest first — and end with
+    equal weights."""
+    first, second = (report["float8"] for report in workers)
+    assert first["state"] == second["state"] and len(first["state"]) == 6
+    largest = [max(a, b) for a, b in zip(first["amax"], second["amax"])]
+    np.testing.assert_allclose(first["state"]["v0_kernel/input/amax_history"], largest[::-1], rtol=1e-6)
+    assert largest == second["amax"]  # worker 1's, not the worker's own
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))

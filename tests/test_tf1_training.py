@@ -171,7 +171,8 @@ def test_float8_state_is_in_the_monitored_sessions_checkpoints_and_a_restart_res
     assert all(np.all(np.array(value) > 0) for value in state.values())  # 30 steps recorded into 4-step histories
     assert {key: value for key, value in float8["resumed_start"].items()} == state
     resumed = {key: value for key, value in float8["resumed_end"].items() if key != "accuracy"}
-    assert resumed.keys() == state.keys() and all(resumed[key] != state[key] for key in state if "history" in key)
+    assert resumed.keys() == state.keys()
+    assert all(resumed[key] != state[key] for key in state if key.endswith("weight/amax_history"))  # Adam moved them
 
 
 def test_float8_monitored_training_reaches_bfloat16s_accuracy(report):

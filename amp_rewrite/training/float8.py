@@ -184,7 +184,8 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     workers = _workers({id(owner): owner for owner, _ in owners.values()}.values())
     TRACES.set_step(func_graph, TraceStep(state, {node: base for node, (_, base) in owners.items()}, under_xla,
                                           workers))
-    _warn_where_float8_does_not_happen(func_graph.name, plan, owners, graph_def, loops)
+    sinks = [tensor.op.name for tensor in func_graph.outputs] + [op.name for op in func_graph.control_outputs]
+    _warn_where_float8_does_not_happen(func_graph.name, plan, owners, graph_def, loops, _live(graph_def, sinks))
     for owner in {id(owner): owner for owner, _ in owners.values()}.values():
         used = [key for key in _owner_keys(plan, owners, owner)]
         report = owner.restore_report(used)
@@ -339,13 +340,16 @@ def _warn_untrained(name: str, plan: Plan, graph_def: graph_pb2.GraphDef) -> Non
 
 
 def _warn_where_float8_does_not_happen(name: str, plan: Plan, owners: dict[str, tuple[Float8State, str]],
-                                       graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...]) -> None:
-    """One warning naming the converted matmuls of training step ``name`` that miss part of FP8."""
+                                       graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...],
+                                       live: set[str]) -> None:
+    """One warning naming the converted matmuls of training step ``name`` that miss part of FP8
+    (``live``: the step's nodes that its outputs depend on; a loop's matmuls count as live)."""
     problems = []
-    unpaired = [m.node for m in plan.matmuls if not m.backward]
+    inside = {loop.name(m) for loop in loops for m in loop.matmuls}
+    unpaired = [m.node for m in plan.matmuls if not m.backward and (m.node in live or m.node in inside)]
     if unpaired:
-        problems.append(f"{len(unpaired)} matmul(s) without a paired gradient matmul keep their gradients in the base"
-                        f" precision ({_some(unpaired)})")
+        problems.append(f"{len(unpaired)} matmul(s) have no paired gradient matmul: their gradients, if the step takes"
+                        f" any, stay in the base precision ({_some(unpaired)})")
     unowned = [m.node for m in plan.matmuls if m.node not in owners]
     if unowned:
         problems.append(f"{len(unowned)} matmul(s) read no variable of the float8 wrappers and the step has several,"
@@ -355,6 +359,21 @@ def _warn_where_float8_does_not_happen(name: str, plan: Plan, owners: dict[str, 
     unreached = _loop_note(graph_def, loops)
     if problems or unreached:
         warnings.warn(f"amp_rewrite: {name}: " + "; ".join(problems) + unreached, stacklevel=4)
+
+
+def _live(graph_def: graph_pb2.GraphDef, sinks: Iterable[str]) -> set[str]:
+    """The nodes that ``sinks`` (a function's outputs and control outputs) depend on: a matmul
+    outside it does nothing the step keeps (Keras' RNNs run their first time step outside the loop
+    for its shapes alone), so it has nothing to miss."""
+    nodes = {node.name: node for node in graph_def.node}
+    live, todo = set(), [sink for sink in sinks if sink in nodes]
+    while todo:
+        name = todo.pop()
+        if name not in live:
+            live.add(name)
+            todo += [parse_tensor_name(tensor).node for tensor in nodes[name].input
+                     if parse_tensor_name(tensor).node in nodes]
+    return live
 
 
 def _loop_note(graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...] = ()) -> str:

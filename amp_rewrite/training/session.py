@@ -223,8 +223,8 @@ class MirroredSession(_tf.BASE_SESSION.get()):
                         for feed in _as_list(feeds) for subfeed in _partial_run_expansion(feed)]
         mirror = self._mirror_with([t.op.name for t in (*feed_tensors, *handler.fetches())]
                                    + [op.name for op in handler.targets()])
-        return self._do_call(
-            _tf.SESSION_PRUN_SETUP.get(), mirror.session._session,  # pylint: disable=protected-access
+        return _tf.BASE_SESSION_DO_CALL.get()(
+            self, _tf.SESSION_PRUN_SETUP.get(), mirror.session._session,  # pylint: disable=protected-access
             [mirror.output(t.op.name, t.value_index)[0] for t in feed_tensors],
             [mirror.output(t.op.name, t.value_index)[0] for t in handler.fetches()],
             [mirror.operation(op.name) for op in handler.targets()])
@@ -337,7 +337,7 @@ def _build(session: MirroredSession) -> Mirror:
     with graph.as_default():
         tf.graph_util.import_graph_def(result.graph_def, name="")
     inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=session._config)  # pylint: disable=protected-access
-    inner._extend_graph()  # pylint: disable=protected-access
+    _tf.BASE_SESSION_EXTEND_GRAPH.get()(inner)
     if initializers:
         inner.run([graph.get_operation_by_name(name) for name in initializers])
     return Mirror(graph, inner, result, {node.name: node for node in source.node},
@@ -382,7 +382,7 @@ def _grow(session: MirroredSession, mirror: Mirror) -> None:
     for name, producers in controls.items():
         add_control_inputs(mirror.graph.get_operation_by_name(name),
                            [mirror.graph.get_operation_by_name(producer) for producer in producers])
-    mirror.session._extend_graph()  # pylint: disable=protected-access
+    _tf.BASE_SESSION_EXTEND_GRAPH.get()(mirror.session)
     added = [mirror.graph.get_operation_by_name(name) for name in initializers if name not in mirror.nodes]
     if added:
         mirror.session.run(added)
