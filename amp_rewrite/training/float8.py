@@ -187,8 +187,7 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     sinks = [tensor.op.name for tensor in func_graph.outputs] + [op.name for op in func_graph.control_outputs]
     _warn_where_float8_does_not_happen(func_graph.name, plan, owners, graph_def, loops, _live(graph_def, sinks))
     for owner in {id(owner): owner for owner, _ in owners.values()}.values():
-        used = [key for key in _owner_keys(plan, owners, owner)]
-        report = owner.restore_report(used)
+        report = owner.restore_report(_owner_keys(plan, owners, owner))
         if report is not None:
             warnings.warn(report, stacklevel=2)
     log.debug("amp_rewrite: %s: float8 state for %d operand(s)", func_graph.name, len(state))
