@@ -236,7 +236,7 @@ _MIRRORED = textwrap.dedent(
     report["mirrored_state"] = state(opt)
     _, report["single_accuracy"] = fit(tf.distribute.get_strategy())
 
-    # strategy.run: replica 1's batches are 3 x replica 0's, so the input amax is 3 (pixels reach 1)
+    # strategy.run: at step s, replica s % 2 sees 3 x the pixels, so the input amax is 3 (pixels reach 1)
     with mirrored.scope():
         keras.utils.set_random_seed(0)
         opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.01), target="float8",
@@ -244,9 +244,9 @@ _MIRRORED = textwrap.dedent(
         model = digits.build("mlp")
         opt.build(model.trainable_variables)
 
-    def batch(context):
-        index = context.replica_id_in_sync_group
-        return data.x_train[:16] * (1.0 + 2.0 * index), data.y_train[:16]
+    def batch(context, step):
+        large = context.replica_id_in_sync_group == step % 2
+        return data.x_train[:16] * (3.0 if large else 1.0), data.y_train[:16]
 
     @tf.function
     def step(x, y):
@@ -256,10 +256,9 @@ _MIRRORED = textwrap.dedent(
             opt.apply(tape.gradient(value, model.trainable_variables), model.trainable_variables)
         mirrored.run(replica, args=(x, y))
 
-    x, y = mirrored.experimental_distribute_values_from_function(lambda c: batch(c)[0]), \\
-        mirrored.experimental_distribute_values_from_function(lambda c: batch(c)[1])
-    for _ in range(2):
-        step(x, y)
+    for index in range(2):
+        step(*(mirrored.experimental_distribute_values_from_function(lambda c, i=i: batch(c, index)[i])
+               for i in (0, 1)))
     report["run_state"] = state(opt)
     print("RESULT " + json.dumps(report))
     """
@@ -290,8 +289,9 @@ def test_mirrored_fit_keeps_one_mirrored_state_per_weight_and_matches_the_single
 
 
 def test_strategy_run_records_the_largest_amax_of_any_replica(mirrored):
-    """A ``strategy.run`` loop whose replica 1 sees 3 x replica 0's pixels: the first layer's
-    input history holds 3 (the largest of any replica) on both replicas, so both scale alike."""
+    """A ``strategy.run`` loop whose replica 0, then replica 1, sees 3 x the other's pixels: the
+    first layer's input history holds 3 for both steps (the largest of any replica, whichever it
+    is) on both replicas, so both scale alike."""
     history = mirrored["run_state"]["v0_kernel/input/amax_history"]["values"]
     assert history[0] == history[1] == [3.0, 3.0, 0.0, 0.0]
     scale = mirrored["run_state"]["v0_kernel/input/scale"]["values"]
