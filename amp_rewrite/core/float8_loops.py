@@ -32,8 +32,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, ten
 
 from amp_rewrite.core import float8
 from amp_rewrite.core.float8_training import (
-    _BACKWARD_OPS, _EXPONENTS, _GRADIENT_ROOT, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul,
-    State, _canonical, _TrainingBuilder, in_gradient_scope, variable_handle, weight_of,
+    _BACKWARD_OPS, _EXPONENTS, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul, State,
+    _canonical, _TrainingBuilder, forward_names, in_gradient_scope, variable_handle, weight_of,
 )
 from amp_rewrite.core.functions import RETVAL_SUFFIX, to_function_def
 from amp_rewrite.core.graph_io import parse_tensor_name
@@ -163,13 +163,8 @@ def _backward_of(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef,
 
 def _forward_name(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> str | None:
     """The forward matmul named by the gradient scope ``node`` sits in (``…/<forward>_grad/…``)."""
-    for match in _GRADIENT_ROOT.finditer(node.name):
-        segments = node.name[match.end():].split("/")
-        for length in range(len(segments), 0, -1):
-            scope = "/".join(segments[:length]).removesuffix("_grad")
-            if scope in forward and node.op in _BACKWARD_OPS[forward[scope].op]:
-                return scope
-    return None
+    return next((name for name in forward_names(node.name)
+                 if name in forward and node.op in _BACKWARD_OPS[forward[name].op]), None)
 
 
 def _pushed(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef, body_nodes: Mapping[str, node_def_pb2.NodeDef],

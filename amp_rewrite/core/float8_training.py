@@ -36,7 +36,7 @@ forward matmul and stay in the base precision.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -246,24 +246,30 @@ def _forward_of(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tu
     if len(node.input) <= max(positions):
         return None
     operands = [_canonical(node.input[position]) for position in positions]
-    for match in _GRADIENT_ROOT.finditer(node.name):
-        segments = node.name[match.end():].split("/")
-        # The longest forward name first, the whole name too: an Einsum's gradient einsums sit
-        # beside it, uniquified (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1),
-        # a MatMul's under it.
+    for name in forward_names(node.name):
+        matmul = forward.get(name)
+        if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
+            continue
+        shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
+                  if tensor in matmul.inputs]
+        if len(shared) == 1:  # one forward operand; the other one is the incoming gradient
+            index, forward_input = shared[0]
+            return name, Backward(node.name, positions[index], forward_input, positions[1 - index])
+    return None
+
+
+def forward_names(name: str) -> Iterator[str]:
+    """The names of the forward op whose gradient node ``name`` may be part of, by the scope
+    TensorFlow gives a gradient (``gradient_tape/<op>/…``, ``gradients/<op>_grad/…``): the
+    longest first, the whole name too — an Einsum's gradient einsums sit beside it, uniquified
+    (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1), a MatMul's under it."""
+    for match in _GRADIENT_ROOT.finditer(name):
+        segments = name[match.end():].split("/")
         for length in range(len(segments), 0, -1):
             scope = "/".join(segments[:length])
-            whole = (scope, _UNIQUIFIED.sub("", scope)) if length == len(segments) else ()
-            for name in (*whole, scope.removesuffix("_grad")):
-                matmul = forward.get(name)
-                if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
-                    continue
-                shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
-                          if tensor in matmul.inputs]
-                if len(shared) == 1:  # one forward operand; the other one is the incoming gradient
-                    index, forward_input = shared[0]
-                    return name, Backward(node.name, positions[index], forward_input, positions[1 - index])
-    return None
+            if length == len(segments):
+                yield from (scope, _UNIQUIFIED.sub("", scope))
+            yield scope.removesuffix("_grad")
 
 
 def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str]:
