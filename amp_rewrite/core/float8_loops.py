@@ -1,4 +1,5 @@
-"""FP8 training inside while loops: a loop body's matmuls on float8, one history per matmul.
+"""FP8 training inside while loops: a loop body's matmuls on float8, one history per matmul;
+and the rewrite of one training step with its loops (``training_step_rewritten``).
 
 A recurrent layer (Keras' LSTM/GRU on the TensorFlow backend, ``tf.while_loop``, ``tf.scan``)
 traces its step as a ``While`` whose body holds the forward matmuls; the gradient is another
@@ -32,12 +33,14 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, ten
 
 from amp_rewrite.core import float8
 from amp_rewrite.core.float8_training import (
-    _BACKWARD_OPS, _EXPONENTS, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul, State,
-    _canonical, _TrainingBuilder, forward_names, in_gradient_scope, variable_handle, weight_of,
+    _BACKWARD_OPS, _EXPONENTS, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul, Plan, State,
+    Workers, _canonical, _TrainingBuilder, forward_names, in_gradient_scope, quantize_training_step, variable_handle,
+    weight_of,
 )
 from amp_rewrite.core.functions import RETVAL_SUFFIX, to_function_def
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.core.program import Program
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
+from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
 
 LOOPS = frozenset({"While", "StatelessWhile"})
@@ -368,3 +371,43 @@ def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
     copy.CopyFrom(graph_def)
     return copy
 
+
+# --- one step with its loops ------------------------------------------------------------------
+
+
+def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
+                            state: Mapping[str, State], history_length: int, workers: Workers | None = None,
+                            loops: tuple[Loop, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
+    """``float8_training.quantize_training_step`` on one item of a rewrite's output (``function``: a
+    library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``thread_loops``),
+    with the report's reasons and counts for each item."""
+    program = program_of(result_graph_def)
+    step, functions, item_reasons, loop_amaxes = program.item(function), {}, {}, {}
+    if loops and function != MAIN_GRAPH:
+        threaded = thread_loops(program, step, loops, state, history_length)
+        step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
+                                                      threaded.amaxes)
+    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers,
+                                                            function != MAIN_GRAPH, loop_amaxes)
+    item_reasons[function] = reasons
+    output = graph_pb2.GraphDef()
+    output.CopyFrom(result_graph_def)
+    program.put(output, function, body)
+    for name, rewritten in functions.items():
+        output.library.function[program.positions[name]].CopyFrom(rewritten)
+    if control_outputs:
+        rewritten = output.library.function[program.positions[function]]
+        for name in control_outputs:
+            rewritten.signature.control_output.append(name)
+            rewritten.control_ret[name] = name
+    return output, _report_with(report, item_reasons)
+
+
+def _report_with(report: Report, item_reasons: Mapping[str, Mapping[str, Reason]]) -> Report:
+    """``report`` with each item's float8 matmuls counted and their reasons as overrides."""
+    items = tuple(replace(item, float8_matmuls=len(item_reasons[item.function])) if item.function in item_reasons
+                  else item for item in report.items)
+    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason for node, reason
+                                                                  in item_reasons[item.function].items()}})
+                    if item.function in item_reasons else item for item in report.pending)
+    return Report(report.target, items, pending)

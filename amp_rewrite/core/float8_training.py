@@ -45,7 +45,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, t
 from amp_rewrite.core import float8
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
 
@@ -553,43 +553,3 @@ def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]],
                                            device, {"dtype": f32, "validate_shape": False}))
         state[key] = State(reads[SCALE], reads[HISTORY])
     return output, state, initializers
-
-
-def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
-                            state: Mapping[str, State], history_length: int, workers: Workers | None = None,
-                            loops: tuple[Any, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
-    """``quantize_training_step`` on one item of a rewrite's output (``function``: a library
-    function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops``
-    (``float8_loops.thread_loops``), with the report's reasons and counts for each item."""
-    from amp_rewrite.core import float8_loops  # it builds on this module
-
-    program = program_of(result_graph_def)
-    step, functions, item_reasons, loop_amaxes = program.item(function), {}, {}, {}
-    if loops and function != MAIN_GRAPH:
-        threaded = float8_loops.thread_loops(program, step, loops, state, history_length)
-        step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
-                                                      threaded.amaxes)
-    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers,
-                                                            function != MAIN_GRAPH, loop_amaxes)
-    item_reasons[function] = reasons
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(result_graph_def)
-    program.put(output, function, body)
-    for name, rewritten in functions.items():
-        output.library.function[program.positions[name]].CopyFrom(rewritten)
-    if control_outputs:
-        rewritten = output.library.function[program.positions[function]]
-        for name in control_outputs:
-            rewritten.signature.control_output.append(name)
-            rewritten.control_ret[name] = name
-    return output, _report_with(report, item_reasons)
-
-
-def _report_with(report: Report, item_reasons: Mapping[str, Mapping[str, Reason]]) -> Report:
-    """``report`` with each item's float8 matmuls counted and their reasons as overrides."""
-    items = tuple(replace(item, float8_matmuls=len(item_reasons[item.function])) if item.function in item_reasons
-                  else item for item in report.items)
-    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason for node, reason
-                                                                  in item_reasons[item.function].items()}})
-                    if item.function in item_reasons else item for item in report.pending)
-    return Report(report.target, items, pending)

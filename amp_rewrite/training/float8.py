@@ -402,7 +402,7 @@ def quantize(source: graph_pb2.GraphDef, result: RewriteResult, function: str, s
     """The base rewrite ``result`` of ``source`` with ``function``'s matmuls, and its loops', on
     float8 (module doc, 3)."""
     plan, loops = _planned(program_of(source), function, result.report)
-    graph_def, report = float8_training.training_step_rewritten(
+    graph_def, report = float8_loops.training_step_rewritten(
         result.graph_def, result.report, function, plan.with_bases(step.bases), step.state,
         training.amax_history_length, step.workers, tuple(loop.with_bases(step.bases) for loop in loops))
     return RewriteResult(graph_def, report)
@@ -447,7 +447,7 @@ def session_step(source: graph_pb2.GraphDef, result: RewriteResult, training: Fl
                           f" (e.g. {missing[0][0]!r}): they live in the Session alone, so a checkpoint does not hold"
                           " them; build the train op with the optimizer enable_mixed_precision_graph_rewrite returned",
                           stacklevel=6)
-    graph_def, report = float8_training.training_step_rewritten(graph_def, result.report, MAIN_GRAPH, plan, state,
+    graph_def, report = float8_loops.training_step_rewritten(graph_def, result.report, MAIN_GRAPH, plan, state,
                                                                 training.amax_history_length)
     return RewriteResult(graph_def, report), initializers
 
