@@ -151,6 +151,7 @@ _SCRIPT = textwrap.dedent(
         low = tf.matmul(feat, w, name="low")  # painted afresh, the Identity feeding it would be bfloat16
     grown["low"] = executed_matmuls(sess, low, feed)
     grown["low_value"] = sess.run(low, feed).tolist()
+    grown["low_fetched_as"] = str(sess.run(low, feed).dtype)  # bfloat16 in the mirror, float32 in the user's graph
     grown["feat"] = types_pb2.DataType.Name(sess._amp_rewrite_mirror.graph.get_operation_by_name("feat").get_attr("T")
                                             .as_datatype_enum)
     grown["same_mirror"] = sess._amp_rewrite_mirror.graph is mirror_graph
@@ -219,9 +220,11 @@ def test_keep_nodes_hold_and_a_new_op_is_painted_around_running_nodes(report):
     (MatMul "kept" runs float32). A MatMul added after the first runs reads an Identity that
     runs float32; painted afresh it would be converted, but a running node keeps its dtype: the
     Identity stays float32 and the new MatMul, imported into the same mirror, runs bfloat16
-    and reads w's value (3 × ones, assigned in an earlier run): 4 × 3 = 12."""
+    and reads w's value (3 × ones, assigned in an earlier run): 4 × 3 = 12, fetched as the user's
+    graph types it (float32), not as the mirror computes it (bfloat16)."""
     assert report["grown"] == {"kept": ["DT_FLOAT"], "total": 8.0, "low": ["DT_BFLOAT16"],
-                               "low_value": [[12.0] * 3] * 2, "feat": "DT_FLOAT", "same_mirror": True}
+                               "low_value": [[12.0] * 3] * 2, "low_fetched_as": "float32", "feat": "DT_FLOAT",
+                               "same_mirror": True}
 
 
 def test_v1_path_prints_no_deprecation_notice(report):
