@@ -124,7 +124,10 @@ USING_MIXED_PRECISION_POLICY = Private(LIVE, "tensorflow.python.training.experim
 # of BaseSession (the methods below, overridden or called) and keeps everything above it.
 BASE_SESSION = Private(SESSION, "tensorflow.python.client.session", "BaseSession")
 SESSION_INIT = Private(SESSION, "tensorflow.python.client.session", "BaseSession.__init__",
-                       ("target", "graph", "config"))  # sets _session, _config and _closed, which the mirror reads
+                       ("target", "graph", "config"))
+# What BaseSession.__init__ sets and the mirror reads: the C session it runs, the ConfigProto a
+# mirror's own Session is made with, whether it is closed (instance attributes, no public getter).
+SESSION_HANDLE, SESSION_CONFIG, SESSION_CLOSED = "_session", "_config", "_closed"
 BASE_SESSION_EXTEND_GRAPH = Private(SESSION, "tensorflow.python.client.session", "BaseSession._extend_graph", ())
 BASE_SESSION_CALL_TF_SESSIONRUN = Private(SESSION, "tensorflow.python.client.session",
                                           "BaseSession._call_tf_sessionrun",

@@ -746,6 +746,7 @@ import sys
 from tensorflow.python.client import session
 from tensorflow.python.eager.polymorphic_function import transform
 from tensorflow.python.training.experimental import mixed_precision_global_state as flag
+from tensorflow.python.ops import control_flow_v2_func_graphs as loops
 import keras
 import amp_rewrite
 
@@ -755,12 +756,14 @@ def hooks():
 
 for owner, name, target in [(session.BaseSession, "_call_tf_sessionprun", "bfloat16"),
                             (keras.mixed_precision.LossScaleOptimizer, "_tf_apply", "bfloat16"),
-                            (transform, "FUNC_GRAPH_TRANSFORMS", "bfloat16")]:
+                            (transform, "FUNC_GRAPH_TRANSFORMS", "bfloat16"),
+                            (loops, "ControlFlowFuncGraph", "float8")]:
     saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
     before = hooks()
     delattr(owner, name)
     try:
-        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=target)
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=target,
+                                                         **({"amax_history_length": 4} if target == "float8" else {}))
         print("ENABLED", name)
     except amp_rewrite.AmpRewriteError as error:
         print("REFUSED", name, "|", error)
@@ -771,7 +774,7 @@ for owner, name, target in [(session.BaseSession, "_call_tf_sessionprun", "bfloa
 
 def test_enabling_refuses_in_one_line_before_installing_anything_when_a_private_name_is_gone():
     """In a fresh process, one private name a feature of enabling needs is removed (the Session
-    path's, the loss-scale optimizer's, the live rewrite's) and ``enable_…`` itself is called:
+    path's, the loss-scale optimizer's, the live rewrite's, FP8 training's) and ``enable_…`` itself is called:
     it refuses in one line naming TensorFlow's version, the name and the feature, and leaves
     the hooks, ``BaseSession.__init__`` and the global flag as they were."""
     import subprocess
@@ -780,9 +783,9 @@ def test_enabling_refuses_in_one_line_before_installing_anything_when_a_private_
     run = subprocess.run([sys.executable, "-c", _REMOVE_AND_ENABLE], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     lines = [line for line in run.stdout.splitlines() if line.startswith(("REFUSED", "ENABLED", "UNCHANGED"))]
-    assert len(lines) == 6, run.stdout + run.stderr[-3000:]
+    assert len(lines) == 8, run.stdout + run.stderr[-3000:]
     for name, feature in (("_call_tf_sessionprun", "the Session path"), ("_tf_apply", "loss-scale optimizer"),
-                          ("FUNC_GRAPH_TRANSFORMS", "the live rewrite")):
+                          ("FUNC_GRAPH_TRANSFORMS", "the live rewrite"), ("ControlFlowFuncGraph", "FP8 training")):
         (refused,) = [line for line in lines if line.startswith(f"REFUSED {name} ")]
         message = refused.partition("| ")[2]
         assert f"TensorFlow {tf.__version__}" in message and f"{name} is gone" in message and feature in message

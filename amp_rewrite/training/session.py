@@ -200,21 +200,21 @@ class MirroredSession(_tf.BASE_SESSION.get()):
                                    + [_operation_name(t) for t in target_list])
         fetches = [mirror.fetch(output) for output in fetch_list]
         results = _tf.SESSION_RUN.get()(
-            mirror.session._session, options, mirror.feeds(feed_dict),  # pylint: disable=protected-access
+            getattr(mirror.session, _tf.SESSION_HANDLE), options, mirror.feeds(feed_dict),
             [f.output for f in fetches], [mirror.operation(_operation_name(t)) for t in target_list], run_metadata)
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def _call_tf_sessionprun(self, handle: Any, feed_dict: dict, fetch_list: list) -> list:
         mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)])
         fetches = [mirror.fetch(output) for output in fetch_list]
-        results = _tf.SESSION_PRUN.get()(mirror.session._session, handle,  # pylint: disable=protected-access
-                                               mirror.feeds(feed_dict), [f.output for f in fetches])
+        results = _tf.SESSION_PRUN.get()(getattr(mirror.session, _tf.SESSION_HANDLE), handle,
+                                         mirror.feeds(feed_dict), [f.output for f in fetches])
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def partial_run_setup(self, fetches: Any, feeds: Any = None) -> Any:
         """``BaseSession.partial_run_setup`` on the mirror: TensorFlow's own fetch handler and feed
         expansions give the flat lists, which are set up in the mirror's C session."""
-        if self._closed:
+        if getattr(self, _tf.SESSION_CLOSED):
             raise RuntimeError("Attempted to use a closed Session.")
         if self.graph.version == 0:
             raise RuntimeError("The Session graph is empty. Add operations to the graph before calling run().")
@@ -224,7 +224,7 @@ class MirroredSession(_tf.BASE_SESSION.get()):
         mirror = self._mirror_with([t.op.name for t in (*feed_tensors, *handler.fetches())]
                                    + [op.name for op in handler.targets()])
         return _tf.BASE_SESSION_DO_CALL.get()(
-            self, _tf.SESSION_PRUN_SETUP.get(), mirror.session._session,  # pylint: disable=protected-access
+            self, _tf.SESSION_PRUN_SETUP.get(), getattr(mirror.session, _tf.SESSION_HANDLE),
             [mirror.output(t.op.name, t.value_index)[0] for t in feed_tensors],
             [mirror.output(t.op.name, t.value_index)[0] for t in handler.fetches()],
             [mirror.operation(op.name) for op in handler.targets()])
@@ -323,7 +323,7 @@ def _rewrite(session: MirroredSession,
     if settings.float8 is not None:
         result, initializers = float8.session_step(graph_def, result, settings.float8, settings.target,
                                                    settings.lists)
-        if result.report.float8_matmuls and not float8.xla_jit_enabled(session._config) \
+        if result.report.float8_matmuls and not float8.xla_jit_enabled(getattr(session, _tf.SESSION_CONFIG)) \
                 and session._amp_rewrite_show_once("float8-emulated"):  # pylint: disable=protected-access
             warnings.warn(float8.emulated_warning("this Session's graph", result.report.float8_matmuls), stacklevel=6)
     log.debug("amp_rewrite: session graph version %d rewritten", session.graph.version)
@@ -336,7 +336,7 @@ def _build(session: MirroredSession) -> Mirror:
     setattr(graph, MIRROR_GRAPH_ATTR, session.graph)
     with graph.as_default():
         tf.graph_util.import_graph_def(result.graph_def, name="")
-    inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=session._config)  # pylint: disable=protected-access
+    inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=getattr(session, _tf.SESSION_CONFIG))
     _tf.BASE_SESSION_EXTEND_GRAPH.get()(inner)
     if initializers:
         inner.run([graph.get_operation_by_name(name) for name in initializers])
