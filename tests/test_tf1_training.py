@@ -181,3 +181,12 @@ def test_float8_monitored_training_reaches_bfloat16s_accuracy(report):
     float8, bfloat16 = report["float8"]["float8"], report["float8"]["bfloat16"]
     assert bfloat16["accuracy"] >= 0.9 and abs(float8["accuracy"] - bfloat16["accuracy"]) <= 0.02
     assert all(np.all(np.array(value) > 0) for key, value in float8.items() if key.endswith("amax_history"))
+
+
+def test_a_savers_checkpoint_of_float8_training_restores_its_state_into_a_new_graph(report):
+    """A plain ``Saver`` made after the train op saves the float8 state with the weights (the
+    v1 wrapper made it global variables of the user's graph); restored into a freshly built
+    graph's Session, every state variable holds what was saved (5 steps into 4-step histories)."""
+    saver = report["float8"]["saver"]
+    assert len(saver["saved"]) == 12 and saver["restored"] == saver["saved"]
+    assert all(np.all(np.array(value) > 0) for value in saver["saved"].values())

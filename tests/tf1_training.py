@@ -461,9 +461,33 @@ def float8_monitored(workdir: Path) -> dict:
     out["saved"] = {name: tf.train.load_variable(saved, name).tolist() for name in out["checkpointed"]}
     out["first"] = first
     out["resumed_start"], out["resumed_end"] = train("float8", checkpoints, 10)
+    out["saver"] = float8_saver_round_trip(workdir / "saver_float8", batches[:5])
     _, out["float8"] = train("float8", str(workdir / "float8_long"), 3 * len(batches))
     _, out["bfloat16"] = train("bfloat16", str(workdir / "bfloat16_long"), 3 * len(batches))
     return out
+
+
+def float8_saver_round_trip(workdir: Path, batches: list) -> dict:
+    """FP8 training in a plain ``tf.compat.v1.Session`` saved by a ``Saver`` made after the train
+    op, then restored by another ``Saver`` into a freshly built graph's Session: the float8
+    state as saved, and as restored."""
+    def state(sess: tf.compat.v1.Session, m: dict) -> dict:
+        return {name: sess.run(v).tolist() for name, v in m["opt"].float8_state.items()}
+
+    graph, m = digits_graph("float8")
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        saver = tf.compat.v1.train.Saver()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for x, y in batches:
+            sess.run(m["train"], {m["x"]: x, m["y"]: y})
+        saved, path = state(sess, m), saver.save(sess, str(workdir / "model"))
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    graph, m = digits_graph("float8")
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        tf.compat.v1.train.Saver().restore(sess, path)
+        restored = state(sess, m)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    return {"saved": saved, "restored": restored}
 
 
 def readme_example(workdir: Path) -> dict:
