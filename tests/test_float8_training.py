@@ -348,10 +348,11 @@ def test_every_matmul_of_a_training_step_reaches_xla_on_float8(name):
     one of the gradient reads f8e5m2 (the incoming gradient) and f8e4m3fn: the operands XLA's
     GEMM rewriter turns into cuBLASLt FP8 GEMMs on a GPU of compute capability 8.9+. The LSTM's
     include its loop bodies': 2 forward dots per time step there (and 2 for the first step Keras
-    runs outside the loop, and the head's), 4 in the gradient loop's body (and the head's 2)."""
+    runs outside the loop, and the head's), 4 in the gradient loop's body (and the head's 2); the
+    GRU's likewise (its input and recurrent kernels)."""
     count = digits.count_float8_matmuls(digits.training_step_hlo(name, "float8"))
     assert count.forward >= 3 and count.backward >= count.forward
-    if name == "lstm":
+    if name in digits.LOOP_MODELS:
         assert (count.forward, count.backward) == (5, 6)
     assert (count.forward_float8, count.backward_float8) == (count.forward, count.backward)
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 
 MODELS = ("mlp", "cnn", "transformer")
-LOOP_MODELS = ("lstm",)  # its matmuls in a while loop's body (FP8 training's loop tests)
+LOOP_MODELS = ("lstm", "gru")  # their matmuls in a while loop's body (FP8 training's loop tests)
 VARIANTS = ("float32", "bfloat16", "float8", "keras-float8")
 BATCH, LEARNING_RATE = 32, 1e-3
 
@@ -49,8 +49,8 @@ def digits() -> Digits:
 def build(name: str) -> keras.Model:
     """Model ``name`` on a flat 64-pixel input, with logits out: an MLP; a CNN (two Conv2D
     and a Dense); a Transformer block over the image's 8 rows (MultiHeadAttention, a GELU
-    feed-forward, LayerNormalization, a Dense head); an LSTM over the 8 rows (its matmuls in a
-    while loop's body, and its gradient's)."""
+    feed-forward, LayerNormalization, a Dense head); an LSTM or a GRU over the 8 rows (its
+    matmuls in a while loop's body, and its gradient's)."""
     layers = keras.layers
     pixels = keras.Input((64,))
     if name == "mlp":
@@ -62,6 +62,8 @@ def build(name: str) -> keras.Model:
         hidden = layers.Flatten()(hidden)
     elif name == "lstm":
         hidden = layers.LSTM(32)(layers.Reshape((8, 8))(pixels))
+    elif name == "gru":
+        hidden = layers.GRU(32)(layers.Reshape((8, 8))(pixels))
     elif name == "transformer":
         rows = layers.Dense(32)(layers.Reshape((8, 8))(pixels))
         attention = layers.MultiHeadAttention(4, key_dim=8)(rows, rows)
@@ -151,6 +153,35 @@ def training_step(model: keras.Model, optimizer: Any) -> Any:
 
     return step
 
+
+
+def strategy_run_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epochs: int = 3,
+                          amax_history_length: int = 4, data: Digits | None = None) -> float:
+    """Held-out accuracy of the MLP trained ``epochs`` on digits as ``variant`` by a Keras 3
+    ``strategy.run`` loop (tape, ``tape.gradient(loss)``, ``opt.apply``; the loss averaged over
+    the global batch of ``BATCH``), on whatever replicas ``strategy`` has: what a replica run is
+    compared with on one device."""
+    data = data if data is not None else digits()
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    keras.utils.set_random_seed(0)
+    with strategy.scope(), variant_settings(variant, amax_history_length) as optimizer:
+        model = build("mlp")
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(x: Any, y: Any) -> None:
+            def replica(x: Any, y: Any) -> None:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(per_example(y, model(x, training=True))) / BATCH
+                optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            strategy.run(replica, args=(x, y))
+
+        batches = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).batch(BATCH, drop_remainder=True)
+        for _ in range(epochs):
+            for x, y in strategy.experimental_distribute_dataset(batches):
+                step(x, y)
+        predicted = np.argmax(np.asarray(model(data.x_test)), axis=1)  # eager: no Keras predict loop per strategy
+    return float(np.mean(predicted == data.y_test))
 
 @dataclass(frozen=True)
 class MatmulCount:
