@@ -180,7 +180,7 @@ def strategy_run_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epo
         for _ in range(epochs):
             for x, y in strategy.experimental_distribute_dataset(batches):
                 step(x, y)
-        predicted = np.argmax(np.asarray(model(data.x_test)), axis=1)  # eager: no Keras predict loop per strategy
+        predicted = np.argmax(keras.ops.convert_to_numpy(model(data.x_test)), axis=1)  # eager: no predict loop
     return float(np.mean(predicted == data.y_test))
 
 @dataclass(frozen=True)
