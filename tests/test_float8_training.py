@@ -338,6 +338,33 @@ def test_session_graph_trains_with_its_state_in_the_mirror():
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])) and losses[-1] < losses[0] * 0.85
 
 
+
+def test_a_session_graph_trained_by_an_unwrapped_optimizer_says_its_state_is_not_checkpointed():
+    """A TF1 graph whose train op a plain ``GradientDescentOptimizer`` built, run by a Session
+    made inside ``mixed_precision(target="float8")``: it trains FP8 (3 matmuls) on state the
+    mirror alone holds, and one line says so — how many operands, one example, which call
+    puts the state in the user's graph."""
+    data = digits.digits()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+        kernel = tf.compat.v1.get_variable("kernel", [64, 10], initializer=tf.compat.v1.glorot_uniform_initializer(0))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, kernel)))
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        init = tf.compat.v1.global_variables_initializer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY):
+            session = tf.compat.v1.Session(graph=graph)
+        session.run(init)
+        session.run(train, {x: data.x_train[:64], y: data.y_train[:64]})
+    (message,) = [str(w.message) for w in caught if "no FP8 state variables" in str(w.message)]
+    assert "\n" not in message and "for 3 operand(s) (e.g. 'kernel/input')" in message
+    assert "enable_mixed_precision_graph_rewrite returned" in message
+    assert session._amp_rewrite_mirror.result.report.float8_matmuls == 3
+    session.close()
+
 # --- proof: the HLO XLA gets, and accuracy on digits --------------------------------------------
 
 
