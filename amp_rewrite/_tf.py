@@ -195,7 +195,7 @@ V1_DYNAMIC_LOSS_SCALE = Private(OPTIMIZERS, "tensorflow.python.training.experime
 V1_GOOD_STEPS = "_num_good_steps"
 # TF1's optimizer takes nothing but its deprecated loss scales: their notice is silenced.
 DEPRECATION_SILENCE = Private(OPTIMIZERS, "tensorflow.python.util.deprecation", "silence", ())
-# tf_keras and TF1 wrappers do not track attributes by assignment: the float8 state is tracked by hand.
+# TF1 wrappers do not track attributes by assignment: the float8 state is tracked by hand.
 TRACK_TRACKABLE = Private(OPTIMIZERS, "tensorflow.python.trackable.base", "Trackable._track_trackable",
                           ("trackable", "name"))
 

@@ -323,3 +323,17 @@ def test_a_strategy_run_training_loop_matches_the_single_device_run(mirrored):
     assert accuracy["single_bfloat16"] > 0.9
     assert abs(accuracy["mirrored_float8"] - accuracy["single_float8"]) <= 0.02
     assert abs(accuracy["mirrored_float8"] - accuracy["single_bfloat16"]) <= 0.02
+
+
+def test_tf_keras_fit_trains_in_float8_and_checkpoints_its_state(tmp_path):
+    """A tf_keras model compiled with the float8 wrapper of a tf_keras optimizer: ``fit``
+    records into all 18 state variables (3 Dense layers), held-out accuracy within 2 points of
+    the same training in bfloat16, and ``tf.train.Checkpoint(optimizer=opt)`` holds the state."""
+    data, one_device = digits.digits(), tf.distribute.get_strategy()
+    opt, float8 = digits.tf_keras_fit_accuracy(one_device, "float8", amax_history_length=HISTORY, data=data)
+    _, bfloat16 = digits.tf_keras_fit_accuracy(one_device, "bfloat16", data=data)
+    histories = _histories(opt)
+    assert len(dict(opt.float8_state.items())) == 18 and all(np.all(h > 0) for h in histories.values())
+    assert bfloat16 > 0.9 and abs(float8 - bfloat16) <= 0.02
+    saved = tf.train.Checkpoint(optimizer=opt).save(tmp_path / "ckpt")
+    assert sum("float8_state" in name for name, _ in tf.train.list_variables(saved)) >= 18

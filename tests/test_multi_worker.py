@@ -112,12 +112,15 @@ _WORKER = textwrap.dedent(
                         "weights": [np.asarray(w.numpy()).tolist() for w in model.weights], "amax": amaxes}
     amp_rewrite.disable_mixed_precision_graph_rewrite()
 
-    # Digits in FP8 by a strategy.run loop, each worker training on its half of every batch;
-    # worker 0 then trains the same loop on one device.
+    # Digits in FP8 by a strategy.run loop and by tf_keras model.fit, each worker training on its
+    # half of every batch; worker 0 then trains the same on one device.
     from amp_rewrite.testing import digits
-    report["digits"] = {"workers": digits.strategy_run_accuracy(strategy, "float8")}
+    report["digits"] = {"workers": digits.strategy_run_accuracy(strategy, "float8"),
+                        "fit_workers": digits.tf_keras_fit_accuracy(strategy, "float8")[1]}
     if task == 0:
-        report["digits"]["one_device"] = digits.strategy_run_accuracy(tf.distribute.get_strategy(), "float8")
+        one_device = tf.distribute.get_strategy()
+        report["digits"]["one_device"] = digits.strategy_run_accuracy(one_device, "float8")
+        report["digits"]["fit_one_device"] = digits.tf_keras_fit_accuracy(one_device, "float8")[1]
     print("RESULT " + json.dumps(report))
     """
 )
@@ -188,9 +191,11 @@ def test_float8_workers_record_the_largest_amax_of_any_worker_and_scale_alike(wo
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
-def test_float8_digits_on_two_workers_match_the_single_device_run(workers):
-    """Three epochs of digits in FP8 by a ``strategy.run`` loop on two workers: both end with
-    the same held-out accuracy, within 2 points of the same loop on one device."""
+@pytest.mark.parametrize("how", ["", "fit_"], ids=["keras3-strategy.run", "tf_keras-fit"])
+def test_float8_digits_on_two_workers_match_the_single_device_run(workers, how):
+    """Three epochs of digits in FP8 on two workers, by a Keras 3 ``strategy.run`` loop and by
+    tf_keras ``model.fit``: both workers end with the same held-out accuracy, within 2 points
+    of the same training on one device."""
     first, second = (report["digits"] for report in workers)
-    assert first["workers"] == second["workers"]
-    assert first["one_device"] > 0.9 and abs(first["workers"] - first["one_device"]) <= 0.02
+    assert first[f"{how}workers"] == second[f"{how}workers"]
+    assert first[f"{how}one_device"] > 0.9 and abs(first[f"{how}workers"] - first[f"{how}one_device"]) <= 0.02

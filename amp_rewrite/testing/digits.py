@@ -183,6 +183,34 @@ def strategy_run_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epo
         predicted = np.argmax(keras.ops.convert_to_numpy(model(data.x_test)), axis=1)  # eager: no predict loop
     return float(np.mean(predicted == data.y_test))
 
+
+def tf_keras_fit_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epochs: int = 3,
+                          amax_history_length: int = 4, data: Digits | None = None) -> tuple[Any, float]:
+    """The wrapper and held-out accuracy of a tf_keras MLP (128-64-10) trained ``epochs`` on
+    digits by ``model.fit`` as ``variant`` (``"bfloat16"`` or ``"float8"``) under ``strategy``:
+    the Keras 2 path, whose ``fit`` also runs under MultiWorkerMirroredStrategy."""
+    import tf_keras
+
+    import amp_rewrite
+
+    data = data if data is not None else digits()
+    extra = {"amax_history_length": amax_history_length} if variant == "float8" else {}
+    tf_keras.utils.set_random_seed(0)
+    with strategy.scope():
+        optimizer = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(LEARNING_RATE),
+                                                                     target=variant, **extra)
+        layers = tf_keras.layers
+        model = tf_keras.Sequential([layers.Dense(128, activation="relu", input_shape=(64,)),
+                                     layers.Dense(64, activation="relu"), layers.Dense(10)])
+        model.compile(optimizer=optimizer, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        batches = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).batch(BATCH, drop_remainder=True)
+        model.fit(batches, epochs=epochs, verbose=0)
+        predicted = np.argmax(model(data.x_test).numpy(), axis=1)
+    finally:
+        amp_rewrite.disable_mixed_precision_graph_rewrite(optimizer)
+    return optimizer, float(np.mean(predicted == data.y_test))
+
 @dataclass(frozen=True)
 class MatmulCount:
     forward: int          # dots and convolutions outside the gradient

@@ -268,9 +268,10 @@ def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: in
     else:
         wrapped = _wrap_v1(opt, plan)
     object.__setattr__(wrapped, MADE_FOR, made_for)
-    if float8_amax_history_length is not None:  # neither tracks attributes by assignment
-        wrapped.float8_state = Float8State(float8_amax_history_length)
-        _tf.TRACK_TRACKABLE.get()(wrapped, wrapped.float8_state, name="float8_state")
+    if float8_amax_history_length is not None:
+        wrapped.float8_state = Float8State(float8_amax_history_length)  # tf_keras' wrapper tracks it so
+        if family != "tf_keras":  # TF1's optimizer does not track attributes by assignment
+            _tf.TRACK_TRACKABLE.get()(wrapped, wrapped.float8_state, name="float8_state")
     return wrapped
 
 
