@@ -11,6 +11,8 @@ accuracy on scikit-learn's digits against the bfloat16 rewrite of the same model
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -309,11 +311,8 @@ def test_refused_before_tensorflow_2_18(monkeypatch):
 # --- a TF1 Session graph ------------------------------------------------------------------------
 
 
-def test_session_graph_trains_with_its_state_in_the_mirror():
-    """A TF1 graph (``tf.compat.v1.train`` optimizer, ``minimize``) run by a Session made while
-    enabled: the mirror quantizes its MatMul and the two gradient MatMuls, holds the state as
-    its own variables (initialized once), records each step's amax, and the loss falls."""
-    data = digits.digits()
+def _tf1_graph(optimizer: Callable[[], Any]) -> tuple[tf.Graph, dict]:
+    """A TF1 digits graph, one MatMul (64 -> 10), whose train op ``optimizer().minimize`` builds."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
@@ -321,22 +320,29 @@ def test_session_graph_trains_with_its_state_in_the_mirror():
         kernel = tf.compat.v1.get_variable("kernel", [64, 10], initializer=tf.compat.v1.glorot_uniform_initializer(0))
         logits = tf.matmul(x, kernel, name="logits")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.GradientDescentOptimizer(0.5),
-                                                               target="float8", amax_history_length=HISTORY)
-        train = opt.minimize(loss)
+        train = optimizer().minimize(loss)
         init = tf.compat.v1.global_variables_initializer()
+    return graph, dict(x=x, y=y, loss=loss, train=train, init=init)
+
+
+def test_session_graph_trains_with_its_state_in_the_mirror():
+    """A TF1 graph (``tf.compat.v1.train`` optimizer, ``minimize``) run by a Session made while
+    enabled: the mirror quantizes its MatMul and the two gradient MatMuls, holds the state as
+    its own variables (initialized once), records each step's amax, and the loss falls."""
+    data = digits.digits()
+    graph, m = _tf1_graph(lambda: amp_rewrite.enable_mixed_precision_graph_rewrite(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5), target="float8", amax_history_length=HISTORY))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulated, without XLA: the test above
         with tf.compat.v1.Session(graph=graph) as session:
-            session.run(init)
-            feed = {x: data.x_train[:256], y: data.y_train[:256]}
-            losses = [session.run([train, loss], feed)[1] for _ in range(5)]
+            session.run(m["init"])
+            feed = {m["x"]: data.x_train[:256], m["y"]: data.y_train[:256]}
+            losses = [session.run([m["train"], m["loss"]], feed)[1] for _ in range(5)]
             mirror = session._amp_rewrite_mirror
             history = mirror.session.run("amp_rewrite_float8/kernel/input/amax_history/Read/ReadVariableOp:0")
     assert mirror.result.report.float8_matmuls == 3
     assert history.tolist() == [1.0] * 4  # digits' pixels reach 16/16 in every batch
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])) and losses[-1] < losses[0] * 0.85
-
 
 
 def test_a_session_graph_trained_by_an_unwrapped_optimizer_says_its_state_is_not_checkpointed():
@@ -345,20 +351,13 @@ def test_a_session_graph_trained_by_an_unwrapped_optimizer_says_its_state_is_not
     mirror alone holds, and one line says so — how many operands, one example, which call
     puts the state in the user's graph."""
     data = digits.digits()
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        kernel = tf.compat.v1.get_variable("kernel", [64, 10], initializer=tf.compat.v1.glorot_uniform_initializer(0))
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, kernel)))
-        train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
-        init = tf.compat.v1.global_variables_initializer()
+    graph, m = _tf1_graph(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY):
             session = tf.compat.v1.Session(graph=graph)
-        session.run(init)
-        session.run(train, {x: data.x_train[:64], y: data.y_train[:64]})
+        session.run(m["init"])
+        session.run(m["train"], {m["x"]: data.x_train[:64], m["y"]: data.y_train[:64]})
     (message,) = [str(w.message) for w in caught if "no FP8 state variables" in str(w.message)]
     assert "\n" not in message and "for 3 operand(s) (e.g. 'kernel/input')" in message
     assert "enable_mixed_precision_graph_rewrite returned" in message
