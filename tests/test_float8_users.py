@@ -328,12 +328,26 @@ def test_a_strategy_run_training_loop_matches_the_single_device_run(mirrored):
 def test_tf_keras_fit_trains_in_float8_and_checkpoints_its_state(tmp_path):
     """A tf_keras model compiled with the float8 wrapper of a tf_keras optimizer: ``fit``
     records into all 18 state variables (3 Dense layers), held-out accuracy within 2 points of
-    the same training in bfloat16, and ``tf.train.Checkpoint(optimizer=opt)`` holds the state."""
+    the same training in bfloat16; ``tf.train.Checkpoint(optimizer=opt)`` holds the state, and a
+    fresh wrapper that restores it trains on from it."""
     data, one_device = digits.digits(), tf.distribute.get_strategy()
     opt, float8 = digits.tf_keras_fit_accuracy(one_device, "float8", amax_history_length=HISTORY, data=data)
     _, bfloat16 = digits.tf_keras_fit_accuracy(one_device, "bfloat16", data=data)
     histories = _histories(opt)
     assert len(dict(opt.float8_state.items())) == 18 and all(np.all(h > 0) for h in histories.values())
     assert bfloat16 > 0.9 and abs(float8 - bfloat16) <= 0.02
-    saved = tf.train.Checkpoint(optimizer=opt).save(tmp_path / "ckpt")
-    assert sum("float8_state" in name for name, _ in tf.train.list_variables(saved)) >= 18
+    path = tf.train.Checkpoint(optimizer=opt).save(tmp_path / "ckpt")
+    assert sum("float8_state" in name for name, _ in tf.train.list_variables(path)) >= 18
+
+    import tf_keras  # resumed by a fresh wrapper: one more step shifts every saved history by one
+
+    resumed = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(1e-3), target="float8",
+                                                               amax_history_length=HISTORY)
+    tf.train.Checkpoint(optimizer=resumed).restore(path).expect_partial()
+    layers = tf_keras.layers
+    model = tf_keras.Sequential([layers.Dense(128, activation="relu", input_shape=(64,)),
+                                 layers.Dense(64, activation="relu"), layers.Dense(10)])
+    model.compile(optimizer=resumed, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(data.x_train[:32], data.y_train[:32], batch_size=32, epochs=1, verbose=0)
+    now = _histories(resumed)
+    assert now.keys() == histories.keys() and all(np.array_equal(now[k][1:], histories[k][:-1]) for k in histories)
