@@ -35,19 +35,19 @@ from amp_rewrite.calibration.staging import write_text_atomically
 from amp_rewrite.core.errors import AmpRewriteError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
-from amp_rewrite.core.program import program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.tuning import cache as timing_cache
-from amp_rewrite.tuning.decide import Plan, Problem, build_problem, costliest, plan_keeps
+from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
 from amp_rewrite.tuning.shapes import infer_shapes
-from amp_rewrite.tuning.timing import Budget, Timings, time_pairs
+from amp_rewrite.tuning.timing import Budget, Timings
 
 DEFAULT_BUDGET_S = 30.0
 OP_SHARE = 0.6       # of the budget, for timing ops; the whole-model check has the rest, and what ops left
 MIN_ROUNDS = 3       # whole-model rounds per batch size below which no ratio is given
 MAX_ROUNDS = 15
+SLOWER = 0.95        # a result under this speed-up is called slower: within 5%, two runs of one model differ
 DEFAULT = object()   # cache=DEFAULT: the file at tuning.cache.default_path()
 
 BatchFeeds = dict[int, validate.Feeds]  # batch size -> the feeds at it
@@ -178,15 +178,10 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     budget = Budget(check_budget(budget_s))
     cache = cache or timing_cache.TimingCache(None, timing_cache.machine_description(_gpu_name(target)))
     base = base or rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
-    nodes: dict[str, set[str]] = {}
-    for decision in base.report.decisions:
-        if decision.converted:
-            nodes.setdefault(decision.function, set()).add(decision.node)
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     shapes = {size: infer_shapes(model.graph_def, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
-    problem = build_problem(program_of(model.graph_def), base.program, nodes, shapes)
-    timings = time_pairs(problem.pairs(target.dtype, weights_low), cache, Budget(budget.left() * OP_SHARE))
-    plan = plan_keeps(problem, timings, target.name, target.dtype, weights_low)
+    problem, timings, plan = plan_rewrite(model.graph_def, base, target, shapes, cache,
+                                          Budget(budget.left() * OP_SHARE), weights_low)
     keep = keep_entries(plan.keep, node_items(model.graph_def)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
@@ -264,7 +259,7 @@ class SpeedCheck:
 
     @property
     def slower(self) -> bool:
-        return self.speed is not None and self.speed < 1.0
+        return self.speed is not None and self.speed < SLOWER
 
 
 def _caller(model: Model, path: Path, feeds: validate.Feeds) -> Callable[[], None]:

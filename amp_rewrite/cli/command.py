@@ -286,8 +286,14 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
 
     untuned = [flag for flag, value in (("--batch-sizes", "batch_sizes"), ("--tune-budget", "tune_budget"),
                                         ("--tune-cache", "tune_cache")) if getattr(args, value, None) is not None]
+    args.tune = getattr(args, "tune", None)
     if untuned and not args.tune:
         raise AmpRewriteError(f"{', '.join(untuned)}: timing options; add --tune speed, or drop them")
+    if args.tune:
+        from amp_rewrite.calibration.speed import check_target
+        from amp_rewrite.core.target import lookup_target
+
+        check_target(lookup_target(args.target, quantized=True))
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set)
@@ -298,7 +304,7 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
     steps.done()
-    if getattr(args, "tune", None) and args.command != "convert":  # convert tunes after calibrating
+    if args.tune and args.command != "convert":  # convert tunes after calibrating
         tuned = _tune(args, model, lists, result, steps)
         result, lists = tuned.result, tuned.lists
     _say(args, *_model_lines(model))
@@ -312,7 +318,6 @@ def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: Rewrit
     from amp_rewrite.core.target import lookup_target
 
     target = lookup_target(args.target, quantized=True)
-    speed.check_target(target)
     feeds, notes = speed.batch_feeds(model, args.inputs, args.batch_sizes)
     _say(args, *[f"Note: {note}" for note in notes])
     cache = speed.open_cache(speed.DEFAULT if args.tune_cache is None else args.tune_cache, target)

@@ -23,14 +23,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
-from tensorflow.core.framework import node_def_pb2, types_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
-from amp_rewrite.core.program import Program
+from amp_rewrite.core.program import Program, program_of
+from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import MEASURED_PREFIX
-from amp_rewrite.tuning.shapes import Shapes, TensorInfo
-from amp_rewrite.tuning.timing import OpRun, Pair, Timings, cast_pair, op_run
+from amp_rewrite.core.target import Target
+from amp_rewrite.tuning.cache import TimingCache
+from amp_rewrite.tuning.shapes import Shapes, TensorInfo, infer_shapes
+from amp_rewrite.tuning.timing import Budget, OpRun, Pair, Timings, cast_pair, op_run, time_pairs
 
 MARGIN = 0.1  # the target must be over 10% slower (with its casts) before an op is kept float32
 _REWEIGHTS = 6
@@ -241,23 +244,30 @@ def plan_keeps(problem: Problem, timings: Timings, target: str, low: int, weight
 
     Each batch size weighs one over its float32 time; while the plan is modeled slower than
     float32 at a batch size, that batch weighs four times more (``_REWEIGHTS`` times at
-    most; then every candidate stays float32, which is float32's speed)."""
+    most). A plan modeled less than ``MARGIN`` faster than float32 at every batch size is
+    within what timing alone can tell apart: then every candidate stays float32, which is
+    float32's speed for sure. Nothing timed (an empty cache, no budget): nothing moves."""
     costs = _Costs(problem, timings, low, weights_low)
     everything = set(problem.candidates)
     float32 = {b: _cost(costs, b, set()) for b in problem.batch_sizes}
     weights = {b: 1.0 / max(float32[b], 1e-9) for b in problem.batch_sizes}
+    low_side: set[Node] = set()
     for _ in range(_REWEIGHTS):
         low_side = _cut(costs, weights)
-        slower = [b for b in problem.batch_sizes if _cost(costs, b, low_side) > float32[b]]
+        slower = [b for b in problem.batch_sizes if _cost(costs, b, low_side, 0.0) > float32[b]]
         if not slower:
             break
         for batch in slower:
             weights[batch] *= 4
-    else:
-        low_side = set()
     modeled = {b: (float32[b], _cost(costs, b, everything, 0.0), _cost(costs, b, low_side, 0.0))
                for b in problem.batch_sizes}
-    keep = {node: _reason(costs, node, target, low_side) for node in sorted(everything - low_side)}
+    known = any(f32 > 0 for f32, _, _ in modeled.values())  # else nothing was timed: the lists decide
+    pays = not known or all(tuned <= f32 for f32, _, tuned in modeled.values()) and any(
+        tuned < f32 / (1 + MARGIN) for f32, _, tuned in modeled.values())
+    if not pays and low_side:
+        low_side = set()
+        modeled = {b: (f32, lists, f32) for b, (f32, lists, _) in modeled.items()}
+    keep = {node: _reason(costs, node, target, pays) for node in sorted(everything - low_side)}
     return Plan(keep, modeled)
 
 
@@ -271,17 +281,21 @@ def _speeds(costs: _Costs, node: Node) -> dict[int, float]:
     return found
 
 
-def _reason(costs: _Costs, node: Node, target: str, low_side: set[Node]) -> str:
+def _reason(costs: _Costs, node: Node, target: str, pays: bool) -> str:
     """Why ``node`` stays float32, as ``explain`` shows it: its speed in the target per batch
-    size, and whether it is slower itself or kept for the casts around it."""
+    size, and whether it is slower itself, kept for the casts around it, or kept because
+    the converted ops together would not be clearly faster (``pays`` False)."""
     speeds = _speeds(costs, node)
     shown = ", ".join(f"{s:.2f}x at batch {b}" for b, s in speeds.items())
+    alone = f"{target} runs it at {shown} float32's speed on this machine" if speeds else "not timed alone"
+    if not pays:
+        return (f"{MEASURED_PREFIX}{alone}; the converted ops together would not be over {MARGIN:.0%} faster"
+                " than float32 here")
     if not speeds:
         return f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
     if all(s < 1 / (1 + MARGIN) for s in speeds.values()):
-        return f"{MEASURED_PREFIX}{target} runs it at {shown} float32's speed on this machine"
-    return (f"{MEASURED_PREFIX}{target} runs it at {shown} float32's speed on this machine, not enough to pay for"
-            " the casts it needs next to float32 neighbours")
+        return f"{MEASURED_PREFIX}{alone}"
+    return f"{MEASURED_PREFIX}{alone}, not enough to pay for the casts it needs next to float32 neighbours"
 
 
 def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, converted: set[Node], batch: int,
@@ -296,6 +310,29 @@ def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, c
             extra.setdefault(problem.candidates[node].op, []).append(second - first)
     casts = _cost(costs, batch, converted, 0.0) - sum(costs.node(n, batch, 0.0)[n in converted]
                                                        for n in problem.candidates)
-    ranked = sorted(((sum(v), op, len(v)) for op, v in extra.items()), reverse=True)[:count]
-    parts = [f"{op} {total * 1e3:+.2f} ms over float32 ({n} node(s))" for total, op, n in ranked]
-    return ", ".join(parts + [f"casts {casts * 1e3:.2f} ms"])
+    ranked = sorted(((sum(v), op, len(v)) for op, v in extra.items() if sum(v) > 0), reverse=True)[:count]
+    parts = [f"{op} +{total * 1e3:.2f} ms over float32 ({n} node(s))" for total, op, n in ranked]
+    return ", ".join(parts + [f"casts {casts * 1e3:.2f} ms" + ("" if parts else "; no converted op is slower alone")])
+
+
+def plan_rewrite(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
+                 cache: TimingCache, budget: Budget, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
+    """What a rewrite ``base`` of ``graph_def`` converted, timed (the cache first, then
+    measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan."""
+    nodes: dict[str, set[str]] = {}
+    for decision in base.report.decisions:
+        if decision.converted:
+            nodes.setdefault(decision.function, set()).add(decision.node)
+    problem = build_problem(program_of(graph_def), base.program, nodes, shapes)
+    timings = time_pairs(problem.pairs(target.dtype, weights_low), cache, budget)
+    return problem, timings, plan_keeps(problem, timings, target.name, target.dtype, weights_low)
+
+
+def cached_keeps(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target,
+                 feed_shapes: Mapping[str, tuple[int, ...]], cache: TimingCache) -> dict[Node, str]:
+    """The plan from the cache alone, nothing timed: for the live training rewrite, which
+    must not time ops on a training step's path. ``feed_shapes``: placeholder -> shape.
+    What the cache does not hold counts as no faster nor slower (its neighbours decide)."""
+    shapes = infer_shapes(graph_def, feed_shapes)
+    batch = next((shape[0] for shape in feed_shapes.values() if shape), 1)
+    return dict(plan_rewrite(graph_def, base, target, {batch: shapes}, cache, Budget(0.0))[2].keep)
