@@ -262,22 +262,29 @@ class SpeedCheck:
         return self.speed is not None and self.speed < SLOWER
 
 
-def _caller(model: Model, path: Path, feeds: validate.Feeds) -> Callable[[], None]:
-    """One call of the model at ``path`` on ``feeds`` (a SavedModel's first signature by
-    name, as served; a GraphDef's outputs in a Session, grappler on as in serving)."""
+def _loaded(model: Model, path: Path) -> Callable[[validate.Feeds], Callable[[], None]]:
+    """The model at ``path``, loaded once: given feeds, one call of it on them (a SavedModel's
+    ``serving_default`` signature, else its first by name, as served; a GraphDef's outputs in
+    a Session, grappler on as in serving)."""
     if model.kind == "savedmodel":
-        function = tf.saved_model.load(str(path), tags=list(model.tags)).signatures
-        key = "serving_default" if "serving_default" in function and "serving_default" in feeds else min(feeds)
-        call, fed = function[key], {name: tf.constant(v) for name, v in feeds[key][0].items()}
-        return lambda: [t.numpy() for t in tf.nest.flatten(call(**fed))]
+        signatures = tf.saved_model.load(str(path), tags=list(model.tags)).signatures
+
+        def bind(feeds: validate.Feeds) -> Callable[[], None]:
+            key = "serving_default" if "serving_default" in signatures and "serving_default" in feeds else min(feeds)
+            call, fed = signatures[key], {name: tf.constant(v) for name, v in feeds[key][0].items()}
+            return lambda: [t.numpy() for t in tf.nest.flatten(call(**fed))]
+        return bind
     graph = tf.Graph()
     graph_def = model.graph_def if path == model.path else read_model(path, model.fetches).graph_def
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
     session = tf.compat.v1.Session(graph=graph)
     fetches = [tensor_name(*parse_tensor_name(name)) for name in validate.compared_outputs(model)]
-    fed = {f"{name}:0": value for name, value in feeds[validate.GRAPH][0].items()}
-    return lambda: session.run(fetches, feed_dict=fed)
+
+    def bind_graph(feeds: validate.Feeds) -> Callable[[], None]:
+        fed = {f"{name}:0": value for name, value in feeds[validate.GRAPH][0].items()}
+        return lambda: session.run(fetches, feed_dict=fed)
+    return bind_graph
 
 
 def _timed(call: Callable[[], None]) -> float:
@@ -288,20 +295,21 @@ def _timed(call: Callable[[], None]) -> float:
 
 def check_speed(tuning: Tuning, written: str | os.PathLike, seconds: float | None = None) -> list[SpeedCheck]:
     """Step 4: the source and ``written`` called in turn at each batch size, for ``seconds``
-    (default: what the budget has left), split evenly over the batch sizes."""
+    (default: what the budget has left, loading both included), split evenly over the batch sizes."""
     left = tuning.budget.left() if seconds is None else seconds
     deadline = time.perf_counter() + max(left, 0.0)
+    source, result = _loaded(tuning.model, tuning.model.path), _loaded(tuning.model, Path(written))
     checks = []
     for index, (size, feeds) in enumerate(tuning.feeds.items()):
-        source, result = _caller(tuning.model, tuning.model.path, feeds), _caller(tuning.model, Path(written), feeds)
-        for call in (source, result, source, result):  # warm-up: tracing, kernel caches
+        calls = (source(feeds), result(feeds))
+        for call in calls * 2:  # warm-up: tracing, kernel caches
             call()
         share = (deadline - time.perf_counter()) / (len(tuning.feeds) - index)
         pairs: list[tuple[float, float]] = []
         while len(pairs) < MAX_ROUNDS and (not pairs or sum(pairs[-1]) * 1.05 < share - sum(map(sum, pairs))):
-            order = (source, result) if len(pairs) % 2 == 0 else (result, source)
+            order = calls if len(pairs) % 2 == 0 else calls[::-1]
             first, second = _timed(order[0]), _timed(order[1])
-            pairs.append((first, second) if order[0] is source else (second, first))
+            pairs.append((first, second) if order is calls else (second, first))
         speed = statistics.median(a / b for a, b in pairs) if len(pairs) >= MIN_ROUNDS else None
         checks.append(SpeedCheck(size, len(pairs), statistics.median(a for a, _ in pairs),
                                  statistics.median(b for _, b in pairs), speed))
@@ -311,10 +319,11 @@ def check_speed(tuning: Tuning, written: str | os.PathLike, seconds: float | Non
 def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
     """One line for the check, and one per batch size where the result is slower, naming
     the converted op types that cost most there (their target time over float32's, summed)."""
-    shown = "; ".join(f"batch {c.batch} {c.speed:.2f}x ({c.source_s * 1e3:.1f} -> {c.result_s * 1e3:.1f} ms)"
-                      if c.speed is not None else f"batch {c.batch} not checked (one call takes"
-                      f" {c.result_s:.1f} s; a larger --tune-budget checks it)" for c in checks)
-    lines = [f"Speed against the source, {checks[0].rounds if checks else 0} rounds: {shown}"]
+    shown = "; ".join(f"batch {c.batch} {c.speed:.2f}x ({c.source_s * 1e3:.1f} -> {c.result_s * 1e3:.1f} ms,"
+                      f" {c.rounds} rounds)" if c.speed is not None else f"batch {c.batch} not checked: {c.rounds}"
+                      f" round(s) of {c.source_s + c.result_s:.2f} s in the budget left, {MIN_ROUNDS} needed (a"
+                      " larger --tune-budget checks it)" for c in checks)
+    lines = [f"Speed against the source (median of the rounds' ratios): {shown}"]
     for check in checks:
         if check.slower:
             lines.append(f"Speed: slower than the source at batch {check.batch} ({check.speed:.2f}x); costliest in"
