@@ -295,7 +295,10 @@ def _timed(call: Callable[[], None]) -> float:
 
 def check_speed(tuning: Tuning, written: str | os.PathLike, seconds: float | None = None) -> list[SpeedCheck]:
     """Step 4: the source and ``written`` called in turn at each batch size, for ``seconds``
-    (default: what the budget has left, loading both included), split evenly over the batch sizes."""
+    (default: what the budget has left, loading both included), split evenly over the batch
+    sizes; none where the timing kept every node float32 (the result is the source's graph)."""
+    if not any(d.converted for d in tuning.result.report.decisions):
+        return []  # the source's graph: nothing to time
     left = tuning.budget.left() if seconds is None else seconds
     deadline = time.perf_counter() + max(left, 0.0)
     source, result = _loaded(tuning.model, tuning.model.path), _loaded(tuning.model, Path(written))
@@ -323,6 +326,8 @@ def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
                       f" {c.rounds} rounds)" if c.speed is not None else f"batch {c.batch} not checked: {c.rounds}"
                       f" round(s) of {c.source_s + c.result_s:.2f} s in the budget left, {MIN_ROUNDS} needed (a"
                       " larger --tune-budget checks it)" for c in checks)
+    if not checks:
+        return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"]
     lines = [f"Speed against the source (median of the rounds' ratios): {shown}"]
     for check in checks:
         if check.slower:

@@ -329,10 +329,12 @@ def plan_rewrite(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Tar
 
 
 def cached_keeps(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target,
-                 feed_shapes: Mapping[str, tuple[int, ...]], cache: TimingCache) -> dict[Node, str]:
+                 feed_shapes: Mapping[str, tuple[int, ...]], cache: TimingCache,
+                 handles: Mapping[str, tuple[int, tuple[int, ...]]] | None = None) -> dict[Node, str]:
     """The plan from the cache alone, nothing timed: for the live training rewrite, which
-    must not time ops on a training step's path. ``feed_shapes``: placeholder -> shape.
-    What the cache does not hold counts as no faster nor slower (its neighbours decide)."""
-    shapes = infer_shapes(graph_def, feed_shapes)
+    must not time ops on a training step's path. ``feed_shapes``: placeholder -> shape;
+    ``handles``: variable placeholder -> (dtype, shape) (``infer_shapes``). What the cache
+    does not hold counts as no faster nor slower (its neighbours decide)."""
+    shapes = infer_shapes(graph_def, feed_shapes, handles=handles)
     batch = next((shape[0] for shape in feed_shapes.values() if shape), 1)
     return dict(plan_rewrite(graph_def, base, target, {batch: shapes}, cache, Budget(0.0))[2].keep)

@@ -71,17 +71,20 @@ class Shapes:
 
 
 def infer_shapes(graph_def: graph_pb2.GraphDef, feed_shapes: Mapping[str, tuple[int, ...]],
-                 skip: Collection[str] = ()) -> Shapes:
+                 skip: Collection[str] = (), handles: Mapping[str, tuple[int, tuple[int, ...]]] | None = None
+                 ) -> Shapes:
     """Shapes of ``graph_def``'s main graph with placeholder ``name`` of shape
     ``feed_shapes[name]``, and of every function its calls reach (breadth first) but those
-    in ``skip`` (a SavedModel's save and restore functions: no op there is timed)."""
+    in ``skip`` (a SavedModel's save and restore functions: no op there is timed).
+    ``handles``: resource placeholders that hold a variable -> its (dtype, shape) (a
+    ``tf.function``'s captured variables), so the reads know their shapes."""
     program = program_of(graph_def)
     shapes = Shapes()
     pending: list[tuple[str, list[_Arg]]] = [(MAIN_GRAPH, [])]
     seen = {MAIN_GRAPH, *skip}
     while pending:
         item, args = pending.pop(0)
-        body = _main_graph(program, feed_shapes, skip) if item == MAIN_GRAPH else _function_graph(program, item, args)
+        body = _main_graph(program, feed_shapes, skip, handles or {}) if item == MAIN_GRAPH else _function_graph(program, item, args)
         graph = tf.Graph()
         try:
             with graph.as_default():
@@ -116,9 +119,10 @@ def _add_library(body: graph_pb2.GraphDef, program: Program) -> None:
     body.library.gradient.extend(g for g in program.graph_def.library.gradient if g.function_name in needed)
 
 
-def _main_graph(program: Program, feed_shapes: Mapping[str, tuple[int, ...]], skip: Collection[str]
-                ) -> graph_pb2.GraphDef:
-    """The main graph without the nodes that call ``skip`` functions, its placeholders of the feed shapes."""
+def _main_graph(program: Program, feed_shapes: Mapping[str, tuple[int, ...]], skip: Collection[str],
+                handles: Mapping[str, tuple[int, tuple[int, ...]]]) -> graph_pb2.GraphDef:
+    """The main graph without the nodes that call ``skip`` functions, its placeholders of
+    the feed shapes, its variable placeholders (``handles``) variable handles."""
     body = graph_pb2.GraphDef()
     body.versions.CopyFrom(program.graph_def.versions)
     dropped = {n.name for n in program.graph_def.node if set(functions.called_functions(n)) & set(skip)}
@@ -130,8 +134,19 @@ def _main_graph(program: Program, feed_shapes: Mapping[str, tuple[int, ...]], sk
     for node_def in body.node:
         if node_def.name in feed_shapes and node_def.op.startswith("Placeholder"):
             node_def.attr["shape"].shape.CopyFrom(tf.TensorShape(feed_shapes[node_def.name]).as_proto())
+        elif node_def.name in handles and node_def.op == "Placeholder":
+            _as_handle(node_def, *handles[node_def.name])
     _without_colocation(body)
     return body
+
+
+def _as_handle(node_def, dtype: int, shape: tuple[int, ...] | None) -> None:
+    """Make ``node_def`` a ``VarHandleOp`` of a variable of ``dtype`` and ``shape``."""
+    node_def.op = "VarHandleOp"
+    node_def.ClearField("attr")
+    node_def.attr["dtype"].type = dtype
+    node_def.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+    node_def.attr["shared_name"].s = node_def.name.encode()
 
 
 def _function_graph(program: Program, name: str, args: list[_Arg]) -> graph_pb2.GraphDef:
@@ -148,10 +163,7 @@ def _function_graph(program: Program, name: str, args: list[_Arg]) -> graph_pb2.
             dtype = node_def.attr["T"].type
             node_def.ClearField("attr")
             if arg is not None and arg.variable is not None:
-                node_def.op = "VarHandleOp"
-                node_def.attr["dtype"].type = arg.variable[0]
-                node_def.attr["shape"].shape.CopyFrom(tf.TensorShape(arg.variable[1]).as_proto())
-                node_def.attr["shared_name"].s = node_def.name.encode()
+                _as_handle(node_def, *arg.variable)
             else:
                 node_def.op = "Placeholder"
                 node_def.attr["dtype"].type = dtype
