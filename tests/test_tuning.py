@@ -425,3 +425,22 @@ def test_the_live_path_reads_the_cache_and_times_nothing(tmp_path):
     empty = timing_cache.load_cache(None)
     assert cached_keeps(model.graph_def, base, BFLOAT16, speed._feed_shapes(model, feeds[4]), empty) == {}
     assert empty.added == 0
+
+
+def test_the_readme_commands_run_as_written(tmp_path, monkeypatch):
+    """README, Tuning for speed: its convert line as written (a cache shipped to the default
+    place, so nothing is timed), and its explain line with a node of the model for NODE."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    block = text.split("### Tuning for speed: `--tune speed`", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert [line[:2] for line in lines] == [["amp-rewrite", "convert"], ["amp-rewrite", "explain"]]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    source = _save_chain(tmp_path / "my_model")
+    for batch in (1, 8):
+        _ship_cache(source, tmp_path / "xdg" / "amp_rewrite" / "timings.json", slow="Relu", batch=batch)
+    converted = run_cli(*lines[0][1:])
+    assert converted.code == 0 and (tmp_path / "my_model_bf16" / "saved_model.pb").is_file(), converted.err
+    assert " 0 op(s) timed" in converted.out
+    explained = run_cli(*["Relu" if word == "NODE" else word for word in lines[1][1:]])
+    assert "rule: measured-slower" in explained.out, explained.out
