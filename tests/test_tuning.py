@@ -99,12 +99,16 @@ def test_an_op_slower_in_the_target_is_kept_when_its_casts_cost_less():
 
 
 def test_an_island_stays_converted_when_its_casts_would_cost_more():
-    """The same op 1.5x slower, but the two casts around it cost more than it loses: the
-    chain decides together and stays converted."""
+    """The same op 1.5x slower, but the two casts around it (down before it, up after it)
+    cost more than it loses, where one alone would not: the chain decides together and
+    stays converted."""
     problem = _problem(_chain())
     plan = _plan(problem, _timings(problem, lambda n, b: (1e-4, 1.5e-4) if n == "clr1" else (1e-3, 2e-4),
-                                   cast=1e-4))
+                                   cast=0.25e-4))
     assert plan.keep == {}
+    cheaper = _plan(problem, _timings(problem, lambda n, b: (1e-4, 1.5e-4) if n == "clr1" else (1e-3, 2e-4),
+                                      cast=0.1e-4))
+    assert set(cheaper.keep) == {("", "clr1")}
 
 
 def test_an_op_a_little_slower_stays_converted_within_the_margin():
@@ -126,28 +130,47 @@ def test_a_plan_that_saves_under_the_margin_keeps_everything_float32():
 
 
 def test_batch_sizes_weigh_until_no_batch_is_modeled_slower():
-    """bfloat16 2x slower at batch 1, 3x faster at batch 8: the plan for both may not be
-    slower than float32 at either; for batch 8 alone it converts everything."""
+    """clr1 2x slower in bfloat16 at batch 1 but 10x faster at batch 8, the matmuls faster
+    at both. Weighed alike, converting clr1 wins, and batch 1 would be slower than
+    float32; weighed again, clr1 stays float32 and both batch sizes gain. For batch 8
+    alone everything converts."""
     def ops(node: str, batch: int) -> tuple[float, float]:
-        return (1e-4, 2e-4) if batch == 1 else (1e-3, 0.33e-3)
+        if batch == 1:
+            return (1e-4, 2e-4) if node == "clr1" else (1e-4, 0.8e-4)
+        return (1e-3, 0.1e-3) if node == "clr1" else (1e-3, 0.5e-3)
     both = _problem(_chain(), (1, 8))
     plan = _plan(both, _timings(both, ops, cast=1e-6))
-    assert all(tuned <= f32 for f32, _, tuned in plan.modeled.values()), plan.modeled
+    assert set(plan.keep) == {("", "clr1")}
+    assert all(tuned < f32 for f32, _, tuned in plan.modeled.values()), plan.modeled
     assert plan.modeled[1][1] > plan.modeled[1][0]  # the lists alone are slower at batch 1
     eight = _problem(_chain(), (8,))
     assert _plan(eight, _timings(eight, ops, cast=1e-6)).keep == {}
 
 
+def _two_branches() -> graph_pb2.GraphDef:
+    """x -> allowA -> outA, and x -> allow1 -> clr1 -> allow2 -> out."""
+    def build() -> None:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        tf.identity(tf.matmul(x, tf.constant(np.ones((16, 16), np.float32)), name="allowA"), name="outA")
+        h = tf.nn.relu(tf.matmul(x, tf.constant(np.ones((16, 32), np.float32)), name="allow1"), name="clr1")
+        tf.identity(tf.matmul(h, tf.constant(np.ones((32, 8), np.float32)), name="allow2"), name="out")
+    return graph_def_of(build)
+
+
 def test_what_is_not_timed_follows_its_neighbours():
-    """clr1 without a timing, its neighbours slower in bfloat16 and kept: it stays with them
-    rather than pay two casts, and says it was not timed."""
-    problem = _problem(_chain())
-    timings = _timings(problem, lambda n, b: (1e-4, 1e-3), cast=1e-5)
+    """clr1 has no timing; the matmuls on each side of it are slower in bfloat16 and kept:
+    it stays with them rather than pay two casts, and says it was not timed. allowA, on
+    its own branch and faster, converts."""
+    graph_def = _two_branches()
+    base = rewrite_graph_def(graph_def, target="bfloat16", fetches=["out", "outA"])
+    nodes = {"": {d.node for d in base.report.decisions if d.converted}}
+    problem = build_problem(program_of(graph_def), base.program, nodes, {4: infer_shapes(graph_def, {"x": (4, 16)})})
+    timings = _timings(problem, lambda n, b: (1e-3, 1e-4) if n == "allowA" else (1e-4, 1e-3), cast=1e-6)
     for pair in problem.candidates[("", "clr1")].runs.values():
         del timings.seconds[pair.second.key]
     plan = _plan(problem, timings)
-    assert set(plan.keep) == set(problem.candidates)
-    assert "not timed alone" in plan.keep[("", "clr1")]
+    assert set(plan.keep) == {("", "allow1"), ("", "clr1"), ("", "allow2")}
+    assert plan.keep[("", "clr1")] == f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
 
 
 def test_a_keep_reason_without_the_prefix_is_keep_nodes():
