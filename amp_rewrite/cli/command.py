@@ -54,6 +54,7 @@ examples:
   amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
   amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml   # then: convert ... --lists keep.yaml
   amp-rewrite convert my_model/ my_model_fp8/ --target float8 --calibrate calib.npz --inputs held_out.npz
+  amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --tune speed --batch-sizes 1,8  # timed here
   amp-rewrite inspect my_model/
   amp-rewrite explain my_model/ dense/MatMul
   amp-rewrite dump my_model/ report/
@@ -123,6 +124,25 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _tuning_options(sub: argparse.ArgumentParser, inputs: bool = True) -> None:
+    """--tune speed and its settings (``inputs``: the command has no --inputs of its own)."""
+    sub.add_argument("--tune", choices=("speed",),
+                     help="speed: time each op the lists convert, here, in float32 and in the target with its"
+                          " casts, and keep float32 those that do not pay; convert then times the result"
+                          " against SRC (README: Tuning for speed)")
+    sub.add_argument("--batch-sizes", type=_sizes, metavar="N[,N...]",
+                     help="--tune: the batch sizes to time at (default: the --inputs' batch, or 1)")
+    sub.add_argument("--tune-budget", type=_seconds, metavar="SECONDS",
+                     help="--tune: seconds the timing may add (default 30)")
+    sub.add_argument("--tune-cache", type=Path, metavar="FILE",
+                     help="--tune: the timing cache (default $XDG_CACHE_HOME/amp_rewrite/timings.json); a"
+                          " second run re-times nothing it holds; copy it to machines like this one")
+    if inputs:
+        sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
+                         help="--tune: inputs of the shapes to time at (needed where dims beyond the batch are"
+                              " unknown)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, formatter_class=formatter)
@@ -174,23 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="calibration: largest share of a tensor's magnitude in values below the target's"
                               " smallest normal (default 0.5)")
 
-    def tuning(sub: argparse.ArgumentParser, inputs: bool = True) -> None:
-        sub.add_argument("--tune", choices=("speed",),
-                         help="speed: time each op the lists convert, here, in float32 and in the target with its"
-                              " casts, and keep float32 those that do not pay; convert then times the result"
-                              " against SRC (README: Tuning for speed)")
-        sub.add_argument("--batch-sizes", type=_sizes, metavar="N[,N...]",
-                         help="--tune: the batch sizes to time at (default: the --inputs' batch, or 1)")
-        sub.add_argument("--tune-budget", type=_seconds, metavar="SECONDS",
-                         help="--tune: seconds the timing may add (default 30)")
-        sub.add_argument("--tune-cache", type=Path, metavar="FILE",
-                         help="--tune: the timing cache (default $XDG_CACHE_HOME/amp_rewrite/timings.json); a"
-                              " second run re-times nothing it holds; copy it to machines like this one")
-        if inputs:
-            sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
-                             help="--tune: inputs of the shapes to time at (needed where dims beyond the batch are"
-                                  " unknown)")
-
     convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
                                   description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
     common(convert)
@@ -209,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                               " tolerance (signature inputs as --inputs takes; none: random inputs)")
     metric(convert)
     calibration(convert)
-    tuning(convert, inputs=False)
+    _tuning_options(convert, inputs=False)
 
     calibrate = commands.add_parser("calibrate", help="measure SRC on calibration data; write the nodes to keep"
                                     " float32 as an overlay YAML for --lists", formatter_class=formatter)
@@ -223,21 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
     weights(inspect)
-    tuning(inspect)
+    _tuning_options(inspect)
     inspect.add_argument("--all", action="store_true",
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
 
     explain = commands.add_parser("explain", help="why NODE has its dtype after the rewrite")
     common(explain)
-    tuning(explain)
+    _tuning_options(explain)
     explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
     dump = commands.add_parser("dump", help="write before/after graphs, DOT/SVG, report.html, TensorBoard log")
     common(dump)
     weights(dump)
-    tuning(dump)
+    _tuning_options(dump)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
     return parser
 
@@ -304,16 +307,19 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
     steps.done()
-    if args.tune and args.command != "convert":  # convert tunes after calibrating
-        tuned = _tune(args, model, lists, result, steps)
-        result, lists = tuned.result, tuned.lists
+    if args.command != "convert":  # convert tunes after calibrating
+        _, result, lists = _tune(args, model, lists, result, steps)
     _say(args, *_model_lines(model))
     return model, result, lists
 
 
-def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: RewriteResult, steps: _Steps) -> Any:
+def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: RewriteResult,
+          steps: _Steps) -> tuple[Any, RewriteResult, OpLists]:
     """``--tune speed``: the converted ops timed here; ``result`` with those that do not pay
-    kept float32 (calibration/speed.py). Cache problems are one warning line each."""
+    kept float32, and the lists that make it (calibration/speed.py); without it, as they
+    were. Cache problems are one warning line each."""
+    if not args.tune:
+        return None, result, lists
     from amp_rewrite.calibration import speed
     from amp_rewrite.core.target import lookup_target
 
@@ -332,7 +338,7 @@ def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: Rewrit
     if problem:
         print(f"amp-rewrite: warning: {problem}", file=sys.stderr)
     _say(args, tuning.summary(), *[f"Note: {note}" for note in tuning.notes])
-    return tuning
+    return tuning, tuning.result, tuning.lists
 
 
 def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found: Any) -> None:
@@ -429,9 +435,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
                   " (--keep-failed writes it anyway)", file=sys.stderr)
             return EXIT_VALIDATION
-    tuning = _tune(args, model, lists, result, steps) if args.tune else None
-    if tuning is not None:
-        result, lists = tuning.result, tuning.lists
+    tuning, result, lists = _tune(args, model, lists, result, steps)
     written_model, result, stored = _store_weights(args, model, result)
     feeds = None
     if args.validate or args.inputs:
@@ -453,10 +457,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     failures: list[int] = []  # outputs over tolerance, once validated
 
     def accept(staged: Path) -> bool:
-        if tuning is not None:
-            _check_speed(args, tuning, staged, steps)
-        if feeds is None:
-            return True
         steps("validating")
         failures.append(_validate(args, model, result, staged, feeds))
         steps.done()
@@ -467,7 +467,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     variables = (lambda folder: write_checkpoint(model, stored, folder)) if stored and stored.low_keys else None
     written = write_model(written_model, result.graph_def, args.dst, force=args.force,
-                          accept=accept if feeds is not None or tuning is not None else None, variables=variables)
+                          accept=_speed_checked(args, tuning, steps, accept if feeds is not None else None),
+                          variables=variables)
     steps.done()
     _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
@@ -478,6 +479,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _speed_checked(args: argparse.Namespace, tuning: Any, steps: _Steps,
+                   accept: Callable[[Path], bool] | None) -> Callable[[Path], bool] | None:
+    """``accept`` (validation), then with --tune the speed check of what it accepted."""
+    if tuning is None:
+        return accept
+
+    def checked(staged: Path) -> bool:
+        if accept is not None and not accept(staged):
+            return False
+        _check_speed(args, tuning, staged, steps)
+        return True
+    return checked
 
 
 def _check_speed(args: argparse.Namespace, tuning: Any, staged: Path, steps: _Steps) -> None:
