@@ -340,10 +340,12 @@ def test_convert_with_a_shipped_cache_keeps_the_slow_node_and_every_command_says
     cache = _ship_cache(source, tmp_path / "timings.json", slow="Relu")
     shipped = cache.read_bytes()
     common = _tuned("--batch-sizes", "4", "--tune-cache", cache)
-    run = run_cli("convert", source, tmp_path / "out", *common)
+    run = run_cli("convert", source, tmp_path / "out", *common, "--dump", tmp_path / "report")
     assert run.code == 0, run.err
     timing = next(line for line in run.out.splitlines() if line.startswith("Timing:"))
     assert "1 of 4 converted node(s) kept float32" in timing and "0 op(s) timed" in timing, timing
+    page = (tmp_path / "report" / "report.html").read_text(encoding="utf-8")
+    assert "measured-slower" in page and "runs it at 0.10x at batch 4" in page
     assert re.search(r"Speed against the source \(median of the rounds' ratios\): batch 4 ", run.out), run.out
     assert "measured-slower 1" in run.out and cache.read_bytes() == shipped
     explained = run_cli("explain", source, "Relu", *common)

@@ -141,10 +141,6 @@ class Tuning:
     weights_low: bool                   # weights stored in the target: reading one costs no cast
     notes: tuple[str, ...] = ()         # for the user: what could not be timed
 
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        return tuple(self.feeds)
-
     def overlay(self, base: Mapping | None = None) -> str:
         """The decisions as an overlay (YAML) for ``--lists``: ``base`` (the overlay this run
         was given) with ``keep`` added to its keep_nodes."""
@@ -161,7 +157,8 @@ class Tuning:
                             for b, (f32, low, tuned) in self.plan.modeled.items())
         t = self.timings
         untimed = f", {t.skipped} left untimed by the budget" if t.skipped else ""
-        return (f"Timing: {len(self.plan.keep)} of {len(self.problem.candidates)} converted node(s) kept float32 as slower here;"
+        kept, candidates = len(self.plan.keep), len(self.problem.candidates)
+        return (f"Timing: {kept} of {candidates} converted node(s) kept float32 as slower here;"
                 f" modeled speed of the converted ops: {modeled}; {t.timed} op(s) timed, {t.cached} from the cache"
                 f"{untimed}, {self.budget.spent():.1f} s of the {self.budget.seconds:g} s budget")
 

@@ -84,7 +84,10 @@ def infer_shapes(graph_def: graph_pb2.GraphDef, feed_shapes: Mapping[str, tuple[
     seen = {MAIN_GRAPH, *skip}
     while pending:
         item, args = pending.pop(0)
-        body = _main_graph(program, feed_shapes, skip, handles or {}) if item == MAIN_GRAPH else _function_graph(program, item, args)
+        if item == MAIN_GRAPH:
+            body = _main_graph(program, feed_shapes, skip, handles or {})
+        else:
+            body = _function_graph(program, item, args)
         graph = tf.Graph()
         try:
             with graph.as_default():
