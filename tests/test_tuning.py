@@ -77,6 +77,8 @@ def test_the_candidates_are_what_the_lists_convert_with_their_shapes():
     assert {node for _, node in problem.candidates} == {"allow1", "clr1", "allow2"}
     assert problem.candidates[("", "allow1")].runs[8].first.key.startswith("MatMul(float32[8, 16], float32[16, 32])")
     assert problem.candidates[("", "allow1")].runs[1].second.key.startswith("MatMul(bfloat16[1, 16], bfloat16[16, 32])")
+    relu, matmul = problem.candidates[("", "clr1")].runs[8], problem.candidates[("", "allow1")].runs[8]
+    assert relu.first.chain and relu.second.chain and not matmul.first.chain  # Relu runs on its input's buffer
     casts = {p.first.key.split(" #")[0] for p in problem.pairs(LOW) if p.first.node_def.op == "Cast"}
     assert casts == {f"Cast(float32[{b}, {n}])" for b in (1, 8) for n in (16, 32, 8)}
 
@@ -226,7 +228,12 @@ def _matmul_pairs(sizes=(8, 16)) -> list[Pair]:
             info = TensorInfo(dtype, (size, size))
             forms.append(op_run(node_def, [info, info]))
         pairs.append(Pair(*forms))
-    return pairs + [cast_pair((4, 4), LOW)]
+    relu = []
+    for dtype in (types_pb2.DT_FLOAT, LOW):
+        node_def = graph_pb2.GraphDef().node.add(op="Relu")
+        node_def.attr["T"].type = dtype
+        relu.append(op_run(node_def, [TensorInfo(dtype, (64, 64))], chain=True))
+    return pairs + [cast_pair((4, 4), LOW), Pair(*relu)]
 
 
 def test_a_second_timing_re_times_nothing(tmp_path):
@@ -236,7 +243,7 @@ def test_a_second_timing_re_times_nothing(tmp_path):
     pairs = _matmul_pairs() + _matmul_pairs((8,))
     first = timing_cache.load_cache(path)
     timed = time_pairs(pairs, first, Budget(60))
-    assert (timed.timed, timed.cached, timed.skipped) == (3, 0, 0)
+    assert (timed.timed, timed.cached, timed.skipped) == (4, 0, 0)
     assert all(timed.ratio(p) is not None and timed.ratio(p) > 0 for p in pairs)
     assert speed.save_cache(first) == ""
     again = time_pairs(pairs, timing_cache.load_cache(path), Budget(60))
@@ -246,7 +253,7 @@ def test_a_second_timing_re_times_nothing(tmp_path):
 
 def test_a_spent_budget_times_nothing():
     timings = time_pairs(_matmul_pairs(), timing_cache.load_cache(None), Budget(0.0))
-    assert (timings.timed, timings.skipped) == (0, 3)
+    assert (timings.timed, timings.skipped) == (0, 4)
 
 
 @pytest.mark.parametrize("content", [b"not json {", b'{"format": "something else", "machines": {}}',
@@ -321,7 +328,7 @@ def _ship_cache(source: Path, path: Path, slow: str, batch: int = 4) -> Path:
                               budget_s=1e-9)
     cache = timing_cache.load_cache(path)
     for pair in tuning.problem.pairs(LOW):
-        op = next((c.op for c in tuning.problem.candidates.values() if pair in c.runs.values()), "Cast")
+        op = pair.first.node_def.op
         cache.put(pair.first.key, 1e-4 if op != "Cast" else 1e-6)
         cache.put(pair.second.key, 1e-3 if op == slow else 2e-5 if op != "Cast" else 1e-6)
     assert speed.save_cache(cache) == ""

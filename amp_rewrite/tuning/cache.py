@@ -23,6 +23,7 @@ from pathlib import Path
 
 FORMAT = "amp-rewrite op timings"
 VERSION = 1
+METHOD = 2  # how timing.py measures: a section measured otherwise is another machine's
 # Environment variables under which the same TensorFlow picks other kernels.
 KERNEL_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "TF_ENABLE_ONEDNN_OPTS", "DNNL_MAX_CPU_ISA", "TF_NUM_INTRAOP_THREADS",
                     "OMP_NUM_THREADS")
@@ -56,7 +57,8 @@ def machine_description(gpu: str = "") -> dict[str, object]:
     model, flags = _cpu()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return {"cpu": model, "cores": cores, "flags": " ".join(flags), "gpu": gpu, "tensorflow": tf.version.VERSION,
-            "environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
+            "environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ},
+            "method": METHOD}
 
 
 def machine_key(description: dict[str, object]) -> str:

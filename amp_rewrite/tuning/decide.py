@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
@@ -65,12 +65,18 @@ class Problem:
 
     def pairs(self, low: int, weights_low: bool = True) -> list[Pair]:
         """Everything to time: each candidate's two forms and each boundary's casts (not a
-        weight's, where weights are stored in the target)."""
-        found = [pair for c in self.candidates.values() for pair in c.runs.values() if pair is not None]
-        shapes = {shape for producer, _, _, weight, by_batch in self.tensors.values()
+        weight's, where weights are stored in the target), weighed by their size over
+        their batch size's total, so each batch size gets its share of a short budget."""
+        totals = {b: sum(c.runs[b].weight for c in self.candidates.values() if c.runs.get(b)) or 1.0
+                  for b in self.batch_sizes}
+        found = [replace(pair, weight=pair.weight / totals[batch]) for c in self.candidates.values()
+                 for batch, pair in c.runs.items() if pair is not None]
+        shapes = {shape: batch for producer, _, _, weight, by_batch in self.tensors.values()
                   if not (weight and weights_low and producer not in self.candidates)
-                  for shape in by_batch.values() if shape}
-        return found + [cast_pair(shape, low) for shape in sorted(shapes)]
+                  for batch, shape in by_batch.items() if shape}
+        casts = [cast_pair(shape, low) for shape in sorted(shapes)]
+        return found + [replace(pair, weight=pair.weight / totals[shapes[pair.first.inputs[0].shape]])
+                        for pair in casts]
 
 
 def input_dtypes(node_def: node_def_pb2.NodeDef) -> list[int] | None:
@@ -94,11 +100,14 @@ def input_dtypes(node_def: node_def_pb2.NodeDef) -> list[int] | None:
     return found
 
 
-def _form(node_def: node_def_pb2.NodeDef, infos: Sequence[TensorInfo]) -> OpRun | None:
+def _form(node_def: node_def_pb2.NodeDef, infos: Sequence[TensorInfo], out: TensorInfo | None) -> OpRun | None:
+    """``node_def`` timed on inputs of ``infos``' shapes in its own dtypes; a chain where its
+    output 0 (``out``) is input 0's shape and dtype."""
     dtypes = input_dtypes(node_def)
     if dtypes is None or len(dtypes) != len(infos):
         return None
-    return op_run(node_def, [TensorInfo(dtype, info.shape, info.value) for dtype, info in zip(dtypes, infos)])
+    chain = bool(infos) and out is not None and out.shape == infos[0].shape and out.dtype == infos[0].dtype
+    return op_run(node_def, [TensorInfo(dtype, info.shape, info.value) for dtype, info in zip(dtypes, infos)], chain)
 
 
 def build_problem(source: Program, converted: Program, nodes: Mapping[str, set[str]],
@@ -132,9 +141,9 @@ def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDe
         infos = [found.info(item, t) for t in data]
         runs[batch] = None
         if all(info is not None for info in infos):
-            first, second = _form(source, infos), _form(low, infos)
+            out = found.info(item, tensor_name(source.name, 0))
+            first, second = _form(source, infos, out), _form(low, infos, out)
             if first is not None and second is not None:
-                out = found.info(item, tensor_name(source.name, 0))
                 size = math.prod(out.shape) if out is not None and out.shape else 1
                 runs[batch] = Pair(first, second, float(size))
     return Candidate((item, source.name), source.op, runs)

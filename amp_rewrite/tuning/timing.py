@@ -35,6 +35,7 @@ ROUNDS = 5              # interleaved rounds per pair
 CALLS = 3               # calls per form and round, the best counted
 CALL_SECONDS = 1e-3     # what one timed Session call should take: K copies of the op
 COPIES = (1, 4, 16)     # copies of an op per timed call: the most that keep it near CALL_SECONDS
+CHAIN_COPIES = 4        # at least, for a chain: its first copy's call is taken off
 MAX_COPIES = COPIES[-1]
 CHUNK = 24              # pairs per timing Session
 SESSION_BYTES = 512 << 20  # input variables one timing Session holds before the next one starts
@@ -49,6 +50,7 @@ class OpRun:
     key: str
     node_def: node_def_pb2.NodeDef
     inputs: tuple[TensorInfo, ...]
+    chain: bool = False  # output 0 is input 0's dtype and shape: the copies run one on another's output
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,10 +69,10 @@ def _describe(info: TensorInfo) -> str:
     return f"{dtype_name(info.dtype)}{list(info.shape or ())}"
 
 
-def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo]) -> OpRun | None:
+def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo], chain: bool = False) -> OpRun | None:
     """``node_def`` as a timed op reading ``inputs`` (its data inputs, in order), or None
     where it cannot be timed alone: an input of unknown shape, a non-float input without a
-    static value, a function attribute."""
+    static value, a function attribute. ``chain``: its output 0 has input 0's dtype and shape."""
     for info in inputs:
         if info.shape is None or (info.dtype not in _FLOATS and info.value is None):
             return None
@@ -84,7 +86,7 @@ def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo]) -> OpRu
     digest = hashlib.sha256(b"".join(name.encode() + run.attr[name].SerializeToString(deterministic=True)
                                      for name in sorted(run.attr))).hexdigest()[:10]
     key = f"{node_def.op}({', '.join(_describe(i) for i in inputs)}) #{digest}"
-    return OpRun(key, run, tuple(inputs))
+    return OpRun(key, run, tuple(inputs), chain)
 
 
 def cast_pair(shape: tuple[int, ...], low: int) -> Pair:
@@ -231,12 +233,12 @@ class _ChunkGraph:
     def form(self, run: OpRun, scope: str) -> dict[int, str]:
         """The copies of ``run``; copies -> the node to run for the first that many."""
         inputs = [self.tensor(info) for info in run.inputs]
-        copies = []
+        copies: list[str] = []
         for copy in range(MAX_COPIES):
             node_def = self.graph_def.node.add()
             node_def.CopyFrom(run.node_def)
             node_def.name = f"{scope}/op{copy}"
-            node_def.input[:] = inputs
+            node_def.input[:] = [f"{copies[-1]}:0", *inputs[1:]] if run.chain and copies else inputs
             copies.append(node_def.name)
         return {n: self.node(f"{scope}/group{n}", "NoOp", [f"^{c}" for c in copies[:n]]) for n in COPIES}
 
@@ -254,6 +256,7 @@ class _TimingSession:
             graph = self._import([pair for i, pair in enumerate(pairs) if i not in self.failed])
             self.groups = iter(self.groups)
             self.groups = [({}, {}) if i in self.failed else next(self.groups) for i in range(len(pairs))]
+        self.chains = [pair.first.chain and pair.second.chain for pair in pairs]
         config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
         config.graph_options.optimizer_options.opt_level = tf.compat.v1.OptimizerOptions.L0
         config.graph_options.rewrite_options.disable_meta_optimizer = True
@@ -295,24 +298,35 @@ class _TimingSession:
         if index in self.failed:
             return None
         first_groups, second_groups = self.groups[index]
+        chain = self.chains[index]
         try:
             single = [first_groups[1], second_groups[1]]
             for fetch in single:  # the first call creates kernels and their caches
                 self._call(fetch)
             alone = max(self._call(fetch) for fetch in single) - self.overhead
             copies = max((c for c in COPIES if c * max(alone, 1e-6) <= CALL_SECONDS), default=1)
-            fetches = [first_groups[copies], second_groups[copies]]
-            if copies > 1:
-                for fetch in fetches:
-                    self._call(fetch)
+            copies = max(copies, CHAIN_COPIES) if chain else copies
+            for fetch in (first_groups[copies], second_groups[copies]):
+                self._call(fetch)
             firsts, ratios = [], []
             for round_index in range(ROUNDS):
-                order = fetches if round_index % 2 == 0 else fetches[::-1]
-                best = {id(f): min(self._call(f) for _ in range(CALLS)) - self.overhead for f in order}
-                first, second = (max(best[id(fetch)], 1e-9) for fetch in fetches)
+                forms = (first_groups, second_groups) if round_index % 2 == 0 else (second_groups, first_groups)
+                best = {id(groups): self._per_op(groups, copies, chain) for groups in forms}
+                first, second = best[id(first_groups)], best[id(second_groups)]
                 firsts.append(first)
                 ratios.append(second / first)
         except (tf.errors.OpError, ValueError, TypeError):
             return None
-        first = min(firsts) / copies
+        first = min(firsts)
         return first, first * statistics.median(ratios)
+
+    def _per_op(self, groups: dict[int, str], copies: int, chain: bool) -> float:
+        """One form's seconds per op: the best of ``CALLS`` calls of ``copies`` copies; for a
+        chain, less the first copy's call, so what is left runs on an input it may overwrite,
+        as the op does in a model where nothing else reads that input (TensorFlow then gives
+        it the input's buffer: no allocation, which for a large tensor means page faults)."""
+        many = min(self._call(groups[copies]) for _ in range(CALLS)) - self.overhead
+        if not chain:
+            return max(many, 1e-9) / copies
+        one = min(self._call(groups[1]) for _ in range(CALLS)) - self.overhead
+        return max(many - one, 1e-9) / (copies - 1)
