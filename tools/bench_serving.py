@@ -10,7 +10,9 @@ weights, ``model.export``; BERT takes any sequence length) and MobileNetV2
 * ``amp-rewrite convert --target T --float32-weights`` (float32 weights, cast on every call);
 * ``amp-rewrite convert --target T --tune speed --batch-sizes 1,8`` (ops timed on this
   machine, those that do not pay kept float32; BERT's shapes from ``--inputs`` of the batch-8
-  regime), with what the timing moved and cost, and convert's own check of the result.
+  regime), with what the timing moved and cost, and convert's own check of the result;
+* the same once per regime, ``--batch-sizes 1`` for the batch-1 column and ``8`` for the
+  other (BERT: ``--inputs`` of that regime), each timed at its own batch.
 
 Measured, per model: the size of ``variables/`` and of the whole SavedModel; load time
 (``tf.saved_model.load``) and peak RSS, each variant loaded in its own fresh process (median
@@ -58,11 +60,13 @@ import bench  # noqa: E402  (tools/bench.py: the models and BENCHMARKS.md's sect
 from bench_pass import machine_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("float32", "low", "float32-weights", "tuned")
+VARIANTS = ("float32", "low", "float32-weights", "tuned", "tuned-each")
+PER_REGIME = ("tuned-each",)               # variants converted once per regime, each timed at its own
 DEVICE_TARGETS = {"cpu": "bfloat16", "gpu": "float16"}
 GOALS = {"batch 1": 1.1, "batch 8": 1.7}  # speed-up of "low" over float32, per regime
 TUNED_GOAL = 1.0                           # speed-up of "tuned" over float32, every regime (issue 37)
-TUNE_ARGS = ("--tune", "speed", "--batch-sizes", "1,8")
+TUNE_ARGS = ("--tune", "speed")
+REGIME_BATCH = {"batch 1": 1, "batch 8": 8}
 VARIABLES_GOAL = 0.55                     # variables/ of "low" over the source's
 LOW_DTYPES = {"bfloat16": 14, "float16": 19}
 DT_FLOAT = 1
@@ -95,6 +99,8 @@ def variant_label(variant: str, target: str) -> str:
         "low": f"`amp-rewrite convert --target {target}` (weights stored {target})",
         "float32-weights": f"`amp-rewrite convert --target {target} --float32-weights`",
         "tuned": f"`amp-rewrite convert --target {target} --tune speed --batch-sizes 1,8`",
+        "tuned-each": f"`amp-rewrite convert --target {target} --tune speed --batch-sizes N`, N each column's batch"
+                      " (one conversion per column)",
     }[variant]
 
 
@@ -161,7 +167,8 @@ def child_export(spec: dict[str, Any]) -> dict[str, Any]:
     _build(spec["model"], sizes).export(spec["dir"], verbose=False)
     if spec["model"] not in IMAGE_MODELS:
         (name,) = tf.saved_model.load(spec["dir"]).signatures["serve"].structured_input_signature[1]
-        np.savez(spec["inputs"], **{name: _batch(spec["model"], "batch 8", sizes)})
+        for regime, path in spec["inputs"].items():
+            np.savez(path, **{name: _batch(spec["model"], regime, sizes)})
     return {}
 
 
@@ -186,11 +193,14 @@ def child_load(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_time(spec: dict[str, Any]) -> dict[str, Any]:
-    """The three variants in one process, timed in turn: seconds per call, per regime and variant."""
+    """The variants in one process, timed in turn: seconds per call, per regime and variant
+    (a PER_REGIME variant's conversion for that regime)."""
     sizes = Sizes(**spec["sizes"])
-    calls = {variant: _serve(directory, spec["device"]) for variant, directory in spec["dirs"].items()}
+    calls = {variant: _serve(directory, spec["device"]) for variant, directory in spec["dirs"].items()
+             if variant not in spec["per_regime"]}
     seconds: dict[str, dict[str, list[float]]] = {}
     for regime in REGIMES:
+        calls.update({variant: _serve(dirs[regime], spec["device"]) for variant, dirs in spec["per_regime"].items()})
         x = _batch(spec["model"], regime, sizes)
         for call in calls.values():
             for _ in range(1 + sizes.warmup):
@@ -319,19 +329,30 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
     result = ModelResult(model)
     dirs = {variant: workdir / f"{model}-{variant}" for variant in VARIANTS}
     common = {"model": model, "sizes": dataclasses.asdict(sizes), "device": device, "target": target}
-    inputs = workdir / f"{model}-inputs.npz"
-    exported = run_child("export", {**common, "dir": str(dirs["float32"]), "inputs": str(inputs)}, timeout)
+    per_regime = {v: {r: workdir / f"{model}-{v}-b{REGIME_BATCH[r]}" for r in REGIMES} for v in PER_REGIME}
+    for variant, regime_dirs in per_regime.items():
+        dirs[variant] = regime_dirs["batch 8"]  # its sizes and load times
+    inputs = {regime: workdir / f"{model}-inputs-b{REGIME_BATCH[regime]}.npz" for regime in REGIMES}
+    exported = run_child("export", {**common, "dir": str(dirs["float32"]),
+                                    "inputs": {r: str(p) for r, p in inputs.items()}}, timeout)
     if "error" in exported:
         result.errors.append(f"export: {exported['error']}")
         return result
-    tuned = (*TUNE_ARGS, "--tune-cache", str(workdir / f"{model}-timings.json"),  # a fresh cache: what timing costs
-             *(("--inputs", str(inputs)) if model not in IMAGE_MODELS else ()))
-    for variant, extra in (("low", ()), ("float32-weights", ("--float32-weights",)), ("tuned", tuned)):
-        seconds, line = convert(dirs["float32"], dirs[variant], target, *extra)
+
+    def tuned(cache: str, batches: str, regime: str) -> tuple[str, ...]:  # a fresh cache: what timing costs
+        given = ("--inputs", str(inputs[regime])) if model not in IMAGE_MODELS else ()
+        return (*TUNE_ARGS, "--batch-sizes", batches, "--tune-cache", str(workdir / cache), *given)
+    jobs = [("low", dirs["low"], ()), ("float32-weights", dirs["float32-weights"], ("--float32-weights",)),
+            ("tuned", dirs["tuned"], tuned(f"{model}-timings.json", "1,8", "batch 8"))]
+    jobs += [(variant, path, tuned(f"{model}-{variant}.json", str(REGIME_BATCH[regime]), regime))
+             for variant, regime_dirs in per_regime.items() for regime, path in regime_dirs.items()]
+    for variant, destination, extra in jobs:
+        seconds, line = convert(dirs["float32"], destination, target, *extra)
         if not line.startswith("ok") and line:
             result.errors.append(f"convert {variant}: {line}")
             return result
-        result.convert_lines[variant] = line.removeprefix("ok: ")
+        said = line.removeprefix("ok: ")
+        result.convert_lines[variant] = "\n".join(filter(None, (result.convert_lines.get(variant), said)))
         print(f"{model}: converted {variant} in {seconds:.1f} s", file=sys.stderr, flush=True)
     for variant, directory in dirs.items():
         result.sizes_bytes[variant] = (folder_bytes(directory / "variables"), folder_bytes(directory))
@@ -345,7 +366,9 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
                 return result
             result.loads.setdefault(variant, []).append(answer)
     print(f"{model}: loads measured", file=sys.stderr, flush=True)
-    timed = run_child("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()}}, timeout)
+    timed = run_child("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()},
+                               "per_regime": {v: {r: str(d) for r, d in rd.items()} for v, rd in per_regime.items()}},
+                      timeout)
     if "error" in timed:
         result.errors.append(f"timing: {timed['error']}")
         return result
@@ -355,7 +378,8 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
         if result.speed_up(regime, "low") >= GOALS[regime] and not slower:
             continue
         for variant in VARIANTS:
-            answer = run_child("profile", {**common, "dir": str(dirs[variant]), "regime": regime}, timeout)
+            directory = per_regime[variant][regime] if variant in per_regime else dirs[variant]
+            answer = run_child("profile", {**common, "dir": str(directory), "regime": regime}, timeout)
             if "error" not in answer:
                 result.profiles[(regime, variant)] = answer["profile"]
             else:
@@ -433,12 +457,14 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         share = result.sizes_bytes["low"][0] / result.sizes_bytes["float32"][0]
         parts.append(f"variables/ {share:.2f}x ({'met' if share <= VARIABLES_GOAL else '**missed**'})")
         lines.append(f"- **{LABELS[result.model]}:** " + "; ".join(parts) + ".")
-        ratios = {regime: result.speed_up(regime, "tuned") for regime in REGIMES}
-        lines.append(f"  `--tune speed`: " + ", ".join(
-            f"{regime} {ratio:.2f}x ({'met' if ratio >= TUNED_GOAL else '**missed**'})" for regime, ratio in ratios.items())
-            + f" (goal ≥ {TUNED_GOAL}x float32). `convert` said:")
-        lines += [f"  - {line}" for line in result.convert_lines.get("tuned", "").splitlines()
-                  if line.startswith(("Timing:", "Speed"))]
+        for variant, what in (("tuned", "`--tune speed --batch-sizes 1,8`"),
+                              ("tuned-each", "`--tune speed`, one conversion per batch size")):
+            ratios = {regime: result.speed_up(regime, variant) for regime in REGIMES}
+            lines.append(f"  {what}: " + ", ".join(
+                f"{regime} {ratio:.2f}x ({'met' if ratio >= TUNED_GOAL else '**missed**'})"
+                for regime, ratio in ratios.items()) + f" (goal ≥ {TUNED_GOAL}x float32). `convert` said:")
+            lines += [f"  - {line}" for line in result.convert_lines.get(variant, "").splitlines()
+                      if line.startswith(("Timing:", "Speed"))]
         said = result.convert_lines.get("low", "").splitlines()
         listed = share > VARIABLES_GOAL  # where the float32 bytes are: the variables that stay, and why
         if said:

@@ -324,8 +324,10 @@ def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
                       f" round(s) of {c.source_s + c.result_s:.2f} s in the budget left, {MIN_ROUNDS} needed (a"
                       " larger --tune-budget checks it)" for c in checks)
     if not checks:
-        return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"]
-    lines = [f"Speed against the source (median of the rounds' ratios): {shown}"]
+        return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"
+                f" (timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget)"]
+    spent = f"; timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget in all"
+    lines = [f"Speed against the source (median of the rounds' ratios): {shown}{spent}"]
     for check in checks:
         if check.slower:
             lines.append(f"Speed: slower than the source at batch {check.batch} ({check.speed:.2f}x); costliest in"

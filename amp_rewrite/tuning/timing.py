@@ -31,8 +31,8 @@ from amp_rewrite.core.report import dtype_name
 from amp_rewrite.tuning.cache import TimingCache
 from amp_rewrite.tuning.shapes import TensorInfo
 
-ROUNDS = 5              # interleaved rounds per pair
-CALLS = 3               # calls per form and round, the best counted
+ROUNDS = 4              # interleaved rounds per pair
+CALLS = 2               # calls per form and round, the best counted
 CALL_SECONDS = 1e-3     # what one timed Session call should take: K copies of the op
 COPIES = (1, 4, 16)     # copies of an op per timed call: the most that keep it near CALL_SECONDS
 CHAIN_COPIES = 4        # at least, for a chain: its first copy's call is taken off
