@@ -476,3 +476,17 @@ def test_the_readme_commands_run_as_written(tmp_path, monkeypatch):
     assert " 0 op(s) timed" in converted.out
     explained = run_cli(*["Relu" if word == "NODE" else word for word in lines[1][1:]])
     assert "rule: measured-slower" in explained.out, explained.out
+
+
+def test_a_graphdef_file_is_tuned_and_checked_too(tmp_path):
+    """A frozen GraphDef: its placeholders give the shapes (unknown batch: --batch-sizes),
+    its Consts are the weights; the check runs both graphs in Sessions."""
+    from cli_models import write_graph_def
+
+    source = write_graph_def(_chain(), tmp_path / "chain.pb")
+    run = run_cli("convert", source, tmp_path / "out.pb", *_tuned("--batch-sizes", "2", "--fetch", "out",
+                                                                  "--tune-cache", tmp_path / "timings.json"))
+    assert run.code == 0, run.err
+    timing = next(line for line in run.out.splitlines() if line.startswith("Timing:"))
+    assert re.search(r"of 3 converted node\(s\) kept float32", timing), timing
+    assert re.search(r"Speed against the source.*: (batch 2 \d|not timed; nothing is converted)", run.out), run.out
