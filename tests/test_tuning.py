@@ -113,6 +113,35 @@ def test_an_island_stays_converted_when_its_casts_would_cost_more():
     assert set(cheaper.keep) == {("", "clr1")}
 
 
+def _fusable() -> graph_pb2.GraphDef:
+    """x -> allow1 (MatMul) -> bias (BiasAdd) -> act (Relu) -> allow2 (MatMul) -> out: the
+    remapper fuses bias and act into allow1, in float32 and bfloat16 alike."""
+    def build() -> None:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16], name="x")
+        w1 = tf.constant(np.ones((16, 32), np.float32), name="w1")
+        w2 = tf.constant(np.ones((32, 8), np.float32), name="w2")
+        b = tf.constant(np.ones((32,), np.float32), name="b")
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w1, name="allow1"), b, name="bias"), name="act")
+        tf.identity(tf.matmul(h, w2, name="allow2"), name="out")
+    return graph_def_of(build)
+
+
+def test_ops_the_remapper_fuses_take_their_heads_precision():
+    """A bias add and activation timed alone 10x slower in bfloat16 (as unfused kernels are)
+    stay converted with the MatMul they fuse into; when that MatMul is kept float32, they
+    are too, and say why. An activation with no bias add before it is not fused (the
+    chain test keeps its Relu)."""
+    problem = _problem(_fusable())
+    assert problem.fused == {("", "bias"): ("", "allow1"), ("", "act"): ("", "allow1")}
+    assert _problem(_chain()).fused == {}
+    slow = {"bias": (1e-4, 1e-3), "act": (1e-4, 1e-3)}
+    assert _plan(problem, _timings(problem, lambda n, b: slow.get(n, (1e-3, 2e-4)), cast=1e-5)).keep == {}
+    slow["allow1"] = (1e-3, 1e-2)
+    plan = _plan(problem, _timings(problem, lambda n, b: slow.get(n, (1e-3, 2e-4)), cast=1e-5))
+    assert set(plan.keep) == {("", "allow1"), ("", "bias"), ("", "act")}
+    assert plan.keep[("", "act")].startswith(f"{MEASURED_PREFIX}fused into 'allow1' by grappler's remapper")
+
+
 def test_an_op_a_little_slower_stays_converted_within_the_margin():
     """Slower by less than MARGIN: the target is not clearly slower, nothing moves."""
     problem = _problem(_chain())

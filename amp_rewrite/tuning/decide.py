@@ -59,6 +59,7 @@ class Problem:
 
     batch_sizes: tuple[int, ...]
     candidates: dict[Node, Candidate] = field(default_factory=dict)
+    fused: dict[Node, Node] = field(default_factory=dict)  # a candidate the remapper fuses -> the op it fuses into
     # tensor (item, "node:port") -> (producer, candidate readers, has other readers, is a weight, shape per batch)
     tensors: dict[tuple[str, str], tuple[Node, list[Node], bool, bool, dict[int, tuple[int, ...] | None]]] = field(
         default_factory=dict)
@@ -70,7 +71,7 @@ class Problem:
         totals = {b: sum(c.runs[b].weight for c in self.candidates.values() if c.runs.get(b)) or 1.0
                   for b in self.batch_sizes}
         found = [replace(pair, weight=pair.weight / totals[batch]) for c in self.candidates.values()
-                 for batch, pair in c.runs.items() if pair is not None]
+                 if c.node not in self.fused for batch, pair in c.runs.items() if pair is not None]
         shapes = {shape: batch for producer, _, _, weight, by_batch in self.tensors.values()
                   if not (weight and weights_low and producer not in self.candidates)
                   for batch, shape in by_batch.items() if shape}
@@ -130,7 +131,45 @@ def build_problem(source: Program, converted: Program, nodes: Mapping[str, set[s
                 problem.candidates[(item, node_def.name)] = _candidate(item, node_def, low_nodes[node_def.name], shapes)
         for node_def in body:
             _add_tensors(problem, item, node_def, readers.get(node_def.name, {}), names, shapes)
+        problem.fused.update(_fusions(item, body, readers, names, next(iter(shapes.values()))))
     return problem
+
+
+# What grappler's remapper fuses on CPU (oneDNN), in float32 and bfloat16 alike: a bias add
+# (and an activation after it) into a convolution or matmul, a Pad into the Conv2D it feeds. A
+# fused op costs next to nothing in either precision, but timed alone a bfloat16 BiasAdd or
+# Relu is slow, and keeping it float32 would break the fusion: it follows its head instead.
+FUSION_HEADS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"})
+BIAS_ADDS = frozenset({"BiasAdd", "Add", "AddV2"})
+ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
+
+
+def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], converted: set[str],
+             shapes: Shapes) -> dict[Node, Node]:
+    """Candidates the remapper fuses (above) -> the candidate they fuse into."""
+    nodes = {n.name: n for n in body}
+
+    def only_reader(name: str) -> node_def_pb2.NodeDef | None:
+        ports = readers.get(name, {})
+        found = ports.get(0, [])
+        reader = nodes.get(found[0]) if len(found) == 1 and set(ports) == {0} else None
+        return reader if reader is not None and reader.name in converted else None
+
+    fused: dict[Node, Node] = {}
+    for head in (n for n in body if n.name in converted and n.op in FUSION_HEADS):
+        out = shapes.info(item, tensor_name(head.name, 0))
+        member = only_reader(head.name)
+        if member is not None and member.op in BIAS_ADDS and out is not None and out.shape and len(member.input) >= 2:
+            bias = shapes.info(item, member.input[1])
+            if bias is not None and bias.shape is not None and math.prod(bias.shape) == out.shape[-1]:
+                fused[(item, member.name)] = (item, head.name)
+                member = only_reader(member.name)  # an activation fuses only after the bias add
+                if member is not None and member.op in ACTIVATIONS:
+                    fused[(item, member.name)] = (item, head.name)
+        pad = nodes.get(parse_tensor_name(head.input[0]).node) if head.op == "Conv2D" and head.input else None
+        if pad is not None and pad.op == "Pad" and pad.name in converted and only_reader(pad.name) is head:
+            fused[(item, pad.name)] = (item, head.name)
+    return fused
 
 
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
@@ -182,8 +221,9 @@ class _Costs:
         self.casts: dict[tuple[int, ...], tuple[float, float]] = {}
 
     def node(self, node: Node, batch: int, margin: float = MARGIN) -> tuple[float, float]:
-        """(float32, target) seconds of a candidate; the target's discounted by ``margin``."""
-        pair = self.problem.candidates[node].runs.get(batch)
+        """(float32, target) seconds of a candidate (nothing for a fused one); the target's
+        discounted by ``margin``."""
+        pair = None if node in self.problem.fused else self.problem.candidates[node].runs.get(batch)
         if pair is None or self.timings.ratio(pair) is None:
             return 0.0, 0.0
         first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
@@ -223,6 +263,9 @@ def _cut(costs: _Costs, weights: Mapping[int, float]) -> set[Node]:
             old = graph.get_edge_data(u, v, {}).get("capacity", 0.0)
             graph.add_edge(u, v, capacity=old + capacity)
 
+    for member, head in costs.problem.fused.items():  # one precision for both: the fusion holds
+        graph.add_edge(member, head, capacity=math.inf)
+        graph.add_edge(head, member, capacity=math.inf)
     for node in costs.problem.candidates:
         graph.add_node(node)
         for batch, weight in weights.items():
@@ -294,6 +337,10 @@ def _reason(costs: _Costs, node: Node, target: str, pays: bool) -> str:
     """Why ``node`` stays float32, as ``explain`` shows it: its speed in the target per batch
     size, and whether it is slower itself, kept for the casts around it, or kept because
     the converted ops together would not be clearly faster (``pays`` False)."""
+    head = costs.problem.fused.get(node)
+    if head is not None:
+        return (f"{MEASURED_PREFIX}fused into {head[1]!r} by grappler's remapper, so it takes that op's precision;"
+                f" {_reason(costs, head, target, pays).removeprefix(MEASURED_PREFIX)}")
     speeds = _speeds(costs, node)
     shown = ", ".join(f"{s:.2f}x at batch {b}" for b, s in speeds.items())
     alone = f"{target} runs it at {shown} float32's speed on this machine" if speeds else "not timed alone"
