@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench fuzz matrix dist clean
+.PHONY: install test demo bench fuzz matrix dist docs clean
 
 # Re-install only when the package metadata changes.
 $(STAMP): pyproject.toml
@@ -15,11 +15,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The docs extra (MkDocs, its theme, mkdocstrings), installed into .venv once.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site in site/, strict: a warning (a broken link, a docstring mkdocstrings
+# cannot read, an unknown generated part) fails the build. tests/test_docs.py runs its examples.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m mkdocs build --strict --site-dir site
+
 # -rs: every skip says why. Skips: the fuzz's grappler property where live grappler cannot
 # answer (bfloat16 without AVX512F); a test that is only a comparison with grappler on a
 # TensorFlow release that builds its graph otherwise; the drawing tests without Graphviz's
 # dot, the browser test without Chromium, the unprivileged-user test without root and
-# setpriv; the float8 tests before TensorFlow 2.18. The summary counts the comparisons.
+# setpriv; the float8 tests before TensorFlow 2.18; a tool's smoke run (tests/test_tools.py:
+# every tools/*.py --smoke) that cannot run here, with its reason. The summary counts the comparisons.
 # -n 2 --dist loadfile: two pytest-xdist workers (CI's two cores), each test file in one of them,
 # so a file's module fixtures (trained models, exported SavedModels) are built once.
 test: install
@@ -38,6 +50,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_calibration.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_serving.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_memory.py --dir $${AMP_BIG_DIR:-/tmp} || status=$$?; \
 	exit $$status
 
 # A long random search of the pass (tests/test_fuzz.py; make test runs 50 derandomized examples per target).
@@ -58,4 +71,4 @@ dist: install
 	$(PY) -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) .matrix *.egg-info .pytest_cache build dist
+	rm -rf $(VENV) .matrix *.egg-info .pytest_cache build dist site

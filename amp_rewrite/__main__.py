@@ -1,13 +1,6 @@
-"""``python -m amp_rewrite``: the ``amp-rewrite`` command."""
+"""``python -m amp_rewrite``: the ``amp-rewrite`` command, as its console script runs it."""
 import sys
 
-from amp_rewrite.calibration.staging import on_interrupt
+from amp_rewrite.cli import console
 
-with on_interrupt():  # first: Ctrl-C or SIGTERM while the rest loads exits 130/143 in one line
-    from amp_rewrite._quiet import silence_native_stderr
-
-    silence_native_stderr()
-    from amp_rewrite.cli.command import main
-
-    code = main()
-sys.exit(code)
+sys.exit(console())

@@ -132,8 +132,27 @@ CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow
 
 # --- weights and SavedModels (core/weights.py, cli/weights.py, calibration/savedmodel.py) -----
 
+SAVED_MODEL_WRITING = "writing a SavedModel (convert)"
+# The rewrite spells out default-valued attrs; a file that promises them stripped is stripped again.
+STRIP_DEFAULT_ATTRS = Private(SAVED_MODEL_WRITING, "tensorflow.python.framework.meta_graph",
+                              "strip_graph_default_valued_attrs", ("meta_graph_def",))
+# fingerprint.pb hashes the graph and the checkpoint's index; TensorFlow publishes only the reader.
+WRITE_FINGERPRINT = Private(SAVED_MODEL_WRITING, "tensorflow.python.saved_model.fingerprinting_utils",
+                            "write_fingerprint", ("export_dir",))
+
 # --- calibration (calibration/statistics.py, calibration/calibrate.py) ------------------------
+# None: public APIs do the job (tf.make_ndarray, tf.make_tensor_proto, tf.compat.v1.saved_model.loader;
+# the loader's deprecation warning is dropped by a filter on tf.get_logger(), not deprecation.silence).
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------
+
+# grappler's AMP pass run on its own has no public entry (tf.config.optimizer runs it inside
+# a function call, on the local devices); the oracle needs it on a virtual cluster.
+ORACLE = "grappler as an oracle (amp_rewrite.testing.reference: the conformance tests and tools)"
+OPTIMIZE_GRAPH = Private(ORACLE, "tensorflow.python.grappler.tf_optimizer", "OptimizeGraph",
+                         ("config_proto", "metagraph", "verbose", "graph_id", "cluster", "strip_default_attributes"))
+GRAPPLER_CLUSTER = Private(ORACLE, "tensorflow.python.grappler.cluster", "Cluster",
+                           ("allow_soft_placement", "disable_detailed_stats", "disable_timeline", "devices"))
+ONEDNN_DTYPE_SUPPORTED = Private(ORACLE, "tensorflow.python.util._pywrap_utils", "IsDataTypeSupportedByOneDNNOnThisCPU")
 
 ENTRIES: tuple[Private, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Private))

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import collections
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Hypothesis keeps a cache of the source's constants under .hypothesis/ in the working
+# directory; a test must not write into the checkout (test_tools checks the tools' runs).
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "amp-rewrite-hypothesis"))
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
@@ -287,9 +292,11 @@ def assert_model_close_to_float32(model: ModelGraph, float32: GraphRun, graph_de
 
 
 _TESTS = Path(__file__).resolve().parent
-# What this run saw: whether tests were deselected, and how the tests ended that made no
-# grappler comparison for lack of an answer (outcome -> count).
-_RUN: dict = {"deselected": False, "without_answer": collections.Counter()}
+# What this run saw: whether tests were deselected, and the tests that made no grappler
+# comparison for lack of an answer on this release: node id -> (outcome, why).
+_RUN: dict = {"deselected": False, "without_answer": {}}
+_NO_ANSWER = "amp_no_grappler_answer"  # the report's user property that carries why, to xdist's controller too
+_SHOWN = 12  # test ids the summary names per reason
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -298,10 +305,21 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
         _RUN["deselected"] = True
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test that made no grappler comparison on this release says so, and why, on its
+    report: the report is what a pytest-xdist worker hands to the controller."""
+    outcome = yield
+    why = recorded_grappler.tests_without_answer.get(item.nodeid)
+    if call.when == "call" and why is not None:
+        outcome.get_result().user_properties.append((_NO_ANSWER, why))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Count how the tests that made no grappler comparison on this release ended."""
-    if report.when == "call" and report.nodeid in recorded_grappler.tests_without_answer:
-        _RUN["without_answer"][report.outcome] += 1
+    """Keep how the tests that made no grappler comparison on this release ended, and why."""
+    for name, why in report.user_properties:
+        if name == _NO_ANSWER:
+            _RUN["without_answer"][report.nodeid] = (report.outcome, why)
 
 
 def _whole_suite(session: pytest.Session) -> bool:
@@ -360,8 +378,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         otherwise = counts[(target, "built otherwise")]
         skipped = f"; {otherwise} not made: this TensorFlow builds their graphs otherwise" if otherwise else ""
         terminalreporter.write_line(f"{target}: {total} recorded answers compared; {checked}{skipped}")
-    outcomes = _RUN["without_answer"]
-    if outcomes:
-        ended = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
-        terminalreporter.write_line(
-            f"tests that made no comparison for lack of an answer still ran their own assertions: {ended}")
+    _write_tests_without_answer(terminalreporter)
+
+
+def _write_tests_without_answer(terminalreporter) -> None:
+    """How the tests ended that made no comparison on this release, by why, naming them."""
+    without = _RUN["without_answer"]
+    if not without:
+        return
+    outcomes = collections.Counter(outcome for outcome, _ in without.values())
+    ended = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
+    terminalreporter.write_line(f"tests that made no comparison for lack of an answer ({ended}; the passed and"
+                                " failed ones still ran their own assertions):")
+    for why in sorted({why for _, why in without.values()}):
+        tests = sorted(test for test, (_, reason) in without.items() if reason == why)
+        shown = ", ".join(tests[:_SHOWN]) + (f" and {len(tests) - _SHOWN} more" if len(tests) > _SHOWN else "")
+        terminalreporter.write_line(f"  {why}: {shown}")
+

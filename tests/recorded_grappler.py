@@ -15,9 +15,16 @@ come from (``LISTS_TENSORFLOW``), on a CPU that runs both passes. Then:
   held float32, the bounded Exp nodes it ran as Tanh: ``reference.oracle_inputs``); a
   test whose inputs now differ fails naming the input, so an answer is never replayed
   for a question grappler was not asked;
-* on another TensorFlow release a graph built otherwise has no answer: ``rewrite``
-  returns None, the test skips its grappler comparison and still runs its own
-  assertions and numerics, and the summary counts those tests.
+* a missing answer is told apart from a stale recording. On the release the answers come
+  from, every missing answer is stale: the test fails. On another release a test may ask
+  the question the recording holds for it with another graph, because that release builds
+  the graph otherwise (TensorFlow 2.16's GELU is ``Erf``, 2.21's ``Erfc``; the question is
+  the test file's, as a module's shared fixture asks for whichever test runs first): then
+  ``rewrite`` returns None, the test leaves out its grappler comparison (a test that is
+  nothing else skips, saying why) and still runs its own assertions and numerics, and the
+  summary counts and names those tests, under pytest-xdist too. Any other missing answer
+  (a test the recording never heard of, or one that now asks with other fetches,
+  variables or lists) is stale there too, and fails.
 
 An answer is keyed by its question: the target, fetches, lists flag and
 ``TF_AUTO_MIXED_PRECISION_*`` variables, and the input graph in a canonical form, so the
@@ -54,7 +61,9 @@ from tensorflow.python.framework import op_def_registry
 from amp_rewrite.testing.reference import GrapplerUnavailable, grappler_environ, oracle_inputs, unavailable_reason
 from amp_rewrite.testing.reference import run_grappler as _run_live
 
-ANSWERS = Path(__file__).with_name("grappler_answers.zip")
+# The recording; AMP_GRAPPLER_ANSWERS names another file (tools/record_grappler.py --smoke records into a copy).
+ANSWERS_FILE = "AMP_GRAPPLER_ANSWERS"
+ANSWERS = Path(os.environ.get(ANSWERS_FILE) or Path(__file__).with_name("grappler_answers.zip"))
 # The TensorFlow release whose lists lists/*.yaml hold: answers come from it.
 LISTS_TENSORFLOW = "2.21"
 # Set to 1 by tools/record_grappler.py: ask live grappler and write every answer asked for.
@@ -66,8 +75,8 @@ _ZIP_TIME = (2026, 1, 1, 0, 0, 0)  # fixed, so the same answers give the same fi
 # recorded answer), "live" (also asked live grappler) or "built otherwise" (no answer on
 # this release: the comparison was not made).
 comparisons: Counter[tuple[str, str]] = Counter()
-# Tests (pytest node ids) that made no comparison for lack of an answer on this release.
-tests_without_answer: set[str] = set()
+# Tests (pytest node ids) that made no comparison for lack of an answer on this release -> why.
+tests_without_answer: dict[str, str] = {}
 
 
 class MissingAnswer(AssertionError):
@@ -219,13 +228,14 @@ def dump_tool():
 
 
 def _no_answer(question: dict, payload: bytes, key: str, reason: str | None) -> None:
-    """A question with no recorded answer fails the test, on the release the answers come
-    from. Another release may build the test's graph otherwise (TensorFlow 2.16's GELU
-    is ``Erf``, 2.21's ``Erfc``): there the comparison is not made (None), the test goes
-    on with its own assertions, and the summary counts it."""
-    if _installed_release() != LISTS_TENSORFLOW:
+    """A question with no recorded answer: None (no comparison, counted) where this release
+    builds the test's graph otherwise; else the recording is stale and the test fails
+    (the module's notes)."""
+    if _installed_release() != LISTS_TENSORFLOW and _differing_fields(question, payload) == ["graph"]:
         comparisons[(question["target"], "built otherwise")] += 1
-        tests_without_answer.add(_current_test())
+        tests_without_answer[_current_test()] = (
+            f"TensorFlow {tf.__version__} builds this {question['kind']} {question['target']} question's graph"
+            f" otherwise than TensorFlow {LISTS_TENSORFLOW}, whose answers are recorded")
         return None
     raise MissingAnswer(_missing(question, payload, key, reason))
 
@@ -235,27 +245,36 @@ def _installed_release() -> str:
 
 
 def _missing(question: dict, payload: bytes, key: str, reason: str | None) -> str:
-    where = "live grappler answers here, so the recording is stale" if reason is None else f"and live grappler cannot answer here: {reason}"
+    if _installed_release() != LISTS_TENSORFLOW:
+        where = f"so the recording is stale (TensorFlow {tf.__version__} only explains another graph)"
+    elif reason is None:
+        where = "live grappler answers here, so the recording is stale"
+    else:
+        where = f"and live grappler cannot answer here: {reason}"
+    differing = _differing_fields(question, payload)
+    what = ("; the recording holds no question of this test's file" if differing is None else
+            f"; the recording asked this test's file the same with another {', '.join(differing)}")
     return (
         f"no recorded grappler answer {key[:12]} for {question['kind']} {question['target']} "
-        f"({_current_test()}){_what_differs(question, payload)}; {where}; re-run tools/record_grappler.py on a "
+        f"({_current_test()}){what}; {where}; re-run tools/record_grappler.py on a "
         f"CPU with AVX512F and TensorFlow {LISTS_TENSORFLOW}"
     )
 
 
-def _what_differs(question: dict, payload: bytes) -> str:
-    """How the questions this test asked when the recording was made differ from this
-    one, field by field ("; the recording asked this test the same with another graph"),
-    or "" when the recording holds none of this test's."""
+def _differing_fields(question: dict, payload: bytes) -> list[str] | None:
+    """The fewest fields in which a question of this kind and target that the recording
+    holds for this test's file differs from this one (``["graph"]``: only the graph), or
+    None where it holds none. By file, not by test: a module's shared fixture asks for the
+    test that happens to run first, which pytest-xdist's order changes."""
     asked = {**question, "graph": _digest(payload)}
-    test = _current_test()
+    module = _current_test().split("::")[0]
     recorded = [q for q in _store().index["answers"].values()
-                if test in q.get("tests", ()) and q.get("kind") == question["kind"] and q.get("target") == question["target"]]
+                if any(test.split("::")[0] == module for test in q.get("tests", ()))
+                and q.get("kind") == question["kind"] and q.get("target") == question["target"]]
     if not recorded:
-        return ""
-    differing = sorted({name for q in recorded for name in set(asked) | set(q) - {"tests", "oracle_inputs"}
-                        if q.get(name) != asked.get(name)})
-    return f"; the recording asked this test the same with another {', '.join(differing)}" if differing else ""
+        return None
+    return min((sorted(name for name in (set(asked) | set(q)) - {"tests", "oracle_inputs"} if q.get(name) != asked.get(name))
+                for q in recorded), key=lambda fields: (len(fields), fields))
 
 
 def _digest(payload: bytes) -> str:
@@ -499,5 +518,8 @@ def _cpu_description() -> str:
 
 def skip_comparison() -> NoReturn:
     """Skip a test that is nothing but a comparison with grappler, where ``rewrite`` or
-    ``lists`` has no answer on this release (None)."""
-    pytest.skip(f"no recorded grappler answer on TensorFlow {tf.__version__}: nothing to compare")
+    ``lists`` has no answer on this release (None), saying why; the summary names it too,
+    also where the question was asked before it, for another test (a shared fixture)."""
+    why = tests_without_answer.setdefault(
+        _current_test(), f"TensorFlow {tf.__version__} has no recorded answer for a question a fixture asked earlier")
+    pytest.skip(f"nothing to compare: {why}")

@@ -10,10 +10,15 @@
    decisions never stand);
 4. the overlay reproduces the calibrated rewrite byte for byte without data, and names a
    traced function by its stable name;
-5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line).
+5. the CLI: ``convert --calibrate`` and ``calibrate --out``, and bad input (exit 2, one line);
+6. a model without a numeric output has "nothing to compare", never "ok"; a run the loaded
+   session cannot take in is loaded afresh and said, and no other error is hidden; a TF1
+   while loop's tensors are left unmeasured and the rest calibrates; the caller's code
+   between runs stays eager.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -27,6 +32,7 @@ from tensorflow.core.framework import graph_pb2
 import amp_rewrite
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model
+from amp_rewrite.core.lists import load_lists
 from amp_rewrite.core.target import lookup_target
 
 from test_cli import assert_ok, error_line, run_cli
@@ -142,6 +148,42 @@ def test_large_tensors_are_bucketed_on_a_sample_and_their_largest_value_is_exact
     x[2, 3, 5] = np.nan  # flat index 67077, off the grid too
     broken = statistics.collect(model, graph_def, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
     assert broken.nonfinite >= 1
+
+
+def tf1_loop_graph_def() -> graph_pb2.GraphDef:
+    """x → a TF1 while loop (3 × MatMul → Tanh) → MatMul: control flow v1, whose frames
+    (Enter … Exit) are in the main graph."""
+    w1, w2 = _weights(1, (WIDTH, WIDTH), 0.1), _weights(2, (WIDTH, 8), 0.1)
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [None, WIDTH], name="x")
+            _, looped = tf.compat.v1.while_loop(
+                lambda i, a: i < 3, lambda i, a: (i + 1, tf.tanh(tf.matmul(a, w1, name="loop_matmul"))),
+                [tf.constant(0), x])
+            tf.matmul(looped, w2, name="after")
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+    return graph.as_graph_def()
+
+
+def test_tensors_in_tf1_loop_frames_are_not_measured_and_the_rest_calibrates() -> None:
+    """Rule: a TF1 while loop's tensors live in its frame, which the statistics' nodes
+    cannot join (TensorFlow refuses the run: "has inputs from different frames"): they are
+    left unmeasured (a constant's statistics come from its value, without a run), the
+    tensors outside the loop (its Exit's included) are measured, and calibration runs to
+    the end."""
+    graph_def = tf1_loop_graph_def()
+    ops = {n.name: n.op for n in graph_def.node}
+    result = amp_rewrite.calibrate(graph_def, inputs(0))
+    assert result.ok and result.compared
+    measured = {key[1] for key in result.stats}
+    assert {"x", "after", "while/Exit_1"} <= measured
+    run_in_loop = {name for name in measured if name.startswith("while/") and ops[name] not in ("Exit", "Const")}
+    assert not run_in_loop and "while/loop_matmul" in ops
 
 
 def test_range_rules_keep_the_overflowing_matmul_and_what_reads_it() -> None:
@@ -281,12 +323,14 @@ class Dense(tf.Module):
         return {"y": tf.matmul(tf.nn.relu(tf.matmul(x, self.w1)), self.w2)}
 
 
-@pytest.fixture(scope="module")
-def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calibration") / "dense"
-    module = Dense()
+def _saved(module: tf.Module, path: Path) -> Path:
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.__call__})
     return path
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved(Dense(), tmp_path_factory.mktemp("calibration") / "dense")
 
 
 def _npz(path: Path, scale: float, seed: int) -> Path:
@@ -456,3 +500,102 @@ def test_overlay_works_in_the_live_rewrite_without_data(tmp_path: Path) -> None:
     assert not np.all(np.isfinite(outputs["plain"]))
     assert np.all(np.isfinite(outputs["overlay"]))
     assert np.abs(outputs["overlay"] - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+# --------------------------------------------------------------------------------------
+# Nothing to compare; what the loaded session cannot take in
+
+
+class Text(tf.Module):
+    """A dense layer whose only output is its values as strings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = tf.Variable(_weights(1, (WIDTH, 8), 0.1))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32, name="x")])
+    def __call__(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"text": tf.strings.as_string(tf.matmul(x, self.w))}
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved(Text(), tmp_path_factory.mktemp("calibration") / "text")
+
+
+@pytest.mark.parametrize("target", ["float16", "float8"])
+def test_a_model_without_a_numeric_output_has_nothing_to_compare(text_model: Path, dense_model: Path,
+                                                                 target: str) -> None:
+    """Rule: with no output that is a number, no run can check the rewrite: calibration
+    says "nothing to compare" and is neither ok nor over tolerance (``compared`` False,
+    its run's score NaN); a model with a numeric output is compared and ok."""
+    lines: list[str] = []
+    model = read_model(text_model)
+    feeds, _ = validate.plan_feeds(model, inputs(0), 1)
+    found = calibrate.run_calibration(model, feeds, target=target, lists=load_lists("float16"), say=lines.append)
+    assert not found.compared and not found.ok and not found.reached_goal, "\n".join(lines)
+    assert math.isnan(found.rounds[found.best].score(1.0))
+    assert "calibration: validation run 1: nothing to compare (no output of the model is a number)" in lines
+    assert not any("tolerance" in line or "goal" in line for line in lines), "\n".join(lines)
+    numeric = amp_rewrite.calibrate(dense_model, inputs(0), target=target)
+    assert numeric.compared and numeric.ok
+
+
+def test_cli_nothing_to_compare_is_a_warning_and_the_result_is_written(tmp_path: Path, text_model: Path) -> None:
+    """Rule: ``calibrate`` and ``convert --calibrate`` on a model without a numeric output
+    warn that calibration had nothing to compare, and write their result (exit 0): the
+    range rules' decisions stand, no output failed."""
+    data = _npz(tmp_path / "calib.npz", 1.0, 0)
+    overlay = tmp_path / "keep.yaml"
+    calibrated = run_cli("calibrate", text_model, "--inputs", data, "--out", overlay)
+    assert_ok(calibrated)
+    warning = "warning: calibration had nothing to compare: no output of"
+    assert warning in calibrated.err and overlay.exists(), calibrated.err
+    converted = run_cli("convert", text_model, tmp_path / "converted", "--calibrate", data)
+    assert_ok(converted)
+    assert warning in converted.err and (tmp_path / "converted" / "saved_model.pb").exists()
+    assert "over tolerance" not in converted.err + converted.out
+
+
+def _collect_twice(model: Model, graph_def: graph_pb2.GraphDef, feeds: validate.Feeds
+                   ) -> dict[statistics.TensorKey, statistics.TensorStats]:
+    keys = statistics.float_tensors(graph_def)
+    with statistics.Runner(model, feeds) as runner:
+        runner.collect(graph_def, keys, TINY)
+        return runner.collect(graph_def, keys, TINY).stats  # added to the loaded session, where it can be
+
+
+def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Rule: when a later run cannot be added to the loaded session (``import_graph_def``'s
+    ValueError, a graph lookup's KeyError), the model is loaded afresh for it, a warning
+    says why, and its statistics are the same; any other error is not hidden."""
+    graph_def = mlp_graph_def()
+    model, feeds = _graph_model(graph_def), {validate.GRAPH: [inputs(0)]}
+    expected = _collect_twice(model, graph_def, feeds)
+
+    def refuse(*args: object) -> None:
+        raise ValueError("Node 'x' is refused")
+
+    monkeypatch.setattr(statistics, "_add", refuse)
+    with caplog.at_level(logging.WARNING, logger=statistics.__name__):
+        assert _collect_twice(model, graph_def, feeds) == expected
+    assert "calibration: run 2 cannot be added to the loaded session (Node 'x' is refused); the model is loaded" \
+           " afresh for it" in caplog.text
+
+    def broken(*args: object) -> None:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(statistics, "_add", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        _collect_twice(model, graph_def, feeds)
+
+
+def test_the_caller_stays_eager_between_runs() -> None:
+    """Rule: the session a calibration runs in is not made the default, nor its graph: the
+    caller's code between runs (``say``, here) runs as eagerly as it was called."""
+    eager: list[bool] = []
+    model = _graph_model(mlp_graph_def(scale=5000.0))
+    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, target="float16", lists=load_lists("float16"),
+                              say=lambda line: eager.append(tf.executing_eagerly()))
+    assert len(eager) >= 3 and all(eager), eager

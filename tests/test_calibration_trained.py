@@ -14,12 +14,16 @@ digits and diabetes, weights committed), checked on held-out data calibration ne
    takes the original's overlay and gives the same float8 matmuls; an overlay that names
    nothing in a model is exit 2, one that names some of it a warning with the count.
 6. Saying what happened: "nothing converted" when calibration keeps every candidate.
+7. Bounded memory: across a calibration with repairs and float8 runs, at most one session
+   (and its graph) holds the model's variables at any time.
 """
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -313,3 +317,32 @@ def test_top1_agreement_on_a_regression_output_is_exit_2(trained: Trained, tmp_p
                               "top1-agreement", "--inputs", trained.npz("diabetes_mlp", "held_out")))
     assert "no classes on its last axis" in line and "choose another with --metric" in line
     assert not (tmp_path / "out").exists()
+
+
+@needs_float8
+def test_one_session_at_a_time_holds_the_variables(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a run the loaded session takes no more loads the model afresh, and the session
+    before it, with its graph and its copy of the variables, is gone first. Float8
+    calibration of the trained CNN (the float32 run, the float16 run, float8 runs) loads
+    the model several times; each time, no earlier session or graph is still alive, and
+    none is once calibration returns."""
+    sessions: list[weakref.ref] = []
+    graphs: list[weakref.ref] = []
+    alive_at_load: list[int] = []
+    original = tf.compat.v1.Session.__init__
+
+    def counting(self, *args, **kwargs) -> None:
+        gc.collect()
+        alive_at_load.append(sum(ref() is not None for ref in sessions + graphs))
+        original(self, *args, **kwargs)
+        sessions.append(weakref.ref(self))
+        graphs.append(weakref.ref(self.graph))
+
+    monkeypatch.setattr(tf.compat.v1.Session, "__init__", counting)
+    model = read_model(trained.export("digits_cnn"))
+    feeds, _ = validate.plan_feeds(model, trained_models.data("digits_cnn", "calibration")[0], 1)
+    result = calibrate.run_calibration(model, feeds, target="float8", lists=load_lists("float16"))
+    assert len(result.rounds) >= 3 and len(sessions) >= 2, (len(result.rounds), len(sessions))
+    assert alive_at_load == [0] * len(sessions)
+    gc.collect()
+    assert not any(ref() for ref in sessions + graphs)

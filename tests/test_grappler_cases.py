@@ -32,6 +32,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
+from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.lists import held_float32
 from amp_rewrite.testing.reference import compare_rewrites, run_grappler, vertex_dtypes
 
@@ -572,6 +573,48 @@ def test_kernel_check_asks_each_nodes_own_device_type() -> None:
     assert rewrites.report.decision("clr_xla").rule == "no-kernel"
 
 
+GPU_FULL_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
+# Per target: each cast (named modulo its index) and the device grappler gives it.
+PLACED_CASTS = {
+    "float16": {"input-0-CastToFp16": "/device:CPU:0", "cpu_clr0-0-CastToFp16": "/device:CPU:0",
+                "allow1-0-CastToFp32": GPU_FULL_NAME, "allow2-0-CastToFp32": "/device:GPU:0"},
+    "bfloat16": {"allow2-0-CastToBf16": "/device:GPU:0", "cpu_allow3-0-CastToFp32": "/device:CPU:0"},
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_cast_sits_on_its_source_nodes_device(target: str) -> None:
+    """§2.6: a cast goes on its source node's device, spelled as the graph spells it (short
+    ``/device:GPU:0`` or the full name), whichever device its consumers are on. input and
+    cpu_clr0 are on the CPU, allow1 (full name) and allow2 (short) on the GPU, cpu_* after
+    them on the CPU: for float16 only the GPU MatMuls convert, for bfloat16 only the CPU one
+    (cpu_allow3), and each cast's device is its source's, in ours and in grappler's."""
+
+    def build() -> None:
+        with tf.device("/device:CPU:0"):
+            inp = _const(1.0 / 32, [32, 32], "input")
+            cpu_clr0 = raw.Relu(features=inp, name="cpu_clr0")
+        with tf.device(GPU_FULL_NAME):
+            allow1 = raw.MatMul(a=cpu_clr0, b=cpu_clr0, name="allow1")
+        with tf.device("/device:GPU:0"):
+            allow2 = raw.MatMul(a=allow1, b=inp, name="allow2")
+        with tf.device("/device:CPU:0"):
+            cpu_deny1 = raw.Exp(x=allow2, name="cpu_deny1")
+            cpu_allow3 = raw.MatMul(a=allow2, b=allow2, name="cpu_allow3")
+            cpu_clr2 = raw.Relu(features=allow1, name="cpu_clr2")
+        raw.Identity(input=raw.AddV2(x=cpu_deny1, y=cpu_allow3, name="clr1"), name="fetch")
+        raw.Identity(input=cpu_clr2, name="fetch2")
+
+    rewrites = check_against_grappler(graph_def_of(build), target, ["fetch", "fetch2"])
+    lowered = ["allow1", "allow2"] if target == "float16" else ["cpu_allow3"]
+    assert_colours(rewrites, lowered=lowered, kept=["cpu_clr0", "cpu_deny1", "cpu_clr2"],
+                   casts=len(PLACED_CASTS[target]))
+    for label, result in rewrites.results():
+        placed = {node.name.rsplit("-", 2)[0]: node.device for node in result.node if is_amp_cast(node)}
+        assert placed == PLACED_CASTS[target], label
+    assert_numerics_match(rewrites, ["fetch", "fetch2"])
+
+
 def test_simple_bfloat16() -> None:
     """Case 38 Simple (BF16): Log is infer for bfloat16 (named deny2 in the C++ test) and is
     not directly after an allow vertex at pass 4, so like Simple only clr2, allow1, clr3
@@ -882,6 +925,20 @@ def test_compare_rewrites_reports_vertex_and_cast_differences() -> None:
     assert agreement.cast_mismatches == (
         "clr3-0-CastToFp32: consumers ours=[] grappler=[('infer2', 0)]",
     )
+
+
+def test_compare_rewrites_reports_a_cast_on_another_device() -> None:
+    """A cast wired alike but placed on another device than grappler's is a difference."""
+    original = _build_simple("/device:GPU:0")
+    grappler = _recorded_answer(original)
+    ours = GraphDef()
+    ours.CopyFrom(grappler)
+    cast = next(node for node in ours.node if node.name.startswith("infer1-0-CastToFp16-"))
+    assert cast.device == "/device:GPU:0"
+    cast.device = "/device:CPU:0"
+    agreement = compare_rewrites(original, ours, grappler)
+    assert not agreement.ok and agreement.mismatches == ()
+    assert agreement.cast_mismatches == ("infer1-0-CastToFp16: device ours='/device:CPU:0' grappler='/device:GPU:0'",)
 
 
 def test_run_grappler_accepts_unknown_placeholder_shapes_without_fetches() -> None:

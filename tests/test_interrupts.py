@@ -1,19 +1,26 @@
 """Ctrl-C and SIGTERM at any moment of a real conversion (``amp-rewrite convert`` as a
-process): exit 130 (SIGINT) or 143 (SIGTERM), one line on stderr, no traceback, nothing at
+process, or its console entry point ``amp_rewrite.cli.console``): exit 130 (SIGINT) or 143 (SIGTERM), one line on stderr, no traceback, nothing at
 the destination, no hidden leftovers (beside it, or calibration's in TMPDIR), the source
 untouched, and a ``--force``d destination as it was. The signal is sent while TensorFlow
 is being imported (the handler is in place from the first line of the command), while
 calibration runs, while the dump is written (a new dump folder is removed) and while the
 staged result is validated; a signal that comes while the
 result is moved into place waits for the move, and the run then says it was written.
-SIGKILL cannot be handled: its leftover is removed by the next run.
+SIGKILL cannot be handled: its leftover is removed by the next run. ``amp_rewrite.cli.main``,
+called by a program in its own process, installs no handler and never ends the
+interpreter: the signal reaches the caller as ``KeyboardInterrupt``, after the run removed
+what it had begun.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,10 +28,11 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from amp_rewrite import cli
 from amp_rewrite.calibration import staging
 
 from cli_models import hash_tree, save_module
-from test_cli import cli_env, listing, run_cli
+from test_cli import Run, cli_env, listing, run_cli
 
 CALIBRATION_ROWS = 200_000  # a calibration batch large enough that its temporary SavedModel stays a moment
 
@@ -136,11 +144,58 @@ def test_a_signal_while_the_result_moves_into_place_waits_for_it(
         real(staged, destination)
 
     monkeypatch.setattr(staging, "_move_into_place", interrupted)
-    run = run_cli("convert", source, dst, "--force")
+    run = run_console("convert", source, dst, "--force")
     assert run.code == 130, run
     assert run.err.strip().splitlines() == [f"amp-rewrite: interrupted; {dst} had been written in full"], run.err
     assert f"Wrote {dst}" in run.out
     assert listing(tmp_path) == {"dst"} and (dst / "saved_model.pb").is_file() and not (dst / "old.txt").exists()
+
+
+def run_console(*args: object) -> Run:
+    """``amp-rewrite ARGS`` as its console script runs it (the interrupt handler on), in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.console([str(a) for a in args])
+        except SystemExit as exit_:  # a signal held until the run's end
+            code = exit_.code
+    return Run(code, out.getvalue(), err.getvalue())
+
+
+def test_main_in_process_leaves_a_signal_to_its_caller(
+    tmp_path: Path, source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program (a notebook, a service) runs ``cli.main`` in its own process: it installs
+    no handler, and SIGINT during a conversion (while the staged result is validated)
+    raises ``KeyboardInterrupt`` in the caller, whose ``finally`` runs; the interpreter
+    lives on; the staged result and the run's temporary files are gone."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    during: list[object] = []
+
+    def interrupt_while_validating() -> None:
+        deadline = time.monotonic() + 240
+        while not validating(os.getpid(), tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        during.extend((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+        if tuple(during) == handlers:  # a handler of ours would end this interpreter: then the run goes on
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_while_validating, daemon=True)
+    thread.start()
+    finished = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                cli.main(["convert", str(source), str(tmp_path / "dst"), "--validate", "200"])
+            finally:
+                finished.append("the caller's finally ran")
+    finally:
+        thread.join(timeout=10)
+        assert tuple(during) == handlers, "cli.main installed a signal handler"
+    assert finished == ["the caller's finally ran"]
+    assert listing(tmp_path) == {"tmp"} and listing(tmp_path / "tmp") == set()
 
 
 HANDLER_PROBE = """

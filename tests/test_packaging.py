@@ -59,7 +59,7 @@ def test_the_wheel_holds_the_op_lists_and_its_command(wheel: Path) -> None:
         entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert {f"amp_rewrite/lists/{p.name}" for p in (REPO / "lists").glob("*.yaml")} <= names
     assert not any(name.startswith(("tests/", "tools/")) or "__pycache__" in name for name in names)
-    assert "amp-rewrite = amp_rewrite.cli:main" in entry_points
+    assert "amp-rewrite = amp_rewrite.cli:console" in entry_points
 
 
 def _installed_here() -> str:

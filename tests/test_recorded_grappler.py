@@ -81,27 +81,109 @@ def test_a_question_nobody_recorded_fails_and_says_how_to_record(
     earlier = {"kind": "rewrite", "target": "float16", "fetches": ["other"], "our_lists": True, "environ": {},
                "graph": "0" * 16, "tests": [recorded_grappler._current_test()]}
     monkeypatch.setitem(recorded_grappler._store().index["answers"], "earlier", earlier)
-    with pytest.raises(recorded_grappler.MissingAnswer, match="this test the same with another fetches, graph;"):
+    with pytest.raises(recorded_grappler.MissingAnswer, match="this test's file the same with another fetches, graph;"):
         recorded_grappler.rewrite(_never_recorded(), target="float16", fetches=["fetch"])
+
+
+def _recorded_for_this_test(monkeypatch: pytest.MonkeyPatch, **question: object) -> None:
+    """The recording holds, for the running test, a rewrite question with another graph."""
+    earlier = {"kind": "rewrite", "target": "float16", "fetches": ["fetch"], "our_lists": True, "environ": {},
+               "graph": "0" * 16, "tests": [recorded_grappler._current_test()], **question}
+    monkeypatch.setitem(recorded_grappler._store().index["answers"], "earlier", earlier)
 
 
 def test_another_release_makes_no_comparison_and_the_test_goes_on(
     replaying: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another TensorFlow release may build a test's graph otherwise (README: conformance on
-    older releases): there is no answer, so only the grappler comparison is left out, and
-    counted; the test's own assertions still run, and still fail when wrong."""
+    older releases): the recording asked this test the same with another graph, so only the
+    grappler comparison is left out, and counted with its reason; the test's own
+    assertions still run, and still fail when wrong."""
     monkeypatch.setattr(recorded_grappler, "_installed_release", lambda: "2.16")
     monkeypatch.setattr(recorded_grappler, "comparisons", Counter())  # not comparisons the summary counts
-    monkeypatch.setattr(recorded_grappler, "tests_without_answer", set())
-    monkeypatch.setitem(conftest._RUN, "without_answer", Counter())  # nor a test it counts
+    monkeypatch.setattr(recorded_grappler, "tests_without_answer", {})  # nor a test it names
+    _recorded_for_this_test(monkeypatch)
     rewrites = check_against_grappler(_never_recorded(), "float16", ["fetch"])
     assert rewrites.grappler is None and rewrites.agreement is None
     assert recorded_grappler.comparisons == Counter({("float16", "built otherwise"): 1})
-    assert recorded_grappler.tests_without_answer == {recorded_grappler._current_test()}
+    assert recorded_grappler.tests_without_answer == {recorded_grappler._current_test(): (
+        f"TensorFlow {tf.__version__} builds this rewrite float16 question's graph otherwise than TensorFlow"
+        f" {recorded_grappler.LISTS_TENSORFLOW}, whose answers are recorded")}
     assert_colours(rewrites, lowered=["allow1"], casts=2)
     with pytest.raises(AssertionError, match="allow1: DT_HALF, expected DT_FLOAT"):
         assert_colours(rewrites, kept=["allow1"])
+    with pytest.raises(pytest.skip.Exception, match="^nothing to compare: TensorFlow .* builds this rewrite float16"):
+        recorded_grappler.skip_comparison()
+    recorded_grappler.tests_without_answer.clear()  # this run's summary names none of this test's making
+
+
+@pytest.mark.parametrize("recorded, said", [
+    (None, "the recording holds no question of this test's file"),
+    ({"fetches": ["other"]}, "the recording asked this test's file the same with another fetches, graph"),
+    ({"environ": {"TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL": "TREAT_INFER_AS_DENY"}},
+     "the recording asked this test's file the same with another environ, graph"),
+], ids=["test-never-recorded", "other-fetches", "other-environ"])
+def test_a_stale_recording_fails_on_another_release_too(
+    replaying: None, monkeypatch: pytest.MonkeyPatch, recorded: dict | None, said: str
+) -> None:
+    """Another release explains only another graph: a test file the recording never heard
+    of, or a question it now asks with other fetches or variables, is a stale recording
+    there too, and fails naming what differs, never a silent skip."""
+    monkeypatch.setattr(recorded_grappler, "_installed_release", lambda: "2.16")
+    monkeypatch.setattr(recorded_grappler, "comparisons", Counter())
+    monkeypatch.setattr(recorded_grappler, "tests_without_answer", {})
+    if recorded is not None:
+        _recorded_for_this_test(monkeypatch, **recorded)
+    with pytest.raises(recorded_grappler.MissingAnswer, match=re.escape(f"; {said}; so the recording is stale")):
+        recorded_grappler.rewrite(_never_recorded(), target="float16", fetches=["fetch"])
+    assert recorded_grappler.comparisons == Counter() and recorded_grappler.tests_without_answer == {}
+
+
+SUMMARY_PROBE = """
+import os
+import recorded_grappler
+
+
+def _no_answer(why):
+    recorded_grappler.comparisons[("float16", "built otherwise")] += 1
+    recorded_grappler.tests_without_answer[recorded_grappler._current_test()] = why
+
+
+def test_goes_on():
+    _no_answer("built otherwise here")
+
+
+def test_only_compares():
+    _no_answer("built otherwise here")
+    recorded_grappler.skip_comparison()
+
+
+def test_other_reason():
+    _no_answer("another reason")
+"""
+
+
+def test_the_summary_counts_and_names_tests_without_an_answer_under_xdist(tmp_path: Path) -> None:
+    """``make test`` runs pytest-xdist workers (-n 2; one here is the same path): the tests
+    that made no comparison reach the controller's summary, with how each ended and why,
+    and the counts per target."""
+    (tmp_path / "test_probe.py").write_text(SUMMARY_PROBE, encoding="utf-8")
+    process = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "conftest", "-p", "no:cacheprovider",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+             recorded_grappler.RECORD: "0"},
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    lines = process.stdout.splitlines()
+    assert any(line.startswith("float16: 0 recorded answers compared;") and line.endswith(
+        "; 3 not made: this TensorFlow builds their graphs otherwise") for line in lines), process.stdout
+    start = lines.index("tests that made no comparison for lack of an answer (2 passed, 1 skipped; the passed and"
+                        " failed ones still ran their own assertions):")
+    assert lines[start + 1:start + 3] == [
+        "  another reason: test_probe.py::test_other_reason",
+        "  built otherwise here: test_probe.py::test_goes_on, test_probe.py::test_only_compares"], process.stdout
 
 
 def test_a_changed_oracle_input_fails_naming_it(replaying: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ Most tests read the conversions one module-scoped fixture makes (``converted``).
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -412,9 +413,9 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_and_nothing_is_written(con
     destination = converted.root / "bad" / "dst"
     destination.parent.mkdir()
     line = error_line(run_cli("convert", broken, destination, "--target", "bfloat16"))
-    assert line.startswith(f"amp-rewrite: error: {broken}/variables/variables: cannot read the checkpoint (")
-    assert line.endswith("cannot read the checkpoint (Read less bytes than requested); copy variables/ from the"
-                         " original export")
+    assert line == (f"amp-rewrite: error: {data}: 40 bytes, but the index places keys up to byte"
+                    f" {len((converted.src['module'] / 'variables' / data.name).read_bytes())}; the shard is truncated:"
+                    " copy variables/ from the original export")
     assert listing(destination.parent) == set() and hash_tree(broken) == before
 
 
@@ -504,3 +505,272 @@ def test_saved_model_cli_runs_the_result(converted: Models) -> None:
     assert converted.saved_model_cli.returncode == 0, err[-2000:]
     want = tf.saved_model.load(str(out)).signatures["other"](x=tf.ones((2, 8)))["out"].numpy()
     np.testing.assert_allclose(np.load(converted.root / "cli_run" / "out.npy"), want, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Streaming: the checkpoint is written a chunk at a time, in the source's shards
+
+CHUNK = 1024  # bytes of float32 values per chunk in these tests (the default is 16 MB)
+
+
+class _Streamed(tf.Module):
+    """A conv kernel (4.6 kB: sliced on its second axis), a dense kernel of 40 kB (sliced on
+    its first) and two small ones, every one read through a cast by a converted op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.conv = tf.Variable(rng.standard_normal((3, 3, 8, 16)).astype(np.float32), name="conv")
+        self.big = tf.Variable(rng.standard_normal((16, 625)).astype(np.float32), name="big")
+        self.w1 = tf.Variable(rng.standard_normal((625, 8)).astype(np.float32), name="w1")
+        self.w2 = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32), name="w2")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 8], tf.float32)])
+    def serve(self, x: tf.Tensor) -> tf.Tensor:
+        h = tf.reduce_mean(tf.nn.conv2d(x, self.conv, 1, "VALID"), axis=[1, 2])
+        return tf.matmul(tf.nn.relu(tf.matmul(tf.matmul(h, self.big), self.w1)), self.w2)
+
+
+def _shards(saved_model: Path) -> dict[str, tuple[frozenset[int], bool]]:
+    """Each key of the checkpoint: (the shards holding its bytes, stored in slices)."""
+    from amp_rewrite.calibration import bundle
+
+    index = bundle.read_index(saved_model / "variables" / "variables")
+    return {key: (frozenset(part.shard_id for _, part, _ in bundle.parts(index, key)), bool(entry.slices))
+            for key, entry in index.entries.items() if not key.startswith("\0")}
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("streamed")
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=12_000)
+    tf.saved_model.save(_Streamed(), str(root / "src"), options=tf.saved_model.SaveOptions(
+        experimental_sharding_callback=policy))
+    return root / "src"
+
+
+def test_the_checkpoint_is_written_a_chunk_at_a_time_in_the_sources_shards(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: no SaveV2 call holds more than a chunk of values; a key larger than a chunk is
+    written in slices; every key stays in its source shard; the values are the rounded
+    source values, and the model serves the numbers of the float32-weights conversion."""
+    from amp_rewrite.cli import weights
+
+    calls: list[int] = []
+    save = tf.raw_ops.SaveV2
+
+    def counted(**kwargs: Any) -> Any:
+        calls.append(sum(np.asarray(value).nbytes * 2 for value in kwargs["tensors"]))  # float32 bytes
+        return save(**kwargs)
+
+    monkeypatch.setattr(weights, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(tf.raw_ops, "SaveV2", counted)
+    assert_ok(run_cli("convert", streamed, tmp_path / "low", "--target", "bfloat16"))
+    monkeypatch.setattr(tf.raw_ops, "SaveV2", save)
+    assert_ok(run_cli("convert", streamed, tmp_path / "f32w", "--target", "bfloat16", "--float32-weights"))
+    source, result = _shards(streamed), _shards(tmp_path / "low")
+    assert len(set().union(*(shards for shards, _ in source.values()))) >= 3, source
+    assert {key: shard for key, (shard, _) in result.items()} == {key: shard for key, (shard, _) in source.items()}
+    assert len(calls) >= 40 and max(calls) <= CHUNK, calls  # 4 low variables of 51 kB, 1 kB a call
+    sliced = {key for key, (_, in_slices) in result.items() if in_slices}
+    assert sliced == {_key("conv"), _key("big"), _key("w1")}
+    old, new = _checkpoint(streamed)[1], _checkpoint(tmp_path / "low")[1]
+    for name in ("conv", "big", "w1", "w2"):
+        assert new[_key(name)].dtype == tf.bfloat16.as_numpy_dtype
+        np.testing.assert_array_equal(new[_key(name)], round_to(old[_key(name)], BF16))
+    x = tf.constant(np.random.default_rng(0).standard_normal((2, 6, 6, 8)).astype(np.float32))
+    loaded = [tf.saved_model.load(str(tmp_path / name)) for name in ("low", "f32w")]
+    np.testing.assert_array_equal(*(model.serve(x).numpy() for model in loaded))
+
+
+def test_a_missing_shard_is_one_line_and_nothing_is_written(streamed: Path, tmp_path: Path) -> None:
+    """Rule: a shard the index names but variables/ lacks: exit 2 naming it, before anything is written."""
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(streamed), str(broken)], check=True)
+    shard = sorted((broken / "variables").glob("variables.data-*"))[1]
+    shard.unlink()
+    before = hash_tree(broken)
+    (tmp_path / "out").mkdir()
+    for flags in ((), ("--float32-weights",)):
+        line = error_line(run_cli("convert", broken, tmp_path / "out" / "dst", "--target", "bfloat16", *flags))
+        count = len(list((streamed / "variables").glob("variables.data-*")))
+        assert line == (f"amp-rewrite: error: {shard}: missing (the index names {count} shard(s)); copy variables/"
+                        " from the original export")
+        assert listing(tmp_path / "out") == set() and hash_tree(broken) == before
+
+
+def test_a_destination_without_room_is_one_line_and_nothing_is_written(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: the free space the result needs is checked first: too little is exit 2, nothing written."""
+    import shutil
+
+    from amp_rewrite.calibration import staging
+
+    real = shutil.disk_usage
+
+    def small(path: Any) -> Any:
+        return real(path)._replace(free=30_000)
+
+    monkeypatch.setattr(staging.shutil, "disk_usage", small)
+    (tmp_path / "out").mkdir()
+    line = error_line(run_cli("convert", streamed, tmp_path / "out" / "dst", "--target", "bfloat16"))
+    assert line.startswith(f"amp-rewrite: error: {tmp_path / 'out'}: the result needs ")
+    assert line.endswith("MB and 0.03 MB is free there; nothing was written; free some space or choose another"
+                         " destination")
+    assert listing(tmp_path / "out") == set()
+
+
+def test_validation_holds_one_model_at_a_time(streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: --validate lets the source go before it loads the result: the two are never in memory together."""
+    import gc
+    import weakref
+
+    loads: list[weakref.ref] = []
+    alive_at_second: list[bool] = []
+    load = tf.saved_model.load
+
+    def tracked(path: str, tags: Any = None) -> Any:
+        if loads:
+            gc.collect()
+            alive_at_second.append(loads[0]() is not None)
+        model = load(path, tags=tags)
+        loads.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(tf.saved_model, "load", tracked)
+    assert_ok(run_cli("convert", streamed, tmp_path / "dst", "--target", "bfloat16", "--validate", "1"))
+    assert alive_at_second == [False]
+
+
+def test_a_validation_that_cannot_fit_in_memory_is_one_line_before_writing(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a model larger than the memory left is refused before anything is written, saying how to go on."""
+    from amp_rewrite.calibration import validate
+
+    monkeypatch.setattr(validate, "available_memory", lambda: 10_000)
+    (tmp_path / "out").mkdir()
+    line = error_line(run_cli("convert", streamed, tmp_path / "out" / "dst", "--target", "bfloat16", "--validate", 1))
+    assert line == (f"amp-rewrite: error: {streamed}: --validate loads the model (0.0 GB) and 0.0 GB of memory is"
+                    " available; it cannot fit: convert without --validate and --inputs, then validate the result"
+                    " where it fits")
+    assert listing(tmp_path / "out") == set()
+
+
+# --------------------------------------------------------------------------------------
+# Fine-tuning: weights stored low are not float32 master weights, and say so
+
+
+def test_a_fine_tuner_sees_the_low_weights_as_not_trainable_and_is_told(converted: Models, tmp_path: Path) -> None:
+    """Rule: in a Keras export's result the bfloat16 variables are non-trainable (an update of
+    3e-4 rounds away on a weight of 1): the variables, the export's lists and TFSMLayer's
+    trainable weights say so; a TF1 result's trainable_variables collection likewise; convert
+    says so and names --float32-weights, whose result keeps every variable trainable."""
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.LayerNormalization()])
+    model.export(str(tmp_path / "keras"), verbose=False)
+    for name, flags in (("low", ()), ("f32w", ("--float32-weights",))):
+        assert_ok(run_cli("convert", tmp_path / "keras", tmp_path / name, "--target", "bfloat16", *flags))
+    low, kept = (tf.saved_model.load(str(tmp_path / name)) for name in ("low", "f32w"))
+    assert len(low.variables) == len(kept.trainable_variables) == 4
+    assert any(v.dtype == tf.bfloat16 for v in low.variables)
+    assert all(v.trainable == (v.dtype == tf.float32) for v in low.variables)
+    assert all(v.dtype == tf.float32 for v in low.trainable_variables)
+    assert {v.name for v in low.non_trainable_variables} >= {v.name for v in low.variables if v.dtype == tf.bfloat16}
+    layers = [keras.layers.TFSMLayer(str(tmp_path / name), call_endpoint="serve", trainable=True)
+              for name in ("low", "f32w")]
+    float32 = sum(v.dtype == tf.float32 for v in low.variables)
+    assert [len(layer.trainable_weights) for layer in layers] == [float32, 4]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        tf.compat.v1.saved_model.loader.load(session, ["serve"], str(_ok(converted, "tf1")))
+        assert tf.compat.v1.trainable_variables() == []
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        tf.compat.v1.saved_model.loader.load(session, ["serve"], str(converted.src["tf1"]))
+        assert [v.op.name for v in tf.compat.v1.trainable_variables()] == ["w"]
+    told = ("  the bfloat16 ones are saved non-trainable (an update smaller than their precision rounds away): to"
+            " fine-tune the result, convert with --float32-weights")
+    assert told in converted.runs["module"].out.splitlines() and told in converted.runs["tf1"].out.splitlines()
+
+
+def test_a_graph_def_over_2_gb_is_one_line_naming_the_limit_and_the_way(tmp_path: Path) -> None:
+    """Rule: protobuf writes GraphDefs over 2 GB but cannot read them: the line says so and
+    sends the user to a SavedModel, without reading the file (a sparse one here)."""
+    big = tmp_path / "frozen.pb"
+    with open(big, "wb") as file:
+        file.truncate(2**31 + 1)
+    line = error_line(run_cli("convert", big, tmp_path / "out.pb"))
+    assert line == (f"amp-rewrite: error: {big}: 2.1 GB, and protobuf cannot read a GraphDef over 2 GB (it can write"
+                    " one); save the model as a SavedModel, whose variables live outside the graph"
+                    " (tf.saved_model.save, or model.export), and convert that")
+    assert not (tmp_path / "out.pb").exists()
+
+
+def test_a_big_checkpoint_shows_a_progress_bar_on_a_terminal_and_none_with_quiet(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: on a terminal, writing a large checkpoint shows a bar over its bytes; --quiet shows none."""
+    import io
+
+    from amp_rewrite.cli import command
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+    for name, flags in (("shown", ()), ("quiet", ("--quiet",))):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        code = command.main(["convert", str(streamed), str(tmp_path / name), "--target", "bfloat16", *flags])
+        monkeypatch.undo()
+        monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+        assert code == 0
+        bar = [part for part in terminal.getvalue().split("\r") if "writing the checkpoint" in part]
+        if flags:
+            assert terminal.getvalue() == ""
+        else:
+            assert bar and "100%" in bar[-1], terminal.getvalue()
+
+
+def test_a_tf1_saved_model_validates_in_a_session(converted: Models, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a TF1 SavedModel is validated through TensorFlow's v1 loader (each variable
+    restored in place), not tf.saved_model.load (every tensor restored before assigning)."""
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("tf.saved_model.load used for a TF1 SavedModel")
+
+    monkeypatch.setattr(tf.saved_model, "load", refused)
+    run = run_cli("convert", converted.src["tf1"], tmp_path / "dst", "--target", "bfloat16", "--validate", 2)
+    assert_ok(run)
+    assert re.search(r"^  ok   serving_default/y: max abs [0-9.e-]+, p99-rel [0-9.e-]+$", run.out, re.M), run.out
+
+
+def test_a_graph_def_is_read_and_written_a_node_at_a_time_as_protobuf_would(converted: Models, tmp_path: Path) -> None:
+    """Rule: the node-at-a-time reader gives protobuf's own message, the writer its
+    deterministic bytes (library and versions included); a cut file is one line."""
+    from amp_rewrite.calibration import savedmodel
+
+    model = savedmodel.read_model(_ok(converted, "frozen"))
+    expected = graph_pb2.GraphDef.FromString(converted.out["frozen"].read_bytes())
+    assert model.graph_def == expected and len(expected.node) > 3
+    expected.library.function.add().signature.name = "f"  # a field after the nodes
+    savedmodel._write_proto(tmp_path / "written.pb", expected, text=False)
+    assert (tmp_path / "written.pb").read_bytes() == expected.SerializeToString(deterministic=True)
+    cut = tmp_path / "cut.pb"
+    cut.write_bytes((tmp_path / "written.pb").read_bytes()[:-40])
+    with pytest.raises(savedmodel.ModelError, match=r"cut\.pb: not a valid GraphDef \(.*\); is the file truncated\?$"):
+        savedmodel.read_model(cut)
+
+
+def test_a_saver_whose_name_list_is_too_short_is_one_line(converted: Models, tmp_path: Path) -> None:
+    """Rule: a RestoreV2 whose tensor_names lists fewer keys than the outputs its graph reads
+    (a malformed export) is exit 2 naming the op, not an IndexError."""
+    broken = tmp_path / "short"
+    subprocess.run(["cp", "-r", str(converted.src["tf1"]), str(broken)], check=True)
+    proto = saved_model_pb2.SavedModel.FromString((broken / "saved_model.pb").read_bytes())
+    names = next(node for node in proto.meta_graphs[0].graph_def.node if node.name == "save/RestoreV2/tensor_names")
+    names.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([], dtype=object), dtype=tf.string))
+    (broken / "saved_model.pb").write_bytes(proto.SerializeToString())
+    line = error_line(run_cli("convert", broken, tmp_path / "dst", "--target", "bfloat16"))
+    assert line == (f"amp-rewrite: error: {broken}: RestoreV2 'save/RestoreV2' in the main graph has tensor 0 but its"
+                    " input 1 lists 0 name(s); the saver is malformed: export the model again")
+    assert not (tmp_path / "dst").exists()

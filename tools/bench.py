@@ -19,12 +19,13 @@ first call, from run metadata): the precision casts per step, how many convoluti
 matmuls run in low precision, and the oneDNN/cuDNN fusions kept. Where ours is slower,
 those counts are the first suspects, and the table below the timings lists them.
 
-    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench.py --quick         # smoke run, ~2 min
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench.py --smoke         # tiny BERT, float32 and ours: seconds
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench.py                 # full run, quiet machine, ~20 min on 2 cores
     tools/bench_gpu.sh                                                      # float16 on one NVIDIA GPU
 
 The markdown goes to stdout and replaces this device and target's section of
-``BENCHMARKS.md`` (other sections are kept; ``--no-write`` leaves the file alone).
+``BENCHMARKS.md`` (other sections are kept; ``--no-write`` leaves the file alone; ``--smoke``
+writes a copy of it in a temporary directory).
 The exit status is 1 when a variant failed to run, else 0: slower is reported, not failed.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,9 +53,9 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 import amp_rewrite
+from amp_rewrite import _tf
 from amp_rewrite.testing.models import PositionEmbedding
 from amp_rewrite.testing.reference import run_grappler
 
@@ -100,7 +102,7 @@ def variant_label(variant: str, target: str) -> str:
 
 @dataclass(frozen=True)
 class Sizes:
-    """Model shapes, batches and run counts: FULL and QUICK presets, each field overridable by a flag."""
+    """Model shapes, batches and run counts: FULL and SMOKE presets, each field overridable by a flag."""
 
     image_size: int
     resnet_batch: int
@@ -122,9 +124,11 @@ class Sizes:
 FULL = Sizes(image_size=224, resnet_batch=32, resnet_train_batch=16, bert_layers=12, bert_seq=128,
              bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522, bert_batch=8, bert_train_batch=8,
              runs=5, warmup=2, pass_runs=9, child_timeout=1800)
-QUICK = Sizes(image_size=64, resnet_batch=2, resnet_train_batch=2, bert_layers=2, bert_seq=32,
-              bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=1000, bert_batch=2, bert_train_batch=2,
-              runs=2, warmup=1, pass_runs=1, child_timeout=300)
+SMOKE = Sizes(image_size=32, resnet_batch=1, resnet_train_batch=1, bert_layers=1, bert_seq=8,
+              bert_hidden=32, bert_heads=2, bert_ffn=64, bert_vocab=100, bert_batch=1, bert_train_batch=1,
+              runs=1, warmup=0, pass_runs=1, child_timeout=300)
+# --smoke's defaults where no flag says otherwise: the least that runs a child per variant kind.
+SMOKE_MODELS, SMOKE_MODES, SMOKE_VARIANTS = ("bert",), ("inference",), ("float32", "ours")
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class Settings:
     modes: tuple[str, ...]
     variants: tuple[str, ...]
     sizes: Sizes
-    quick: bool
+    smoke: bool
     output: Path | None
     time_passes: bool
 
@@ -161,20 +165,20 @@ def _names(allowed: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny sizes, 2 runs (64x64 ResNet50 batch 2, 2-layer BERT seq 32); not a measurement")
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks this script in seconds: tiny sizes, 1 run, by default BERT inference, float32 and"
+                             " ours; writes a copy of BENCHMARKS.md in a temporary directory; not a measurement")
     parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu", help="where to run (default cpu)")
     parser.add_argument("--target", choices=sorted(GRAPPLER_OPTIONS),
                         help="low-precision type (default: bfloat16 on cpu, float16 on gpu)")
-    parser.add_argument("--models", type=_names(MODELS, "model"), default=MODELS, help=f"comma-separated (default {','.join(MODELS)})")
-    parser.add_argument("--modes", type=_names(MODES, "mode"), default=MODES,
-                        help=f"comma-separated (default {','.join(MODES)})")
+    parser.add_argument("--models", type=_names(MODELS, "model"), help=f"comma-separated (default {','.join(MODELS)})")
+    parser.add_argument("--modes", type=_names(MODES, "mode"), help=f"comma-separated (default {','.join(MODES)})")
     parser.add_argument("--variants", type=_names(VARIANTS, "variant"),
                         help="comma-separated; float32 always runs (default: all on cpu; float32,ours,grappler,keras on gpu)")
-    sizes = parser.add_argument_group("sizes and runs (default: the full preset; --quick shrinks them)")
+    sizes = parser.add_argument_group("sizes and runs (default: the full preset; --smoke shrinks them)")
     for field in dataclasses.fields(Sizes):
         sizes.add_argument(f"--{field.name.replace('_', '-')}", type=int, metavar="N",
-                           help=f"full {getattr(FULL, field.name)}, quick {getattr(QUICK, field.name)}")
+                           help=f"full {getattr(FULL, field.name)}, smoke {getattr(SMOKE, field.name)}")
     parser.add_argument("--output", type=Path, default=BENCHMARKS_MD,
                         help="markdown file whose section for this device and target is replaced (default BENCHMARKS.md)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
@@ -189,7 +193,7 @@ def parse_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if target != DEVICE_TARGETS[args.device]:
         parser.error(f"--device {args.device} --target {target}: grappler has no {target} pass for a {args.device};"
                      f" use --target {DEVICE_TARGETS[args.device]}")
-    preset = QUICK if args.quick else FULL
+    preset = SMOKE if args.smoke else FULL
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes) if getattr(args, f.name) is not None}
     sizes = dataclasses.replace(preset, **overrides)
     bad = [f"--{name.replace('_', '-')} {value}" for name, value in dataclasses.asdict(sizes).items()
@@ -200,10 +204,13 @@ def parse_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--image-size {sizes.image_size}: ResNet50 needs at least 32")
     if sizes.bert_hidden % sizes.bert_heads:
         parser.error(f"--bert-hidden {sizes.bert_hidden} is not a multiple of --bert-heads {sizes.bert_heads}")
-    chosen = set(args.variants or DEFAULT_VARIANTS[args.device]) | {"float32"}  # the baseline of every ratio
-    return Settings(device=args.device, target=target, models=args.models, modes=args.modes,
-                    variants=tuple(v for v in VARIANTS if v in chosen), sizes=sizes, quick=args.quick,
-                    output=None if args.no_write else args.output, time_passes=not args.no_pass_time)
+    variants = args.variants or (SMOKE_VARIANTS if args.smoke else DEFAULT_VARIANTS[args.device])
+    chosen = set(variants) | {"float32"}  # the baseline of every ratio
+    return Settings(device=args.device, target=target, models=args.models or (SMOKE_MODELS if args.smoke else MODELS),
+                    modes=args.modes or (SMOKE_MODES if args.smoke else MODES),
+                    variants=tuple(v for v in VARIANTS if v in chosen), sizes=sizes, smoke=args.smoke,
+                    output=None if args.no_write else args.output,
+                    time_passes=not (args.no_pass_time or args.smoke))
 
 
 # --- jobs and results -----------------------------------------------------------------
@@ -439,7 +446,7 @@ def serve_step(job: Job, commands: Any, reply: Callable[[str], None]) -> dict[st
     """Build, trace (first call, inside the variant's scope) and warm up; say "ready"; then
     time one step per "step" command until "done"; then count ops (and time the passes)."""
     x, y = _inputs(job)
-    eager = context.context()
+    eager = _tf.EAGER_CONTEXT.get()()
     with _variant_scope(job):
         if job.savedmodel:
             step = _savedmodel_function(job)
@@ -798,9 +805,9 @@ def cpu_note(machine: str) -> str:
     return "This CPU has neither AVX512-BF16 nor AMX: bfloat16 is emulated and expected to be slower than float32."
 
 
-QUICK_NOTE = (
-    "**Quick smoke run (`--quick`), not a measurement:** tiny sizes and 2 runs on a shared, busy machine;"
-    " it shows that every variant runs and the table renders. Replace it with a full run on a quiet machine."
+SMOKE_NOTE = (
+    "**Smoke run (`--smoke`), not a measurement:** tiny sizes and 1 run; it shows that the variants run and"
+    " the table renders. Replace it with a full run on a quiet machine."
 )
 METHOD_NOTE = (
     "Each variant runs in its own process; a model and step's variants are timed in turn, one step each per"
@@ -820,8 +827,8 @@ OPS_HEADING = (
 def render_section(settings: Settings, outcomes: Sequence[Outcome], machine: str, elapsed_s: float) -> str:
     title = {"cpu": "CPU, bfloat16", "gpu": "NVIDIA GPU, float16"}[settings.device]
     lines = [f"## {title}", ""]
-    if settings.quick:
-        lines += [QUICK_NOTE, ""]
+    if settings.smoke:
+        lines += [SMOKE_NOTE, ""]
     lines += [f"{machine}. Run {datetime.date.today().isoformat()}, {elapsed_s / 60:.1f} min in all.", "",
               render_sizes(settings), "", METHOD_NOTE, ""]
     if settings.device == "cpu":
@@ -873,6 +880,20 @@ def update_markdown(text: str | None, section: str, body: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def write_section(output: Path | None, name: str, section: str, smoke_dir: Path | None) -> None:
+    """Replace section ``name`` of ``output`` (None: write nothing) with ``section``; a smoke
+    run (``smoke_dir``) writes a copy of ``output`` there instead, leaving the file alone."""
+    if output is None:
+        return
+    if smoke_dir is not None:
+        if output.exists():
+            shutil.copy(output, smoke_dir / output.name)
+        output = smoke_dir / output.name
+    old = output.read_text(encoding="utf-8") if output.exists() else None
+    output.write_text(update_markdown(old, name, section), encoding="utf-8")
+    print(f"wrote section {name} of {output}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -891,12 +912,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="amp-rewrite-bench-") as workdir:
         outcomes = run_all(settings, Path(workdir))
-    section = render_section(settings, outcomes, machine, time.perf_counter() - started)
-    print(section)
-    if settings.output is not None:
-        old = settings.output.read_text(encoding="utf-8") if settings.output.exists() else None
-        settings.output.write_text(update_markdown(old, settings.section, section), encoding="utf-8")
-        print(f"wrote section {settings.section} of {settings.output}", file=sys.stderr)
+        section = render_section(settings, outcomes, machine, time.perf_counter() - started)
+        print(section)
+        write_section(settings.output, settings.section, section, Path(workdir) if settings.smoke else None)
     failed = [o.job.name for o in outcomes if o.error]
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -20,7 +20,10 @@ XLA's optimized HLO, the median step time and the speed-up over bfloat16 in the 
 
 Anywhere else (a CPU, an older GPU) it prints one line saying why it does not run, and exits 0.
 ``--smoke`` runs the same code on the CPU with tiny models (a two-convolution CNN in
-ResNet50's place), to check the script itself (no FP8 GEMMs there: XLA's CPU backend has none).
+ResNet50's place), to check the script itself (no FP8 GEMMs there: XLA's CPU backend has none):
+the inference rows unless ``--train-models`` names some (their XLA compiles take minutes on
+a CPU), HLO under a temporary directory unless ``--dump`` says where; before TensorFlow
+2.18 (no float8) it says why and exits 77.
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_fp8_gpu.py [--runs 20] [--models bert mlp]
         [--train-models bert resnet50]
@@ -31,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,8 @@ import tensorflow as tf  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from amp_rewrite.core import float8  # noqa: E402
+
 MIN_CAPABILITY = (8, 9)
 VARIANTS = ("float32", "float16", "float8")
 BERT = {"layers": 12, "width": 768, "heads": 12, "ff_width": 3072, "seq_len": 128, "batch": 32}
@@ -186,15 +192,34 @@ def timed_rounds(functions: dict[str, Any], args: tuple, runs: int, device: str)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def main() -> int:
+CANNOT_RUN = 77  # --smoke's exit status where this TensorFlow has no float8 (tests/test_tools.py skips)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="*", choices=("bert", "mlp"), default=["bert", "mlp"])
-    parser.add_argument("--train-models", nargs="*", choices=("bert", "resnet50"), default=["bert", "resnet50"],
-                        help="training rows (none: inference only)")
+    parser.add_argument("--train-models", nargs="*", choices=("bert", "resnet50"),
+                        help="training rows (none: inference only; default bert resnet50, none with --smoke)")
     parser.add_argument("--runs", type=int, default=20, help="timed rounds (default 20)")
-    parser.add_argument("--dump", type=Path, default=Path("fp8_hlo"), help="where optimized HLO goes")
+    parser.add_argument("--dump", type=Path, help="where optimized HLO goes (default fp8_hlo/; --smoke: a temporary"
+                                                  " directory)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.train_models is None:
+        args.train_models = [] if args.smoke else ["bert", "resnet50"]
+    if args.smoke and tuple(int(part) for part in tf.__version__.split(".")[:2]) < float8.MIN_TENSORFLOW:
+        print(f"bench_fp8_gpu: float8 needs TensorFlow {'.'.join(map(str, float8.MIN_TENSORFLOW))}+;"
+              f" this is {tf.__version__}", file=sys.stderr)
+        return CANNOT_RUN
+    if args.dump is None and args.smoke:
+        with tempfile.TemporaryDirectory(prefix="amp-rewrite-fp8-hlo-") as directory:
+            args.dump = Path(directory)
+            return run(args)
+    args.dump = args.dump or Path("fp8_hlo")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     device = "/CPU:0" if args.smoke else "/GPU:0"
     reason = None if args.smoke else skip_reason()
     if reason is not None:

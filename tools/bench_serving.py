@@ -28,22 +28,24 @@ Goals (issue 29, a CPU with AVX512-BF16): batch 1 ≥ 1.1×, batch 8 ≥ 1.7× f
 ≤ 0.55× the source's. Issue 37: ``--tune speed`` never slower than float32 (≥ 1.0× at both).
 
     TF_CPP_MIN_LOG_LEVEL=2 nice -n 10 .venv/bin/python tools/bench_serving.py          # ~25 min on 2 cores
-    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_serving.py --quick --no-write  # smoke run, ~3 min
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_serving.py --smoke            # tiny BERT: checks the script
     tools/bench_gpu.sh                                                                  # float16 on a GPU
 
-The markdown goes to stdout and replaces this device's serving section of BENCHMARKS.md.
+The markdown goes to stdout and replaces this device's serving section of BENCHMARKS.md
+(``--smoke``: of a copy of it in a temporary directory).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
+import io
 import json
 import os
 import re
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -85,13 +87,20 @@ class Sizes:
     long_seq: int    # BERT tokens at batch 8
     rounds: int
     warmup: int
+    load_rounds: int  # fresh-process loads of each variant
+    profiled: tuple[tuple[str, str], ...]  # (regime, variant) profiled where that regime's goal is missed
+    tune_budget: float = 30.0  # --tune-budget of the tuned variants (convert's default)
 
 
-FULL = Sizes(image_size=224, bert_layers=12, bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522,
-             short_seq=16, long_seq=128, rounds=15, warmup=3)
-QUICK = Sizes(image_size=64, bert_layers=2, bert_hidden=256, bert_heads=4, bert_ffn=1024, bert_vocab=1000,
-              short_seq=8, long_seq=32, rounds=3, warmup=1)
 REGIMES = ("batch 1", "batch 8")
+FULL = Sizes(image_size=224, bert_layers=12, bert_hidden=768, bert_heads=12, bert_ffn=3072, bert_vocab=30522,
+             short_seq=16, long_seq=128, rounds=15, warmup=3, load_rounds=3,
+             profiled=tuple((regime, variant) for regime in REGIMES for variant in VARIANTS))
+# --smoke: each kind of child once, in this process, on a tiny BERT; checks the script, measures nothing.
+SMOKE = Sizes(image_size=32, bert_layers=1, bert_hidden=32, bert_heads=2, bert_ffn=64, bert_vocab=100,
+              short_seq=4, long_seq=8, rounds=1, warmup=0, load_rounds=1, profiled=(("batch 1", "low"),),
+              tune_budget=3.0)
+SMOKE_MODELS = "bert"
 
 
 def variant_label(variant: str, target: str) -> str:
@@ -271,8 +280,11 @@ def _kind(op: str, dtype: int, low: int) -> str:
 CHILDREN = {"export": child_export, "load": child_load, "time": child_time, "profile": child_profile}
 
 
-def run_child(kind: str, spec: dict[str, Any], timeout: int) -> dict[str, Any]:
-    """One child process: this script with ``--child``; its JSON answer, or {"error": ...}."""
+def run_child(kind: str, spec: dict[str, Any], timeout: int, in_process: bool = False) -> dict[str, Any]:
+    """One child process: this script with ``--child``; its JSON answer, or {"error": ...}.
+    ``in_process`` (--smoke): the same child code in this process, its numbers meaningless."""
+    if in_process:
+        return json.loads(json.dumps(CHILDREN[kind](dict(spec))))
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         command = [sys.executable, __file__, "--child", json.dumps({"kind": kind, "out": out.name, **spec})]
         try:
@@ -284,10 +296,21 @@ def run_child(kind: str, spec: dict[str, Any], timeout: int) -> dict[str, Any]:
         return json.loads(Path(out.name).read_text(encoding="utf-8"))
 
 
-def convert(source: Path, destination: Path, target: str, *extra: str) -> tuple[float, str]:
+def convert(source: Path, destination: Path, target: str, *extra: str, in_process: bool = False) -> tuple[float, str]:
+    """``amp-rewrite convert`` as a user runs it (``in_process``, --smoke: ``amp_rewrite.cli.main``);
+    (seconds, "ok: " and its Weights block, or the error line)."""
     start = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(source), str(destination),
-                            "--target", target, *extra], capture_output=True, text=True, cwd=REPO, check=False)
+    args = ["convert", str(source), str(destination), "--target", target, *extra]
+    if in_process:
+        from amp_rewrite import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(args)
+        child = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    else:
+        child = subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True, cwd=REPO,
+                               check=False)
     if child.returncode != 0:
         return time.perf_counter() - start, (child.stderr.strip().splitlines() or ["failed"])[-1]
     lines = child.stdout.splitlines()
@@ -326,29 +349,35 @@ class ModelResult:
         return statistics.median(theirs / mine for theirs, mine in pairs)
 
 
-def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int) -> ModelResult:
+def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int,
+            in_process: bool = False) -> ModelResult:
+    """One model's variants: exported, converted, sized, loaded, timed (``in_process``: --smoke)."""
     result = ModelResult(model)
+
+    def run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return run_child(kind, spec, timeout, in_process)
+
     dirs = {variant: workdir / f"{model}-{variant}" for variant in VARIANTS}
     common = {"model": model, "sizes": dataclasses.asdict(sizes), "device": device, "target": target}
     per_regime = {v: {r: workdir / f"{model}-{v}-b{REGIME_BATCH[r]}" for r in REGIMES} for v in PER_REGIME}
     for variant, regime_dirs in per_regime.items():
         dirs[variant] = regime_dirs["batch 8"]  # its sizes and load times
     inputs = {regime: workdir / f"{model}-inputs-b{REGIME_BATCH[regime]}.npz" for regime in REGIMES}
-    exported = run_child("export", {**common, "dir": str(dirs["float32"]),
-                                    "inputs": {r: str(p) for r, p in inputs.items()}}, timeout)
+    exported = run("export", {**common, "dir": str(dirs["float32"]), "inputs": {r: str(p) for r, p in inputs.items()}})
     if "error" in exported:
         result.errors.append(f"export: {exported['error']}")
         return result
 
     def tuned(cache: str, batches: str, regime: str) -> tuple[str, ...]:  # a fresh cache: what timing costs
         given = ("--inputs", str(inputs[regime])) if model not in IMAGE_MODELS else ()
-        return (*TUNE_ARGS, "--batch-sizes", batches, "--tune-cache", str(workdir / cache), *given)
+        return (*TUNE_ARGS, "--tune-budget", f"{sizes.tune_budget:g}", "--batch-sizes", batches,
+                "--tune-cache", str(workdir / cache), *given)
     jobs = [("low", dirs["low"], ()), ("float32-weights", dirs["float32-weights"], ("--float32-weights",)),
             ("tuned", dirs["tuned"], tuned(f"{model}-timings.json", "1,8", "batch 8"))]
     jobs += [(variant, path, tuned(f"{model}-{variant}.json", str(REGIME_BATCH[regime]), regime))
              for variant, regime_dirs in per_regime.items() for regime, path in regime_dirs.items()]
     for variant, destination, extra in jobs:
-        seconds, line = convert(dirs["float32"], destination, target, *extra)
+        seconds, line = convert(dirs["float32"], destination, target, *extra, in_process=in_process)
         if not line.startswith("ok") and line:
             result.errors.append(f"convert {variant}: {line}")
             return result
@@ -358,29 +387,26 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
     for variant, directory in dirs.items():
         result.sizes_bytes[variant] = (folder_bytes(directory / "variables"), folder_bytes(directory))
     order = list(dirs)
-    for round_index in range(3):  # each variant loaded in its own process, in turn, the order rotated
+    for round_index in range(sizes.load_rounds):  # each variant loaded in its own process, in turn, the order rotated
         for variant in order[round_index:] + order[:round_index]:
             directory = dirs[variant]
-            answer = run_child("load", {**common, "dir": str(directory)}, timeout)
+            answer = run("load", {**common, "dir": str(directory)})
             if "error" in answer:
                 result.errors.append(f"load {variant}: {answer['error']}")
                 return result
             result.loads.setdefault(variant, []).append(answer)
     print(f"{model}: loads measured", file=sys.stderr, flush=True)
-    timed = run_child("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()},
-                               "per_regime": {v: {r: str(d) for r, d in rd.items()} for v, rd in per_regime.items()}},
-                      timeout)
+    timed = run("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()},
+                         "per_regime": {v: {r: str(d) for r, d in rd.items()} for v, rd in per_regime.items()}})
     if "error" in timed:
         result.errors.append(f"timing: {timed['error']}")
         return result
     result.seconds = timed["seconds"]
-    for regime in REGIMES:  # where a goal is missed, or low weights run slower than float32 ones: a profile
+    for regime, variant in sizes.profiled:  # where a goal is missed, or low weights run slower than float32 ones
         slower = result.speed_up(regime, "low", base="float32-weights") < 0.95
-        if result.speed_up(regime, "low") >= GOALS[regime] and not slower:
-            continue
-        for variant in PROFILED:
+        if variant in PROFILED and (result.speed_up(regime, "low") < GOALS[regime] or slower):
             directory = per_regime[variant][regime] if variant in per_regime else dirs[variant]
-            answer = run_child("profile", {**common, "dir": str(directory), "regime": regime}, timeout)
+            answer = run("profile", {**common, "dir": str(directory), "regime": regime})
             if "error" not in answer:
                 result.profiles[(regime, variant)] = answer["profile"]
             else:
@@ -399,12 +425,12 @@ def _mb(count: float) -> str:
 
 
 def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: str, machine: str, elapsed_s: float,
-           quick: bool) -> str:
+           smoke: bool) -> str:
     title = {"cpu": f"CPU, {target}: serving converted SavedModels",
              "gpu": f"NVIDIA GPU, {target}: serving converted SavedModels"}[device]
     lines = [f"## {title}", ""]
-    if quick:
-        lines += [bench.QUICK_NOTE, ""]
+    if smoke:
+        lines += [bench.SMOKE_NOTE, ""]
     lines += [
         f"{machine}. Run {datetime.date.today().isoformat()}, {elapsed_s / 60:.1f} min in all, with `nice -n 10`"
         " on a machine shared with other jobs: the speed-ups are ratios of calls timed in turn in one process, so"
@@ -415,7 +441,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         f" random weights, written with `model.export`. Time per call of the `serve` signature: median of"
         f" {sizes.rounds} rounds after {sizes.warmup} warm-up calls; speed-up = median over rounds of float32's"
         " time / the variant's. Load = `tf.saved_model.load` in a fresh process (TensorFlow already imported),"
-        " median of 3; peak RSS = that process after one batch-1 call.", "",
+        f" median of {sizes.load_rounds}; peak RSS = that process after one batch-1 call.", "",
     ]
     if device == "cpu":
         lines += [bench.cpu_note(machine), ""]
@@ -498,11 +524,12 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, 3 rounds: a smoke run, not a measurement")
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks this script: a tiny BERT (default), each kind of child once; writes a copy of"
+                             " BENCHMARKS.md in a temporary directory; not a measurement")
     parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu")
-    parser.add_argument("--models", default="resnet50,bert,mobilenetv2",
-                        help="comma-separated: resnet50, bert, mobilenetv2")
-    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds}, quick {QUICK.rounds})")
+    parser.add_argument("--models", help="comma-separated: resnet50, bert, mobilenetv2 (default all three; --smoke: bert)")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds}, smoke {SMOKE.rounds})")
     parser.add_argument("--output", type=Path, default=bench.BENCHMARKS_MD)
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     parser.add_argument("--child-timeout", type=int, default=1800, metavar="S")
@@ -514,10 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # TensorFlow's and Keras' prints
         out.write_text(json.dumps(CHILDREN[spec.pop("kind")](spec)), encoding="utf-8")
         return 0
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    names = args.models or (SMOKE_MODELS if args.smoke else ",".join(LABELS))
+    models = [m.strip() for m in names.split(",") if m.strip()]
     if not models or any(m not in LABELS for m in models):
-        parser.error(f"--models {args.models!r}: choose from {','.join(LABELS)}")
-    sizes = QUICK if args.quick else FULL
+        parser.error(f"--models {names!r}: choose from {','.join(LABELS)}")
+    sizes = SMOKE if args.smoke else FULL
     if args.rounds is not None:
         sizes = dataclasses.replace(sizes, rounds=args.rounds)
     target = DEVICE_TARGETS[args.device]
@@ -529,18 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         machine = f"{gpus}. {machine}"
     started = time.perf_counter()
-    workdir = Path(tempfile.mkdtemp(prefix="amp-rewrite-serving-"))
-    try:
-        results = [measure(model, sizes, args.device, target, workdir, args.child_timeout) for model in models]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    section = render(results, sizes, args.device, target, machine, time.perf_counter() - started, args.quick)
-    print(section)
-    if not args.no_write:
-        old = args.output.read_text(encoding="utf-8") if args.output.exists() else None
-        args.output.write_text(bench.update_markdown(old, f"{args.device}-{target}-serving", section),
-                               encoding="utf-8")
-        print(f"wrote section {args.device}-{target}-serving of {args.output}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="amp-rewrite-serving-") as workdir:
+        results = [measure(model, sizes, args.device, target, Path(workdir), args.child_timeout, args.smoke)
+                   for model in models]
+        section = render(results, sizes, args.device, target, machine, time.perf_counter() - started, args.smoke)
+        print(section)
+        bench.write_section(None if args.no_write else args.output, f"{args.device}-{target}-serving", section,
+                            Path(workdir) if args.smoke else None)
     return 1 if any(r.errors for r in results) else 0
 
 

@@ -29,6 +29,7 @@ every node runs as written::
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/calibration_models_report.py
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/calibration_models_report.py --models overflow_mlp resnet50
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/calibration_models_report.py --smoke   # one model, 2 inputs
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ FLOAT16_MAX = 65504.0
 REFERENCE_MODELS = ("resnet50", "bert", "bert-sharp")
 SHARPEN = 4.0  # bert-sharp's query kernels are the random ones ×SHARPEN
 ALL_MODELS = (*calibration_models.MODEL_NAMES, *REFERENCE_MODELS)
+SMOKE_MODEL = calibration_models.MODEL_NAMES[0]
 SAFE_MAGNITUDES = (4096.0, 8192.0, 16384.0, 32768.0, FLOAT16_MAX)
 SMALL_SHARES = (0.25, 0.5, 0.75, 0.9)
 # The defaults this tool's numbers support for float16: a converted node whose float32
@@ -362,7 +364,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=ALL_MODELS, default=list(ALL_MODELS))
     parser.add_argument("--count", type=int, default=8, help="inputs per seed for the calibration models")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"checks this script: {SMOKE_MODEL} on 2 inputs per seed (overrides the two above)")
     args = parser.parse_args(None if argv is None else list(argv))
+    if args.smoke:
+        args.models, args.count = [SMOKE_MODEL], 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="calibration-models-") as tmp:
         for name in args.models:

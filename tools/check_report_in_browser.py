@@ -6,6 +6,9 @@ Chromium binary (Debian: ``apt-get install -y chromium``) and no websocket clien
 Selenium or Playwright. ``tests/test_dump.py`` drives it; run it by hand to look:
 
     .venv/bin/python tools/check_report_in_browser.py DUMP/report.html --type deny --screenshot report.png
+    .venv/bin/python tools/check_report_in_browser.py --smoke   # a page of its own, in a temporary directory
+
+Exit status 2 on bad input; 77 (the test suites' "skipped") where no Chromium is installed.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ LAUNCH_FLAGS = (
     "--remote-debugging-pipe",
 )
 TIMEOUT_S = 30.0
+NO_BROWSER = 77  # exit status: this machine cannot run the tool (tests/test_tools.py skips, naming why)
+# --smoke's page: the report's search box and decision table, three rows.
+SMOKE_PAGE = """<!doctype html><html><body><input id="search"><section id="decisions"><table id="nodes"><tbody>
+<tr><td>allow1</td></tr><tr><td>deny1</td></tr><tr><td>clr1</td></tr></tbody></table></section></body></html>"""
+SMOKE_ROWS = 3
 # Rows of the report's decision table that are laid out (not hidden by a filter).
 VISIBLE_ROWS_JS = (
     "Array.prototype.filter.call(document.querySelectorAll('#nodes tbody tr'),"
@@ -227,18 +235,38 @@ class Page:
         return out
 
 
+def smoke(executable: str) -> int:
+    """Open a page of its own, count its rows, type into its search box, screenshot it."""
+    with tempfile.TemporaryDirectory(prefix="amp-browser-smoke-") as directory:
+        page_path = Path(directory) / "report.html"
+        page_path.write_text(SMOKE_PAGE, encoding="utf-8")
+        with Chromium(executable) as browser:
+            page = browser.open(page_path.as_uri())
+            rows = page.evaluate(VISIBLE_ROWS_JS)
+            page.type("#search", "deny")
+            typed = page.evaluate("document.getElementById('search').value")
+            png = page.screenshot(Path(directory) / "page.png", full_page=False).read_bytes()
+    print(f"rows visible: {rows}; typed: {typed!r}; screenshot: {len(png)} bytes")
+    return 0 if (rows, typed, png[:8]) == (SMOKE_ROWS, "deny", b"\x89PNG\r\n\x1a\n") else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("report", type=Path, help="a dump's report.html")
+    parser.add_argument("report", type=Path, nargs="?", help="a dump's report.html")
     parser.add_argument("--type", default="", help="text to type into the search box")
     parser.add_argument("--screenshot", type=Path, help="write a PNG of the page here")
     parser.add_argument("--full-page", action="store_true", help="screenshot the whole page, not the viewport")
+    parser.add_argument("--smoke", action="store_true", help="check this tool on a page of its own")
     args = parser.parse_args(argv)
+    if (args.report is None) == (not args.smoke):
+        parser.error("pass a dump's report.html, or --smoke")
     executable = find_chromium()
     if executable is None:
         print(f"no Chromium on PATH (looked for {', '.join(CHROMIUM_NAMES)}); "
               "install it: apt-get install -y chromium", file=sys.stderr)
-        return 2
+        return NO_BROWSER
+    if args.smoke:
+        return smoke(executable)
     if not args.report.is_file():
         print(f"{args.report}: no such file; pass a dump's report.html", file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ TARGETS = ("float16", "bfloat16")
 RUNS = 3
 MAX_MISMATCHES_SHOWN = 20
 MAIN_GRAPH_LABEL = "(main graph)"
+SMOKE_MODEL = "while_loop"  # small, with a function library: every comparison's path runs
 _CONVERTED = re.compile(r"Converted (\d+)/(\d+) nodes to \w+ precision using (\d+) cast\(s\)")
 _LOG_LINE = re.compile(r"^(?P<level>[IWEF])\d{4} ")
 _ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
@@ -334,6 +335,8 @@ def compare(
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--smoke", action="store_true",
+                        help=f"checks this script: --model {SMOKE_MODEL} --cross-function, every target that can run here")
     source.add_argument("--model", choices=[*MODEL_NAMES, *LOOP_GRAPH_NAMES],
                         help="a built-in model (amp_rewrite.models) or loop graph (amp_rewrite.loops)")
     source.add_argument("--graph", type=Path, help="a GraphDef file: binary .pb or text .pbtxt")
@@ -349,6 +352,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--entry-function", nargs="+", default=[], metavar="NAME",
                         help="with --cross-function: library functions whose signatures must not change")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.cross_function = SMOKE_MODEL, True
     if args.graph is not None and not args.fetch:
         parser.error("--graph needs --fetch NAME...: the nodes whose outputs the graph's user reads")
     if args.model is not None and args.fetch:
@@ -395,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{subject.title}: {len(subject.graph_def.node):,} nodes{library}, fetches {', '.join(subject.fetches)}\n")
     targets = TARGETS if args.target == "both" else (args.target,)
     from amp_rewrite.testing.reference import unavailable_reason
+
+    if args.smoke:
+        targets = tuple(target for target in targets if unavailable_reason(target) is None)
 
     for target in targets:
         if unavailable_reason(target) is not None:

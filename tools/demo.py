@@ -2,12 +2,15 @@
 
 For each target it runs ``amp-rewrite convert`` with ``--dump`` and ``--validate``: the
 summary, why vertices stayed float32, the errors on random inputs against the float32
-model, and where the HTML report is. Everything goes under ``out/demo/``.
+model, and where the HTML report is. Everything goes under ``out/demo/`` (``--smoke``: under
+a temporary directory, removed at the end).
 """
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from amp_rewrite._quiet import silence_native_stderr
@@ -37,18 +40,27 @@ def export_model(path: Path) -> None:
     model.export(str(path), verbose=False)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="the same, under a temporary directory")
+    if parser.parse_args(argv).smoke:
+        with tempfile.TemporaryDirectory(prefix="amp-rewrite-demo-") as directory:
+            return demo(Path(directory))
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
-    source = OUT / "cnn_float32"
+    return demo(OUT)
+
+
+def demo(out: Path) -> int:
+    source = out / "cnn_float32"
     export_model(source)
     print(f"Exported a small Keras CNN to {source}")
     status = 0
     for target in ("float16", "bfloat16"):
         print(f"\n== amp-rewrite convert --target {target} ==")
-        status |= cli.main(["convert", str(source), str(OUT / f"cnn_{target}"), "--target", target,
-                            "--dump", str(OUT / f"report_{target}"), "--validate", "4"])
-    print(f"\nOpen {OUT / 'report_float16' / 'report.html'} in a browser to see every decision.")
+        status |= cli.main(["convert", str(source), str(out / f"cnn_{target}"), "--target", target,
+                            "--dump", str(out / f"report_{target}"), "--validate", "4"])
+    print(f"\nOpen {out / 'report_float16' / 'report.html'} in a browser to see every decision.")
     return status
 
 

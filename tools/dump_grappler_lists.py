@@ -29,7 +29,6 @@ from amp_rewrite.core.target import TARGETS, lookup_target
 
 if TYPE_CHECKING:
     from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
-    from tensorflow.python.grappler.cluster import Cluster
 
 # Section headers of the paintbuckets file -> our list names.
 HEADER_TO_LIST = {"AllowList:": "allow", "DenyList:": "deny", "InferList:": "infer", "ClearList:": "clear"}
@@ -55,7 +54,6 @@ def _grappler_environ(extra: Mapping[str, str]) -> Iterator[None]:
 
 def _meta_graph_def() -> MetaGraphDef:
     import tensorflow as tf
-    from tensorflow.python.framework import meta_graph
 
     graph = tf.Graph()
     with graph.as_default():
@@ -63,15 +61,16 @@ def _meta_graph_def() -> MetaGraphDef:
         y = tf.linalg.matmul(x, x, name="allow1")
         out = tf.identity(y, name="out")
         graph.add_to_collection("train_op", out)
-    return meta_graph.create_meta_graph_def(graph=graph)
+        return tf.compat.v1.train.export_meta_graph()
 
 
-def _virtual_gpu_cluster() -> Cluster:
+def _virtual_gpu_cluster():  # -> tensorflow.python.grappler.cluster.Cluster
     from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, NamedDevice
-    from tensorflow.python.grappler.cluster import Cluster
+
+    from amp_rewrite import _tf
 
     gpu = NamedDevice(name=GPU_NAME, properties=DeviceProperties(type="GPU", environment=GPU_ENVIRONMENT))
-    return Cluster(devices=[gpu])
+    return _tf.GRAPPLER_CLUSTER.get()(devices=[gpu])
 
 
 def parse_paintbuckets(text: str) -> dict[str, tuple[str, ...]]:
@@ -103,15 +102,17 @@ def dump_lists(target: str, environ: Mapping[str, str] | None = None) -> dict[st
     if unavailable_reason(target) is not None:
         raise GrapplerUnavailable(unavailable_reason(target))
     from tensorflow.core.protobuf import config_pb2
-    from tensorflow.python.grappler import tf_optimizer
 
+    from amp_rewrite import _tf
+
+    _tf.require(_tf.ORACLE)
     config = config_pb2.ConfigProto()
     config.graph_options.rewrite_options.optimizers.append(optimizer)
     config.graph_options.rewrite_options.min_graph_nodes = -1
     cluster = _virtual_gpu_cluster() if target == "float16" else None
     with tempfile.TemporaryDirectory(prefix="amp_lists_") as log_dir:
         with _grappler_environ({**(environ or {}), ENV_PREFIX + "LOG_PATH": log_dir}):
-            tf_optimizer.OptimizeGraph(config, _meta_graph_def(), cluster=cluster, strip_default_attributes=False)
+            _tf.OPTIMIZE_GRAPH.get()(config, _meta_graph_def(), cluster=cluster, strip_default_attributes=False)
         dumps = sorted(Path(log_dir).glob("paintbuckets_AutoMixedPrecision_*.txt"))
         if not dumps:
             raise RuntimeError(
@@ -141,7 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET", help="float16 and/or bfloat16 (default: both)")
     parser.add_argument("--yaml", action="store_true", help="print YAML 'ops:' skeletons instead of plain lists")
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks this script: float16's lists (a virtual GPU: any CPU), each one non-empty")
     args = parser.parse_args(argv)
+    if args.smoke:
+        name_to_ops = dump_lists("float16")
+        print({name: len(ops) for name, ops in name_to_ops.items()})
+        return 0 if all(name_to_ops.values()) and "MatMul" in name_to_ops["allow"] else 1
     unknown = sorted(set(args.targets) - set(TARGETS))
     if unknown:
         parser.error(f"unknown target(s) {unknown}; use one of {', '.join(TARGETS)}")

@@ -10,9 +10,11 @@ any import cycle, and exits 1 if there is either. Imports under ``if TYPE_CHECKI
 inside functions count too.
 
     python tools/import_graph.py [PACKAGE_DIR]
+    python tools/import_graph.py --smoke      # the package, as without arguments (no TensorFlow: fast)
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from collections import defaultdict
@@ -64,8 +66,12 @@ def imports_of(path: Path, module: str, modules: set[str]) -> set[str]:
     return found
 
 
-def main() -> int:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / PACKAGE
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", type=Path, nargs="?", default=Path(__file__).resolve().parent.parent / PACKAGE,
+                        metavar="PACKAGE_DIR", help="default: this checkout's amp_rewrite/")
+    parser.add_argument("--smoke", action="store_true", help="the default package: the check make test runs")
+    root = parser.parse_args(argv).package
     paths = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
     modules = set(paths)
     by_layer: dict[str, list[str]] = defaultdict(list)

@@ -1,23 +1,28 @@
 """Run the whole test suite once per supported TensorFlow release, each in a fresh venv.
 
-For every release it creates ``.matrix/tf-<release>/`` anew, installs
-``tensorflow==<release>.*`` and the matching ``tf-keras`` with the package and its test
-extras, runs the suite there as ``make test`` does, and at the end prints one table row per release:
-the exact versions installed, passed/failed/skipped/errors and the time. The releases
-run one after the other (the suite takes both cores). Exit status 0 only if every
-release passed with no failure and no error.
+For every release it creates ``.matrix/tf-<release>/`` anew and installs as a user of that
+release does: first ``tensorflow==<release>.*`` with the matching ``tf-keras`` (what pip
+picks for them alone), then this package with its test extras, as ``pip install`` installs
+it (built, not editable), and nothing pinned by hand: pip settles the rest (protobuf,
+say) by what each package declares. It runs the suite there as ``make test`` does, and at
+the end prints one table row per release: the exact versions installed, passed/failed/
+skipped/errors and the time. The releases run one after the other (the suite takes both
+cores). Exit status 0 only if every release passed with no failure and no error.
 
     .venv/bin/python tools/matrix.py [RELEASE ...]     # default: RELEASES
     make matrix
+    .venv/bin/python tools/matrix.py --smoke           # no install: a suite of its own in this venv
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,7 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|desel
 # pytest's closing line ("798 passed, 51 skipped, 4 warnings in 985.13s (0:16:25)"); TensorFlow
 # 2.16 prints "Exception ignored in: AtomicFunction.__del__" tracebacks after it at exit.
 _SUMMARY = re.compile(r"\d+ (passed|failed|errors?)\b.* in [\d.]+s")
+VERSIONS_SHOWN = ("tensorflow", "keras", "tf_keras", "protobuf")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,35 @@ class Row:
         return bool(self.counts.get("passed")) and not self.counts.get("failed") and not self.counts.get("error")
 
 
+def install_commands(venv: Path, release: str) -> list[list[str]]:
+    """A user's steps: a venv, TensorFlow ``release`` (and its tf-keras), then this package."""
+    python = str(venv / "bin" / "python")
+    return [
+        [sys.executable, "-m", "venv", str(venv)],
+        [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [python, "-m", "pip", "install", "-q", f"tensorflow=={release}.*", f"tf-keras=={release}.*"],
+        [python, "-m", "pip", "install", "-q", f"{ROOT}[test]"],
+    ]
+
+
+def installed_versions(python: Path) -> str:
+    return subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' "
+         f"for p in {VERSIONS_SHOWN!r}))"],
+        capture_output=True, text=True, cwd=ROOT,
+    ).stdout.strip()
+
+
+def run_suite(python: Path, tests: list[str], out, workers: int = 2) -> dict[str, int]:
+    """The suite (``tests``) as ``make test`` runs it (two xdist workers), its output to ``out``; pytest's counts."""
+    environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    test = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "-n", str(workers), "--dist", "loadfile", *tests],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=environ)
+    out.write(test.stdout)
+    summary = next((line for line in reversed(test.stdout.splitlines()) if _SUMMARY.search(line)), "")
+    return {("error" if kind.startswith("error") else kind): int(n) for n, kind in _COUNT.findall(summary)}
+
+
 def run_release(release: str, log_dir: Path) -> Row:
     venv = ROOT / ".matrix" / f"tf-{release}"
     shutil.rmtree(venv, ignore_errors=True)
@@ -50,27 +85,44 @@ def run_release(release: str, log_dir: Path) -> Row:
     log = log_dir / f"tf-{release}.log"
     start = time.monotonic()
     with log.open("w") as out:
-        install = [
-            [sys.executable, "-m", "venv", str(venv)],
-            [str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"],
-            [str(python), "-m", "pip", "install", "-q", f"tensorflow=={release}.*", f"tf-keras=={release}.*",
-             "-e", f"{ROOT}[test]"],
-        ]
-        for command in install:
+        for command in install_commands(venv, release):
             if subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT) != 0:
                 return Row(release, f"install failed (see {log})", {}, time.monotonic() - start)
-        versions = subprocess.run(
-            [str(python), "-c", "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' "
-             "for p in ('tensorflow', 'keras', 'tf_keras')))"],
-            capture_output=True, text=True, cwd=ROOT,
-        ).stdout.strip()
-        environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        test = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "-n", "2", "--dist", "loadfile", "tests"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=environ)
-        out.write(test.stdout)
-    summary = next((line for line in reversed(test.stdout.splitlines()) if _SUMMARY.search(line)), "")
-    counts = {("error" if kind.startswith("error") else kind): int(n) for n, kind in _COUNT.findall(summary)}
+        versions = installed_versions(python)
+        counts = run_suite(python, ["tests"], out)
     return Row(release, versions, counts, time.monotonic() - start)
+
+
+SMOKE_SUITE = """
+import pytest
+
+def test_one():
+    pass
+
+def test_two():
+    pass
+
+def test_skipped():
+    pytest.skip("a skip, counted")
+"""
+
+
+def smoke() -> int:
+    """The tool's own steps without an install: a suite of its own (no TensorFlow) in this
+    venv, its counts read back from pytest's closing line, its row."""
+    commands = install_commands(Path("venv"), "2.20")
+    if any("protobuf" in " ".join(command) for command in commands):
+        print("error: the install pins protobuf by hand", file=sys.stderr)
+        return 1
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="amp-matrix-smoke-") as directory:
+        suite = Path(directory) / "test_smoke.py"
+        suite.write_text(SMOKE_SUITE, encoding="utf-8")
+        with open(Path(directory) / "smoke.log", "w") as out:
+            counts = run_suite(Path(sys.executable), ["-p", "no:cacheprovider", str(suite)], out, workers=0)
+    row = Row("this venv", installed_versions(Path(sys.executable)), counts, time.monotonic() - start)
+    print(table([row]))
+    return 0 if counts == {"passed": 2, "skipped": 1} else 1
 
 
 def table(rows: list[Row]) -> str:
@@ -84,7 +136,13 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    releases = argv or list(RELEASES)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("releases", nargs="*", metavar="RELEASE", help=f"default: {' '.join(RELEASES)}")
+    parser.add_argument("--smoke", action="store_true", help="no install: check this tool on a suite of its own")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
+    releases = args.releases or list(RELEASES)
     unknown = sorted(set(releases) - set(RELEASES))
     if unknown:
         print(f"error: {', '.join(unknown)} not supported; pyproject.toml admits {', '.join(RELEASES)}",

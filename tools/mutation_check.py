@@ -1,16 +1,21 @@
-"""Break the pass on purpose, one small fault at a time, and report which tests catch each.
+"""Break the code on purpose, one small fault at a time, and report which tests catch each.
 
 Each mutant is one deliberate fault in the source (swap two colouring steps, drop a cast,
-flip a list entry, an off-by-one in a port, ...), applied to a copy of the checkout in a
-temporary directory: the checkout itself is never changed. The mutant's relevant tests
-(a fast subset of ``tests/``, not the whole suite) run against the copy; a mutant no test
-fails "survives", and the tool exits 1. The unmutated copy runs each subset first: a
-subset that fails unmutated proves nothing, and the tool exits 2.
+flip a list entry, an off-by-one in a port; weights rounded twice, FP8
+gradients in E4M3, calibration's range rule off, the Session mirror's values in the wrong
+dtype, the live rewrite's private copies unregistered, ...), applied to a copy of the
+checkout (the files ``git ls-files`` lists, links as links) in a temporary directory: the
+checkout itself is never changed. Every mutant's text must occur exactly once in the
+source, or the tool stops before any test runs, naming it (a mutant is never skipped).
+The unmutated copy runs each subset first: a subset that fails unmutated proves nothing,
+and the tool exits 2. Then each mutant's relevant tests (a subset of ``tests/``, not the
+whole suite) run against its copy; a mutant no test fails "survives", and the tool exits 1.
 
-    .venv/bin/python tools/mutation_check.py              # every mutant (about 10 minutes)
+    .venv/bin/python tools/mutation_check.py              # every mutant (about 30 minutes on 2 cores)
     .venv/bin/python tools/mutation_check.py drop-cast    # the named ones
+    .venv/bin/python tools/mutation_check.py --smoke      # every anchor, the copy, one mutant on one test
 
-The report is a Markdown table: mutant, fault, subset, tests that failed (of those run).
+The report is a Markdown table: mutant, fault, the tests run, failed/run and which failed.
 """
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("amp_rewrite", "lists", "tests", "tools", "setup.py", "README.md", "Makefile")
 
 COLOURING = "amp_rewrite/core/colouring.py"
 CASTS = "amp_rewrite/core/casts.py"
@@ -146,16 +150,63 @@ MUTANTS = (
         (("    preserved = set(fetches)\n", "    preserved = set()\n"),),
         PASS_TESTS,
     ),
+    # Beyond the pass. Each anchor is a line that states its rule outright, the least likely to move.
+    Mutant(
+        "weights-rounded-through-float16",
+        "weights stored bfloat16 are rounded through float16 first, not once as TensorFlow's Cast rounds them",
+        "amp_rewrite/core/weights.py",
+        (("        return np.asarray(values, np.float32).astype(tf.as_dtype(dtype).as_numpy_dtype)\n",
+          "        return np.asarray(values, np.float32).astype(np.float16).astype(tf.as_dtype(dtype).as_numpy_dtype)\n"),),
+        ("tests/test_weights.py",),
+    ),
+    Mutant(
+        "fp8-gradient-e4m3",
+        "FP8 training quantizes gradients to E4M3 (weights' format) instead of E5M2",
+        "amp_rewrite/core/float8_training.py",
+        (('E5M2 = Format("float8_e5m2", types_pb2.DT_FLOAT8_E5M2, 57344.0)',
+          'E5M2 = Format("float8_e4m3fn", types_pb2.DT_FLOAT8_E4M3FN, float8.FLOAT8_MAX)'),),
+        ("tests/test_float8_training.py",),
+    ),
+    Mutant(
+        "calibration-range-rule-off",
+        "calibration no longer keeps float32 a tensor beyond float16's largest value (only repair is left)",
+        "amp_rewrite/calibration/calibrate.py",
+        (("        if stats.max_abs > self.limit:\n", "        if stats.max_abs > math.inf:\n"),),
+        ("tests/test_calibration.py",),
+    ),
+    Mutant(
+        "session-fetch-dtype",
+        "the Session mirror returns a converted fetch in its low dtype, not the user's float32",
+        "amp_rewrite/training/session.py",
+        (("inner, None if dtype.as_datatype_enum == user else tf.as_dtype(user).base_dtype.as_numpy_dtype)",
+          "inner, None)"),),
+        ("tests/test_session.py",),
+    ),
+    Mutant(
+        "live-private-copy-shares-name",
+        "the live rewrite names a nested function's private copy as the shared one: the copy is never"
+        " registered, and the nested function runs float32",
+        "amp_rewrite/training/live.py",
+        (('    return f"{name}_amp_{owner}"\n', "    return name\n"),),
+        ("tests/test_live.py",),
+    ),
 )
+# --smoke: a mutant and a single test that catches it in seconds.
+SMOKE_MUTANT, SMOKE_TEST = "flip-list-entry", "tests/test_lists.py::test_builtin_lists_equal_grappler_dump"
 
 
 def _copy_checkout(directory: Path) -> None:
-    for name in COPIED:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, directory / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    """The files git tracks, as the working tree has them; a link stays a link."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source, target = ROOT / name, directory / name
+        if not os.path.lexists(source):  # deleted in the working tree, not yet in the index
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
         else:
-            shutil.copy2(source, directory / name)
+            shutil.copy2(source, target)
 
 
 def _mutated(text: str, mutant: Mutant) -> str:
@@ -193,50 +244,91 @@ def _run_tests(directory: Path, tests: tuple[str, ...]) -> tuple[list[str], int,
 
 
 def _check_imports_the_copy(directory: Path) -> None:
+    """The copy's package is the one its tests import (found, not run: no TensorFlow import)."""
     environ = {**os.environ, "PYTHONPATH": str(directory), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    found = subprocess.run([sys.executable, "-c", "import amp_rewrite; print(amp_rewrite.__file__)"], cwd=directory,
-                           env=environ, capture_output=True, text=True).stdout.strip()
+    found = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('amp_rewrite')"
+                            ".origin)"], cwd=directory, env=environ, capture_output=True, text=True).stdout.strip()
     if not found.startswith(str(directory)):
         raise SystemExit(f"error: the copy's amp_rewrite is not the one imported ({found}); is it installed elsewhere?")
 
 
-def main() -> int:
+def _check_anchors() -> None:
+    """Every mutant's text occurs exactly once in today's source, or the run stops naming it."""
+    for mutant in MUTANTS:
+        _mutated((ROOT / mutant.path).read_text(encoding="utf-8"), mutant)
+
+
+def _check_clean(temporary: Path, subsets: set[tuple[str, ...]]) -> str | None:
+    """Copy the checkout and run each subset on it unmutated: why one proves nothing, or None."""
+    clean = temporary / "clean"
+    _copy_checkout(clean)
+    _check_imports_the_copy(clean)
+    for tests in sorted(subsets):
+        failing, ran, last = _run_tests(clean, tests)
+        if failing or not ran:
+            return f"the unmutated subset {' '.join(tests)} does not pass: {last}"
+    return None
+
+
+def _run_mutant(temporary: Path, mutant: Mutant) -> tuple[list[str], int, str]:
+    """(failing test ids, tests run, table row) of ``mutant``'s subset on a mutated copy."""
+    directory = temporary / mutant.name
+    _copy_checkout(directory)
+    _apply(directory, mutant)
+    started = time.monotonic()
+    failing, ran, _ = _run_tests(directory, mutant.tests)
+    print(f"{mutant.name}: {len(failing)} of {ran} failed ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+          flush=True)
+    shutil.rmtree(directory)
+    shown = ", ".join(f"`{t.split('::', 1)[-1]}`" for t in failing[:4])
+    more = f" and {len(failing) - 4} more" if len(failing) > 4 else ""
+    row = (f"| {mutant.name} | {mutant.fault} | {' '.join(t.removeprefix('tests/') for t in mutant.tests)} "
+           f"| {len(failing)}/{ran} | {shown or '**none: survived**'}{more} |")
+    return failing, ran, row
+
+
+TABLE_HEAD = "| mutant | fault | tests run | failed/run | failing tests |\n|---|---|---|---:|---|"
+
+
+def smoke() -> int:
+    """Every anchor, the copy, and one mutant caught by one test (clean first)."""
+    _check_anchors()
+    mutant = next(m for m in MUTANTS if m.name == SMOKE_MUTANT)
+    mutant = Mutant(mutant.name, mutant.fault, mutant.path, mutant.edits, (SMOKE_TEST,))
+    with tempfile.TemporaryDirectory(prefix="amp-mutants-smoke-") as temporary:
+        why = _check_clean(Path(temporary), {mutant.tests})
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
+        failing, _, row = _run_mutant(Path(temporary), mutant)
+    print(f"{len(MUTANTS)} mutants' anchors found once each\n{TABLE_HEAD}\n{row}")
+    return 0 if failing else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"mutants to run (default: all): {', '.join(m.name for m in MUTANTS)}")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=f"every anchor, and {SMOKE_MUTANT} on {SMOKE_TEST}")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
     unknown = sorted(set(args.names) - {m.name for m in MUTANTS})
     if unknown:
         parser.error(f"unknown mutant(s) {', '.join(unknown)}; choose from {', '.join(m.name for m in MUTANTS)}")
     mutants = [m for m in MUTANTS if not args.names or m.name in args.names]
-    for mutant in mutants:  # every fault still applies to the source, before any test runs
-        _mutated((ROOT / mutant.path).read_text(encoding="utf-8"), mutant)
+    _check_anchors()  # every fault still applies to the source, before any test runs
     rows, survived = [], []
     with tempfile.TemporaryDirectory(prefix="amp-mutants-") as temporary:
-        clean = Path(temporary) / "clean"
-        _copy_checkout(clean)
-        _check_imports_the_copy(clean)
-        for tests in sorted({m.tests for m in mutants}):
-            failing, ran, last = _run_tests(clean, tests)
-            if failing or not ran:
-                print(f"error: the unmutated subset {' '.join(tests)} does not pass: {last}", file=sys.stderr)
-                return 2
+        why = _check_clean(Path(temporary), {m.tests for m in mutants})
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
         for mutant in mutants:
-            directory = Path(temporary) / mutant.name
-            _copy_checkout(directory)
-            _apply(directory, mutant)
-            started = time.monotonic()
-            failing, ran, last = _run_tests(directory, mutant.tests)
-            seconds = time.monotonic() - started
-            print(f"{mutant.name}: {len(failing)} of {ran} failed ({seconds:.0f} s)", file=sys.stderr, flush=True)
+            failing, _, row = _run_mutant(Path(temporary), mutant)
+            rows.append(row)
             if not failing:
                 survived.append(mutant.name)
-            shown = ", ".join(f"`{t.split('::', 1)[-1]}`" for t in failing[:4])
-            more = f" and {len(failing) - 4} more" if len(failing) > 4 else ""
-            rows.append(f"| {mutant.name} | {mutant.fault} | {' '.join(t.removeprefix('tests/') for t in mutant.tests)} "
-                        f"| {len(failing)}/{ran}: {shown or '**none: survived**'}{more} |")
-            shutil.rmtree(directory)
-    print("| mutant | fault | tests run | failed |")
-    print("|---|---|---|---|")
+    print(TABLE_HEAD)
     print("\n".join(rows))
     if survived:
         print(f"\nsurvived: {', '.join(survived)}: add a test that fails for each", file=sys.stderr)

@@ -7,11 +7,13 @@ largest activation of each Dense layer on the calibration split (what the rescal
 variants are sized from)::
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/train_models.py [NAME ...]
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/train_models.py --smoke   # one epoch, into a temporary directory
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,23 +28,28 @@ SCHEDULE = {"digits_mlp": (60, 32, 1e-3), "digits_cnn": (40, 32, 3e-3), "digits_
             "digits_transformer": (60, 32, 1e-3), "diabetes_mlp": (200, 32, 1e-3)}
 
 
-def train(name: str) -> None:
+SMOKE_MODEL = "diabetes_mlp"  # the smallest
+
+
+def train(name: str, weights: Path = trained_models.WEIGHTS, epochs: int | None = None) -> None:
+    """Train ``name`` by its schedule (``epochs``: fewer) and write its weights under ``weights``."""
     import keras
 
-    epochs, batch, rate = SCHEDULE[name]
+    scheduled, batch, rate = SCHEDULE[name]
+    epochs = epochs or scheduled
     model = trained_models.build(name, trained=False)
     classifier = trained_models.is_classifier(name)
     model.compile(optimizer=keras.optimizers.Adam(rate),
                   loss="sparse_categorical_crossentropy" if classifier else "mse")
     (inputs, labels), started = trained_models.data(name, "train"), time.monotonic()
     model.fit(_only(inputs), labels, epochs=epochs, batch_size=batch, verbose=0, shuffle=True)
-    trained_models.WEIGHTS.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(trained_models.WEIGHTS / f"{name}.npz", *model.get_weights())
+    weights.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(weights / f"{name}.npz", *model.get_weights())
     held, held_labels = trained_models.data(name, "held_out")
     predicted = model.predict(_only(held), verbose=0)
     score = (f"top-1 {trained_models.top1(predicted, held_labels):.4f}" if classifier
              else f"R² {trained_models.r2(predicted, held_labels):.4f}")
-    size = (trained_models.WEIGHTS / f"{name}.npz").stat().st_size
+    size = (weights / f"{name}.npz").stat().st_size
     print(f"{name}: held-out {score}; {time.monotonic() - started:.0f} s; {size / 1024:.0f} KiB")
     calibration, _ = trained_models.data(name, "calibration")
     for layer in model.layers:
@@ -58,11 +65,18 @@ def _only(inputs: dict[str, np.ndarray]) -> np.ndarray:
     return array
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"of {', '.join(trained_models.BASE_MODELS)} (default: all)")
-    names = parser.parse_args().names or trained_models.BASE_MODELS
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"checks this script: {SMOKE_MODEL} for one epoch, written to a temporary directory")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="amp-rewrite-train-") as directory:
+            train(SMOKE_MODEL, Path(directory), epochs=1)
+        return 0
+    names = args.names or trained_models.BASE_MODELS
     unknown = [name for name in names if name not in trained_models.BASE_MODELS]
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}; choose from {', '.join(trained_models.BASE_MODELS)}")

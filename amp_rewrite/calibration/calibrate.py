@@ -147,9 +147,17 @@ class Round:
     kept: Mapping[tuple[str, str], str]
     stage: str = "repair"  # "repair", "give-back" or "float8"
 
+    @property
+    def compared(self) -> bool:
+        """Whether the run measured any output: one whose outputs are all strings has nothing to compare."""
+        return bool(self.checks)
+
     def score(self, tolerance: float) -> float:
-        """The worst output's error as a share of ``tolerance`` (infinite when not finite)."""
-        return max((c.error / tolerance if math.isfinite(c.error) else math.inf for c in self.checks), default=0.0)
+        """The worst output's error as a share of ``tolerance`` (infinite when not finite;
+        NaN, which meets no bound, when nothing was compared)."""
+        if not self.compared:
+            return math.nan
+        return max(c.error / tolerance if math.isfinite(c.error) else math.inf for c in self.checks)
 
 
 @dataclass(frozen=True)
@@ -182,14 +190,22 @@ class Calibration:
         return self.tolerance or lookup_target(self.target, quantized=True).tolerance
 
     @property
+    def compared(self) -> bool:
+        """Whether the result's run measured any output. A model whose outputs are all
+        strings has nothing to compare: its decisions are the range rules' alone, and it is
+        neither ``ok`` nor over tolerance."""
+        return bool(self.rounds) and self.rounds[self.best].compared
+
+    @property
     def ok(self) -> bool:
-        """Every output within the tolerance on the calibration inputs (the result's run)."""
-        return bool(self.rounds) and self.rounds[self.best].score(self._tolerance) <= 1.0
+        """Every output within the tolerance on the calibration inputs (the result's run);
+        False when nothing was compared."""
+        return self.compared and self.rounds[self.best].score(self._tolerance) <= 1.0
 
     @property
     def reached_goal(self) -> bool:
         """Every output within the goal (``GOAL_SHARE`` of the tolerance) on the calibration inputs."""
-        return bool(self.rounds) and self.rounds[self.best].score(self._tolerance) <= GOAL_SHARE
+        return self.compared and self.rounds[self.best].score(self._tolerance) <= GOAL_SHARE
 
     def overlay(self, base: Mapping | None = None) -> str:
         """An overlay YAML reproducing the calibrated rewrite: ``base`` (the overlay the
@@ -410,7 +426,7 @@ def _checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) 
 def _summary(checks: Sequence[OutputCheck], target: Target, metric: str) -> str:
     """The worst output's error against the goal and the tolerance."""
     if not checks:
-        return "no output to measure"
+        return "nothing to compare (no output of the model is a number)"
     worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf)
     goal = GOAL_SHARE * target.tolerance
     verdict = ("within the goal" if worst.within(goal) else "over the goal" if worst.within(target.tolerance)
@@ -464,13 +480,65 @@ def check_max_rounds(max_rounds: int) -> None:
 
 
 @dataclass
-class _Best:
-    """The best run so far: its score, round and decisions."""
+class _Context:
+    """What every step of one calibration reads: the model, the session its runs share, the
+    target, how an output's error is measured, the float32 run, and the rounds so far."""
 
+    model: Model
+    runner: statistics.Runner
+    target: Target
+    lists: OpLists
+    cross_function: bool
+    thresholds: Thresholds
+    max_rounds: int
+    say: Callable[[str], None]
+    metric_name: str
+    measure: validate.Metric
+    high: statistics.Run
+    rounds: list[Round] = field(default_factory=list)
+
+    @property
+    def goal(self) -> float:
+        return GOAL_SHARE * self.target.tolerance
+
+    def validate(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey] = ()
+                 ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
+        """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
+        low = self.runner.collect(graph_def, keys, self.thresholds.smallest_normal)
+        return low, _checks(self.high, low, self.measure)
+
+    def summary(self, checks: Sequence[OutputCheck]) -> str:
+        return _summary(checks, self.target, self.metric_name)
+
+
+@dataclass
+class _Repairing(_Context):
+    """A float16 or bfloat16 calibration's context: also the tensors measured, which nodes
+    touch them, and where each node is met (for ``keep_entries``)."""
+
+    keys: Sequence[TensorKey] = ()
+    touching: Touching = field(default_factory=dict)
+    where: Mapping[str, set[str]] = field(default_factory=dict)
+
+    def rewrite(self, keeping: Mapping[tuple[str, str], str]) -> RewriteResult:
+        """The rewrite with ``keeping`` float32."""
+        return rewrite_model(self.model, target=self.target.name, lists=self.lists.keeping(
+            keep_entries(keeping, self.where)), cross_function=self.cross_function)
+
+
+@dataclass
+class _Repair:
+    """Where repair stands: the best run so far (its score, round, result and decisions),
+    the last rewrite validated, the nodes kept by a measured range (never given back), and
+    how many runs in a row were no better than the best."""
+
+    last: RewriteResult
+    measured: set[tuple[str, str]]
     score: float = math.inf
     round: int = -1
     result: RewriteResult | None = None
     kept: dict[tuple[str, str], str] = field(default_factory=dict)
+    stale: int = 0
 
     def offer(self, score: float, round_: int, result: RewriteResult, kept: Mapping[tuple[str, str], str]) -> bool:
         if score < self.score or self.result is None:
@@ -504,88 +572,102 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
         target = replace(target, tolerance=tolerance)
     check_max_rounds(max_rounds)
     thresholds = thresholds or Thresholds.for_target(target)
-    keys = statistics.model_tensors(model)
-    say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
-    described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
-    high = runner.collect(model.graph_def, keys, thresholds.smallest_normal, described)
-    result = rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
-    kept: dict[tuple[str, str], str] = {}
-    touching, where = tensors_of(model.graph_def, set(high.stats)), node_items(model.graph_def)  # read once
-
-    def rewrite(keeping: Mapping[tuple[str, str], str]) -> RewriteResult:
-        return rewrite_model(model, target=target.name, lists=lists.keeping(keep_entries(keeping, where)),
-                             cross_function=cross_function)
-
-    while added := {k: v for k, v in range_keeps(result, touching, high.stats, thresholds).items() if k not in kept}:
-        kept.update(added)
-        result = rewrite(kept)
+    keys, high = _measure_float32(model, runner, thresholds, say, source)  # 1. statistics
+    c = _Repairing(model, runner, target, lists, cross_function, thresholds, max_rounds, say, metric_name, measure, high,
+                   keys=keys, touching=tensors_of(model.graph_def, set(high.stats)), where=node_items(model.graph_def))
+    result, kept, tried = _keep_out_of_range(c)  # 2. range rules
     range_kept = len(kept)
-    tried = {key for key, s in high.stats.items() if thresholds.tried(s)}
-    tried_nodes = _touching_violations(result, touching, high.stats, dict.fromkeys(tried, ""), "") if tried else {}
-    say(f"calibration: range rules keep {range_kept} node(s) float32"
-        + (f"; {len(tried_nodes)} node(s) over the safe magnitude {thresholds.max_magnitude:.3g} are tried in"
-           f" {target.name}" if tried_nodes else ""))
-    rounds: list[Round] = []
-    best = _Best()
-    goal = GOAL_SHARE * target.tolerance
-    measured = set(kept)  # kept by a measured range, never given back
-    stale = 0  # runs in a row no better than the best
-    while True:
-        instrumented = bool(tried_nodes) or bool(rounds)  # a first run on a model with nothing tried: outputs only
-        low = runner.collect(result.graph_def, keys if instrumented else [], thresholds.smallest_normal)
-        checks = _checks(high, low, measure)
-        round_ = Round(checks, {})
-        needed = headroom_keeps(result, touching, high.stats, low.stats, thresholds) if instrumented else {}
-        needed = {k: v for k, v in needed.items() if k not in kept}
-        # a run that needs more headroom is no candidate: held-out data would overflow it
-        improved = not needed and best.offer(round_.score(target.tolerance), len(rounds), result, kept)
-        note = "" if improved or needed else f" (no better than run {best.round + 1}: its decisions stand)"
-        # still non-finite is not stale: repair cannot see its progress in the error yet
-        stale = 0 if improved or needed or not math.isfinite(round_.score(target.tolerance)) else stale + 1
-        if (not needed and all(c.within(goal) for c in checks)) or len(rounds) + 1 >= max_rounds \
-                or stale >= _STALE_RUNS:
-            rounds.append(round_)
-            stop = f"; {stale} run(s) in a row no better: repair stops" if stale >= _STALE_RUNS else ""
-            say(f"calibration: validation run {len(rounds)}: {_summary(checks, target, metric_name)}{note}{stop}")
-            break
-        if not needed and not instrumented:  # the outputs-only run failed: measure every tensor
-            low = runner.collect(result.graph_def, keys, thresholds.smallest_normal)
-        added = needed or blame(result, touching, high.stats, low.stats, kept)
-        rounds.append(replace(round_, kept=added))
-        say(f"calibration: validation run {len(rounds)}: {_summary(checks, target, metric_name)}{note};"
-            f" keeping {len(added)} more node(s) float32")
-        if not added:
-            break
-        kept.update(added)
-        measured.update(needed)
-        result = rewrite(kept)
-    best_round = best.round
-    if best.result is not None:
-        result, kept = best.result, best.kept
-        if best.score <= GOAL_SHARE:
-            result, kept, best_round = _give_back(runner, high, result, kept, measured, rewrite, target, measure,
-                                                  thresholds, rounds, max_rounds, say, metric_name, best_round)
-    keep = keep_entries(kept, where)
-    calibration = Calibration(target.name, high.stats, keep, kept, range_kept, tuple(rounds),
+    repair = _repair(c, result, kept, tried)  # 3. repair by validation: the best run stands
+    result, best_round = repair.last, repair.round
+    if repair.result is not None:
+        result, kept = repair.result, repair.kept
+        if repair.score <= GOAL_SHARE:  # then each matmul repair kept, tried converted alone
+            result, kept, best_round = _give_back(c, result, kept, repair.measured, best_round)
+    keep = keep_entries(kept, c.where)
+    calibration = Calibration(target.name, c.high.stats, keep, kept, range_kept, tuple(c.rounds),
                               lists.keeping(keep), result, thresholds, source, metric=metric_name, best=best_round,
-                              tolerance=target.tolerance, outputs=high.outputs)
-    if not calibration.ok:
-        why = (f"the cap of {max_rounds} validation run(s) (--max-rounds) was reached" if len(rounds) >= max_rounds
-               else "keeping more nodes float32 made it no better" if stale >= _STALE_RUNS
-               else "no converted node drifts from float32 enough to blame")
-        say(f"calibration: outputs still over tolerance after {len(rounds)} validation run(s): {why}; keep more"
-            f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
-    elif not calibration.reached_goal:
-        say(f"calibration: within tolerance but over the goal {goal:g} after {len(rounds)} validation run(s);"
-            " held-out data may exceed the tolerance")
+                              tolerance=target.tolerance, outputs=c.high.outputs)
+    _report_repair(c, calibration, repair.stale)
     return calibration
 
 
-def _give_back(runner: statistics.Runner, high: statistics.Run, result: RewriteResult,
-               kept: dict[tuple[str, str], str], measured: Collection[tuple[str, str]],
-               rewrite: Callable[[Mapping], RewriteResult], target: Target, measure: validate.Metric,
-               thresholds: Thresholds, rounds: list[Round], max_rounds: int, say: Callable[[str], None],
-               metric_name: str, best_round: int) -> tuple[RewriteResult, dict[tuple[str, str], str], int]:
+def _measure_float32(model: Model, runner: statistics.Runner, thresholds: Thresholds, say: Callable[[str], None],
+                     source: str) -> tuple[list[TensorKey], statistics.Run]:
+    """1. Statistics: the float32 model on the calibration inputs, every float tensor
+    measured. Returns the tensors and the run."""
+    keys = statistics.model_tensors(model)
+    say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
+    described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
+    return keys, runner.collect(model.graph_def, keys, thresholds.smallest_normal, described)
+
+
+def _keep_out_of_range(c: _Repairing) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
+    """2. Range rules: keep float32 the converted nodes touching an out-of-range tensor, until
+    none does. Returns the rewrite, the nodes kept, and whether any node is tried (touches a
+    tensor between the safe magnitude and the limit)."""
+    result = rewrite_model(c.model, target=c.target.name, lists=c.lists, cross_function=c.cross_function)
+    kept: dict[tuple[str, str], str] = {}
+    while added := {k: v for k, v in range_keeps(result, c.touching, c.high.stats, c.thresholds).items()
+                    if k not in kept}:
+        kept.update(added)
+        result = c.rewrite(kept)
+    tried = {key for key, s in c.high.stats.items() if c.thresholds.tried(s)}
+    tried_nodes = _touching_violations(result, c.touching, c.high.stats, dict.fromkeys(tried, ""), "") if tried else {}
+    c.say(f"calibration: range rules keep {len(kept)} node(s) float32"
+          + (f"; {len(tried_nodes)} node(s) over the safe magnitude {c.thresholds.max_magnitude:.3g} are tried in"
+             f" {c.target.name}" if tried_nodes else ""))
+    return result, kept, bool(tried_nodes)
+
+
+def _repair(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], str], tried: bool) -> _Repair:
+    """3. Repair by validation: run the rewrite; while an output is over the goal, keep
+    float32 the nodes a run needs for headroom, else the ones it blames, and run again, up
+    to ``max_rounds`` runs or ``_STALE_RUNS`` in a row no better than the best. ``kept``
+    grows in place; the best run is in the result."""
+    repair = _Repair(result, set(kept))
+    while True:
+        instrumented = tried or bool(c.rounds)  # a first run on a model with nothing tried: outputs only
+        low, checks = c.validate(result.graph_def, c.keys if instrumented else [])
+        needed, note = _judge(c, repair, result, kept, low if instrumented else None, checks)
+        round_ = Round(checks, {})
+        if (not needed and all(check.within(c.goal) for check in checks)) or len(c.rounds) + 1 >= c.max_rounds \
+                or repair.stale >= _STALE_RUNS:
+            c.rounds.append(round_)
+            stop = f"; {repair.stale} run(s) in a row no better: repair stops" if repair.stale >= _STALE_RUNS else ""
+            c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note}{stop}")
+            return repair
+        if not needed and not instrumented:  # the outputs-only run failed: measure every tensor
+            low, _ = c.validate(result.graph_def, c.keys)
+        added = needed or blame(result, c.touching, c.high.stats, low.stats, kept)
+        c.rounds.append(replace(round_, kept=added))
+        c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note};"
+              f" keeping {len(added)} more node(s) float32")
+        if not added:
+            return repair
+        kept.update(added)
+        repair.measured.update(needed)
+        result = repair.last = c.rewrite(kept)
+
+
+def _judge(c: _Repairing, repair: _Repair, result: RewriteResult, kept: Mapping[tuple[str, str], str],
+           low: statistics.Run | None, checks: Sequence[OutputCheck]) -> tuple[dict[tuple[str, str], str], str]:
+    """A validation run's verdict: the nodes it needs kept for headroom (none from an
+    outputs-only run, ``low`` None), and the note its line gets; a run that needs none is
+    offered to ``repair`` as the best, and counted stale when it is no better."""
+    score = Round(checks, {}).score(c.target.tolerance)
+    needed = headroom_keeps(result, c.touching, c.high.stats, low.stats, c.thresholds) if low is not None else {}
+    needed = {k: v for k, v in needed.items() if k not in kept}
+    # a run that needs more headroom is no candidate: held-out data would overflow it
+    improved = not needed and repair.offer(score, len(c.rounds), result, kept)
+    note = "" if improved or needed else f" (no better than run {repair.round + 1}: its decisions stand)"
+    # still non-finite is not stale: repair cannot see its progress in the error yet
+    repair.stale = 0 if improved or needed or not math.isfinite(score) else repair.stale + 1
+    return needed, note
+
+
+def _give_back(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], str],
+               measured: Collection[tuple[str, str]], best_round: int
+               ) -> tuple[RewriteResult, dict[tuple[str, str], str], int]:
     """Repair keeps every node within ``_BLAME_SHARE`` of the worst, so a MatMul or Conv2D
     can be kept along with the one that needed it. Each such matmul that repair kept (not
     one ``measured`` out of range: past the format's limit, or within the headroom of it)
@@ -593,20 +675,71 @@ def _give_back(runner: statistics.Runner, high: statistics.Run, result: RewriteR
     within the goal. Returns the result, its kept nodes and the round it was measured in."""
     ops = {(d.function, d.node): d.op for d in result.report.decisions}
     candidates = [node for node in kept if node not in measured and ops.get(node) in _GIVE_BACK_OPS]
-    goal = GOAL_SHARE * target.tolerance
     for node in candidates:
-        if len(rounds) >= max_rounds:
+        if len(c.rounds) >= c.max_rounds:
             break
         trial = {k: v for k, v in kept.items() if k != node}
-        candidate = rewrite(trial)
-        checks = _checks(high, runner.collect(candidate.graph_def, [], thresholds.smallest_normal), measure)
-        fine = all(c.within(goal) for c in checks)
-        rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
-        say(f"calibration: validation run {len(rounds)}: {node[1]} converted alone:"
-            f" {_summary(checks, target, metric_name)}; {'given back to ' + target.name if fine else 'kept float32'}")
+        candidate = c.rewrite(trial)
+        _, checks = c.validate(candidate.graph_def)
+        fine = all(check.within(c.goal) for check in checks)
+        c.rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
+        c.say(f"calibration: validation run {len(c.rounds)}: {node[1]} converted alone: {c.summary(checks)};"
+              f" {'given back to ' + c.target.name if fine else 'kept float32'}")
         if fine:
-            kept, result, best_round = trial, candidate, len(rounds) - 1
+            kept, result, best_round = trial, candidate, len(c.rounds) - 1
     return result, kept, best_round
+
+
+def _report_repair(c: _Repairing, calibration: Calibration, stale: int) -> None:
+    """The last line of a calibration that did not meet the goal: why, and what to do
+    (nothing compared: its run's line said so)."""
+    if not calibration.compared:
+        return
+    if not calibration.ok:
+        why = (f"the cap of {c.max_rounds} validation run(s) (--max-rounds) was reached"
+               if len(c.rounds) >= c.max_rounds
+               else "keeping more nodes float32 made it no better" if stale >= _STALE_RUNS
+               else "no converted node drifts from float32 enough to blame")
+        c.say(f"calibration: outputs still over tolerance after {len(c.rounds)} validation run(s): {why}; keep more"
+              f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
+    elif not calibration.reached_goal:
+        c.say(f"calibration: within tolerance but over the goal {c.goal:g} after {len(c.rounds)} validation run(s);"
+              " held-out data may exceed the tolerance")
+
+
+@dataclass
+class _Float8Search:
+    """The float8 runs' search for how many of the worst matmuls to keep float16: the
+    quantized matmuls ranked by their own FP8 error (the first run's probes), the largest
+    count that failed the goal and the smallest that met it, and each count's run."""
+
+    amax: Mapping[TensorKey, float]
+    ranked: list[tuple[str, str]] = field(default_factory=list)   # worst own FP8 error first
+    errors: dict[tuple[str, str], float] = field(default_factory=dict)
+    failed: int = 0
+    met: int | None = None
+    tried: dict[int, tuple[float, RewriteResult, dict[tuple[str, str], str]]] = field(default_factory=dict)
+
+    def record(self, count: int, score: float, result: RewriteResult, lossy: dict[tuple[str, str], str]) -> None:
+        self.tried[count] = (score, result, lossy)
+        if score <= GOAL_SHARE:
+            self.met = count if self.met is None else min(self.met, count)
+        else:
+            self.failed = max(self.failed, count)
+
+    def next_count(self, count: int, score: float) -> int | None:
+        """The count to run next after ``count`` gave ``score``; None: the search is over."""
+        if self.met is None:
+            found = _float8_count(self.ranked, self.errors, count, score)
+        else:
+            found = (self.failed + self.met) // 2 if self.met - self.failed > 1 else None
+        return None if found is None or found >= len(self.ranked) + 1 or found in self.tried else found
+
+    def best(self) -> int | None:
+        """The count that met the goal with the most matmuls on float8, else the lowest error's."""
+        if not self.tried:
+            return None
+        return self.met if self.met is not None else min(self.tried, key=lambda k: self.tried[k][0])
 
 
 def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lists: OpLists,
@@ -633,77 +766,87 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     base = run_calibration(model, feeds, target=target.colouring, lists=lists, cross_function=cross_function,
                            max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric,
                            tolerance=target.tolerance, runner=runner)
-    high = statistics.Run(base.stats, base.outputs)
     wanted = float8.activation_operands(model.graph_def)
-    amax = {key: s.max_abs for key, s in base.stats.items() if key in wanted}
-    rounds: list[Round] = []
-    ranked: list[tuple[str, str]] = []         # quantized matmuls, worst own FP8 error first (the first run)
-    errors: dict[tuple[str, str], float] = {}  # quantized matmul → its own FP8 error
-    failed, met = 0, None                      # the largest k that failed, the smallest that met the goal
-    tried: dict[int, tuple[float, RewriteResult, dict[tuple[str, str], str]]] = {}  # k → score, result, lossy
-    count = 0
-    while True:
-        lossy = {m: _lossy_reason(m, errors, count, len(ranked), rounds, metric_name, target) for m in ranked[:count]}
-        result = rewrite_model(model, target=target.name, lists=base.lists, cross_function=cross_function, amax=amax,
-                               lossy=lossy)
-        quantized = sorted({(d.function, d.node) for d in result.report.decisions
-                            if d.rule == Rule.FLOAT8_MATMUL.value})
-        if not rounds and not quantized:  # the float16 rewrite, validated already
-            why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
-            found = ", ".join(f"{rule} {n}" for rule, n in why.most_common()) or "no converted matmul"
-            say(f"calibration: float8: no matmul quantized ({found}); no float8 run needed")
-            break
-        probed, probes = _with_probes(result.graph_def, quantized) if not rounds else (result.graph_def, {})
-        low = runner.collect(probed, [key for pair in probes.values() for key in pair], base.thresholds.smallest_normal)
-        for matmul, (reference, difference) in probes.items():
-            if reference in low.stats and difference in low.stats:
-                errors[matmul] = _relative_rms(low.stats[difference], low.stats[reference])
-        if not rounds:
-            ranked = sorted(quantized, key=lambda m: (-errors.get(m, 0.0), m))
-        checks = _checks(high, low, measure)
-        score = Round(checks, {}).score(target.tolerance)
-        tried[count] = (score, result, lossy)
-        if score <= GOAL_SHARE:
-            met = count if met is None else min(met, count)
-        else:
-            failed = max(failed, count)
-        summary = f"{len(quantized)} matmul(s) on float8; {_summary(checks, target, metric_name)}"
-        if not rounds:
-            summary += (f"; own FP8 error of each, of its output's RMS: {errors.get(ranked[0], 0.0):.3g} (worst,"
-                        f" {ranked[0][1]}) to {errors.get(ranked[-1], 0.0):.3g}") if ranked else ""
-        next_count = (_float8_count(ranked, errors, count, score) if met is None
-                      else (failed + met) // 2 if met - failed > 1 else None)
-        if next_count is None or next_count >= len(ranked) + 1 or len(rounds) + 1 >= max_rounds \
-                or next_count in tried:
-            rounds.append(Round(checks, {}, "float8"))
-            say(f"calibration: float8 validation run {len(rounds)}: {summary}")
-            break
-        moved = {m: "" for m in ranked[count:next_count]} if next_count > count else {}
-        rounds.append(Round(checks, moved, "float8"))
-        action = (f"keeping the {next_count} worst float16" if next_count > count
-                  else f"giving {count - next_count} back to float8: the {next_count} worst stay float16")
-        say(f"calibration: float8 validation run {len(rounds)}: {summary}; {action}")
-        count = next_count
-    best_count = None
-    if tried:
-        best_count = met if met is not None else min(tried, key=lambda k: tried[k][0])
+    search = _Float8Search({key: s.max_abs for key, s in base.stats.items() if key in wanted})
+    c = _Context(model, runner, target, base.lists, cross_function, base.thresholds, max_rounds, say, metric_name,
+                 measure, statistics.Run(base.stats, base.outputs))
+    result = _float8_runs(c, search)
+    best_count = search.best()
     if best_count is None:  # nothing quantized: the float8 rewrite is the float16 one, with its reasons
-        calibration = replace(base, target=target.name, result=result, float8=float8.Float8Calibration(amax, {}),
+        calibration = replace(base, target=target.name, result=result, float8=float8.Float8Calibration(search.amax, {}),
                               tolerance=target.tolerance)
     else:
-        _, result, lossy = tried[best_count]
-        order = list(tried)
-        calibration = replace(base, target=target.name, rounds=base.rounds + tuple(rounds), result=result,
-                              float8=float8.Float8Calibration(amax, lossy), tolerance=target.tolerance,
-                              best=len(base.rounds) + order.index(best_count))
-    if not calibration.ok:
-        say(f"calibration: float8 outputs still over tolerance {target.tolerance:g} after {len(rounds)} float8"
-            f" validation run(s) (--max-rounds {max_rounds}); use --max-rounds up to {MAX_ROUNDS_LIMIT}, or target"
-            f" {target.colouring} for this model")
-    elif not calibration.reached_goal:
-        say(f"calibration: float8 within tolerance but over the goal {GOAL_SHARE * target.tolerance:g};"
-            " held-out data may exceed the tolerance")
+        _, result, lossy = search.tried[best_count]
+        calibration = replace(base, target=target.name, rounds=base.rounds + tuple(c.rounds), result=result,
+                              float8=float8.Float8Calibration(search.amax, lossy), tolerance=target.tolerance,
+                              best=len(base.rounds) + list(search.tried).index(best_count))
+    _report_float8(c, calibration)
     return calibration
+
+
+def _float8_runs(c: _Context, search: _Float8Search) -> RewriteResult:
+    """4. The float8 runs (``calibrate_float8``), each recorded in ``search``, until the
+    search is over or the runs are spent. Returns the last rewrite."""
+    count = 0
+    while True:
+        lossy = {m: _lossy_reason(m, search.errors, count, len(search.ranked), c.rounds, c.metric_name, c.target)
+                 for m in search.ranked[:count]}
+        result = rewrite_model(c.model, target=c.target.name, lists=c.lists, cross_function=c.cross_function,
+                               amax=search.amax, lossy=lossy)
+        quantized = sorted({(d.function, d.node) for d in result.report.decisions
+                            if d.rule == Rule.FLOAT8_MATMUL.value})
+        if not c.rounds and not quantized:  # the float16 rewrite, validated already
+            why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
+            found = ", ".join(f"{rule} {n}" for rule, n in why.most_common()) or "no converted matmul"
+            c.say(f"calibration: float8: no matmul quantized ({found}); no float8 run needed")
+            return result
+        checks, summary = _float8_run(c, search, result, quantized)
+        score = Round(checks, {}).score(c.target.tolerance)
+        search.record(count, score, result, lossy)
+        next_count = search.next_count(count, score) if checks else None  # nothing to compare: nothing to search
+        if next_count is None or len(c.rounds) + 1 >= c.max_rounds:
+            c.rounds.append(Round(checks, {}, "float8"))
+            c.say(f"calibration: float8 validation run {len(c.rounds)}: {summary}")
+            return result
+        moved = {m: "" for m in search.ranked[count:next_count]} if next_count > count else {}
+        c.rounds.append(Round(checks, moved, "float8"))
+        action = (f"keeping the {next_count} worst float16" if next_count > count
+                  else f"giving {count - next_count} back to float8: the {next_count} worst stay float16")
+        c.say(f"calibration: float8 validation run {len(c.rounds)}: {summary}; {action}")
+        count = next_count
+
+
+def _float8_run(c: _Context, search: _Float8Search, result: RewriteResult, quantized: Sequence[tuple[str, str]]
+                ) -> tuple[tuple[OutputCheck, ...], str]:
+    """One float8 run of ``result`` on the calibration inputs; the first also measures each
+    quantized matmul's own FP8 error (``_with_probes``) and ranks them by it in ``search``.
+    Returns each output's error and the run's line."""
+    first = not c.rounds
+    probed, probes = _with_probes(result.graph_def, quantized) if first else (result.graph_def, {})
+    low, checks = c.validate(probed, [key for pair in probes.values() for key in pair])
+    for matmul, (reference, difference) in probes.items():
+        if reference in low.stats and difference in low.stats:
+            search.errors[matmul] = _relative_rms(low.stats[difference], low.stats[reference])
+    summary = f"{len(quantized)} matmul(s) on float8; {c.summary(checks)}"
+    if first:
+        search.ranked = ranked = sorted(quantized, key=lambda m: (-search.errors.get(m, 0.0), m))
+        summary += (f"; own FP8 error of each, of its output's RMS: {search.errors.get(ranked[0], 0.0):.3g} (worst,"
+                    f" {ranked[0][1]}) to {search.errors.get(ranked[-1], 0.0):.3g}") if ranked else ""
+    return checks, summary
+
+
+def _report_float8(c: _Context, calibration: Calibration) -> None:
+    """The last line of a float8 calibration that did not meet the goal: why, and what to do
+    (nothing compared: its runs' lines said so)."""
+    if not calibration.compared:
+        return
+    if not calibration.ok:
+        c.say(f"calibration: float8 outputs still over tolerance {c.target.tolerance:g} after {len(c.rounds)} float8"
+              f" validation run(s) (--max-rounds {c.max_rounds}); use --max-rounds up to {MAX_ROUNDS_LIMIT}, or"
+              f" target {c.target.colouring} for this model")
+    elif not calibration.reached_goal:
+        c.say(f"calibration: float8 within tolerance but over the goal {c.goal:g};"
+              " held-out data may exceed the tolerance")
 
 
 def _relative_rms(difference: TensorStats, reference: TensorStats) -> float:

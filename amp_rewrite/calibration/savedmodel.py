@@ -13,21 +13,25 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import BinaryIO, Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
-from amp_rewrite.calibration.staging import check_destination, staged
+from amp_rewrite import _tf
+from amp_rewrite.calibration.bundle import encode_varint
+from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import functions, support
 from amp_rewrite.core.errors import GraphError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.core.weights import without_nodes
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"
+PROTOBUF_LIMIT = 2**31 - 1   # the largest message protobuf parses
 DEFAULT_TAG_SET = "serve"
 KERAS_FILES = (".keras", ".h5", ".hdf5")
 TF_KERAS_METADATA = "keras_metadata.pb"   # written by tf_keras' model.save(dir), read by tf_keras.models.load_model
@@ -73,18 +77,71 @@ class Model:
 
 def _parse(path: Path, proto: message.Message) -> message.Message:
     try:
+        if path.suffix != ".pbtxt" and isinstance(proto, graph_pb2.GraphDef):
+            if path.stat().st_size > PROTOBUF_LIMIT:
+                raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef"
+                                 " over 2 GB (it can write one); save the model as a SavedModel, whose variables live"
+                                 " outside the graph (tf.saved_model.save, or model.export), and convert that")
+            with open(path, "rb") as file:
+                return _parse_nodes(file, proto)
         data = path.read_bytes()
     except OSError as error:
         raise ModelError(f"{path}: cannot read ({error.strerror}); check the path and permissions") from None
+    except message.DecodeError as error:
+        raise _invalid(path, proto, error) from None
     try:
         if path.suffix == ".pbtxt":
             text_format.Parse(data.decode("utf-8"), proto)
         else:
             proto.ParseFromString(data)
     except (message.DecodeError, text_format.ParseError, UnicodeDecodeError) as error:
-        detail = str(error).splitlines()[0] if str(error) else "not a valid protocol buffer"
-        raise ModelError(f"{path}: not a valid {type(proto).__name__} ({detail}); is the file truncated?") from None
+        raise _invalid(path, proto, error) from None
     return proto
+
+
+def _invalid(path: Path, proto: message.Message, error: Exception) -> ModelError:
+    detail = str(error).splitlines()[0] if str(error) else "not a valid protocol buffer"
+    return ModelError(f"{path}: not a valid {type(proto).__name__} ({detail}); is the file truncated?")
+
+
+def _varint(file: BinaryIO) -> int | None:
+    """A varint read from ``file``; None at its end."""
+    value, shift = 0, 0
+    while byte := file.read(1):
+        value |= (byte[0] & 0x7F) << shift
+        if not byte[0] & 0x80:
+            return value
+        shift += 7
+    if shift:
+        raise message.DecodeError("the file ends inside a varint")
+    return None
+
+
+def _parse_nodes(file: BinaryIO, graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    """A binary GraphDef parsed a node at a time: protobuf's parser holds the file's bytes and
+    the message at once (twice a frozen graph's weights); this holds the message and one node.
+    The other fields (library, versions) are parsed together at the end, as protobuf merges them."""
+    rest = bytearray()
+    while (tag := _varint(file)) is not None:
+        wire = tag & 7
+        if wire == 0:
+            payload = encode_varint(_varint(file) or 0)
+        elif wire in (1, 5):
+            payload = file.read(8 if wire == 1 else 4)
+        elif wire == 2:
+            length = _varint(file) or 0
+            payload = file.read(length)
+            if len(payload) != length:
+                raise message.DecodeError(f"the file ends inside a field of {length} bytes")
+            if tag >> 3 == 1:  # GraphDef.node
+                graph_def.node.add().MergeFromString(payload)
+                continue
+            payload = encode_varint(length) + payload
+        else:
+            raise message.DecodeError(f"unsupported wire type {wire}")
+        rest += encode_varint(tag) + payload
+    graph_def.MergeFromString(bytes(rest))
+    return graph_def
 
 
 def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None) -> Model:
@@ -277,60 +334,85 @@ def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep:
     return op_lists.keeping(dict.fromkeys(keep, "")) if keep else op_lists
 
 
+class Checkpoint(Protocol):
+    """A ``variables/`` checkpoint written in place of the source's (``cli.weights.LowCheckpoint``)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def write(self, variables: Path) -> None: ...
+
+
 def write_model(
     model: Model, graph_def: graph_pb2.GraphDef, destination: str | os.PathLike, force: bool = False,
-    accept: Callable[[Path], bool] | None = None, variables: Callable[[Path], None] | None = None,
+    accept: Callable[[Path], bool] | None = None, variables: Checkpoint | None = None,
 ) -> bool:
     """Write ``graph_def`` as ``model`` was written (SavedModel or GraphDef file), atomically.
 
-    ``variables`` rewrites the copy's ``variables/`` folder (weights stored low) before the
-    fingerprint hashes it. ``accept`` sees the finished copy before it is moved into place
-    (validation); when it returns False nothing is written. Returns whether ``destination``
-    was written."""
+    ``variables`` writes the copy's checkpoint (weights stored low) in place of the source's,
+    which is then not copied, before the fingerprint hashes it. The free space the result
+    needs is checked before anything is written. ``accept`` sees the finished copy before it
+    is moved into place (validation); when it returns False nothing is written. Returns
+    whether ``destination`` was written."""
     destination = Path(destination)
     check_destination(model.path, destination, force)
+    _tf.require(_tf.SAVED_MODEL_WRITING)
     if model.kind == "graphdef" and destination.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{destination}: a GraphDef is written as .pb (binary) or .pbtxt (text); name it so")
+    skip = {model.path / name for name in (*SAVED_MODEL_FILES, FINGERPRINT)}
+    if variables is not None:
+        skip.update((model.path / "variables").glob("variables.*"))
+    check_room(destination, _size_of(model, graph_def, skip) + (variables.size if variables is not None else 0))
     with staged(destination, force) as target:
         if model.kind == "graphdef":
-            _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
+            with step("writing the graph"):
+                _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
         else:
-            _copy_contents(model.path, target, skip=(*SAVED_MODEL_FILES, FINGERPRINT))
+            with step("copying the SavedModel's files"):
+                _copy_contents(model.path, target, skip)
             if variables is not None:
-                variables(target / "variables")
-            _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
-                         _rewritten_saved_model(model, graph_def), text=model.text)
-            _write_fingerprint(target)
+                with step("writing the checkpoint"):
+                    variables.write(target / "variables")
+            with step("writing saved_model.pb"):
+                _write_proto(target / ("saved_model.pbtxt" if model.text else "saved_model.pb"),
+                             _rewritten_saved_model(model, graph_def), text=model.text)
+                _write_fingerprint(target)
         if accept is not None and not accept(target):
             shutil.rmtree(target) if target.is_dir() else target.unlink()
             return False
     return True
 
 
+def _size_of(model: Model, graph_def: graph_pb2.GraphDef, skip: set[Path]) -> int:
+    """About the bytes ``write_model`` writes besides a new checkpoint: the graph, and the files it copies."""
+    if model.kind == "graphdef":
+        return graph_def.ByteSize()
+    copied = sum(path.stat().st_size for path in model.path.rglob("*") if path.is_file() and path not in skip)
+    return copied + model.saved_model.ByteSize() + graph_def.ByteSize() - model.graph_def.ByteSize()
+
+
 def _rewritten_saved_model(model: Model, graph_def: graph_pb2.GraphDef) -> saved_model_pb2.SavedModel:
     """The source's SavedModel with the chosen MetaGraphDef's graph replaced. The rewrite
     spells out default-valued attrs; where the file promises ``stripped_default_attrs``
     they are stripped again, so the promise stays true (older consumers rely on it)."""
-    from tensorflow.python.framework import meta_graph
-
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
     meta = saved_model.meta_graphs[model.meta_graph_index]
     meta.graph_def.CopyFrom(graph_def)
     if meta.meta_info_def.stripped_default_attrs:
-        meta_graph.strip_graph_default_valued_attrs(meta)
+        _tf.STRIP_DEFAULT_ATTRS.get()(meta)
     return saved_model
 
 
-def _copy_contents(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
-    """Copy files' contents only: directories and files get the user's default modes (umask),
-    so the copy is writable and removable whatever the source's modes."""
+def _copy_contents(source: Path, target: Path, skip: set[Path] = frozenset()) -> None:
+    """Copy files' contents only (but those in ``skip``): directories and files get the user's
+    default modes (umask), so the copy is writable and removable whatever the source's modes."""
     target.mkdir()
     for entry in sorted(source.iterdir()):
-        if entry.name in skip:
+        if entry in skip:
             continue
         if entry.is_dir():
-            _copy_contents(entry, target / entry.name)
+            _copy_contents(entry, target / entry.name, skip)
         else:
             shutil.copyfile(entry, target / entry.name)
 
@@ -338,14 +420,25 @@ def _copy_contents(source: Path, target: Path, skip: tuple[str, ...] = ()) -> No
 def _write_proto(path: Path, proto: message.Message, text: bool) -> None:
     if text:
         path.write_text(text_format.MessageToString(proto), encoding="utf-8")
+    elif isinstance(proto, graph_pb2.GraphDef):
+        _write_nodes(path, proto)
     else:
         path.write_bytes(proto.SerializeToString(deterministic=True))
 
 
+def _write_nodes(path: Path, graph_def: graph_pb2.GraphDef) -> None:
+    """A binary GraphDef written a node at a time, the bytes of its deterministic serialization
+    (fields in number order: the nodes, field 1, first), without the whole of it in memory."""
+    rest = without_nodes(graph_def)
+    with open(path, "wb") as file:
+        for node in graph_def.node:
+            data = node.SerializeToString(deterministic=True)
+            file.write(b"\n" + encode_varint(len(data)) + data)
+        file.write(rest.SerializeToString(deterministic=True))
+
+
 def _write_fingerprint(directory: Path) -> None:
     """A fresh fingerprint.pb: the old one hashes the old graph."""
-    from tensorflow.python.saved_model import fingerprinting_utils
-
     if (directory / "saved_model.pb").exists():
-        fingerprinting_utils.write_fingerprint(str(directory))
+        _tf.WRITE_FINGERPRINT.get()(str(directory))
 

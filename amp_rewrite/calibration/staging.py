@@ -5,7 +5,8 @@ A destination is built in a temporary directory beside it (``staged``) and moved
 place only if nothing appeared there meanwhile; a killed run's leftover is removed by the
 next run to the same destination (``remove_leftovers``).
 
-``on_interrupt`` handles Ctrl-C and SIGTERM for a whole command. The handler undoes what
+``on_interrupt`` handles Ctrl-C and SIGTERM for a whole command; only the console entry
+point installs it (``amp_rewrite.cli.console``): it ends the process. The handler undoes what
 the run has begun (staging directories, temporary files and directories), prints one
 line and exits 128 + the signal's number (130, 143) at once. It cleans up itself rather
 than by raising: an exception raised from a handler can be swallowed by TensorFlow's C++
@@ -58,18 +59,21 @@ def _handle(signum: int, frame: object) -> None:
 
 
 def _exit(signum: int) -> None:
-    """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``."""
-    line = _interrupted_line()
-    for key in sorted(_undo, reverse=True):
-        with contextlib.suppress(Exception):
-            _undo[key][0]()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    with contextlib.suppress(Exception):
-        newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (command._Steps)
-        sys.stderr.write(f"{newline}{line}\n")
-        sys.stderr.flush()
-    os._exit(128 + signum)
+    """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``
+    (whatever an undo raises: the process ends here)."""
+    try:
+        line = _interrupted_line()
+        for key in sorted(_undo, reverse=True):
+            with contextlib.suppress(OSError):  # one path that cannot be removed does not stop the other undos
+                _undo[key][0]()
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: the exit code still says it
+            sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):
+            newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (command._Steps)
+            sys.stderr.write(f"{newline}{line}\n")
+            sys.stderr.flush()
+    finally:
+        os._exit(128 + signum)
 
 
 @contextlib.contextmanager
@@ -216,11 +220,43 @@ def _appeared(destination: Path) -> ModelError:
                       " choose another destination or pass --force to replace it")
 
 
+class StepFailed(ModelError):
+    """An OSError in a named step of writing a destination (``step``), for ``staged`` to place."""
+
+    def __init__(self, what: str, error: OSError) -> None:
+        super().__init__(f"{error.filename or ''}: {what} failed ({error.strerror}); nothing was written")
+        self.what, self.strerror = what, error.strerror
+
+
+@contextlib.contextmanager
+def step(what: str) -> Iterator[None]:
+    """An OSError in the block is ``what`` failing (e.g. "writing the checkpoint"), said so."""
+    try:
+        yield
+    except OSError as error:
+        raise StepFailed(what, error) from None
+
+
+def check_room(destination: Path, needed: int) -> None:
+    """Refuse, before anything is written, a destination whose file system has less free space
+    than the ``needed`` bytes (and the staging copy beside it, which becomes the destination)."""
+    free = shutil.disk_usage(destination.parent).free
+    if needed > free:
+        raise ModelError(f"{destination.parent}: the result needs {_gigabytes(needed)} and {_gigabytes(free)} is"
+                         " free there; nothing was written; free some space or choose another destination")
+
+
+def _gigabytes(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e7 else f"{count / 1e6:.2f} MB"
+
+
 @contextlib.contextmanager
 def staged(destination: Path, force: bool) -> Iterator[Path]:
     """A temporary path beside ``destination``, moved into place only if the block succeeds
     and leaves something there; a failure or an interrupt removes it. With ``force`` an
-    existing destination is replaced; if the replacement fails it is put back."""
+    existing destination is replaced; if the replacement fails it is put back. An OSError is
+    said with the step it came from: making the staging directory, a ``step`` of the block,
+    or the move into place; any other comes out as it was raised."""
     with contextlib.ExitStack() as stack:
         try:
             directory = stack.enter_context(
@@ -233,13 +269,18 @@ def staged(destination: Path, force: bool) -> Iterator[Path]:
         target = directory / destination.name
         try:
             yield target
-            if target.exists():
-                with held():
-                    _publish(target, destination, directory / "replaced", force)
+        except StepFailed as failed:
+            raise ModelError(f"{destination}: {failed.what} failed ({failed.strerror}); nothing was written") from None
+        if not target.exists():
+            return
+        try:
+            with held():
+                _publish(target, destination, directory / "replaced", force)
         except FileExistsError:
             raise _appeared(destination) from None
         except OSError as error:
-            raise ModelError(f"{destination}: writing failed ({error.strerror}); nothing was changed") from None
+            raise ModelError(f"{destination}: moving the result into place failed ({error.strerror}); nothing was"
+                             " changed") from None
 
 
 def _publish(target: Path, destination: Path, old: Path, force: bool) -> None:

@@ -9,7 +9,8 @@ variables shared by name (``ResourceScatterAdd``, ``ResourceScatterMax``). A fun
 lists its folds as control outputs, so TensorFlow runs them, and stateless control flow
 and calls become their stateful forms, so nothing prunes them. The model then runs in a
 TF1 Session (a SavedModel through TensorFlow's own loader, which restores variables and
-runs init ops) once per feed, and the variables are read back. Constants need no run:
+runs init ops) once per feed, and the variables are read back; a calibration's runs share
+one session at a time (``Runner``). Constants need no run:
 their statistics come from their values. Signatures that compute the same outputs from
 the same inputs (a Keras export's ``serve`` and ``serving_default``) run once.
 
@@ -19,16 +20,16 @@ for the main graph and a function body's arguments named like its ``_Arg`` nodes
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, types_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
-from tensorflow.python.framework import tensor_util
-from tensorflow.python.util import deprecation
 
 from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
@@ -38,6 +39,8 @@ from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.typegraph import output_dtypes
+
+log = logging.getLogger(__name__)
 
 TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
 
@@ -141,7 +144,7 @@ def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
         for key in item_keys:
             node_def = nodes.get(key[1])
             if node_def is not None and node_def.op == "Const" and key[2] == 0:
-                found[key] = _stats_of(tensor_util.MakeNdarray(node_def.attr["value"].tensor), small_below)
+                found[key] = _stats_of(tf.make_ndarray(node_def.attr["value"].tensor), small_below)
     return found
 
 
@@ -171,7 +174,7 @@ class _Body:
             elif isinstance(value, int):
                 node.attr[key].type = value
             elif isinstance(value, np.ndarray):
-                node.attr[key].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+                node.attr[key].tensor.CopyFrom(tf.make_tensor_proto(value))
             elif isinstance(value, tf.TensorShape):
                 node.attr[key].shape.CopyFrom(value.as_proto())
             elif isinstance(value, list):
@@ -295,7 +298,8 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
-    names: what one run computes, e.g. a signature's ancestors; a key in none is left out).
+    names: what one run computes, e.g. a signature's ancestors; a key in none is left out,
+    as is one inside a TF1 while loop's frame: ``_in_loop_frames``).
     Returns the copy, per group the main graph's node a run must ask for, and per key
     index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
     share: one per run of a ``Runner``."""
@@ -311,9 +315,10 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
         body = graph_pb2.GraphDef()
         body.CopyFrom(program.item(item))
         nodes = {n.name: n for n in body.node}
+        looped = _in_loop_frames(body) if item == MAIN_GRAPH else set()
         found = []  # (index, tensor, dtype)
         for index, key in entries:
-            node_def = nodes.get(key[1])
+            node_def = nodes.get(key[1]) if key[1] not in looped else None
             dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
             if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
                 strides[index] = sampling_stride(_static_shape(node_def, key[2]))
@@ -344,6 +349,30 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     return output, main_calls, strides
 
 
+def _in_loop_frames(graph_def: graph_pb2.GraphDef) -> set[str]:
+    """The main-graph nodes whose outputs are inside a TF1 while loop's frame (after an
+    ``Enter``, before its ``Exit``). Only nodes of the same frame may read such a tensor, and
+    the folds' constants and variables are outside it, so these tensors are not measured
+    (TensorFlow refuses the run: "has inputs from different frames")."""
+    ops = {node_def.name: node_def.op for node_def in graph_def.node}
+    readers: dict[str, list[str]] = {}
+    for node_def in graph_def.node:
+        for tensor in node_def.input:
+            readers.setdefault(parse_tensor_name(tensor).node, []).append(node_def.name)
+    depth: dict[str, int] = {}
+    pending = [(name, 1) for name, op in ops.items() if op in _ENTER]
+    while pending:
+        name, level = pending.pop()
+        if depth.get(name, 0) >= level:
+            continue
+        depth[name] = level
+        for reader in readers.get(name, ()):
+            op = ops[reader]
+            pending.append((reader, level + 1 if op in _ENTER else level - 1 if op in _EXIT else level))
+    return {name for name, level in depth.items() if level > 0}
+
+
+_ENTER, _EXIT = frozenset({"Enter", "RefEnter"}), frozenset({"Exit", "RefExit"})
 _VARIABLES = ((_MAXIMA, _F32, [_BUCKETS]), (_SUMS, _F64, [_BUCKETS, _MOMENTS]), (_PEAKS, _F32, []))
 def _shared(prefix: str, name: str) -> str:
     """The name a statistics variable is shared by, in function bodies and the main graph."""
@@ -420,79 +449,92 @@ def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str
 RANDOM_INPUTS = "random inputs"
 
 
-def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
-                    feeds: Feeds) -> dict[str, str]:
-    """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
-    main-graph computation once its input placeholders are named by input name and each
-    called function by its body (a Keras export's ``serve`` and ``serving_default`` call
-    two wrappers that differ only in name and argument labels)."""
-    nodes = {node.name: node for node in graph_def.node}
-    bodies = {f.signature.name: f for f in graph_def.library.function}
-    body_keys: dict[str, bytes] = {}
+class _Computations:
+    """Keys of what main-graph nodes compute, equal for the nodes of two signatures that
+    compute the same from the same inputs: a node by its op, device, attrs (a called
+    function by its body, not its name) and its inputs' keys; a signature input by its
+    input name; a node that reads no signature input by its own name (every signature
+    shares it)."""
 
-    def body_key(name: str) -> bytes:
-        if name not in body_keys:
+    def __init__(self, graph_def: graph_pb2.GraphDef) -> None:
+        self.graph_def = graph_def
+        self.nodes = {node.name: node for node in graph_def.node}
+        self.bodies = {f.signature.name: f for f in graph_def.library.function}
+        self._body_keys: dict[str, bytes] = {}
+
+    def body_key(self, name: str) -> bytes:
+        """A function's body without its name and argument labels."""
+        if name not in self._body_keys:
             body = function_pb2.FunctionDef()
-            body.CopyFrom(bodies[name])
+            body.CopyFrom(self.bodies[name])
             body.signature.name = ""
             body.ClearField("arg_attr")
-            body_keys[name] = body.SerializeToString(deterministic=True)
-        return body_keys[name]
+            self._body_keys[name] = body.SerializeToString(deterministic=True)
+        return self._body_keys[name]
 
-    def node_key(node_def, inputs_key: tuple) -> tuple:
+    def node_key(self, node_def: node_def_pb2.NodeDef, inputs_key: tuple) -> tuple:
         attrs = []
         for name, value in sorted(node_def.attr.items()):
-            if value.HasField("func") and value.func.name in bodies:
+            if value.HasField("func") and value.func.name in self.bodies:
                 called = attr_value_pb2.AttrValue()
                 called.CopyFrom(value)
                 called.func.name = ""
-                attrs.append((name, body_key(value.func.name), called.SerializeToString(deterministic=True)))
+                attrs.append((name, self.body_key(value.func.name), called.SerializeToString(deterministic=True)))
             else:
                 attrs.append((name, value.SerializeToString(deterministic=True)))
         return node_def.op, node_def.device, tuple(attrs), inputs_key
 
-    def signature_key(inputs: Mapping[str, str], outputs: Mapping[str, str]) -> tuple | None:
+    def signature_key(self, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> tuple | None:
+        """The key of a signature's outputs; None where its nodes form a cycle (TF1 control flow)."""
         placeholders = {parse_tensor_name(tensor).node: name for name, tensor in inputs.items()}
-        ancestors = _ancestors(graph_def, outputs.values())
         keys: dict[str, tuple] = {}
         expanded: set[str] = set()
-        pending = sorted(ancestors)
+        pending = sorted(_ancestors(self.graph_def, outputs.values()))
         while pending:  # post-order without recursion: TF1 graphs can be deep
             name = pending.pop()
             if name in keys:
                 continue
-            node_def = nodes[name]
+            node_def = self.nodes[name]
             if name in placeholders:
                 keys[name] = ("input", placeholders[name])
                 continue
             sources = [parse_tensor_name(t) for t in node_def.input]
-            waiting = [ref.node for ref in sources if ref.node not in keys and ref.node in nodes]
+            waiting = [ref.node for ref in sources if ref.node not in keys and ref.node in self.nodes]
             if waiting:
                 if name in expanded:
-                    return None  # a cycle (TF1 control flow): no key, so no twin
+                    return None  # a cycle: no key, so no twin
                 expanded.add(name)
                 pending.extend([name, *waiting])
                 continue
             if not any(keys.get(ref.node, ("",))[0] != "shared" for ref in sources):
-                keys[name] = ("shared", name)  # reads no signature input: the same node for every signature
+                keys[name] = ("shared", name)
                 continue
-            keys[name] = node_key(node_def, tuple((keys.get(ref.node), ref.port, ref.is_control) for ref in sources))
+            keys[name] = self.node_key(node_def, tuple((keys.get(ref.node), ref.port, ref.is_control)
+                                                       for ref in sources))
         return tuple((name, keys.get(parse_tensor_name(t).node), parse_tensor_name(t).port)
                      for name, t in sorted(outputs.items()))
 
-    def same_feeds(a: str, b: str) -> bool:
-        first, second = feeds.get(a, [{}]), feeds.get(b, [{}])
-        return len(first) == len(second) and all(
-            x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
 
+def _same_feeds(feeds: Feeds, a: str, b: str) -> bool:
+    first, second = feeds.get(a, [{}]), feeds.get(b, [{}])
+    return len(first) == len(second) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
+
+
+def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
+                    feeds: Feeds) -> dict[str, str]:
+    """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
+    main-graph computation (``_Computations``: a Keras export's ``serve`` and
+    ``serving_default`` call two wrappers that differ only in name and argument labels)."""
+    computations = _Computations(graph_def)
     seen: dict[tuple, str] = {}
     same: dict[str, str] = {}
     for key, (inputs, outputs) in signatures.items():
-        found = signature_key(inputs, outputs)
+        found = computations.signature_key(inputs, outputs)
         if found is None:
             continue
         twin = seen.get(found)
-        if twin is not None and same_feeds(twin, key):
+        if twin is not None and _same_feeds(feeds, twin, key):
             same[key] = twin
         else:
             seen.setdefault(found, key)
@@ -506,28 +548,44 @@ def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Seq
         return runner.collect(graph_def, keys, small_below, described)
 
 
+@dataclass
+class _Loaded:
+    """A session with the model loaded: what it loaded (each function and main-graph node,
+    serialized, so that a later graph's changes can be told) and how many graphs were added
+    to it since. ``closing`` closes the session, which frees its copy of the variables."""
+
+    session: tf.compat.v1.Session
+    library: dict[str, bytes]
+    main: dict[str, bytes]
+    closing: contextlib.ExitStack
+    added: int = 0
+
+
 class Runner:
-    """One TF1 Session for every run of a calibration. The first graph is loaded as the
-    model would be (a SavedModel through TensorFlow's own loader, which restores variables
-    and runs init ops); each later one is added to the same session: the functions it
-    changes under new names, the main-graph nodes it changes under a new scope, the rest
-    shared. A run then pays for what its rewrite changed, not for loading the model again
-    (``_add``)."""
+    """The TF1 Session for a calibration's runs, one at a time. The first graph is loaded as
+    the model would be (a SavedModel through TensorFlow's own loader, which restores
+    variables and runs init ops); a later one is added to the same session: the functions
+    it changes under new names, the main-graph nodes it changes under a new scope, the rest
+    shared (``_add``). A run then pays for what its rewrite changed, not for loading the
+    model again. After ``_ADDED_PER_SESSION`` added graphs the session is closed and the
+    next run loads afresh, so one copy of the model's variables is alive at any time."""
 
     def __init__(self, model: Model, feeds: Feeds) -> None:
         self.model, self.feeds = model, feeds
-        self.session: tf.compat.v1.Session | None = None
-        self.library: dict[str, bytes] = {}   # the loaded functions (the first graph's)
-        self.main: dict[str, bytes] = {}      # the loaded main-graph nodes
         self.runs = 0
-        self.added = 0  # graphs added to the session since it loaded
-        self._exit = contextlib.ExitStack()
+        self._loaded: _Loaded | None = None
 
     def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._exit.close()
+        self.close()
+
+    def close(self) -> None:
+        """Close the session, freeing the variables it restored."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            loaded.closing.close()
 
     def collect(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
                 described: str = "the calibration inputs") -> Run:
@@ -535,31 +593,15 @@ class Runner:
         folding ``keys``; returns the statistics and the outputs. ``described`` names the
         feeds in the error a model that fails on them gets (``RANDOM_INPUTS``: made from
         the signatures)."""
-        model, feeds = self.model, self.feeds
         constants = constant_stats(graph_def, keys, small_below)
         run_keys = [k for k in keys if k not in constants]
-        signatures = signatures_of(model)
-        same = same_signatures(graph_def, signatures, feeds)
-        groups = [_ancestors(graph_def, outputs.values()) for key, (_, outputs) in signatures.items()
-                  if key not in same]
+        signatures = signatures_of(self.model)
+        same = same_signatures(graph_def, signatures, self.feeds)
+        run = {key: entry for key, entry in signatures.items() if key not in same}
+        groups = [_ancestors(graph_def, outputs.values()) for _, outputs in run.values()]
         prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
         instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups, prefix)
-        if self.added >= _ADDED_PER_SESSION:  # every run's executor copies the session's whole library
-            self.session, self.added = None, 0
-        if self.session is None:
-            config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
-            self.session = self._exit.enter_context(_loaded(model, instrumented, config))
-            self.library = {f.signature.name: f.SerializeToString(deterministic=True)
-                            for f in instrumented.library.function}
-            self.main = {n.name: n.SerializeToString(deterministic=True) for n in instrumented.node}
-            scope = {}
-        else:
-            try:
-                scope = self._add(instrumented, f"{PREFIX}_run{self.runs}")
-            except (ValueError, KeyError, tf.errors.OpError):  # what the session cannot take in, a new one loads
-                self.session = None
-                return self.collect(graph_def, keys, small_below, described)
-            self.added += 1
+        scope = self._take(instrumented)
         self.runs += 1
 
         def named(tensor: str) -> str:  # a main-graph tensor or op as the session has it
@@ -567,150 +609,196 @@ class Runner:
             node = scope.get(ref.node, ref.node)
             return f"{node}:{ref.port}" if ":" in tensor else node
 
-        session, size = self.session, len(run_keys)
-        if size:
+        session = self._loaded.session
+        if run_keys:
             session.run(named(_initialize(prefix)))
         outputs: dict[str, list[dict[str, np.ndarray]]] = {}
-        run_signatures = [(key, entry) for key, entry in signatures.items() if key not in same]
-        for (key, (inputs, fetched)), call in zip(run_signatures, main_calls):
-            target = session.graph.get_operation_by_name(named(call))
-            fetches = {name: named(tensor_name(*parse_tensor_name(tensor))) for name, tensor in fetched.items()}
-            for feed in feeds.get(key, [{}]):
-                fed = {named(inputs[name]): value for name, value in feed.items()}
-                try:
-                    values, _ = session.run((fetches, target), feed_dict=fed)
-                except (tf.errors.OpError, ValueError, TypeError) as error:
-                    where = f"{model.path}" + (f": signature '{key}'" if key != GRAPH else "")
-                    advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
-                              if described == RANDOM_INPUTS else "; check them against the model's inputs")
-                    what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
-                            if described == RANDOM_INPUTS else described)
-                    cause = tensorflow_cause(error)
-                    raise ModelError(f"{where}: the model fails on {what} ({cause}){advice}") from None
-                outputs.setdefault(key, []).append(values)
-        read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if size else {}
+        for (key, (inputs, fetched)), call in zip(run.items(), main_calls):
+            if found := self._run_feeds(key, inputs, fetched, call, named, described):
+                outputs[key] = found
+        read = session.run({name: named(_read(prefix, name)) for name, _, _ in _VARIABLES}) if run_keys else {}
         for key, twin in same.items():
             outputs[key] = outputs[twin]
         stats = dict(constants)
         for index, key in enumerate(run_keys):
-            if index not in strides or read[_SUMS][index, :, 0].sum() == 0:
-                continue  # never ran: a branch not taken, a loop that did not iterate
-            stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]),
-                                     strides[index])
+            if index in strides and read[_SUMS][index, :, 0].sum() > 0:  # else it never ran: a branch not taken
+                stats[key] = _stats_from(read[_MAXIMA][index], read[_SUMS][index], float(read[_PEAKS][index]),
+                                         strides[index])
         return Run(stats, outputs)
 
-    def _add(self, graph_def: graph_pb2.GraphDef, scope: str) -> dict[str, str]:
-        """Import ``graph_def`` into the loaded session's graph: each function that differs
-        from the loaded one of its name, and each function calling such a one, as
-        ``NAME_<scope>``; each main-graph node that differs from the loaded one (or reads
-        one that does) under ``scope/``, reading the rest from the loaded graph. Returns
-        main-graph node name → its name in the session."""
-        library = {f.signature.name: f for f in graph_def.library.function}
-        changed = {name for name, f in library.items()
-                   if self.library.get(name) != f.SerializeToString(deterministic=True)}
-        callees = {name: _called(f.node_def, library) for name, f in library.items()}
-        while grown := {name for name in library if name not in changed and callees[name] & changed}:
-            changed |= grown
-        renamed = {name: f"{name}_{scope}" for name in changed}
-        partial = graph_pb2.GraphDef()
-        partial.versions.CopyFrom(graph_def.versions)
-        for name in sorted(changed):
-            function = partial.library.function.add()
-            function.CopyFrom(library[name])
-            function.signature.name = renamed[name]
-            for node_def in function.node_def:
-                _rename_calls(node_def, renamed)
-        nodes = {}
-        for node_def in graph_def.node:
-            copy = node_def_pb2.NodeDef()
-            copy.CopyFrom(node_def)
-            _rename_calls(copy, renamed)
-            nodes[copy.name] = copy
-        moved = {name for name, node_def in nodes.items()
-                 if self.main.get(name) != node_def.SerializeToString(deterministic=True)}
-        readers: dict[str, set[str]] = {}
-        for name, node_def in nodes.items():
-            for tensor in node_def.input:
-                readers.setdefault(parse_tensor_name(tensor).node, set()).add(name)
-        pending = list(moved)
-        while pending:
-            for reader in readers.get(pending.pop(), ()):
-                if reader not in moved:
-                    moved.add(reader)
-                    pending.append(reader)
-        graph = self.session.graph
-        input_map = {}
-        for name in sorted(moved):
-            node_def = partial.node.add()
-            node_def.CopyFrom(nodes[name])
-            kept_inputs = []
-            for tensor in node_def.input:
-                ref = parse_tensor_name(tensor)
-                if ref.node in moved:
+    def _take(self, graph_def: graph_pb2.GraphDef) -> dict[str, str]:
+        """Put ``graph_def`` in the session: added to the loaded one while it takes more
+        graphs, else loaded afresh, the old session closed first. Returns main-graph node →
+        its name in the session."""
+        if self._loaded is not None and self._loaded.added < _ADDED_PER_SESSION:
+            try:
+                scope = _add(self._loaded, graph_def, f"{PREFIX}_run{self.runs}")
+            except (ValueError, KeyError) as error:  # import_graph_def's and the graph's lookups' errors
+                log.warning("calibration: run %d cannot be added to the loaded session (%s); the model is loaded"
+                            " afresh for it", self.runs + 1, tensorflow_cause(error))
+            else:
+                self._loaded.added += 1
+                return scope
+        self.close()  # no reference to the old session may outlive this: its variables go with it
+        self._loaded = _load(self.model, graph_def)
+        return {}
+
+    def _run_feeds(self, key: str, inputs: Mapping[str, str], fetched: Mapping[str, str], call: str,
+                   named: Callable[[str], str], described: str) -> list[dict[str, np.ndarray]]:
+        """Signature ``key``'s outputs on each of its feeds, its statistics folded by ``call``."""
+        session = self._loaded.session
+        target = session.graph.get_operation_by_name(named(call))
+        fetches = {name: named(tensor_name(*parse_tensor_name(tensor))) for name, tensor in fetched.items()}
+        outputs = []
+        for feed in self.feeds.get(key, [{}]):
+            fed = {named(inputs[name]): value for name, value in feed.items()}
+            try:
+                values, _ = session.run((fetches, target), feed_dict=fed)
+            except (tf.errors.OpError, ValueError, TypeError) as error:
+                where = f"{self.model.path}" + (f": signature '{key}'" if key != GRAPH else "")
+                advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
+                          if described == RANDOM_INPUTS else "; check them against the model's inputs")
+                what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
+                        if described == RANDOM_INPUTS else described)
+                cause = tensorflow_cause(error)
+                raise ModelError(f"{where}: the model fails on {what} ({cause}){advice}") from None
+            outputs.append(values)
+        return outputs
+
+
+def _load(model: Model, graph_def: graph_pb2.GraphDef) -> _Loaded:
+    """A session with ``graph_def`` loaded as ``model`` would be, with what it loaded."""
+    with contextlib.ExitStack() as stack:
+        session = stack.enter_context(_loaded(model, graph_def, tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)))
+        return _Loaded(session, {f.signature.name: f.SerializeToString(deterministic=True)
+                                 for f in graph_def.library.function},
+                       {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node}, stack.pop_all())
+
+
+def _add(loaded: _Loaded, graph_def: graph_pb2.GraphDef, scope: str) -> dict[str, str]:
+    """Import ``graph_def`` into the loaded session's graph: each function that differs
+    from the loaded one of its name, and each function calling such a one, as
+    ``NAME_<scope>``; each main-graph node that differs from the loaded one (or reads one
+    that does) under ``scope/``, reading the rest from the loaded graph. Returns main-graph
+    node name → its name in the session."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    renamed = {name: f"{name}_{scope}" for name in _changed_functions(library, loaded.library)}
+    partial = graph_pb2.GraphDef()
+    partial.versions.CopyFrom(graph_def.versions)
+    for name in sorted(renamed):
+        function = partial.library.function.add()
+        function.CopyFrom(library[name])
+        function.signature.name = renamed[name]
+        for node_def in function.node_def:
+            functions.rename_calls(node_def, renamed)
+    nodes = {}
+    for node_def in graph_def.node:
+        copy = node_def_pb2.NodeDef()
+        copy.CopyFrom(node_def)
+        functions.rename_calls(copy, renamed)
+        nodes[copy.name] = copy
+    moved = _moved_nodes(nodes, loaded.main)
+    graph = loaded.session.graph
+    input_map = {}
+    for name in sorted(moved):
+        node_def = partial.node.add()
+        node_def.CopyFrom(nodes[name])
+        kept_inputs = []
+        for tensor in node_def.input:
+            ref = parse_tensor_name(tensor)
+            if ref.node in moved:
+                kept_inputs.append(tensor)
+            elif ref.is_control:
+                outputs = graph.get_operation_by_name(ref.node).outputs
+                if outputs:  # a control input on an op without outputs cannot be mapped: it ran at load
+                    input_map[f"^{ref.node}"] = outputs[0]
                     kept_inputs.append(tensor)
-                elif ref.is_control:
-                    outputs = graph.get_operation_by_name(ref.node).outputs
-                    if outputs:  # a control input on an op without outputs cannot be mapped: it ran at load
-                        input_map[f"^{ref.node}"] = outputs[0]
-                        kept_inputs.append(tensor)
-                else:
-                    input_map[f"{ref.node}:{ref.port}"] = graph.get_tensor_by_name(f"{ref.node}:{ref.port}")
-                    kept_inputs.append(tensor)
-            node_def.input[:] = kept_inputs
-        with graph.as_default():
-            tf.graph_util.import_graph_def(partial, input_map=input_map, name=scope)
-        return {name: f"{scope}/{name}" for name in moved}
+            else:
+                input_map[f"{ref.node}:{ref.port}"] = graph.get_tensor_by_name(f"{ref.node}:{ref.port}")
+                kept_inputs.append(tensor)
+        node_def.input[:] = kept_inputs
+    with graph.as_default():
+        tf.graph_util.import_graph_def(partial, input_map=input_map, name=scope)
+    return {name: f"{scope}/{name}" for name in moved}
 
 
-def _called(node_defs: Iterable[node_def_pb2.NodeDef], library: Mapping[str, object]) -> set[str]:
-    """The library functions ``node_defs`` call: by op name or through a function attr."""
-    found = set()
-    for node_def in node_defs:
-        if node_def.op in library:
-            found.add(node_def.op)
-        for value in node_def.attr.values():
-            found.update(f.name for f in [value.func] + list(value.list.func) if f.name in library)
-    return found
+def _changed_functions(library: Mapping[str, function_pb2.FunctionDef], loaded: Mapping[str, bytes]) -> set[str]:
+    """The functions of ``library`` that differ from the ``loaded`` ones of their names, and
+    those that call such a one (directly or not)."""
+    changed = {name for name, f in library.items() if loaded.get(name) != f.SerializeToString(deterministic=True)}
+    callees = {name: {called for node_def in f.node_def for called in functions.called_functions(node_def)
+                      if called in library} for name, f in library.items()}
+    while grown := {name for name in library if name not in changed and callees[name] & changed}:
+        changed |= grown
+    return changed
 
 
-def _rename_calls(node_def: node_def_pb2.NodeDef, renamed: Mapping[str, str]) -> None:
-    """Point ``node_def``'s calls (its op, its function attrs) at ``renamed`` functions."""
-    node_def.op = renamed.get(node_def.op, node_def.op)
-    for value in node_def.attr.values():
-        for function in [value.func] + list(value.list.func):
-            if function.name in renamed:
-                function.name = renamed[function.name]
+def _moved_nodes(nodes: Mapping[str, node_def_pb2.NodeDef], loaded: Mapping[str, bytes]) -> set[str]:
+    """The main-graph ``nodes`` that differ from the ``loaded`` ones of their names, and
+    those that read such a one (directly or not)."""
+    moved = {name for name, node_def in nodes.items() if loaded.get(name) != node_def.SerializeToString(deterministic=True)}
+    readers: dict[str, set[str]] = {}
+    for name, node_def in nodes.items():
+        for tensor in node_def.input:
+            readers.setdefault(parse_tensor_name(tensor).node, set()).add(name)
+    pending = list(moved)
+    while pending:
+        for reader in readers.get(pending.pop(), ()):
+            if reader not in moved:
+                moved.add(reader)
+                pending.append(reader)
+    return moved
+
+
+class _WithoutDeprecations(logging.Filter):
+    """Drops TensorFlow's deprecation warnings: the TF1 loader is what TensorFlow Serving
+    uses, and its advice to move to ``tf.saved_model.load`` is none a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is deprecated and will be removed" not in record.getMessage()
 
 
 @contextlib.contextmanager
 def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
-    """A Session with ``graph_def`` loaded as ``model`` would be."""
-    if model.kind == "graphdef":
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-        with tf.compat.v1.Session(graph=graph, config=config) as session:
+    """A Session with ``graph_def`` loaded as ``model`` would be; closed on exit. Neither it
+    nor its graph is made the default while it is open: the caller's code between runs
+    stays as eager as it was."""
+    graph = tf.Graph()
+    session = tf.compat.v1.Session(graph=graph, config=config)
+    try:
+        if model.kind == "graphdef":
+            with graph.as_default():
+                tf.graph_util.import_graph_def(graph_def, name="")
             yield session
-        return
-    with staging.temporary_directory("amp-rewrite-calibration-") as directory:
-        saved_model = saved_model_pb2.SavedModel()
-        saved_model.CopyFrom(model.saved_model)
-        del saved_model.meta_graphs[:]
-        meta = saved_model.meta_graphs.add()
-        meta.CopyFrom(model.meta_graph)
-        meta.graph_def.CopyFrom(graph_def)
-        (directory / "saved_model.pb").write_bytes(saved_model.SerializeToString())
-        for part in ("variables", "assets"):
-            if (model.path / part).exists():
-                (directory / part).symlink_to((model.path / part).resolve())
-        with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph, config=config) as session:
+            return
+        with staging.temporary_directory("amp-rewrite-calibration-") as directory:
+            _stage_saved_model(model, graph_def, directory)
+            quiet, logger = _WithoutDeprecations(), tf.get_logger()
+            logger.addFilter(quiet)
             try:
-                with deprecation.silence():  # the TF1 loader is what TensorFlow Serving uses: no advice wanted
-                    tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
+                tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
             except (ValueError, RuntimeError, tf.errors.OpError) as error:
                 raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration"
                                  f" ({tensorflow_cause(error)})") from None
+            finally:
+                logger.removeFilter(quiet)
             yield session
+    finally:
+        session.close()
+
+
+def _stage_saved_model(model: Model, graph_def: graph_pb2.GraphDef, directory: Path) -> None:
+    """``model`` with ``graph_def`` as its graph, in ``directory``: its variables and assets linked."""
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.CopyFrom(model.saved_model)
+    del saved_model.meta_graphs[:]
+    meta = saved_model.meta_graphs.add()
+    meta.CopyFrom(model.meta_graph)
+    meta.graph_def.CopyFrom(graph_def)
+    (directory / "saved_model.pb").write_bytes(saved_model.SerializeToString())
+    for part in ("variables", "assets"):
+        if (model.path / part).exists():
+            (directory / part).symlink_to((model.path / part).resolve())
 
 
 def model_tensors(model: Model) -> list[TensorKey]:

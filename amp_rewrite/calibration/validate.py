@@ -13,6 +13,7 @@ finite is an infinite error, whatever the metric.
 """
 from __future__ import annotations
 
+import gc
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,27 +319,102 @@ def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
 
 def validate_saved_models(
     source: Path, destination: Path, tags: Sequence[str], feeds: Feeds, random: bool,
-    metric: str | Metric = DEFAULT_METRIC,
+    metric: str | Metric = DEFAULT_METRIC, tf1: bool = False,
 ) -> list[OutputError]:
-    """The error of each (signature, output) over ``feeds`` (from ``plan_feeds``)."""
-    try:
-        old_model = tf.saved_model.load(str(source), tags=list(tags))
-    except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise ModelError(f"{source}: TensorFlow cannot load it ({tensorflow_cause(error)})") from None
-    new_model = tf.saved_model.load(str(destination), tags=list(tags))
+    """The error of each (signature, output) over ``feeds`` (from ``plan_feeds``). The source
+    runs every feed and is let go before the result is loaded: one model in memory at a time.
+    ``tf1``: a SavedModel without an object graph, run in a Session by TensorFlow's v1 loader,
+    which restores each variable in place (``tf.saved_model.load`` restores them all before
+    assigning them: 1.6x the variables at once)."""
+    outputs = _session_outputs if tf1 else _outputs
+    old_outputs = outputs(source, tags, feeds, lambda key, error: _fails_on_inputs(
+        f"{source}: signature '{key}'", error, random))
+    gc.collect()
+    new_outputs = outputs(destination, tags, feeds, None)
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
-    for key in sorted(old_model.signatures):
-        old_fn, new_fn = old_model.signatures[key], new_model.signatures[key]
-        for feed in feeds.get(key, [{}]):
-            tensors = {name: tf.constant(value) for name, value in feed.items()}
-            try:
-                old_out = old_fn(**tensors)
-            except (tf.errors.OpError, ValueError, TypeError) as error:
-                raise _fails_on_inputs(f"{source}: signature '{key}'", error, random) from None
-            new_out = new_fn(**tensors)
-            for name in sorted(old_out):
-                pairs.setdefault((key, name), []).append((old_out[name].numpy(), new_out[name].numpy()))
+    for (key, name), runs in old_outputs.items():
+        pairs[(key, name)] = list(zip(runs, new_outputs[(key, name)]))
     return _errors(metric, pairs)
+
+
+def _outputs(path: Path, tags: Sequence[str], feeds: Feeds,
+             failing: Callable[[str, Exception], ModelError] | None) -> dict[tuple[str, str], list[np.ndarray]]:
+    """Every signature's outputs over its feeds, as arrays; the model is dropped on return.
+    ``failing``: the error for a feed the model fails on (None: TensorFlow's own)."""
+    try:
+        model = tf.saved_model.load(str(path), tags=list(tags))
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise ModelError(f"{path}: TensorFlow cannot load it ({tensorflow_cause(error)})") from None
+    found: dict[tuple[str, str], list[np.ndarray]] = {}
+    for key in sorted(model.signatures):
+        function = model.signatures[key]
+        for feed in feeds.get(key, [{}]):
+            try:
+                outputs = function(**{name: tf.constant(value) for name, value in feed.items()})
+            except (tf.errors.OpError, ValueError, TypeError) as error:
+                if failing is None:
+                    raise
+                raise failing(key, error) from None
+            for name in sorted(outputs):
+                found.setdefault((key, name), []).append(outputs[name].numpy())
+    return found
+
+
+def _session_outputs(path: Path, tags: Sequence[str], feeds: Feeds,
+                     failing: Callable[[str, Exception], ModelError] | None) -> dict[tuple[str, str], list[np.ndarray]]:
+    """``_outputs`` for a TF1 SavedModel: its signatures' tensors run in a Session."""
+    found: dict[tuple[str, str], list[np.ndarray]] = {}
+    logger, level = tf.get_logger(), tf.get_logger().level
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        logger.setLevel("ERROR")  # the v1 loader's deprecation notice
+        try:
+            meta = tf.compat.v1.saved_model.loader.load(session, list(tags), str(path))
+        except (ValueError, RuntimeError, OSError, tf.errors.OpError) as error:
+            raise ModelError(f"{path}: TensorFlow cannot load it ({tensorflow_cause(error)})") from None
+        finally:
+            logger.setLevel(level)
+        for key in sorted(meta.signature_def):
+            signature = meta.signature_def[key]
+            for feed in feeds.get(key, [{}]):
+                fed = {signature.inputs[name].name: value for name, value in feed.items()}
+                try:
+                    values = session.run({name: info.name for name, info in signature.outputs.items()}, fed)
+                except (tf.errors.OpError, ValueError, TypeError) as error:
+                    if failing is None:
+                        raise
+                    raise failing(key, error) from None
+                for name in sorted(values):
+                    found.setdefault((key, name), []).append(np.asarray(values[name]))
+    return found
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable, or less under a cgroup
+    limit; None where neither can be read."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text(encoding="ascii")
+        found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text(encoding="ascii").strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text(encoding="ascii")))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits(model: Model, largest: int) -> None:
+    """Refuse, before anything is written, a validation whose model (``largest`` bytes of
+    variables or graph: the larger of the source and the result, loaded one at a time)
+    cannot fit in the memory left."""
+    available = available_memory()
+    if available is not None and largest > available:
+        raise ModelError(f"{model.path}: --validate loads the model ({largest / 1e9:.1f} GB) and"
+                         f" {available / 1e9:.1f} GB of memory is available; it cannot fit: convert without"
+                         " --validate and --inputs, then validate the result where it fits")
 
 
 def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool,

@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
-import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
-
-from amp_rewrite._quiet import silence_native_stderr  # noqa: E402
-
-if os.path.basename(sys.argv[0]) == "amp-rewrite":
-    silence_native_stderr()
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 # No TensorFlow in these two: plain Python.
-from amp_rewrite.calibration import staging  # noqa: E402
-from amp_rewrite.core.errors import AmpRewriteError, ModelError  # noqa: E402
+from amp_rewrite.calibration import staging
+from amp_rewrite.core.errors import AmpRewriteError, ModelError
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.savedmodel import Model
@@ -246,16 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with staging.on_interrupt():  # Ctrl-C and SIGTERM from here on: nothing left behind, exit 130/143
-        args = build_parser().parse_args(argv)
-        try:
-            return COMMANDS[args.command](args)
-        except (AmpRewriteError, OSError) as error:
-            if args.debug:
-                raise
-            message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
-            print(f"amp-rewrite: error: {message}", file=sys.stderr)
-            return EXIT_USAGE
+    """The command's boundary: an error is one line and exit 2. Signals are the caller's
+    (``amp_rewrite.cli``: the console script handles them, a program in process gets
+    ``KeyboardInterrupt``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (AmpRewriteError, OSError) as error:
+        if args.debug:
+            raise
+        message = str(error) if isinstance(error, AmpRewriteError) else f"{error.filename or ''}: {error.strerror}"
+        print(f"amp-rewrite: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _say(args: argparse.Namespace, *lines: str) -> None:
@@ -431,7 +428,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         calibration = _calibrate(args, model, lists, args.calibrate)
         result, lists = calibration.result, calibration.lists
-        if not calibration.ok and not args.keep_failed:
+        if calibration.compared and not calibration.ok and not args.keep_failed:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
                   " (--keep-failed writes it anyway)", file=sys.stderr)
             return EXIT_VALIDATION
@@ -445,6 +442,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                                   " name them with --fetch NAME[:PORT]")
         feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+        validate.check_fits(model, _weights_bytes(model))
         _say(args, *[f"Note: {note}" for note in notes])
     for leftover in staging.remove_leftovers(args.dst):
         _say(args, f"Removed {leftover}, left by an interrupted run")
@@ -463,12 +461,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return not failures[0] or args.keep_failed
 
     steps("writing")
-    from amp_rewrite.cli.weights import write_checkpoint
-
-    variables = (lambda folder: write_checkpoint(model, stored, folder)) if stored and stored.low_keys else None
-    written = write_model(written_model, result.graph_def, args.dst, force=args.force,
-                          accept=_speed_checked(args, tuning, steps, accept if feeds is not None else None),
-                          variables=variables)
+    with _checkpoint(args, model, stored) as variables:
+        written = write_model(written_model, result.graph_def, args.dst, force=args.force,
+                              accept=_speed_checked(args, tuning, steps, accept if feeds is not None else None),
+                              variables=variables)
     steps.done()
     _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
@@ -508,15 +504,48 @@ def _check_speed(args: argparse.Namespace, tuning: Any, staged: Path, steps: _St
         print(f"amp-rewrite: warning: {line}", file=sys.stderr)
 
 
+def _weights_bytes(model: Model) -> int:
+    """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
+    if model.kind == "graphdef":
+        return model.graph_def.ByteSize()
+    return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
+
+
+PROGRESS_BYTES = 1 << 30  # a checkpoint this large shows a progress bar over the bytes written
+
+
+@contextlib.contextmanager
+def _checkpoint(args: argparse.Namespace, model: Model, stored: StoredWeights | None) -> Iterator[Any]:
+    """The checkpoint ``convert`` writes in place of the source's (None: the source's is copied),
+    with a progress bar over its bytes on a terminal for a model of a GB or more, unless --quiet."""
+    if model.kind != "savedmodel" or stored is None or not stored.low_keys:
+        yield None
+        return
+    from tqdm import tqdm
+
+    from amp_rewrite.cli.weights import LowCheckpoint
+
+    checkpoint = LowCheckpoint(model, stored)
+    shown = not args.quiet and sys.stderr.isatty() and checkpoint.size >= PROGRESS_BYTES
+    if shown:
+        print(file=sys.stderr)  # the bar below the open "writing …" line
+    with tqdm(total=checkpoint.size, unit="B", unit_scale=True, desc="amp-rewrite: writing the checkpoint",
+              disable=not shown, file=sys.stderr) as bar:
+        checkpoint.progress = bar.update
+        yield checkpoint
+
+
 def _store_weights(args: argparse.Namespace, model: Model,
                    result: RewriteResult) -> tuple[Model, RewriteResult, StoredWeights | None]:
     """The weights in the target dtype, unless --float32-weights: the model to write (its
     object graph's variable dtypes), the graph, and what was stored (None: nothing changed)."""
-    if args.float32_weights:
-        return model, result, None
     import dataclasses
 
     from amp_rewrite.cli import weights
+
+    if args.float32_weights:
+        weights.check_checkpoint(model)
+        return model, result, None
 
     stored = weights.stored_weights(model, result, args.target)
     return weights.with_weights(model, stored), dataclasses.replace(result, graph_def=stored.graph_def), stored
@@ -554,6 +583,9 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     if result.float8 is not None:
         _say(args, f"Calibration: {result.result.report.float8_matmuls} matmul(s) on float8_e4m3fn operands,"
                    f" {len(result.float8.lossy)} kept float16 as too lossy in float8")
+    if not result.compared:
+        print(f"amp-rewrite: warning: calibration had nothing to compare: no output of {model.path} is a number, so no"
+              " run could check the rewrite; its decisions are the range rules' alone", file=sys.stderr)
     if kept and not calibrate.converted_nodes(result.result):
         print(f"amp-rewrite: warning: nothing converted: calibration keeps every node the lists convert float32, so"
               f" the rewrite runs as the float32 model does; target {args.target} does not suit this model as"
@@ -575,7 +607,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     staging.write_text_atomically(args.out, calibration.overlay(base))
     _say(args, f"Wrote {args.out}: use it with amp-rewrite convert {args.src} DST --target {args.target}"
                f" --lists {args.out}")
-    return EXIT_OK if calibration.ok else EXIT_VALIDATION
+    return EXIT_OK if calibration.ok or not calibration.compared else EXIT_VALIDATION
 
 
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
@@ -586,7 +618,8 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 
     random = args.inputs is None
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric)
+        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric,
+                                                tf1=not model.meta_graph.object_graph_def.nodes)
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)

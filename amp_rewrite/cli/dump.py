@@ -30,6 +30,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
 from tensorflow.python.lib.io import tf_record
 
+from amp_rewrite.cli import graph_view
 from amp_rewrite.core import casts, graph_io, support, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -195,7 +196,8 @@ def write_dump(
     dot_binary = shutil.which("dot")
     for item in dump.items:
         stem_to_drawing[item.stem] = _draw(dump, item, root / "graphs", dot_binary, written)
-    written.append(_write(root / "report.html", render_report(dump, stem_to_drawing)))
+    stem_to_view = {item.stem: _view(dump, item, stem_to_drawing[item.stem], root / "graphs") for item in dump.model_items}
+    written.append(_write(root / "report.html", render_report(dump, stem_to_drawing, stem_to_view)))
     written.append(_write_events(root / "tb" / EVENTS_FILE, dump.graph_def))
     return written
 
@@ -344,20 +346,52 @@ def _dot(item: DumpItem, op_defs: Mapping[str, op_def_pb2.OpDef], title: str, ta
             f"  {_dot_quote(node.name)} [label={_dot_quote(label)},"
             f' fillcolor="{CLASS_TO_STYLE[node_class][0]}"{shape}, tooltip={_dot_quote(chr(10).join(tooltip))}];'
         )
+    for edge in _edges(item, node_to_dtypes, target):
+        source, destination = _dot_quote(edge.source), _dot_quote(edge.destination)
+        if not edge.label:
+            lines.append(f"  {source} -> {destination} [style=dashed, color=\"#aaaaaa\"];")
+            continue
+        low = ', color="#2e8b2e", fontcolor="#2e8b2e", penwidth=1.6' if edge.low else ""
+        lines.append(f"  {source} -> {destination} [xlabel={_dot_quote(edge.label)}{low}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _edges(item: DumpItem, node_to_dtypes: Mapping[str, Sequence[str]], target: str) -> list[graph_view.ViewEdge]:
+    """Every edge of the rewritten item: data edges labelled dtype[:port] (``low`` when the
+    dtype is ``target``), control edges with no label."""
+    edges = []
     for node in item.after.node:
         for tensor in node.input:
             ref = graph_io.parse_tensor_name(tensor, consumer=node.name)
-            source = _dot_quote(ref.node)
             if ref.is_control:
-                lines.append(f"  {source} -> {_dot_quote(node.name)} [style=dashed, color=\"#aaaaaa\"];")
+                edges.append(graph_view.ViewEdge(ref.node, node.name, "", False))
                 continue
             dtypes = node_to_dtypes.get(ref.node, ())
             dtype = dtypes[ref.port] if ref.port < len(dtypes) else "?"
             port = f":{ref.port}" if ref.port else ""
-            low = ', color="#2e8b2e", fontcolor="#2e8b2e", penwidth=1.6' if dtype == target else ""
-            lines.append(f"  {source} -> {_dot_quote(node.name)} [xlabel={_dot_quote(dtype + port)}{low}];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+            edges.append(graph_view.ViewEdge(ref.node, node.name, dtype + port, dtype == target))
+    return edges
+
+
+def _view(dump: Dump, item: DumpItem, drawing: Drawing, directory: Path) -> graph_view.GraphView:
+    """What the report draws for a model item: Graphviz's SVG inline when it made one, else
+    the built-in layout (bounded), with the reason it stands in."""
+    why = drawing.note
+    if drawing.svg:
+        view = graph_view.from_graphviz((directory / f"{item.stem}.svg").read_text(encoding="utf-8"))
+        if view is not None:
+            return graph_view.GraphView(view.svg, view.drawn_by, drawing.note)
+        why = f"Graphviz's graphs/{item.stem}.svg is too big to embed"
+    node_to_dtypes = {node.name: _output_dtypes(node, dump.op_defs) for node in item.after.node}
+    nodes = [graph_view.ViewNode(node.name, node.op, CLASS_TO_STYLE[item.node_to_class[node.name]][0],
+                                 "; ".join(f"{d.attr}: {d.before} → {d.after} [{d.rule}]"
+                                           for d in item.node_to_decisions.get(node.name, ())))
+             for node in item.after.node]
+    low = {name for name, node_class in item.node_to_class.items() if node_class in ("converted", "cast")}
+    view = graph_view.built_in(nodes, _edges(item, node_to_dtypes, dump.report.painted), low,
+                               f"{dump.title} — {item.label}")
+    return graph_view.GraphView(view.svg, view.drawn_by, "; ".join(filter(None, (why, view.note))))
 
 
 def _scope(name: str, depth: int) -> str:
@@ -468,9 +502,11 @@ def _template() -> jinja2.Template:
     return environment.get_template("report.html.j2")
 
 
-def render_report(dump: Dump, stem_to_drawing: Mapping[str, Drawing]) -> str:
-    """The page: counts, items and decisions of the model; TensorFlow's plumbing in one
-    collapsed table without its decisions (most of a SavedModel's nodes, none of its model).
+def render_report(dump: Dump, stem_to_drawing: Mapping[str, Drawing],
+                  stem_to_view: Mapping[str, graph_view.GraphView] | None = None) -> str:
+    """The page: counts, items, the model items' graphs (``stem_to_view``) and decisions;
+    TensorFlow's plumbing in one collapsed table without its decisions (most of a
+    SavedModel's nodes, none of its model).
     Casts are counted one way everywhere: casts to the target, as grappler's summary line."""
     model = dump.model_items
     kept = [d for item in model for d in item.decisions if not d.converted]
@@ -479,6 +515,7 @@ def render_report(dump: Dump, stem_to_drawing: Mapping[str, Drawing]) -> str:
         dump=dump,
         report=dump.report,
         drawings=stem_to_drawing,
+        views=stem_to_view or {},
         main_stem=MAIN_STEM,
         classes=CLASS_TO_STYLE,
         sources=" + ".join(Path(source).name for source in dump.lists.sources) or "built-in",

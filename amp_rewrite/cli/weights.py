@@ -5,21 +5,30 @@ keeps them float32).
 dtype, and changes the graph. What the graph cannot say is read here: which object of a
 SavedModel's object graph holds which checkpoint key (the checkpoint's own object graph),
 and which keys another MetaGraphDef sharing ``variables/`` restores. Then the SavedModel's
-``SavedVariable.dtype`` entries and the checkpoint change to match: the checkpoint is
-written again with TensorFlow's own writer (``SaveV2``, run eagerly), every key read back
-from the source, the low ones rounded once as the per-call cast rounded them
-(``core.weights.round_to``), every other tensor (the object graph's key included) as it was.
+``SavedVariable.dtype`` entries and the checkpoint change to match. The checkpoint is
+written in bounded memory, whatever its size (``LowCheckpoint``): a chunk of low keys at a
+time, read back from the source and rounded once as the per-call cast rounded them
+(``core.weights.round_to``), written by TensorFlow's own ``SaveV2``; every other tensor (the
+object graph's key included) copied byte for byte; the source's shards kept.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import itertools
+import math
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from tensorflow.core.protobuf import saved_model_pb2, trackable_object_graph_pb2
+import numpy as np
+from google.protobuf import message
+from tensorflow.core.framework import variable_pb2
+from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
+from amp_rewrite.calibration import bundle
 from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
@@ -28,6 +37,9 @@ from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restor
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as
+TRAINABLE_COLLECTION = "trainable_variables"    # a TF1 MetaGraphDef's (tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+CHUNK_BYTES = 16 << 20  # float32 bytes of low keys read, rounded and written at once (tests pass less)
+COPY_BLOCK = 8 << 20    # bytes copied at once from a source shard
 
 
 def checkpoint_prefix(model: Model) -> Path:
@@ -58,6 +70,7 @@ def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWe
         return store_weights(result.graph_def, target, kept=kept, variables=False, constants=True)
     if not (model.path / "variables" / "variables.index").exists():
         return store_weights(result.graph_def, target, kept=kept, variables=False)
+    check_checkpoint(model)
     reader = _reader(model)
     objects, blocked = _object_graph(model, reader)
     for index, meta in enumerate(model.saved_model.meta_graphs):
@@ -91,9 +104,11 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
     proto = model.meta_graph.object_graph_def
     if not proto.nodes or not reader.has_tensor(OBJECT_GRAPH_KEY):
         return None, {}  # a TF1 SavedModel: its graph's savers are all there is
+    import tensorflow as tf
+
     try:
         trackable = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor(OBJECT_GRAPH_KEY))
-    except Exception as error:  # noqa: BLE001 - a corrupt tensor or proto: one line, whatever raised
+    except (tf.errors.OpError, ValueError, IndexError, message.DecodeError) as error:  # IndexError: bytes missing
         raise _unreadable(model, error) from None
     object_to_key, blocked = {}, {}
     for node_id, node in enumerate(trackable.nodes):
@@ -109,42 +124,269 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
 
 
 def with_weights(model: Model, stored: StoredWeights) -> Model:
-    """``model`` whose object graph says the dtype each variable is now stored in."""
-    if model.kind != "savedmodel" or not stored.low_objects:
+    """``model`` whose object graph says the dtype each variable is now stored in, and that
+    the low ones are not trainable (TF1: out of the trainable_variables collection): updates
+    smaller than their precision would round away, so fine-tuning code must not see them as
+    float32 master weights (``--float32-weights`` keeps those)."""
+    if model.kind != "savedmodel" or not stored.low_keys:
         return model
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
-    nodes = saved_model.meta_graphs[model.meta_graph_index].object_graph_def.nodes
+    meta = saved_model.meta_graphs[model.meta_graph_index]
     dtype = next(weight.dtype for weight in stored.weights if weight.low)
     for node_id in stored.low_objects:
-        nodes[node_id].variable.dtype = dtype
+        meta.object_graph_def.nodes[node_id].variable.dtype = dtype
+        meta.object_graph_def.nodes[node_id].variable.trainable = False
+    _untrain_lists(meta.object_graph_def, stored.low_objects)
+    if TRAINABLE_COLLECTION in meta.collection_def:
+        low = {weight.name for weight in stored.weights if weight.low}
+        values = meta.collection_def[TRAINABLE_COLLECTION].bytes_list.value
+        kept = [value for value in values
+                if parse_tensor_name(variable_pb2.VariableDef.FromString(value).variable_name).node not in low]
+        del values[:]
+        values.extend(kept)
     return dataclasses.replace(model, saved_model=saved_model)
 
 
-def write_checkpoint(model: Model, stored: StoredWeights, variables: Path) -> None:
-    """``variables/`` of the staged copy: the source's checkpoint with ``stored``'s low keys
-    in the target dtype. The copy of the source's files there is replaced."""
-    import tensorflow as tf
+def _untrain_lists(proto: Any, low: frozenset[int]) -> None:
+    """A Keras export's ``trainable_variables`` list without the low variables, which join its
+    ``non_trainable_variables`` (the lists ``model.export`` saves on the root object)."""
+    lists = {child.local_name: proto.nodes[child.node_id] for child in proto.nodes[0].children} if proto.nodes else {}
+    trainable, frozen = lists.get("trainable_variables"), lists.get("non_trainable_variables")
+    if trainable is None or frozen is None:
+        return
+    moved = [child.node_id for child in trainable.children if child.node_id in low]
+    kept = [child.node_id for child in trainable.children if child.node_id not in low]
+    for found, node_ids in ((trainable, kept), (frozen, [c.node_id for c in frozen.children] + moved)):
+        del found.children[:]
+        for position, node_id in enumerate(node_ids):
+            found.children.add(node_id=node_id, local_name=str(position))
 
-    low = stored.low_keys
-    if not low:
-        return  # nothing changes: the copied checkpoint stays byte for byte
-    dtype = next(weight.dtype for weight in stored.weights if weight.low)
-    reader = _reader(model)
-    keys = sorted(reader.get_variable_to_dtype_map())
-    values = []
-    for key in keys:
+
+class LowCheckpoint:
+    """``variables/`` of the staged copy, written a chunk at a time: the source's checkpoint
+    with ``stored``'s low keys in the target dtype, each part of them in its source shard.
+
+    Every other key's bytes are copied as they are (their crc32c with them). The low keys
+    are read (TensorFlow's reader, which checks each crc32c; a part larger than a chunk is
+    read in slices straight from its shard), rounded, and written by TensorFlow's ``SaveV2``
+    a chunk at a time, each chunk's shard appended to the source part's shard; one index over
+    them all. At most ``chunk_bytes`` of float32 values (and their rounded copy) are held."""
+
+    def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int | None = None) -> None:
+        self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes or CHUNK_BYTES
+        self.dtype = next(weight.dtype for weight in stored.weights if weight.low)
+        self.source = checked_index(model)
         try:
-            value = reader.get_tensor(key)
-        except (tf.errors.OpError, ValueError) as error:
-            raise _unreadable(model, error) from None
-        values.append(round_to(value, dtype) if key in low else value)  # bytes as read: numpy drops trailing NULs
-    for old in variables.glob("variables.*"):
-        old.unlink()
+            self.parts = {key: bundle.parts(self.source, key) for key in sorted(self.low)}
+        except bundle.BundleError as error:
+            raise ModelError(f"{bundle.index_path(checkpoint_prefix(model))}: {error}; copy variables/ from the"
+                             " original export") from None
+        self.low_entries = {name for found in self.parts.values() for name, _, _ in found}
+        self.progress: Callable[[int], None] = lambda written: None
+
+    @property
+    def size(self) -> int:
+        """The bytes it writes: the low keys' in half, the others' as they are."""
+        return sum(entry.size // (2 if key in self.low_entries else 1) for key, entry in self.source.entries.items())
+
+    def write(self, variables: Path) -> None:
+        prefix, shards = variables / "variables", self.source.header.num_shards
+        entries = {key: entry for key, entry in self.source.entries.items() if entry.slices and key not in self.low}
+        with tempfile.TemporaryDirectory(prefix=".chunks.", dir=variables) as scratch:
+            reader = _reader(self.model)
+            for shard in range(shards):
+                with open(bundle.data_path(prefix, shard, shards), "wb") as out:
+                    self._copy_shard(shard, out, entries)
+                    _Chunks(self, reader, shard, out, Path(scratch), entries).write()
+        bundle.index_path(prefix).write_bytes(bundle.index_bytes(bundle.Index(self.source.header, entries)))
+
+    def shard_path(self, shard: int) -> Path:
+        return bundle.data_path(checkpoint_prefix(self.model), shard, self.source.header.num_shards)
+
+    def _copy_shard(self, shard: int, out: BinaryIO, entries: dict[str, Any]) -> None:
+        """The keys that do not change, their bytes as they are, in the source's order."""
+        kept = sorted((entry.offset, key) for key, entry in self.source.entries.items()
+                      if entry.shard_id == shard and not entry.slices and key not in self.low_entries)
+        with open(self.shard_path(shard), "rb") as source:
+            for _, key in kept:
+                entry = self.source.entries[key]
+                entries[key] = _moved(entry, shard, out.tell())
+                _copy_bytes(source, out, entry.offset, entry.size)
+                self.progress(entry.size)
+
+
+def _moved(entry: Any, shard: int, offset: int) -> Any:
+    moved = tensor_bundle_pb2.BundleEntryProto()
+    moved.CopyFrom(entry)
+    moved.shard_id, moved.offset = shard, offset
+    return moved
+
+
+def _copy_bytes(source: BinaryIO, out: BinaryIO, offset: int, size: int) -> None:
+    """``size`` bytes of ``source`` from ``offset`` appended to ``out``, a block at a time."""
+    source.seek(offset)
+    while size:
+        block = source.read(min(size, COPY_BLOCK))
+        if not block:
+            raise ModelError(f"{source.name}: ends before byte {offset + size}; the shard is truncated: copy"
+                             " variables/ from the original export")
+        out.write(block)
+        size -= len(block)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Values read, rounded and written at once: all of a stored part, or a slice of one."""
+
+    key: str
+    dims: tuple[int, ...]       # the whole tensor's
+    extents: bundle.Extents     # what this piece holds of it
+    part: Any                   # the stored entry holding it
+    first: int                  # its first element's place in the part
+    whole_part: bool
+
+    @property
+    def elements(self) -> int:
+        return math.prod(length for _, length in self.extents)
+
+    @property
+    def spec(self) -> str:
+        """SaveV2's and RestoreV2's shape-and-slice: "" for the whole tensor."""
+        if all(start == 0 and length == size for (start, length), size in zip(self.extents, self.dims)):
+            return ""
+        return " ".join(map(str, self.dims)) + " " + ":".join(f"{start},{length}" for start, length in self.extents)
+
+
+def _pieces(key: str, dims: tuple[int, ...], part: Any, extents: bundle.Extents, chunk_bytes: int
+            ) -> Iterator[_Piece]:
+    """A stored part of a float32 key whole when it fits a chunk, else in slices contiguous in
+    its shard: along the first axis whose trailing block fits, one index on each axis before."""
+    lengths = [length for _, length in extents]
+    if math.prod(lengths) * 4 <= chunk_bytes:
+        yield _Piece(key, dims, extents, part, 0, True)
+        return
+    axis = next(axis for axis in range(len(lengths)) if math.prod(lengths[axis + 1:]) * 4 <= chunk_bytes)
+    block = math.prod(lengths[axis + 1:])
+    step = max(1, chunk_bytes // (block * 4))
+    for leading in itertools.product(*(range(size) for size in lengths[:axis])):
+        row = 0
+        for index, size in zip(leading, lengths[:axis]):
+            row = row * size + index
+        for start in range(0, lengths[axis], step):
+            length = min(step, lengths[axis] - start)
+            local = [*((index, 1) for index in leading), (start, length), *((0, size) for size in lengths[axis + 1:])]
+            yield _Piece(key, dims, tuple((origin + begin, size) for (origin, _), (begin, size) in zip(extents, local)),
+                         part, (row * lengths[axis] + start) * block, False)
+
+
+class _Chunks:
+    """One shard's low parts, read, rounded and written a chunk at a time (``LowCheckpoint``)."""
+
+    def __init__(self, checkpoint: LowCheckpoint, reader: Any, shard: int, out: BinaryIO, scratch: Path,
+                 entries: dict[str, Any]) -> None:
+        self.checkpoint, self.reader, self.shard, self.out = checkpoint, reader, shard, out
+        self.scratch, self.entries = scratch, entries
+        self.pieces: list[_Piece] = []
+        self.values: list[np.ndarray] = []
+
+    def write(self) -> None:
+        checkpoint = self.checkpoint
+        for key, found in checkpoint.parts.items():
+            dims = tuple(dim.size for dim in checkpoint.source.entries[key].shape.dim)
+            for _, part, extents in sorted(found, key=lambda found: found[1].offset):
+                if part.shard_id != self.shard:
+                    continue
+                for piece in _pieces(key, dims, part, extents, checkpoint.chunk_bytes):
+                    if self.pieces and (sum(p.elements for p in self.pieces) + piece.elements) * 4 > \
+                            checkpoint.chunk_bytes:
+                        self._flush()
+                    self.values.append(round_to(self._read(piece), checkpoint.dtype))
+                    self.pieces.append(piece)
+        self._flush()
+
+    def _read(self, piece: _Piece) -> np.ndarray:
+        """A whole part through TensorFlow's reader (its crc32c checked), a slice of one from the shard."""
+        import tensorflow as tf
+
+        if piece.whole_part:
+            try:
+                if not piece.spec:
+                    return self.reader.get_tensor(piece.key)
+                prefix = str(checkpoint_prefix(self.checkpoint.model))
+                with tf.device("CPU:0"):
+                    return tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[piece.key], shape_and_slices=[piece.spec],
+                                                dtypes=[tf.float32])[0].numpy()
+            except (tf.errors.OpError, ValueError, IndexError) as error:
+                raise _unreadable(self.checkpoint.model, error) from None
+        path = self.checkpoint.shard_path(self.shard)
+        values = np.fromfile(path, dtype="<f4", count=piece.elements, offset=piece.part.offset + piece.first * 4)
+        if values.size != piece.elements:
+            raise ModelError(f"{path}: ends inside key '{piece.key}'; the shard is truncated: copy variables/ from the"
+                             " original export")
+        return values.reshape([length for _, length in piece.extents])
+
+    def _flush(self) -> None:
+        """The chunk held: written by ``SaveV2``, its shard appended to ours, its entries moved there."""
+        import tensorflow as tf
+
+        if not self.pieces:
+            return
+        prefix = self.scratch / "chunk"
+        try:
+            with tf.device("CPU:0"):
+                tf.raw_ops.SaveV2(prefix=str(prefix), tensor_names=[piece.key for piece in self.pieces],
+                                  shape_and_slices=[piece.spec for piece in self.pieces], tensors=self.values)
+        except tf.errors.OpError as error:
+            raise ModelError(f"{self.scratch.parent}: cannot write the checkpoint ({tensorflow_cause(error)});"
+                             " nothing was written; check the free space and permissions there") from None
+        written = bundle.read_index(prefix)
+        base = self.out.tell()
+        for key, entry in written.entries.items():
+            if not entry.slices:
+                self.entries[key] = _moved(entry, self.shard, base + entry.offset)
+            elif key in self.entries:  # a key written in slices: its whole-tensor entry lists them all
+                self.entries[key].slices.extend(entry.slices)
+            else:
+                self.entries[key] = entry
+        data = bundle.data_path(prefix, 0, 1)
+        with open(data, "rb") as chunk:
+            _copy_bytes(chunk, self.out, 0, data.stat().st_size)
+        self.checkpoint.progress(data.stat().st_size)
+        data.unlink()
+        bundle.index_path(prefix).unlink()
+        self.pieces, self.values = [], []
+
+
+def check_checkpoint(model: Model) -> None:
+    """A SavedModel's checkpoint, if it has one, has every shard, each long enough (``checked_index``)."""
+    if model.kind == "savedmodel" and bundle.index_path(checkpoint_prefix(model)).exists():
+        checked_index(model)
+
+
+def checked_index(model: Model) -> bundle.Index:
+    """The source checkpoint's index, with every shard there and long enough for the keys it
+    holds: a missing or cut shard is one line before anything is written."""
+    prefix = checkpoint_prefix(model)
     try:
-        with tf.device("CPU:0"):
-            tf.raw_ops.SaveV2(prefix=str(variables / "variables"), tensor_names=keys,
-                              shape_and_slices=[""] * len(keys), tensors=values)
-    except tf.errors.OpError as error:
-        raise ModelError(f"{variables}: cannot write the checkpoint ({tensorflow_cause(error)}); nothing was"
-                         " written; check the free space and permissions there") from None
+        index = bundle.read_index(prefix)
+    except OSError as error:
+        raise ModelError(f"{bundle.index_path(prefix)}: cannot read ({error.strerror}); copy variables/ from the"
+                         " original export") from None
+    except (bundle.BundleError, message.DecodeError) as error:
+        raise ModelError(f"{bundle.index_path(prefix)}: not a checkpoint index TensorFlow wrote ({error}); copy"
+                         " variables/ from the original export") from None
+    shards = index.header.num_shards
+    ends = [0] * shards
+    for entry in index.entries.values():
+        if not entry.slices and entry.shard_id < shards:
+            ends[entry.shard_id] = max(ends[entry.shard_id], entry.offset + entry.size)
+    for shard, end in enumerate(ends):
+        path = bundle.data_path(prefix, shard, shards)
+        if not path.exists():
+            raise ModelError(f"{path}: missing (the index names {shards} shard(s)); copy variables/ from the"
+                             " original export")
+        if path.stat().st_size < end:
+            raise ModelError(f"{path}: {path.stat().st_size} bytes, but the index places keys up to byte {end};"
+                             " the shard is truncated: copy variables/ from the original export")
+    return index

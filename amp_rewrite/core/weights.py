@@ -27,11 +27,13 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
+import tensorflow as tf
+from networkx.utils import UnionFind
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
-from tensorflow.python.framework import dtypes, tensor_util
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.errors import GraphError
@@ -114,6 +116,9 @@ class StoredWeights:
             if kept and kind == "variable":
                 line += f"; {len(kept)} stay{'s' if len(kept) == 1 else ''} float32:"
             lines.append(line)
+            if kind == "variable" and low:
+                lines.append(f"  the {self.target} ones are saved non-trainable (an update smaller than their precision"
+                             " rounds away): to fine-tune the result, convert with --float32-weights")
             if kind == "variable":
                 shown = kept if every else kept[:SHOWN_KEPT]
                 lines += [f"  {weight.name}: {weight.reason}" for weight in shown]
@@ -133,7 +138,7 @@ def round_to(values: np.ndarray, dtype: int) -> np.ndarray:
     """float32 ``values`` in ``dtype`` (DT_HALF, DT_BFLOAT16), rounded to nearest even as
     TensorFlow's ``Cast`` rounds them: each weight rounded once, as the per-call cast did."""
     with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype's range is inf, as the cast gives
-        return np.asarray(values, np.float32).astype(dtypes.as_dtype(dtype).as_numpy_dtype)
+        return np.asarray(values, np.float32).astype(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ class _Index:
     nodes: Mapping[str, node_def_pb2.NodeDef]
     readers: Mapping[Port, list[tuple[str, int]]]  # (node, port) -> [(reader, input position)]
     order: tuple[str, ...]
+    position: Mapping[str, int]  # node -> its place in ``order``
+    decoded: dict[tuple[str, int], list[str] | None] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(graph_def: graph_pb2.GraphDef) -> _Index:
@@ -193,7 +200,9 @@ class _Index:
                 ref = parse_tensor_name(tensor)
                 if not ref.is_control:
                     readers[(ref.node, ref.port)].append((node.name, position))
-        return _Index({node.name: node for node in graph_def.node}, readers, tuple(n.name for n in graph_def.node))
+        order = tuple(node.name for node in graph_def.node)
+        return _Index({node.name: node for node in graph_def.node}, readers, order,
+                      {name: position for position, name in enumerate(order)})
 
     def readers_of(self, node: str, port: int = 0) -> list[tuple[str, int]]:
         return self.readers.get((node, port), [])
@@ -208,7 +217,7 @@ class _Edits:
 
     types: dict[Place, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))       # attr -> dtype
     list_types: dict[Place, dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
-    values: dict[Place, np.ndarray] = field(default_factory=dict)   # Const -> its new value
+    rounded: set[Place] = field(default_factory=set)                # Consts whose value is rounded to their dtype
     removed_casts: set[Place] = field(default_factory=set)          # casts whose readers read their input instead
     cast_values: set[Place] = field(default_factory=set)            # AssignVariableOps whose value gets a cast
 
@@ -222,12 +231,18 @@ class _Edits:
                 self.removed_casts.add(place)
 
     def items(self) -> set[str]:
-        places = [*self.types, *self.list_types, *self.values, *self.removed_casts, *self.cast_values]
+        places = [*self.types, *self.list_types, *self.rounded, *self.removed_casts, *self.cast_values]
         return {item for item, _ in places}
 
     def apply(self, program: Program) -> graph_pb2.GraphDef:
-        output = graph_pb2.GraphDef()
-        output.CopyFrom(program.graph_def)
+        """The edited copy. The main graph is copied a node at a time, a rounded Const built
+        from its float32 value: a frozen graph's weights are never held twice in float32."""
+        output = without_nodes(program.graph_def)
+        for node in program.graph_def.node:
+            if (MAIN_GRAPH, node.name) in self.rounded:
+                _put_rounded(output.node.add(), node, self.types[(MAIN_GRAPH, node.name)]["dtype"])
+            else:
+                output.node.add().CopyFrom(node)
         for item in sorted(self.items()):
             body = output if item == MAIN_GRAPH else _copy(program.item(item))
             self._apply_to(item, body)
@@ -243,8 +258,8 @@ class _Edits:
                 node.attr[attr].type = dtype
             for (attr, index), dtype in self.list_types.get(place, {}).items():
                 node.attr[attr].list.type[index] = dtype
-            if place in self.values:
-                node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(self.values[place]))
+            if place in self.rounded and item != MAIN_GRAPH:  # the main graph's: rounded as copied
+                _put_rounded(node, node, self.types[place]["dtype"])
             if place in self.removed_casts:
                 replaced[node.name] = node.input[0]
         for node in list(body.node):
@@ -252,6 +267,27 @@ class _Edits:
                 node.input[1] = _add_cast(body, node, self.types[(item, node.name)]["dtype"])
         if replaced:
             _bypass(body, replaced)
+
+
+def without_nodes(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    """A copy of ``graph_def`` but its nodes (library, versions, debug info)."""
+    copy = graph_pb2.GraphDef()
+    for field, value in graph_def.ListFields():
+        if field.name == "node":
+            continue
+        if field.message_type is not None:
+            getattr(copy, field.name).CopyFrom(value)
+        else:
+            setattr(copy, field.name, value)
+    return copy
+
+
+def _put_rounded(node: node_def_pb2.NodeDef, const: node_def_pb2.NodeDef, dtype: int) -> None:
+    """``node``: the float32 Const ``const`` with its value rounded to ``dtype`` (``node`` may be ``const``)."""
+    value = tf.make_tensor_proto(round_to(tf.make_ndarray(const.attr["value"].tensor), dtype))
+    if node is not const:
+        node.CopyFrom(const)  # one float32 value at a time, replaced at once
+    node.attr["value"].tensor.CopyFrom(value)
 
 
 def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
@@ -307,36 +343,18 @@ def _where(item: str) -> str:
 # Variables: 1. follow every handle, 2. who reads each value, 3. decide per group, 4. edits
 
 
-class _Sets:
-    """Union-find over handle places: one set per variable (with its copies)."""
-
-    def __init__(self) -> None:
-        self.parent: dict[Place, Place] = {}
-
-    def find(self, place: Place) -> Place:
-        parent = self.parent.setdefault(place, place)
-        while parent != place:
-            self.parent[place] = self.parent.setdefault(parent, parent)
-            place, parent = parent, self.parent[parent]
-        return place
-
-    def union(self, a: Place, b: Place) -> None:
-        root_a, root_b = self.find(a), self.find(b)
-        if root_a != root_b:
-            self.parent[max(root_a, root_b)] = min(root_a, root_b)
-
-    def groups(self) -> dict[Place, list[Place]]:
-        found: dict[Place, list[Place]] = defaultdict(list)
-        for place in list(self.parent):
-            found[self.find(place)].append(place)
-        return found
+def _groups(sets: UnionFind) -> list[list[Place]]:
+    """The sets, each in the order its places were first seen, ordered by their first place:
+    the same groups, in the same order, on every run."""
+    seen = {place: position for position, place in enumerate(sets.parents)}
+    return sorted((sorted(group, key=seen.__getitem__) for group in sets.to_sets()), key=lambda g: seen[g[0]])
 
 
 @dataclass
 class _Handles:
     """Step 1's findings: the handle groups, the ops on each handle, and what stops one."""
 
-    sets: _Sets = field(default_factory=_Sets)
+    sets: UnionFind = field(default_factory=UnionFind)  # one set per variable (with its copies)
     accesses: list[tuple[Place, Place]] = field(default_factory=list)   # (handle, read or assign op)
     blockers: dict[Place, list[str]] = field(default_factory=lambda: defaultdict(list))
     keys: dict[Place, set[str]] = field(default_factory=lambda: defaultdict(set))  # handle -> checkpoint keys
@@ -390,12 +408,12 @@ def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: Ob
                 key = objects.object_to_key.get(node_id)
                 if key is not None and arg.type == RESOURCE:
                     found.keys[(function, arg.name)].add(key)
-                    found.sets.find((function, arg.name))
+                    found.sets[(function, arg.name)]
     return found
 
 
 def _follow(program: Program, item: str, index: _Index, handle: Place, found: _Handles, loop_body: bool) -> None:
-    found.sets.find(handle)
+    found.sets[handle]
     stack, seen = [(handle[1], 0)], set()
     while stack:
         port = stack.pop()
@@ -464,11 +482,26 @@ def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[
 
 
 def _strings(index: _Index, node: str, position: int) -> list[str] | None:
-    """The string list a ``Const`` input holds (SaveV2/RestoreV2 tensor names), or None."""
-    source = index.input_node(node, position)
-    if source.op != "Const":
+    """The string list a ``Const`` input holds (SaveV2/RestoreV2 tensor names), or None;
+    decoded once per node (a saver's list names every key, and is asked for each)."""
+    if (node, position) not in index.decoded:
+        source = index.input_node(node, position)
+        index.decoded[(node, position)] = None if source.op != "Const" else [
+            value.decode() for value in np.asarray(tf.make_ndarray(source.attr["value"].tensor)).ravel()]
+    return index.decoded[(node, position)]
+
+
+def _string_at(index: _Index, item: str, node: str, position: int, at: int) -> str | None:
+    """Entry ``at`` of a saver's string list (``_strings``), or None; a list too short for the
+    tensors the op saves or restores is one line (TensorFlow fails on it when it runs)."""
+    found = _strings(index, node, position)
+    if found is None:
         return None
-    return [value.decode() for value in np.asarray(tensor_util.MakeNdarray(source.attr["value"].tensor)).ravel()]
+    if at >= len(found):
+        op = index.nodes[node].op
+        raise GraphError(f"{op} '{node}'{_where(item)} has tensor {at} but its input {position} lists"
+                         f" {len(found)} name(s); the saver is malformed: export the model again")
+    return found[at]
 
 
 def _elements(node: node_def_pb2.NodeDef) -> int:
@@ -501,21 +534,20 @@ def _store_variables(
     for assign, restored in restores.items():
         if restored is not None:
             (item, restore), port, _ = restored
-            names = _strings(indexes[item], restore, 1)
-            if names is not None:
-                handles.keys[access_handle[assign]].add(names[port])
+            key = _string_at(indexes[item], item, restore, 1, port)
+            if key is not None:
+                handles.keys[access_handle[assign]].add(key)
     sliced: set[str] = set()  # keys saved in slices: SaveV2 of the whole checkpoint would join them
     for handle, reads in handle_reads.items():
         for (item, save), tensor in reads.saves:
-            names = _strings(indexes[item], save, 1)
-            slices = _strings(indexes[item], save, 2)
-            if names is None:
+            key = _string_at(indexes[item], item, save, 1, tensor)
+            if key is None:
                 handles.blockers[handle].append(f"its checkpoint key in SaveV2 '{save}'{_where(item)} is computed"
                                                 " at run time")
             else:
-                handles.keys[handle].add(names[tensor])
-            if slices is not None and slices[tensor]:
-                sliced.add(names[tensor] if names is not None else save)
+                handles.keys[handle].add(key)
+            if _string_at(indexes[item], item, save, 2, tensor):
+                sliced.add(key if key is not None else save)
     # 3. Decide per group; 4. the edits of a group stored low.
     weights = []
     key_to_objects: dict[str, list[int]] = defaultdict(list)
@@ -528,15 +560,18 @@ def _store_variables(
                " does not rewrite")
         for handle in list(handles.keys):
             handles.blockers[handle].append(why)
-    for places in _key_groups(handles).values():
-        weight = _decide(places, indexes, handles, handle_reads, access_handle, restores, dtype, kept, blocked_keys,
+    handle_accesses: dict[Place, list[Place]] = defaultdict(list)
+    for handle, access in handles.accesses:
+        handle_accesses[handle].append(access)
+    for places in _key_groups(handles):
+        weight = _decide(places, indexes, handles, handle_reads, handle_accesses, restores, dtype, kept, blocked_keys,
                          key_to_objects, names, edits)
         if weight is not None:
             weights.append(weight)
     return weights
 
 
-def _key_groups(handles: _Handles) -> dict[Place, list[Place]]:
+def _key_groups(handles: _Handles) -> list[list[Place]]:
     """Handle groups, where handles with one checkpoint key are one variable (the object
     graph binds a function's argument to a variable the main graph holds as a VarHandleOp)."""
     by_key: dict[str, Place] = {}
@@ -545,7 +580,7 @@ def _key_groups(handles: _Handles) -> dict[Place, list[Place]]:
             if key in by_key:
                 handles.sets.union(by_key[key], handle)
             by_key[key] = handle
-    return handles.sets.groups()
+    return _groups(handles.sets)
 
 
 def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, list[Place]] | None:
@@ -563,17 +598,16 @@ def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, 
 
 def _decide(
     places: list[Place], indexes: Mapping[str, _Index], handles: _Handles, handle_reads: Mapping[Place, _Reads],
-    access_handle: Mapping[Place, Place], restores: Mapping[Place, tuple[Place, int, list[Place]] | None],
+    handle_accesses: Mapping[Place, list[Place]], restores: Mapping[Place, tuple[Place, int, list[Place]] | None],
     dtype: int, kept: Mapping[Place, str], blocked_keys: Mapping[str, str],
     key_to_objects: Mapping[str, list[int]], names: Mapping[int, str], edits: _Edits,
 ) -> Weight | None:
     """Steps 3-4 for one group: its Weight (None if it is no float32 variable) and, when it
     is stored low, its edits."""
-    members = set(places)
     variables = sorted((p for p in places if indexes[p[0]].nodes.get(p[1]) is not None
                         and indexes[p[0]].nodes[p[1]].op == "VarHandleOp"),
-                       key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].order.index(p[1])))
-    accesses = [access for access, handle in access_handle.items() if handle in members]
+                       key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].position[p[1]]))
+    accesses = [access for place in places for access in handle_accesses.get(place, ())]
     node_dtypes = {place: indexes[place[0]].nodes[place[1]].attr["dtype"].type for place in [*variables, *accesses]}
     if len(set(node_dtypes.values())) > 1:
         raise GraphError(_disagreement(node_dtypes, indexes))
@@ -607,6 +641,15 @@ def _decide(
         reasons = list(dict.fromkeys(reasons))
         more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
         return Weight(name, "variable", elements, FLOAT32, reasons[0] + more, tuple(keys), objects)
+    _edit_low(variables, accesses, reads, restores, indexes, dtype, kept, edits)
+    return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
+
+
+def _edit_low(variables: list[Place], accesses: list[Place], reads: _Reads,
+              restores: Mapping[Place, tuple[Place, int, list[Place]] | None], indexes: Mapping[str, _Index],
+              dtype: int, kept: Mapping[Place, str], edits: _Edits) -> None:
+    """Step 4 for a group stored low: every op on it, its savers' entries, its restores and
+    initializers take ``dtype``; the casts that read it go."""
     for item, node in [*variables, *accesses, *reads.forwards, *reads.shapes]:
         attr = "T" if indexes[item].nodes[node].op in FORWARD_OPS | SHAPE_OPS else "dtype"
         edits.types[(item, node)][attr] = dtype
@@ -626,7 +669,6 @@ def _decide(
         elif not (value.op in READ_OPS | FORWARD_OPS and (assign[0], value.name) in
                   {*accesses, *reads.forwards}):
             edits.cast_values.add(assign)  # a float32 value (an initializer) rounded on the way in
-    return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
 
 
 def _disagreement(node_dtypes: Mapping[Place, int], indexes: Mapping[str, _Index]) -> str:
@@ -656,12 +698,12 @@ def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int
             readers = index.readers_of(name)
             if (item, name) in kept or not readers or not all(_casts_to(index.nodes[r], dtype) for r, _ in readers):
                 continue
-            value = tensor_util.MakeNdarray(node.attr["value"].tensor)
             edits.types[(item, name)]["dtype"] = dtype
-            edits.values[(item, name)] = round_to(value, dtype)
+            edits.rounded.add((item, name))
             edits.drop_casts([(item, reader) for reader, _ in readers], dtype, kept)
             label = f"{item}::{name}" if item != MAIN_GRAPH else name
-            weights.append(Weight(label, "constant", int(value.size), dtype))
+            elements = math.prod(dim.size for dim in node.attr["value"].tensor.tensor_shape.dim)
+            weights.append(Weight(label, "constant", elements, dtype))
     return weights
 
 

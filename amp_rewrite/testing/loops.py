@@ -18,7 +18,6 @@ process-wide counters, so find functions by the nodes that call them, not by nam
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -30,6 +29,7 @@ import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
+from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.testing.models import (
@@ -42,8 +42,6 @@ from amp_rewrite.testing.models import (
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
-# "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6)
-_AMP_CAST = re.compile(r"-\d+-CastTo(Fp16|Bf16|Fp32)-\d+-AutoMixedPrecision$")
 
 _RECURRENT = {"seq_len": 8, "features": 16, "units": 32}
 _WHILE_LOOP = {"width": 16, "iterations": 6}
@@ -96,7 +94,7 @@ def item_cast_counts(graph_def: GraphDef | Program) -> dict[str, CastCount]:
 
 def _cast_count(graph_def: GraphDef) -> CastCount:
     node_to_op = {node.name: node.op for node in graph_def.node}
-    casts = [node for node in graph_def.node if node.op == "Cast" and _AMP_CAST.search(node.name)]
+    casts = [node for node in graph_def.node if is_amp_cast(node)]
     folded = sum(node_to_op.get(parse_tensor_name(node.input[0]).node) == "Const" for node in casts)
     return CastCount(len(casts), len(casts) - folded)
 

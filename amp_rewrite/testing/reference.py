@@ -61,24 +61,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import tensorflow as tf
 import yaml
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.function_pb2 import FunctionDef
 from tensorflow.core.framework.graph_pb2 import GraphDef
+from tensorflow.core.framework.node_def_pb2 import NodeDef
 from tensorflow.core.protobuf.config_pb2 import ConfigProto
 from tensorflow.core.protobuf.device_properties_pb2 import DeviceProperties, NamedDevice
 from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
-from tensorflow.python.framework import tensor_util
-from tensorflow.python.grappler import tf_optimizer
-from tensorflow.python.grappler.cluster import Cluster
-from tensorflow.python.util import _pywrap_utils
 
+from amp_rewrite import _tf
 from amp_rewrite.core import functions, lists, support
+from amp_rewrite.core.casts import CAST_NAME, is_amp_cast
 from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.target import BFLOAT16, lookup_target
@@ -94,10 +93,6 @@ SIMULATE_NO_AVX512F = "AMP_REWRITE_SIMULATE_NO_AVX512F"
 _NO_FETCH_NODE = "amp_rewrite_reference_no_fetch"
 _PLACEHOLDER_OPS = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
 _INFER_STAND_IN = "Tanh"  # what grappler sees instead of a bounded Exp
-# "<src>-<port>-<Kind>-<id>-AutoMixedPrecision" (spec §2.6); the id is not compared.
-_CAST_NAME = re.compile(
-    r"^(?P<src>.+)-(?P<port>\d+)-(?P<kind>CastToFp16|CastToBf16|CastToFp32)-\d+-AutoMixedPrecision$"
-)
 
 
 class GrapplerUnavailable(RuntimeError):
@@ -116,20 +111,22 @@ def unavailable_reason(target: str) -> str | None:
         return None
     if os.environ.get(SIMULATE_NO_AVX512F, "") not in ("", "0"):
         return f"grappler's bfloat16 pass needs a CPU with AVX512F; {SIMULATE_NO_AVX512F} says to act as on a CPU with none"
-    if not _pywrap_utils.IsDataTypeSupportedByOneDNNOnThisCPU(types_pb2.DT_BFLOAT16):
+    _tf.require(_tf.ORACLE)
+    if not _tf.ONEDNN_DTYPE_SUPPORTED.get()(types_pb2.DT_BFLOAT16):
         return "grappler's bfloat16 pass needs a CPU with AVX512F; this CPU has none"
     if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "") == "0":
         return "grappler's bfloat16 pass is off with TF_ENABLE_ONEDNN_OPTS=0; unset it"
     return None
 
 
-def _virtual_cluster(target: str) -> Cluster:
+def _virtual_cluster(target: str):  # -> tensorflow.python.grappler.cluster.Cluster
     """The devices grappler sees: GPU+CPU for float16, CPU only for bfloat16."""
+    cluster = _tf.GRAPPLER_CLUSTER.get()
     cpu = NamedDevice(name=CPU_NAME, properties=DeviceProperties(type="CPU"))
     if target == "bfloat16":
-        return Cluster(devices=[cpu])
+        return cluster(devices=[cpu])
     gpu = NamedDevice(name=GPU_NAME, properties=DeviceProperties(type="GPU", environment=GPU_ENVIRONMENT))
-    return Cluster(devices=[gpu, cpu])
+    return cluster(devices=[gpu, cpu])
 
 
 def _config(target: str) -> ConfigProto:
@@ -223,7 +220,7 @@ def _bounded_in(graph_def: GraphDef) -> list[str]:
         node = name_to_node[tensor[0]] if tensor else None
         if node is None or node.op != "Const" or "value" not in node.attr:
             return False
-        values = tensor_util.MakeNdarray(node.attr["value"].tensor)
+        values = tf.make_ndarray(node.attr["value"].tensor)
         return values.dtype.kind == "f" and bool((values <= 0).all())
 
     def nonpositive(tensor: tuple[str, int] | None) -> bool:
@@ -355,6 +352,7 @@ def run_grappler(
     is not modified.
     """
     lookup_target(target)  # an unknown one is refused before any work
+    _tf.require(_tf.ORACLE)
     reason = unavailable_reason(target)
     if reason is not None:
         raise GrapplerUnavailable(reason)
@@ -367,10 +365,10 @@ def run_grappler(
     cluster = _virtual_cluster(target)
     try:
         with _held_float32_removed(target) if our_lists else contextlib.nullcontext():
-            output = tf_optimizer.OptimizeGraph(
+            output = _tf.OPTIMIZE_GRAPH.get()(
                 _config(target), meta_graph, verbose=False, cluster=cluster, strip_default_attributes=False
             )
-    except Exception as error:  # TF errors and pybind11 errors share no narrower base
+    except (tf.errors.OpError, RuntimeError, ValueError) as error:  # a TF status, or pybind11's for a bad proto
         raise RuntimeError(f"grappler failed on the graph for {target}: {error}") from error
     finally:
         cluster.Shutdown()
@@ -479,36 +477,41 @@ def vertex_dtypes(graph_def: GraphDef) -> dict[tuple[str, str], int]:
     return vertex_to_dtype
 
 
-def _cast_key(name: str) -> str | None:
-    """``"x-0-CastToFp16-3-AutoMixedPrecision"`` -> ``"x-0-CastToFp16"``; None if not an AMP cast."""
-    match = _CAST_NAME.match(name)
-    return f"{match['src']}-{match['port']}-{match['kind']}" if match else None
+def _cast_key(node_def: NodeDef) -> str | None:
+    """An AMP cast's name modulo its index (``x-0-CastToFp16-3-AutoMixedPrecision`` ->
+    ``x-0-CastToFp16``), as both results name it alike; None for any other node."""
+    if not is_amp_cast(node_def):
+        return None
+    match = CAST_NAME.match(node_def.name)
+    return f"{match['src']}-{match['port']}-{match['kind']}"
 
 
-def _stable_name(name: str) -> str:
-    """A node name with any AMP cast id removed, so both outputs name nodes alike."""
-    return _cast_key(name) or name
+@dataclass(frozen=True)
+class _CastWiring:
+    """Where one AMP cast sits: its input tensor, its consumers (node, input index) and its device."""
+
+    source: str
+    consumers: frozenset[tuple[str, int]]
+    device: str
 
 
-def _cast_wiring(graph_def: GraphDef) -> dict[str, tuple[str, frozenset[tuple[str, int]]]]:
-    """Per AMP cast (keyed modulo id): (its input tensor, its consumers (node, input index))."""
-    key_to_source: dict[str, str] = {}
-    key_to_consumers: dict[str, set[tuple[str, int]]] = {}
-    for node in graph_def.node:
-        key = _cast_key(node.name)
-        if key is not None:
-            source, port = parse_tensor_name(node.input[0]) if node.input else ("", 0)
-            key_to_source[key] = f"{_stable_name(source)}:{port}"
-            key_to_consumers.setdefault(key, set())
+def _cast_wiring(graph_def: GraphDef) -> dict[str, _CastWiring]:
+    """Per AMP cast (``_cast_key``): its wiring, with cast names modulo their index throughout."""
+    name_to_key = {node.name: key for node in graph_def.node if (key := _cast_key(node)) is not None}
+    key_to_consumers: dict[str, set[tuple[str, int]]] = {key: set() for key in name_to_key.values()}
     for node in graph_def.node:
         for index, tensor in enumerate(node.input):
-            if tensor.startswith("^"):
-                continue
             producer = parse_tensor_name(tensor).node
-            key = _cast_key(producer)
-            if key is not None:
-                key_to_consumers.setdefault(key, set()).add((_stable_name(node.name), index))
-    return {key: (key_to_source.get(key, "missing"), frozenset(key_to_consumers[key])) for key in key_to_consumers}
+            if not tensor.startswith("^") and producer in name_to_key:
+                key_to_consumers[name_to_key[producer]].add((name_to_key.get(node.name, node.name), index))
+    wiring = {}
+    for node in graph_def.node:
+        if node.name in name_to_key:
+            source, port = parse_tensor_name(node.input[0]) if node.input else ("missing", 0)
+            key = name_to_key[node.name]
+            wiring[key] = _CastWiring(f"{name_to_key.get(source, source)}:{port}", frozenset(key_to_consumers[key]),
+                                      node.device)
+    return wiring
 
 
 def _compare_vertices(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> tuple[int, int, list[str]]:
@@ -551,34 +554,34 @@ def _compare_casts(ours: GraphDef, grappler: GraphDef) -> list[str]:
     mismatches: list[str] = []
     for key in sorted(set(ours_wiring) | set(grappler_wiring)):
         if key not in grappler_wiring:
-            mismatches.append(f"{key}: only in ours (consumers {sorted(ours_wiring[key][1])})")
-        elif key not in ours_wiring:
-            mismatches.append(f"{key}: only in grappler (consumers {sorted(grappler_wiring[key][1])})")
-        elif ours_wiring[key] != grappler_wiring[key]:
-            ours_source, ours_consumers = ours_wiring[key]
-            grappler_source, grappler_consumers = grappler_wiring[key]
-            if ours_source != grappler_source:
-                mismatches.append(f"{key}: input ours={ours_source} grappler={grappler_source}")
-            if ours_consumers != grappler_consumers:
-                mismatches.append(
-                    f"{key}: consumers ours={sorted(ours_consumers)} grappler={sorted(grappler_consumers)}"
-                )
+            mismatches.append(f"{key}: only in ours (consumers {sorted(ours_wiring[key].consumers)})")
+            continue
+        if key not in ours_wiring:
+            mismatches.append(f"{key}: only in grappler (consumers {sorted(grappler_wiring[key].consumers)})")
+            continue
+        mine, theirs = ours_wiring[key], grappler_wiring[key]
+        if mine.source != theirs.source:
+            mismatches.append(f"{key}: input ours={mine.source} grappler={theirs.source}")
+        if mine.consumers != theirs.consumers:
+            mismatches.append(f"{key}: consumers ours={sorted(mine.consumers)} grappler={sorted(theirs.consumers)}")
+        if mine.device != theirs.device:
+            mismatches.append(f"{key}: device ours={mine.device!r} grappler={theirs.device!r}")
     return mismatches
 
 
 def _compare_other_nodes(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> list[str]:
     """Nodes that are neither original nor AMP casts must not appear in only one result."""
     original_names = {node.name for node in original.node}
-    ours_extra = {n.name for n in ours.node if n.name not in original_names and _cast_key(n.name) is None}
-    grappler_extra = {n.name for n in grappler.node if n.name not in original_names and _cast_key(n.name) is None}
+    ours_extra = {n.name for n in ours.node if n.name not in original_names and not is_amp_cast(n)}
+    grappler_extra = {n.name for n in grappler.node if n.name not in original_names and not is_amp_cast(n)}
     return [f"{name}: unexpected node in ours only" for name in sorted(ours_extra - grappler_extra)] + [
         f"{name}: unexpected node in grappler only" for name in sorted(grappler_extra - ours_extra)
     ]
 
 
 def count_amp_casts(graph_def: GraphDef) -> int:
-    """Number of nodes named like an AMP cast (spec §2.6)."""
-    return sum(_cast_key(node.name) is not None for node in graph_def.node)
+    """Number of casts the rewrite added (``casts.is_amp_cast``, spec §2.6)."""
+    return sum(is_amp_cast(node) for node in graph_def.node)
 
 
 def compare_rewrites(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> Agreement:
@@ -587,8 +590,8 @@ def compare_rewrites(original: GraphDef, ours: GraphDef, grappler: GraphDef) -> 
     Vertices: each DT_FLOAT ``type`` attr and ``list(type)`` element of each
     original node must have the same dtype in both results, each original node the
     same op (FusedBatchNorm -> V2), and attrs the pass adds (``U``) the same value.
-    Casts are matched by name modulo the ``-<id>-`` part, then by input and by the
-    set of (consumer, input index) they feed. Node order and ``"x:0"`` vs ``"x"``
+    Casts are matched by name modulo the ``-<id>-`` part, then by input, by the
+    set of (consumer, input index) they feed and by device (grappler's is the source's). Node order and ``"x:0"`` vs ``"x"``
     do not matter. The same is done for the body of every function grappler
     rewrites (``amp_rewrite.functions.reachable_functions``) and of every other
     function that either result changed; our library must keep every function's

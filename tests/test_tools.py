@@ -1,0 +1,150 @@
+"""Tools that cannot rot: every script in ``tools/`` runs here in its smoke mode.
+
+``tools/X.py --smoke`` is the tool's own path on tiny inputs, in seconds, writing only
+under a temporary directory; it exits 0 when it worked, or 77 (the test suites' "skipped")
+where this machine cannot run it, saying why on stderr (no Chromium; a TensorFlow without
+float8). A tool added without ``--smoke`` fails here, and so does one that writes into the
+checkout (``git status``, ignored paths included, before and after it).
+
+Each tool runs as ``python tools/X.py --smoke`` from the checkout's root would run it,
+with its own TMPDIR, in a process of its own: one runner imports TensorFlow, Keras and
+the package once, then forks a child per tool (the fork happens before any TensorFlow
+runtime starts, so each child starts its own), which saves each tool the seconds of those
+imports, and whatever a tool sets (Keras policies, grappler options) dies with its
+child. TensorFlow's C++ log level is set to INFO for that one import, as
+``compare_with_grappler.py`` needs grappler's summary lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = sorted((ROOT / "tools").glob("*.py"))
+CANNOT_RUN = 77
+TIMEOUT_S = 600  # one tool's smoke run
+# Tools whose --smoke another branch of this round adds (its owner): until that branch is
+# merged they are not run, and then this test says their entry must go.
+AWAITING_SMOKE = {"bench_pass.py": "i34p", "compare_pass_speed.py": "i34p"}
+
+RUNNER = r'''
+import json, os, runpy, subprocess, sys, tempfile, time, traceback
+from pathlib import Path
+
+root, results, timeout = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # read once, at TensorFlow's first log line: grappler's INFO summaries
+import numpy, sklearn, tensorflow, keras, amp_rewrite  # noqa: the imports every tool shares
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # what the tools' own subprocesses get
+
+IGNORED = ("__pycache__", ".pytest_cache")
+
+
+def checkout_state():
+    listed = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=root, capture_output=True, text=True,
+                            check=True).stdout
+    return {line for line in listed.splitlines() if not any(name in line for name in IGNORED)}
+
+
+def child(tool, log, tmp):
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ["TMPDIR"] = str(tmp)
+        tempfile.tempdir = None
+        sys.argv, sys.path[0] = [str(tool), "--smoke"], str(tool.parent)
+        try:
+            runpy.run_path(str(tool), run_name="__main__")
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:  # the child's top level: shown as Python shows it, then exit 1 (never the runner's loop)
+            traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+for line in sys.stdin:
+    tool, log, tmp = (Path(part) for part in line.rstrip("\n").split("\t"))
+    before, started = checkout_state(), time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        child(tool, log, tmp)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() - started > timeout:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            code = "timed out"
+            break
+        time.sleep(0.05)
+    wrote = sorted(checkout_state() ^ before)
+    with results.open("a") as out:
+        out.write(json.dumps({"tool": tool.name, "code": code, "seconds": time.monotonic() - started,
+                              "wrote": wrote}) + "\n")
+'''
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every tool's smoke run: tool name -> {"code", "seconds", "wrote", "log"}."""
+    folder = tmp_path_factory.mktemp("tools")
+    results = folder / "results.jsonl"
+    # Each tool's TMPDIR is short, in the system's temporary directory: Chromium puts a Unix
+    # socket there, whose path may not exceed 107 bytes (pytest's own folders can).
+    temporary = Path(tempfile.mkdtemp(prefix="amp-smoke-"))
+    lines = []
+    for tool in TOOLS:
+        if tool.name not in AWAITING_SMOKE:
+            (temporary / tool.stem).mkdir()
+            lines.append(f"{tool}\t{folder / f'{tool.stem}.log'}\t{temporary / tool.stem}\n")
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    try:
+        subprocess.run([sys.executable, "-c", RUNNER, str(ROOT), str(results), str(TIMEOUT_S)], input="".join(lines),
+                       cwd=ROOT, env=environ, text=True, timeout=TIMEOUT_S * len(lines), check=False)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    runs = {}
+    for line in results.read_text(encoding="utf-8").splitlines() if results.exists() else ():
+        run = json.loads(line)
+        runs[run["tool"]] = {**run, "log": (folder / f"{Path(run['tool']).stem}.log").read_text(errors="replace")}
+    return runs
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=[tool.name for tool in TOOLS])
+def test_the_tool_runs_in_its_smoke_mode(tool: Path, smoke_runs: dict[str, dict]) -> None:
+    if tool.name in AWAITING_SMOKE:
+        if "--smoke" in tool.read_text(encoding="utf-8"):
+            pytest.fail(f"{tool.name} has --smoke now: delete its entry in AWAITING_SMOKE")
+        pytest.xfail(f"{tool.name} gets --smoke from branch {AWAITING_SMOKE[tool.name]}")
+    assert tool.name in smoke_runs, f"{tool.name}: the runner never reported it (it died before)"
+    run = smoke_runs[tool.name]
+    output = run["log"][-6000:]
+    if run["code"] == CANNOT_RUN:
+        pytest.skip(f"{tool.name} cannot run here: {(output.strip().splitlines() or ['(no reason)'])[-1]}")
+    assert run["code"] == 0, f"{tool.name} --smoke exited {run['code']} after {run['seconds']:.0f} s:\n{output}"
+    assert not run["wrote"], f"{tool.name} --smoke wrote into the checkout: {run['wrote']}"
+
+
+def test_the_gpu_script_refuses_in_one_line_without_a_gpu() -> None:
+    """``tools/bench_gpu.sh`` (not Python: no --smoke) on a machine without an NVIDIA GPU says
+    so in one line and exits 2 before it installs anything."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: bench_gpu.sh would install and run the GPU benchmark")
+    process = subprocess.run(["bash", str(ROOT / "tools" / "bench_gpu.sh")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert (process.returncode, process.stderr.splitlines()) == (2, [
+        "bench_gpu.sh: no NVIDIA GPU here (nvidia-smi missing or failing); for the CPU run 'make bench'"])

@@ -1,0 +1,268 @@
+"""Peak memory and time of ``amp-rewrite convert`` on models of any size (``make bench``).
+
+1. Weights streamed: TF1 SavedModels of 0.5, 2 and 6 GB of float32 variables (a chain of
+   4096x4096 MatMul+Relu layers, generated a layer at a time), each converted to bfloat16
+   (default: weights stored low) as a user runs it, beside ``inspect --float32-weights``
+   (the process's baseline: TensorFlow imported, the graphs loaded and rewritten, nothing
+   written) and TensorFlow's own ``load`` + ``save`` of the same model (the v1 loader and
+   ``Builder``, as the model is a TF1 one). Goal: peak RSS at most the baseline + 0.1x the
+   variables, time at most TensorFlow's load + save. ``--validate 1`` is measured beside
+   them: at most the baseline + the source and the result once each (1.5x the variables).
+2. Larger than RAM: the same, with variables larger than this machine's memory (30 GB on a
+   24 GB machine; ``--huge``), generated without building it in memory; converted only (no
+   TensorFlow load + save can hold it), and ``--validate 1`` refused in one line.
+3. Many variables: Keras MLPs of Dense + LayerNorm blocks (``--blocks``, 300 and 1,000),
+   exported with ``model.export``; the weights step (``cli.weights.stored_weights``) against
+   the whole conversion. Goal: at most 10%.
+
+Every command runs in its own process; peak RSS is that process's (``os.wait4``). The disk
+all of it needs is checked first: a shortage is one line, nothing written. Models are
+written under ``--dir`` (default: a temporary directory) and deleted once measured. Prints a
+markdown section for BENCHMARKS.md; exits 1 when a goal is missed.
+
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_memory.py [--smoke] [--dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDTH = 4096                  # a layer's kernel: WIDTH x WIDTH float32 (64 MB)
+SMOKE_WIDTH = 64
+GB = 1e9
+MEMORY_GOAL = 0.1             # peak RSS above the baseline, over the variables' bytes
+VALIDATE_GOAL = 1.5           # --validate: the source and the result once each
+WEIGHTS_STEP_GOAL = 0.10      # the weights step's share of the conversion
+
+
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    peak: int   # bytes
+    code: int
+    err: str
+
+
+def run(*command: object) -> Run:
+    """One process, its wall time and peak RSS."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}
+    started = time.perf_counter()
+    with tempfile.TemporaryFile() as err:
+        process = subprocess.Popen([str(part) for part in command], stdout=subprocess.DEVNULL, stderr=err, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    return Run(time.perf_counter() - started, usage.ru_maxrss * 1024, process.returncode, text)
+
+
+GENERATE = textwrap.dedent('''
+    import sys, numpy as np, tensorflow as tf
+    from pathlib import Path
+    from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2
+    from amp_rewrite.calibration import bundle
+    path, layers, width = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, width], name="x")
+        h = x
+        for i in range(layers):
+            w = tf.compat.v1.get_variable(f"dense_{i}/kernel", [width, width],
+                                          initializer=tf.compat.v1.zeros_initializer())
+            h = tf.nn.relu(tf.matmul(h, w))
+        y = tf.identity(h, name="y")
+        saver = tf.compat.v1.train.Saver()
+        meta = tf.compat.v1.train.export_meta_graph(graph=graph, saver_def=saver.as_saver_def())
+        meta.signature_def["serving_default"].CopyFrom(
+            tf.compat.v1.saved_model.predict_signature_def(inputs={"x": x}, outputs={"y": y}))
+    meta.meta_info_def.tags.append("serve")
+    (path / "variables").mkdir(parents=True)
+    (path / "saved_model.pb").write_bytes(
+        saved_model_pb2.SavedModel(saved_model_schema_version=1, meta_graphs=[meta]).SerializeToString())
+    base = np.random.default_rng(0).standard_normal((width, width), dtype=np.float32) * 0.02
+    prefix, scratch = path / "variables" / "variables", path / "variables" / "chunk"
+    entries = {}
+    with open(bundle.data_path(prefix, 0, 1), "wb") as out:
+        for i in range(layers):  # a layer at a time, SaveV2's bytes appended to the one shard
+            tf.raw_ops.SaveV2(prefix=str(scratch), tensor_names=[f"dense_{i}/kernel"], shape_and_slices=[""],
+                              tensors=[base * np.float32(1 + i / layers)])
+            for key, entry in bundle.read_index(scratch).entries.items():
+                entry.offset += out.tell()
+                entries[key] = entry
+            data = bundle.data_path(scratch, 0, 1)
+            out.write(data.read_bytes())
+            data.unlink()
+    bundle.index_path(scratch).unlink()
+    header = tensor_bundle_pb2.BundleHeaderProto(num_shards=1)
+    header.version.producer = 1
+    bundle.index_path(prefix).write_bytes(bundle.index_bytes(bundle.Index(header, entries)))
+''')
+
+LOAD_SAVE = textwrap.dedent('''
+    import sys, tensorflow as tf
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        meta = tf.compat.v1.saved_model.loader.load(session, ["serve"], sys.argv[1])
+        builder = tf.compat.v1.saved_model.Builder(sys.argv[2])
+        builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map=dict(meta.signature_def))
+        builder.save()
+''')
+
+MLP = textwrap.dedent('''
+    import sys, keras
+    sys.setrecursionlimit(100_000)  # Keras walks a 1,000-block functional model recursively
+    blocks, path = int(sys.argv[1]), sys.argv[2]
+    inputs = keras.Input((64,))
+    h = inputs
+    for _ in range(blocks):
+        h = keras.layers.LayerNormalization()(keras.layers.Dense(64)(h))
+    keras.Model(inputs, h).export(path, verbose=False)
+''')
+
+STEPS = textwrap.dedent('''
+    import sys, time
+    from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
+    from amp_rewrite.cli import weights
+    started = time.perf_counter()
+    model = read_model(sys.argv[1])
+    result = rewrite_model(model, target="bfloat16", lists=effective_lists("bfloat16"))
+    before = time.perf_counter()
+    weights.stored_weights(model, result, "bfloat16")
+    after = time.perf_counter()
+    print(after - before, after - started)
+''')
+
+
+def python(script: str, *args: object) -> Run:
+    return run(sys.executable, "-c", script, *args)
+
+
+def convert(source: Path, destination: Path, *flags: str) -> Run:
+    found = run(sys.executable, "-m", "amp_rewrite", "convert", source, destination, "--target", "bfloat16",
+                "--quiet", *flags)
+    shutil.rmtree(destination, ignore_errors=True)
+    return found
+
+
+def check_disk(directory: Path, needed: float) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        print(f"bench_memory: {directory}: needs {needed / GB:.1f} GB of disk, {free / GB:.1f} GB free; nothing was"
+              " written; pass --dir on a larger disk, or smaller --sizes/--huge", file=sys.stderr)
+        sys.exit(2)
+
+
+def _failed(label: str, found: Run) -> str:
+    return f"{label} failed (exit {found.code}): {found.err.strip().splitlines()[-1] if found.err.strip() else ''}"
+
+
+def measure_size(directory: Path, size: float, width: int, huge: bool, validate: bool = True) -> tuple[list[str], bool]:
+    """Rows for one model size; whether its goals were met (``validate``: also --validate 1)."""
+    layers = max(1, round(size * GB / (width * width * 4)))
+    variables = layers * width * width * 4
+    source = directory / f"model-{size:g}GB"
+    generated = python(GENERATE, source, layers, width)
+    if generated.code:
+        raise SystemExit(_failed("generating", generated))
+    try:
+        baseline = run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
+                       "--float32-weights")
+        ours = convert(source, directory / "out")
+        tf_own = None if huge else python(LOAD_SAVE, source, directory / "out")
+        shutil.rmtree(directory / "out", ignore_errors=True)
+        validated = convert(source, directory / "out", "--validate", "1") if validate else None
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+    for label, found in (("inspect", baseline), ("convert", ours), ("load+save", tf_own)):
+        if found is not None and found.code:
+            raise SystemExit(_failed(label, found))
+    above = (ours.peak - baseline.peak) / variables
+    ok = above <= MEMORY_GOAL and (tf_own is None or ours.seconds <= tf_own.seconds)
+    rows = [f"| {variables / GB:.2f} GB ({layers} layers) | {baseline.peak / GB:.2f} | {ours.peak / GB:.2f}"
+            f" | {above:.3f}x | {ours.seconds:.1f} | "
+            + (f"{tf_own.peak / GB:.2f} | {tf_own.seconds:.1f} | {ours.seconds / tf_own.seconds:.2f}x"
+               if tf_own is not None else "(cannot fit) | | ")
+            + f" | {_validated(validated, baseline, variables) if validated else '(not run)'} |"]
+    if validated is not None and not huge and not validated.code:
+        ok = ok and (validated.peak - baseline.peak) / variables <= VALIDATE_GOAL
+    return rows, ok
+
+
+def _validated(found: Run, baseline: Run, variables: int) -> str:
+    if found.code == 2:
+        return f"refused: `{found.err.strip().splitlines()[-1][:150]}`"
+    return f"{found.peak / GB:.2f} GB ({(found.peak - baseline.peak) / variables:.2f}x), {found.seconds:.1f} s"
+
+
+def measure_blocks(directory: Path, blocks: int) -> tuple[str, bool]:
+    source = directory / f"mlp-{blocks}"
+    exported = python(MLP, blocks, source)
+    if exported.code:
+        raise SystemExit(_failed("exporting the MLP", exported))
+    try:
+        found = subprocess.run([sys.executable, "-c", STEPS, str(source)], capture_output=True, text=True,
+                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}, check=True)
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+    step, total = map(float, found.stdout.split()[-2:])
+    share = step / total
+    return (f"| {blocks} | {step:.2f} | {total:.2f} | {share:.1%} |", share <= WEIGHTS_STEP_GOAL)
+
+
+def cpu_line() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    found = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16") if f" {flag}" in flags]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    return f"CPU: {model} ({os.cpu_count()} cores; {', '.join(found) or 'no avx512'}); {memory:.0f} GB of memory"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny models, seconds, under a temporary directory")
+    parser.add_argument("--dir", type=Path, help="where models are written (default: a temporary directory)")
+    parser.add_argument("--sizes", default="0.5,2,6", help="GB of variables, comma-separated")
+    parser.add_argument("--huge", type=float, default=30, help="GB of variables beyond RAM (0: skip)")
+    parser.add_argument("--blocks", default="300,1000", help="Dense+LayerNorm blocks of each MLP, comma-separated")
+    args = parser.parse_args()
+    width = SMOKE_WIDTH if args.smoke else WIDTH
+    sizes = [0.00004] if args.smoke else [float(size) for size in args.sizes.split(",") if size]  # 2 layers
+    huge = 0 if args.smoke else args.huge  # smoke: 6 processes
+    blocks = [2] if args.smoke else [int(count) for count in args.blocks.split(",") if count]
+    with tempfile.TemporaryDirectory(prefix="bench_memory.", dir=None if args.smoke else args.dir) as scratch:
+        directory = Path(scratch)
+        check_disk(directory, max([*sizes, huge]) * GB * 1.6)  # the source, the result and a margin
+        print(f"## Converting models of any size (CPU)\n\n{cpu_line()}; run {time.strftime('%Y-%m-%d')}, by"
+              " `tools/bench_memory.py`.\n")
+        print("| variables | baseline peak (GB) | convert peak (GB) | above baseline / variables | convert (s) |"
+              " load+save peak (GB) | load+save (s) | convert / load+save | `--validate 1` peak |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        ok = True
+        for size, is_huge in [*((size, False) for size in sizes), *(((huge, True),) if huge else ())]:
+            rows, met = measure_size(directory, size, width, is_huge, validate=not args.smoke)
+            print(*rows, sep="\n", flush=True)
+            ok = ok and met
+        if blocks:
+            print("\n| MLP blocks | weights step (s) | conversion (s) | weights step share |\n|---:|---:|---:|---:|")
+        for count in blocks:
+            row, met = measure_blocks(directory, count)
+            print(row, flush=True)
+            ok = ok and met
+    print(f"\nGoals: peak at most baseline + {MEMORY_GOAL}x the variables, convert at most load+save, --validate at"
+          f" most baseline + {VALIDATE_GOAL}x, the weights step at most {WEIGHTS_STEP_GOAL:.0%}:"
+          f" {'met' if ok else 'MISSED'}.")
+    return 0 if ok or args.smoke else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
