@@ -349,6 +349,20 @@ class ModelResult:
         return statistics.median(theirs / mine for theirs, mine in pairs)
 
 
+def convert_jobs(model: str, sizes: Sizes, workdir: Path, dirs: dict[str, Path],
+                 per_regime: dict[str, dict[str, Path]], inputs: dict[str, Path]) -> list[tuple[str, Path, tuple]]:
+    """(variant, destination, convert's extra arguments) of each converted variant; each
+    tuned one with a fresh cache, so its Timing line says what timing costs."""
+    def tuned(cache: str, batches: str, regime: str) -> tuple[str, ...]:
+        given = ("--inputs", str(inputs[regime])) if model not in IMAGE_MODELS else ()
+        return (*TUNE_ARGS, "--tune-budget", f"{sizes.tune_budget:g}", "--batch-sizes", batches,
+                "--tune-cache", str(workdir / cache), *given)
+    jobs = [("low", dirs["low"], ()), ("float32-weights", dirs["float32-weights"], ("--float32-weights",)),
+            ("tuned", dirs["tuned"], tuned(f"{model}-timings.json", "1,8", "batch 8"))]
+    return jobs + [(variant, path, tuned(f"{model}-{variant}.json", str(REGIME_BATCH[regime]), regime))
+                   for variant, regime_dirs in per_regime.items() for regime, path in regime_dirs.items()]
+
+
 def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int,
             in_process: bool = False) -> ModelResult:
     """One model's variants: exported, converted, sized, loaded, timed (``in_process``: --smoke)."""
@@ -368,14 +382,7 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
         result.errors.append(f"export: {exported['error']}")
         return result
 
-    def tuned(cache: str, batches: str, regime: str) -> tuple[str, ...]:  # a fresh cache: what timing costs
-        given = ("--inputs", str(inputs[regime])) if model not in IMAGE_MODELS else ()
-        return (*TUNE_ARGS, "--tune-budget", f"{sizes.tune_budget:g}", "--batch-sizes", batches,
-                "--tune-cache", str(workdir / cache), *given)
-    jobs = [("low", dirs["low"], ()), ("float32-weights", dirs["float32-weights"], ("--float32-weights",)),
-            ("tuned", dirs["tuned"], tuned(f"{model}-timings.json", "1,8", "batch 8"))]
-    jobs += [(variant, path, tuned(f"{model}-{variant}.json", str(REGIME_BATCH[regime]), regime))
-             for variant, regime_dirs in per_regime.items() for regime, path in regime_dirs.items()]
+    jobs = convert_jobs(model, sizes, workdir, dirs, per_regime, inputs)
     for variant, destination, extra in jobs:
         seconds, line = convert(dirs["float32"], destination, target, *extra, in_process=in_process)
         if not line.startswith("ok") and line:
@@ -422,6 +429,20 @@ LABELS = {"resnet50": "ResNet50", "bert": "BERT-base-shaped encoder", "mobilenet
 
 def _mb(count: float) -> str:
     return f"{count / 1e6:,.1f}"
+
+
+def tuned_lines(result: ModelResult) -> list[str]:
+    """The tuned variants' speed against the goal, and what convert said about their timing."""
+    lines = []
+    for variant, what in (("tuned", "`--tune speed --batch-sizes 1,8`"),
+                          ("tuned-each", "`--tune speed`, one conversion per batch size")):
+        ratios = {regime: result.speed_up(regime, variant) for regime in REGIMES}
+        lines.append(f"  {what}: " + ", ".join(
+            f"{regime} {ratio:.2f}x ({'met' if ratio >= TUNED_GOAL else '**missed**'})"
+            for regime, ratio in ratios.items()) + f" (goal ≥ {TUNED_GOAL}x float32). `convert` said:")
+        lines += [f"  - {line}" for line in result.convert_lines.get(variant, "").splitlines()
+                  if line.startswith(("Timing:", "Speed"))]
+    return lines
 
 
 def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: str, machine: str, elapsed_s: float,
@@ -484,14 +505,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         share = result.sizes_bytes["low"][0] / result.sizes_bytes["float32"][0]
         parts.append(f"variables/ {share:.2f}x ({'met' if share <= VARIABLES_GOAL else '**missed**'})")
         lines.append(f"- **{LABELS[result.model]}:** " + "; ".join(parts) + ".")
-        for variant, what in (("tuned", "`--tune speed --batch-sizes 1,8`"),
-                              ("tuned-each", "`--tune speed`, one conversion per batch size")):
-            ratios = {regime: result.speed_up(regime, variant) for regime in REGIMES}
-            lines.append(f"  {what}: " + ", ".join(
-                f"{regime} {ratio:.2f}x ({'met' if ratio >= TUNED_GOAL else '**missed**'})"
-                for regime, ratio in ratios.items()) + f" (goal ≥ {TUNED_GOAL}x float32). `convert` said:")
-            lines += [f"  - {line}" for line in result.convert_lines.get(variant, "").splitlines()
-                      if line.startswith(("Timing:", "Speed"))]
+        lines += tuned_lines(result)
         said = result.convert_lines.get("low", "").splitlines()
         listed = share > VARIABLES_GOAL  # where the float32 bytes are: the variables that stay, and why
         if said:
