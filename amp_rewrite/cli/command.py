@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="SavedModel: the MetaGraphDef to read, tags comma-separated as saved_model_cli's"
                               " --tag_set (default: serve)" + ("; convert copies the others as they are"
                                                                if sub.prog.endswith(" convert") else ""))
-        sub.add_argument("--lists", type=Path, help="overlay YAML that edits the op lists")
+        sub.add_argument("--lists", type=Path, metavar="OVERLAY.yaml", help="overlay YAML that edits the op lists")
         sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
                          help="keep nodes whose name matches REGEX in float32, as deny ops; FUNCTION::REGEX only"
                               " in that library function (repeatable)")
