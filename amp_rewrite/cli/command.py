@@ -158,16 +158,20 @@ def _with_calibrate_value(argv: Sequence[str]) -> list[str]:
     return argv
 
 
+def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: its one-line description (also its line in the top-level list),
+    examples and the exit codes, from COMMAND_HELP."""
+    description, examples = COMMAND_HELP[name]
+    return commands.add_parser(name, help=description[0].lower() + description[1:].rstrip("."),
+                               description=description, epilog=examples + EXIT_CODES,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, epilog=EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def command(name: str) -> argparse.ArgumentParser:
-        description, examples = COMMAND_HELP[name]
-        return commands.add_parser(name, help=description[0].lower() + description[1:].rstrip("."),
-                                   description=description, epilog=examples + EXIT_CODES, formatter_class=formatter)
 
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
@@ -215,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="calibration: largest share of a tensor's magnitude in values below the target's"
                               " smallest normal (default 0.5)")
 
-    convert = command("convert")
+    convert = _add_command(commands, "convert")
     common(convert)
     weights(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
@@ -233,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     metric(convert)
     calibration(convert)
 
-    calibrate = command("calibrate")
+    calibrate = _add_command(commands, "calibrate")
     common(calibrate)
     calibrate.add_argument("--inputs", type=Path, metavar="DATA.npz",
                            help="calibration inputs (default: random inputs from the signatures; real data is better)")
@@ -241,19 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     metric(calibrate)
     calibration(calibrate)
 
-    inspect = command("inspect")
+    inspect = _add_command(commands, "inspect")
     common(inspect)
     weights(inspect)
     inspect.add_argument("--all", action="store_true",
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
 
-    explain = command("explain")
+    explain = _add_command(commands, "explain")
     common(explain)
     explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
-    dump = command("dump")
+    dump = _add_command(commands, "dump")
     common(dump)
     weights(dump)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
@@ -341,6 +345,13 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
           f" ({example}); they are ignored", file=sys.stderr)
 
 
+def _every_node(graph_def: Any) -> Iterator[Any]:
+    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
+    yield from graph_def.node
+    for function in graph_def.library.function:
+        yield from function.node_def
+
+
 def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
     """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
     in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
@@ -349,7 +360,7 @@ def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
 
     low = {types_pb2.DT_HALF: "float16", types_pb2.DT_BFLOAT16: "bfloat16"}
     found = collections.defaultdict(list)
-    for node in [*graph_def.node, *(node for function in graph_def.library.function for node in function.node_def)]:
+    for node in _every_node(graph_def):
         dtypes = {low[value.type] for value in node.attr.values() if value.type in low} if node.op in lists.allow else ()
         for dtype in dtypes:
             found[dtype].append(node.name)
@@ -376,9 +387,7 @@ def _close_to_entry(entry: str, graph_def: Any) -> str:
     name = entry.rpartition("::")[2]
     if re.escape(name) != name:
         return ""
-    names = [node.name for node in graph_def.node]
-    names += [node.name for function in graph_def.library.function for node in function.node_def]
-    close = did_you_mean(name, names).strip()
+    close = did_you_mean(name, (node.name for node in _every_node(graph_def))).strip()
     return f", {close}" if close else ""
 
 
