@@ -16,7 +16,7 @@ import pytest
 import amp_rewrite
 from amp_rewrite.calibration import savedmodel
 from amp_rewrite.cli import command as cli
-from amp_rewrite.core.errors import closest_names
+from amp_rewrite.core.errors import GraphError, closest_names
 
 from cli_models import graph_def_with_deny_path, save_module, write_graph_def
 from test_cli import Paths, assert_ok, error_line, listing, run_cli
@@ -159,6 +159,11 @@ def test_unknown_function_and_fetch_suggest_the_closest(tmp_path: Path) -> None:
     assert listing(tmp_path) == {"graph.pb"}
     line = error_line(run_cli("explain", source, "allow1", "--function", "(main grap)"))
     assert "did you mean '(main graph)'" in line, line
+
+
+def test_a_missing_fetch_in_the_python_api_suggests_the_closest() -> None:
+    with pytest.raises(GraphError, match=r"fetch node\(s\) 'allow_1' not in the graph; did you mean 'allow1'\?"):
+        amp_rewrite.rewrite_graph_def(graph_def_with_deny_path(), fetches=["allow_1"])
 
 
 def test_an_overlay_entry_naming_no_node_suggests_one(keras_sequential: Path) -> None:
