@@ -228,6 +228,13 @@ def test_converting_again_says_already_and_no_bare_zero_total(tmp_path: Path, bf
     assert "Model: converted 0/" not in run.out
 
 
+def test_inspect_says_already_too(bfloat16_model: Path) -> None:
+    for quiet in ([], ["--quiet"]):
+        run = run_cli("inspect", bfloat16_model, "--target", "bfloat16", *quiet)
+        assert_ok(run)
+        assert "Model: already bfloat16: 0 nodes to convert" in run.out and "Model: converted" not in run.out, run.out
+
+
 def test_float16_on_a_bfloat16_model_is_refused_saying_what_to_do(tmp_path: Path, bfloat16_model: Path) -> None:
     line = error_line(run_cli("convert", bfloat16_model, tmp_path / "fp16", "--target", "float16"))
     assert line.startswith(f"amp-rewrite: error: {bfloat16_model} is already mixed precision: "), line

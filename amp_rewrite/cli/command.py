@@ -433,6 +433,16 @@ def _model_lines(model: Model) -> list[str]:
             f" (convert another with --tag-set TAGS)"]
 
 
+def _headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
+    """The model's total (a SavedModel's own functions, without ``kinds``, its plumbing), or
+    "already bfloat16" where the model computes in the target's dtype and nothing is left to convert."""
+    items = [item for item in report.items if item.function not in kinds]
+    low = already_low(model.graph_def, lists).get(report.painted, [])
+    if low and not any(item.vertices_converted for item in items):
+        return f"Model: already {report.painted}: 0 nodes to convert ({len(low)} node(s) compute in {report.painted})"
+    return _model_headline(report, items) if kinds else report.summary()
+
+
 def _summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
     """One total for the model (the SavedModel's own functions, or the GraphDef), "already
     bfloat16" where it has nothing left to convert, and why its nodes stayed float32; then a
@@ -440,13 +450,7 @@ def _summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
     from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     kinds = plumbing_kinds(model)
-    items = [item for item in report.items if item.function not in kinds]
-    low = already_low(model.graph_def, lists).get(report.painted, [])
-    if low and not any(item.vertices_converted for item in items):
-        lines = [f"Model: already {report.painted}: 0 nodes to convert ({len(low)} node(s) compute in"
-                 f" {report.painted})"]
-    else:
-        lines = [_model_headline(report, items) if kinds else report.summary()]
+    lines = [_headline(model, report, lists, kinds)]
     kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
     if kept:
         where = " (model)" if kinds else ""
@@ -707,13 +711,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from amp_rewrite.calibration.savedmodel import plumbing_kinds
     from amp_rewrite.core.target import lookup_target
 
-    model, result, _ = _rewrite(args, _Steps(args))
+    model, result, lists = _rewrite(args, _Steps(args))
     _, result, stored = _store_weights(args, model, result)
     report = result.report
     kinds = plumbing_kinds(model)
     model_items = [item for item in report.items if item.function not in kinds]
     if args.quiet:  # the headline only
-        print(_model_headline(report, model_items) if kinds else report.summary())
+        print(_headline(model, report, lists, kinds))
         return EXIT_OK
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
@@ -729,7 +733,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     header = ["function", "nodes", "converted", f"casts to {report.painted}", "kept float32 (top reasons)"]
     print(_table(rows, header + (["role"] if args.all else [])))
     if kinds:
-        print(_model_headline(report, model_items))
+        print(_headline(model, report, lists, kinds))
         if not args.all:
             print(_plumbing_line(report, kinds))
     print(report.summary())
