@@ -86,10 +86,10 @@ def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
 
 
 def exit_codes(_arg: str = "") -> str:
-    """The ``exit codes:`` section of ``amp-rewrite --help``, as a table."""
-    from amp_rewrite.cli.command import DESCRIPTION
+    """The ``exit codes:`` section of ``amp-rewrite --help`` (and each command's), as a table."""
+    from amp_rewrite.cli.command import EXIT_CODES
 
-    section = DESCRIPTION.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
+    section = EXIT_CODES.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
     rows = [tuple(line.strip().split(None, 1)) for line in section.splitlines() if line.strip()]
     return _table(("code", "meaning"), [(f"`{code}`", meaning) for code, meaning in rows])
 

@@ -271,10 +271,10 @@ def test_cli_reference_has_every_subcommand_and_option() -> None:
 
 def test_exit_codes_page_is_the_help_text() -> None:
     """Every code the command's help lists is one row, with its meaning."""
-    from amp_rewrite.cli.command import DESCRIPTION
+    from amp_rewrite.cli.command import EXIT_CODES
 
     table = _hooks().exit_codes()
-    section = DESCRIPTION.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
+    section = EXIT_CODES.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
     for line in filter(str.strip, section.splitlines()):
         code, meaning = line.split(None, 1)
         assert f"| `{code}` | {meaning} |" in table

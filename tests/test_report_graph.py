@@ -73,7 +73,7 @@ def test_report_draws_every_node_of_the_rewritten_graph(rewrite, tmp_path, monke
     assert "drawn by Graphviz" in page if graphviz else "drawn by amp_rewrite&#39;s layout" in page
     assert "<script>window.pwned" not in page
     # The drawing repeats no decision's reason (its rows hold them; a click there shows them).
-    drawing = page[page.index('<h2 id="graph">'):page.index("<h2>Why vertices stayed float32</h2>")]
+    drawing = page[page.index('<h2 id="graph">'):page.index("<h2>Why nodes stayed float32</h2>")]
     assert not [d.reason for d in result.report.decisions if html.escape(d.reason, quote=False) in drawing]
     if not graphviz:
         assert "no SVG: Graphviz&#39;s dot is not installed" in page

@@ -23,7 +23,7 @@ from amp_rewrite import _tf
 from amp_rewrite.calibration.bundle import encode_varint
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import functions, support
-from amp_rewrite.core.errors import GraphError, ModelError
+from amp_rewrite.core.errors import GraphError, ModelError, did_you_mean
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
@@ -208,7 +208,8 @@ def _check_fetch(path: Path, graph_def: graph_pb2.GraphDef, fetch: str) -> None:
         raise ModelError(f"{path}: --fetch {fetch!r}: expected NAME or NAME:PORT (an output, not a control input)")
     node_def = next((node for node in graph_def.node if node.name == ref.node), None)
     if node_def is None:
-        raise ModelError(f"{path}: --fetch {fetch}: no such node in the graph; list the node names with"
+        close = did_you_mean(ref.node, (node.name for node in graph_def.node))
+        raise ModelError(f"{path}: --fetch {fetch}: no such node in the graph; {close}list the node names with"
                          " `amp-rewrite dump` (before.pbtxt)")
     try:
         count = output_count(graph_def, node_def)

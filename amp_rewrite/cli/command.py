@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 # No TensorFlow in these two: plain Python.
 from amp_rewrite.calibration import staging
-from amp_rewrite.core.errors import AmpRewriteError, ModelError
+from amp_rewrite.core.errors import AmpRewriteError, ModelError, did_you_mean
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.savedmodel import Model
@@ -37,9 +37,28 @@ METRIC_NAMES = ("max-rel", "p99-rel", "top1-agreement")  # calibration.validate.
 TENSOR_CORE_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D", "Conv2DBackpropInput",
                    "Conv2DBackpropFilter", "Einsum")
 
-DESCRIPTION = """\
-Rewrite a SavedModel or GraphDef file to mixed precision (float16 or bfloat16), and look inside.
+DESCRIPTION = "Rewrite a SavedModel or GraphDef file to mixed precision (float16, bfloat16 or float8), and look inside."
+EXIT_CODES = """\
+exit codes:
+  0  done
+  1  validation failed (outputs over tolerance); nothing is written unless --keep-failed
+  2  usage or input error: one line on stderr naming the file, node or op and what to do
+  130  interrupted by Ctrl-C (143: by SIGTERM); nothing is left behind
+"""
+EPILOG = """\
+examples:
+  amp-rewrite convert my_model/ my_model_fp16/ --validate 8
+  amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml
+  amp-rewrite inspect my_model/ --target bfloat16
+  amp-rewrite explain my_model/ sequential_1/dense_1/MatMul
+  amp-rewrite dump my_model/ report/
 
+`amp-rewrite COMMAND --help` describes a command's options, with examples.
+
+""" + EXIT_CODES
+# Each command's description (its first line is the one-line help in the list above) and examples.
+COMMAND_HELP = {
+    "convert": ("Write a mixed-precision copy of SRC (a SavedModel directory or a GraphDef file) to DST.", """\
 examples:
   amp-rewrite convert my_model/ my_model_fp16/ --validate 8
   amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --inputs batch.npz
@@ -47,12 +66,9 @@ examples:
   amp-rewrite convert tf1_model/ out/ --tag-set serve      # the MetaGraphDef to convert
   amp-rewrite convert graph.pb graph_fp16.pb --fetch logits --fetch probs:0
   amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
-  amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml   # then: convert ... --lists keep.yaml
+  amp-rewrite convert my_model/ my_model_fp16/ --calibrate random      # no data: random inputs
   amp-rewrite convert my_model/ my_model_fp8/ --target float8 --calibrate calib.npz --inputs held_out.npz
   amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --tune speed --batch-sizes 1,8  # timed here
-  amp-rewrite inspect my_model/
-  amp-rewrite explain my_model/ dense/MatMul
-  amp-rewrite dump my_model/ report/
 
 weights:
   convert stores a variable (a GraphDef's Const) in the target dtype when every reader
@@ -61,12 +77,34 @@ weights:
   small batches the casts cost more than low precision saves). The others stay float32, and
   convert and inspect say why. --float32-weights keeps every weight float32.
 
-exit codes:
-  0  done
-  1  validation failed (outputs over tolerance); nothing is written unless --keep-failed
-  2  usage or input error: one line on stderr naming the file, node or op and what to do
-  130  interrupted by Ctrl-C (143: by SIGTERM); nothing is left behind
-"""
+"""),
+    "calibrate": ("Measure SRC on calibration data; write the nodes to keep float32 as an overlay YAML for"
+                  " convert --lists.", """\
+examples:
+  amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml
+  amp-rewrite convert my_model/ my_model_fp16/ --lists keep.yaml      # then use it
+  amp-rewrite calibrate my_model/ --target float8 --inputs calib.npz --out fp8.yaml
+
+"""),
+    "inspect": ("Print what a rewrite of SRC would do, function by function; writes nothing.", """\
+examples:
+  amp-rewrite inspect my_model/
+  amp-rewrite inspect my_model/ --target bfloat16 --all   # TensorFlow's plumbing too
+
+"""),
+    "explain": ("Print why NODE has its dtype after the rewrite: the rule and its reason; writes nothing.", """\
+examples:
+  amp-rewrite explain my_model/ sequential_1/dense_1/MatMul
+  amp-rewrite explain my_model/ dense_1/MatMul --target bfloat16 --function __inference_serve_42
+
+"""),
+    "dump": ("Write SRC's graphs before and after the rewrite, DOT/SVG drawings, report.html and a TensorBoard"
+             " log to DIR.", """\
+examples:
+  amp-rewrite dump my_model/ report/       # then open report/report.html
+
+"""),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,9 +176,42 @@ def _tuning_options(sub: argparse.ArgumentParser, inputs: bool = True) -> None:
                               " unknown)")
 
 
+def _calibration_data(text: str) -> Path:
+    """An argparse type: --calibrate's value, DATA.npz or ``random``. A model there is the
+    source taken for the value (``convert --calibrate my_model/ out/``): said so, before a
+    misleading "required: dst"."""
+    if text == "random":
+        return RANDOM_INPUTS
+    path = Path(text)
+    if path.is_dir() or path.suffix in (".pb", ".pbtxt"):
+        raise argparse.ArgumentTypeError(f"{text!r} is a model, not calibration data: pass DATA.npz (signature inputs,"
+                                         " as --inputs takes) or the word random, e.g. amp-rewrite convert SRC DST"
+                                         " --calibrate random")
+    return path
+
+
+def _with_calibrate_value(argv: Sequence[str]) -> list[str]:
+    """A bare --calibrate, as earlier versions took it (random inputs), where nothing can be
+    taken for its value: at the end, or before another option."""
+    argv = list(argv)
+    for index in reversed(range(len(argv))):
+        if argv[index] == "--calibrate" and (index + 1 == len(argv) or argv[index + 1].startswith("-")):
+            argv.insert(index + 1, "random")
+    return argv
+
+
+def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: its one-line description (also its line in the top-level list),
+    examples and the exit codes, from COMMAND_HELP."""
+    description, examples = COMMAND_HELP[name]
+    return commands.add_parser(name, help=description[0].lower() + description[1:].rstrip("."),
+                               description=description, epilog=examples + EXIT_CODES,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, formatter_class=formatter)
+    parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, epilog=EPILOG, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -151,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                               " (float16 with float8_e4m3fn matmuls under XLA, compute capability 8.9+; needs"
                               " calibration: convert --calibrate, or --lists from calibrate --target float8)")
         sub.add_argument("--tag-set", metavar="TAGS",
-                         help="SavedModel: the MetaGraphDef to convert, tags comma-separated as saved_model_cli's"
-                              " --tag_set (default: serve); the others are copied as they are")
-        sub.add_argument("--lists", type=Path, help="overlay YAML that edits the op lists")
+                         help="SavedModel: the MetaGraphDef to read, tags comma-separated as saved_model_cli's"
+                              " --tag_set (default: serve)" + ("; convert copies the others as they are"
+                                                               if sub.prog.endswith(" convert") else ""))
+        sub.add_argument("--lists", type=Path, metavar="OVERLAY.yaml", help="overlay YAML that edits the op lists")
         sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
                          help="keep nodes whose name matches REGEX in float32, as deny ops; FUNCTION::REGEX only"
                               " in that library function (repeatable)")
@@ -189,8 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="calibration: largest share of a tensor's magnitude in values below the target's"
                               " smallest normal (default 0.5)")
 
-    convert = commands.add_parser("convert", help="write a rewritten copy of SRC to DST", formatter_class=formatter,
-                                  description="Write a rewritten copy of SRC to DST.\n\n" + DESCRIPTION)
+    convert = _add_command(commands, "convert")
     common(convert)
     weights(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
@@ -202,15 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--keep-failed", action="store_true",
                          help="write DST even when validation fails (exit 1 all the same)")
     convert.add_argument("--force", action="store_true", help="replace DST if it exists")
-    convert.add_argument("--calibrate", type=Path, nargs="?", const=RANDOM_INPUTS, metavar="DATA.npz",
+    convert.add_argument("--calibrate", type=_calibration_data, metavar="DATA.npz|random",
                          help="keep float32 the nodes calibration data shows out of the target's range or over"
-                              " tolerance (signature inputs as --inputs takes; none: random inputs)")
+                              " tolerance: DATA.npz holds signature inputs as --inputs takes; random: random inputs")
     metric(convert)
     calibration(convert)
     _tuning_options(convert, inputs=False)
 
-    calibrate = commands.add_parser("calibrate", help="measure SRC on calibration data; write the nodes to keep"
-                                    " float32 as an overlay YAML for --lists", formatter_class=formatter)
+    calibrate = _add_command(commands, "calibrate")
     common(calibrate)
     calibrate.add_argument("--inputs", type=Path, metavar="DATA.npz",
                            help="calibration inputs (default: random inputs from the signatures; real data is better)")
@@ -218,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     metric(calibrate)
     calibration(calibrate)
 
-    inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
+    inspect = _add_command(commands, "inspect")
     common(inspect)
     weights(inspect)
     _tuning_options(inspect)
@@ -226,13 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
 
-    explain = commands.add_parser("explain", help="why NODE has its dtype after the rewrite")
+    explain = _add_command(commands, "explain")
     common(explain)
     _tuning_options(explain)
     explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
-    dump = commands.add_parser("dump", help="write before/after graphs, DOT/SVG, report.html, TensorBoard log")
+    dump = _add_command(commands, "dump")
     common(dump)
     weights(dump)
     _tuning_options(dump)
@@ -244,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command's boundary: an error is one line and exit 2. Signals are the caller's
     (``amp_rewrite.cli``: the console script handles them, a program in process gets
     ``KeyboardInterrupt``)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_with_calibrate_value(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)
     except (AmpRewriteError, OSError) as error:
@@ -297,6 +367,7 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set)
+    _check_not_mixed_otherwise(args, model, lists)
     float8 = _float8_calibration(args, model, lists)
     steps("rewriting")
     try:
@@ -351,13 +422,59 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
     if not entries or not unmatched:
         return
     where = " and ".join(part for part in (str(args.lists or ""), "--keep" if args.keep else "") if part)
-    example = f"e.g. {unmatched[0]!r}"
+    example = f"e.g. {unmatched[0]!r}{_close_to_entry(unmatched[0], model.graph_def)}"
     if len(unmatched) == entries:
         raise AmpRewriteError(f"{where}: none of its {entries} entries names a node of {args.src} ({example}); it"
                               " was written for another model, or an export whose node names differ: calibrate"
                               f" {args.src} again")
     print(f"amp-rewrite: warning: {where}: {len(unmatched)} of {entries} entries name no node of {args.src}"
           f" ({example}); they are ignored", file=sys.stderr)
+
+
+def _every_node(graph_def: Any) -> Iterator[Any]:
+    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
+    yield from graph_def.node
+    for function in graph_def.library.function:
+        yield from function.node_def
+
+
+def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
+    """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
+    in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
+    Keras mixed policy. The rewrite paints float32 only, so it leaves them as they are."""
+    from tensorflow.core.framework import types_pb2
+
+    low = {types_pb2.DT_HALF: "float16", types_pb2.DT_BFLOAT16: "bfloat16"}
+    found = collections.defaultdict(list)
+    for node in _every_node(graph_def):
+        dtypes = {low[value.type] for value in node.attr.values() if value.type in low} if node.op in lists.allow else ()
+        for dtype in dtypes:
+            found[dtype].append(node.name)
+    return dict(found)
+
+
+def _check_not_mixed_otherwise(args: argparse.Namespace, model: Model, lists: OpLists) -> None:
+    """A model already mixed in another low precision than the target's is refused: the rewrite
+    would paint its float32 rest and leave the rest as it is, a model in both dtypes, and
+    converting those nodes again would start from weights already rounded to the other one."""
+    from amp_rewrite.core.target import lookup_target
+
+    painted = lookup_target(args.target, quantized=True).colouring
+    other = {dtype: names for dtype, names in already_low(model.graph_def, lists).items() if dtype != painted}
+    if other:
+        dtype, names = next(iter(other.items()))
+        raise ModelError(f"{args.src} is already mixed precision: {len(names)} node(s) compute in {dtype} (e.g."
+                         f" {names[0]!r}), which --target {args.target} would leave {dtype}; convert the float32"
+                         f" original with --target {args.target}, or pass --target {dtype}")
+
+
+def _close_to_entry(entry: str, graph_def: Any) -> str:
+    """", did you mean 'a'?" for an overlay entry that is a plain node name (not a regex)."""
+    name = entry.rpartition("::")[2]
+    if re.escape(name) != name:
+        return ""
+    close = did_you_mean(name, (node.name for node in _every_node(graph_def))).strip()
+    return f", {close}" if close else ""
 
 
 def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) -> dict[str, Any]:
@@ -402,18 +519,31 @@ def _model_lines(model: Model) -> list[str]:
             f" (convert another with --tag-set TAGS)"]
 
 
-def _summary_lines(model: Model, report: Report) -> list[str]:
-    """The model's headline and why its vertices stayed float32, then grappler's line over
-    every item (TensorFlow's plumbing included), as inspect prints them."""
+def _headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
+    """The model's total (a SavedModel's own functions, without ``kinds``, its plumbing), or
+    "already bfloat16" where the model computes in the target's dtype and nothing is left to convert."""
+    items = [item for item in report.items if item.function not in kinds]
+    low = already_low(model.graph_def, lists).get(report.painted, [])
+    if low and not any(item.vertices_converted for item in items):
+        return f"Model: already {report.painted}: 0 nodes to convert ({len(low)} node(s) compute in {report.painted})"
+    return _model_headline(report, items) if kinds else report.summary()
+
+
+def _summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
+    """One total for the model (the SavedModel's own functions, or the GraphDef), "already
+    bfloat16" where it has nothing left to convert, and why its nodes stayed float32; then a
+    SavedModel's library total, TensorFlow's plumbing included, as grappler's log counts it."""
     from amp_rewrite.calibration.savedmodel import plumbing_kinds
 
     kinds = plumbing_kinds(model)
-    lines = [_model_headline(report, [i for i in report.items if i.function not in kinds])] if kinds else []
-    lines.append(report.summary())
+    lines = [_headline(model, report, lists, kinds)]
     kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
     if kept:
         where = " (model)" if kinds else ""
         lines.append(f"Stayed float32{where}: " + ", ".join(f"{rule} {count}" for rule, count in kept.most_common()))
+    if kinds:
+        lines.append(f"Library total, TensorFlow's plumbing included (as grappler's log counts): converted"
+                     f" {report.vertices_converted}/{report.nodes_before} nodes")
     return lines
 
 
@@ -466,7 +596,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                               accept=_speed_checked(args, tuning, steps, accept if feeds is not None else None),
                               variables=variables)
     steps.done()
-    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
+    _say(args, *_summary_lines(model, result.report, lists), *_weights_lines(stored))
     if written:
         _say(args, f"Wrote {args.dst}")
     if failures and failures[0]:
@@ -653,7 +783,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     steps = _Steps(args)
     model, result, lists = _rewrite(args, steps)
     _, result, stored = _store_weights(args, model, result)
-    _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
+    _say(args, *_summary_lines(model, result.report, lists), *_weights_lines(stored))
     _dump(model, result, lists, args.dir, args, steps, _weights_lines(stored))
     return EXIT_OK
 
@@ -696,13 +826,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from amp_rewrite.calibration.savedmodel import plumbing_kinds
     from amp_rewrite.core.target import lookup_target
 
-    model, result, _ = _rewrite(args, _Steps(args))
+    model, result, lists = _rewrite(args, _Steps(args))
     _, result, stored = _store_weights(args, model, result)
     report = result.report
     kinds = plumbing_kinds(model)
     model_items = [item for item in report.items if item.function not in kinds]
     if args.quiet:  # the headline only
-        print(_model_headline(report, model_items) if kinds else report.summary())
+        print(_headline(model, report, lists, kinds))
         return EXIT_OK
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
@@ -718,7 +848,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     header = ["function", "nodes", "converted", f"casts to {report.painted}", "kept float32 (top reasons)"]
     print(_table(rows, header + (["role"] if args.all else [])))
     if kinds:
-        print(_model_headline(report, model_items))
+        print(_headline(model, report, lists, kinds))
         if not args.all:
             print(_plumbing_line(report, kinds))
     print(report.summary())
@@ -804,12 +934,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     function = MAIN_GRAPH if args.function == MAIN_GRAPH_LABEL else args.function
     program = result.program
     if function is not None and function not in program.names:
-        raise ModelError(f"no function '{args.function}' in the graph; `amp-rewrite inspect` lists them")
+        close = did_you_mean(args.function, [MAIN_GRAPH_LABEL, *filter(None, program.names)])
+        raise ModelError(f"no function '{args.function}' in the graph; {close}`amp-rewrite inspect` lists them")
     items = [function] if function is not None else list(program.names)
     found = [(item, node) for item in items for node in program.item(item).node if node.name == args.node]
     where = f" in function '{args.function}'" if function is not None else ""
     if not found:
-        raise ModelError(f"no node '{args.node}'{where}; {HOW_TO_LIST_NODES}")
+        names = (node.name for item in items for node in program.item(item).node)
+        raise ModelError(f"no node '{args.node}'{where}; {did_you_mean(args.node, names)}{HOW_TO_LIST_NODES}")
     if len({item for item, _ in found}) > 1:
         names = ", ".join(item or MAIN_GRAPH_LABEL for item, _ in found)
         raise ModelError(f"node '{args.node}' exists in several functions ({names}); pick one with --function")

@@ -621,7 +621,7 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
                     feeder = fanin
             else:
                 if feeder is not None:
-                    added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'",
+                    added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow node '{feeder.node}'",
                                            feeder.node)
     return added
 
@@ -667,7 +667,7 @@ def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: s
                     painted.add(vertex)
                     if spread is None:
                         spread = Reason(Rule.CLEAR_PROPAGATION,
-                                        f"clear op connected to allow vertex '{root}' through clear ops", root.node)
+                                        f"clear op connected to allow node '{root.node}' through clear ops", root.node)
                     added[vertex] = spread
                 for other in itertools.chain(fanins[vertex], fanouts[vertex]):
                     if other not in asked:

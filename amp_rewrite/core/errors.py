@@ -5,7 +5,10 @@ what to do; callers such as the CLI print ``str(error)`` as a single line.
 """
 from __future__ import annotations
 
+import difflib
+import heapq
 import re
+from collections.abc import Iterable
 
 
 class AmpRewriteError(ValueError):
@@ -41,3 +44,38 @@ def tensorflow_cause(error: BaseException) -> str:
         if line and not _WHERE_LINES.match(line):
             return line
     return type(error).__name__
+
+
+CLOSE = 0.6  # difflib.get_close_matches' default cutoff
+
+
+def closest_names(name: str, names: Iterable[str], count: int = 3) -> list[str]:
+    """The ``count`` names most like ``name``, best first, for a "did you mean" after a name
+    that is not there. A name is compared whole and by its last path components, as many as
+    ``name`` has: Keras 3 exports scope every layer in the model's name and number repeated
+    layers (``dense/MatMul`` is ``sequential_1/dense_1/MatMul`` there)."""
+    depth = name.count("/") + 1
+    matcher = difflib.SequenceMatcher()
+    matcher.set_seq2(name)  # difflib caches what it knows of seq2: the side compared many times
+    bounds = []  # (quick_ratio, name, text compared): an upper bound of the ratio, cheap to compute
+    for candidate in dict.fromkeys(names):
+        for text in {candidate, "/".join(candidate.split("/")[-depth:])}:
+            matcher.set_seq1(text)
+            if matcher.real_quick_ratio() >= CLOSE and matcher.quick_ratio() >= CLOSE:
+                bounds.append((matcher.quick_ratio(), candidate, text))
+    best: dict[str, float] = {}
+    bar = CLOSE  # the count-th best ratio so far, once there are count
+    for bound, candidate, text in sorted(bounds, key=lambda b: -b[0]):
+        if bound < bar:
+            break  # no ratio left can beat it
+        matcher.set_seq1(text)
+        if matcher.ratio() >= max(CLOSE, best.get(candidate, 0.0)):
+            best[candidate] = matcher.ratio()
+            bar = heapq.nlargest(count, best.values())[-1] if len(best) >= count else CLOSE
+    return sorted(best, key=lambda candidate: (-best[candidate], candidate))[:count]
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """"did you mean 'a' or 'b'? " for a message about a missing ``name`` ("" if nothing is close)."""
+    close = closest_names(name, names)
+    return f"did you mean {' or '.join(map(repr, close))}? " if close else ""

@@ -36,7 +36,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.core import boundaries, casts, colouring, float8, functions, graph_io, preparation, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
-from amp_rewrite.core.errors import AmpRewriteError, GraphError
+from amp_rewrite.core.errors import AmpRewriteError, GraphError, did_you_mean
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
@@ -251,7 +251,9 @@ def _prepare(
     nodes = graph_io.working_copy(graph_def)
     missing = [f for f in fetches if f not in nodes.node_defs]
     if missing:
-        raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
+        close = did_you_mean(missing[0], (node.name for node in graph_def.node))
+        raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph; {close}fetch"
+                         " the names of its nodes")
     log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes.node_defs))
     # 4. Which nodes may be painted.
     processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function, reasons)
