@@ -235,6 +235,20 @@ def test_every_block_is_run_or_shown_on_purpose() -> None:
                          f" ({', '.join(sorted(SHOWN_LANGUAGES))}): {'; '.join(unknown)}")
 
 
+def test_readme_shows_the_setups_it_names() -> None:
+    """GitHub does not expand ``--8<--``, so a setup the README names must be shown in it: each
+    code line of the setup (its model and export) is a line of a README block."""
+    shown = {line.strip() for block in blocks_of(README) for line in block.code.splitlines()}
+    for block in blocks_of(README):
+        name = block.options.get("setup")
+        if name in (None, "checkout"):
+            continue
+        code = [line.strip() for line in (SETUPS / f"{name}.py").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#", "import ", "from ", "assert "))]
+        missing = [line for line in code if line not in shown]
+        assert not missing, f"{block.where}: setup {name} does what the README does not show: {missing}"
+
+
 # --------------------------------------------------------------------------------------
 # The generated parts (docs/hooks.py), checked without MkDocs
 
