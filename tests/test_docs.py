@@ -1,5 +1,5 @@
 """Every example in the documentation runs: each ```python, ```bash/```sh/```console block of
-``docs/**/*.md`` (and of ``README.md``, once issue 36's part B has rewritten it) is one test.
+``docs/**/*.md`` and of ``README.md`` is one test.
 
 Each block runs alone in a fresh directory, so alternatives are simply separate blocks. A
 block is complete, or names a setup on the HTML comment line just before it,
@@ -7,7 +7,9 @@ block is complete, or names a setup on the HTML comment line just before it,
 ``--8<--``) runs first in the same directory and namespace; ``setup=checkout`` runs the block
 among links to this checkout's files (for the tools' command lines). ``skip=REASON`` is a
 visible skip, for the few commands that cannot run inside the suite (``make test`` itself).
-Python blocks share one TensorFlow process (``tests/docs_worker.py``); shell blocks run in
+Python blocks share one TensorFlow process (``tests/docs_worker.py``); ``fresh`` runs a block
+(and its setup) in a process of its own, for blocks that change the process for good (graph
+mode, a rewrite left enabled) or name Keras layers by their counters; shell blocks run in
 bash with ``-euo pipefail`` and this environment's ``amp-rewrite`` first on PATH; a console
 block runs its ``$ `` lines. ```yaml blocks are loaded as op-list overlays (``target=NAME``,
 default float16), ```text and the like are not run; any other language fails, so nothing is
@@ -35,8 +37,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from docs_worker import PREFIX  # noqa: E402
 
 README = ROOT / "README.md"
-# Part B of issue 36 rewrites the README; until then its blocks run only when asked.
-README_ASKED = os.environ.get("AMP_DOCS_README") == "1"
 SETUPS = ROOT / "docs" / "setups"
 RUN_LANGUAGES = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell",
                  "console": "console"}
@@ -97,10 +97,10 @@ def blocks_of(path: Path) -> Iterator[Block]:
 
 
 def pages() -> list[Path]:
-    """docs/**/*.md, the files they include whole (CONTRIBUTING.md), and README.md if asked."""
+    """docs/**/*.md, the files they include whole (CONTRIBUTING.md), and README.md."""
     found = sorted((ROOT / "docs").rglob("*.md"))
     included = {ROOT / m["path"] for page in found for m in SNIPPET.finditer(page.read_text()) if not m["indent"]}
-    return found + sorted(path for path in included if path.suffix == ".md") + ([README] if README_ASKED else [])
+    return found + sorted(path for path in included if path.suffix == ".md") + [README]
 
 
 def _collected() -> list[Block]:
@@ -210,15 +210,20 @@ def test_block_runs(block: Block, worker: Worker, tmp_path: Path) -> None:
     if block.options.get("setup") == "checkout":
         _link_checkout(tmp_path)
     setup = _setup_path(block)
-    if RUN_LANGUAGES[block.language] == "python":
-        answer = worker.run(block, tmp_path, setup)
-        if not answer["ok"]:
-            pytest.fail(f"{block.where}: the python block failed\n{answer['error']}"
-                        f"--- its output (end)\n{answer['output'][-3000:]}", pytrace=False)
-        return
-    if setup is not None:
-        answer = worker.run(Block(setup, 1, "python", setup.read_text()), tmp_path, None)
-        assert answer["ok"], f"{block.where}: setup {setup.name} failed\n{answer['error']}"
+    runner = Worker() if "fresh" in block.options else worker
+    try:
+        if RUN_LANGUAGES[block.language] == "python":
+            answer = runner.run(block, tmp_path, setup)
+            if not answer["ok"]:
+                pytest.fail(f"{block.where}: the python block failed\n{answer['error']}"
+                            f"--- its output (end)\n{answer['output'][-3000:]}", pytrace=False)
+            return
+        if setup is not None:
+            answer = runner.run(Block(setup, 1, "python", setup.read_text()), tmp_path, None)
+            assert answer["ok"], f"{block.where}: setup {setup.name} failed\n{answer['error']}"
+    finally:
+        if runner is not worker:
+            runner.close()
     _run_shell(block, tmp_path)
 
 
@@ -230,12 +235,18 @@ def test_every_block_is_run_or_shown_on_purpose() -> None:
                          f" ({', '.join(sorted(SHOWN_LANGUAGES))}): {'; '.join(unknown)}")
 
 
-@pytest.mark.skipif(README_ASKED, reason="AMP_DOCS_README=1: README.md's blocks run above")
-def test_readme_blocks_wait_for_part_b() -> None:
-    """README.md's blocks are left to issue 36's part B, which rewrites the README: said, not hidden."""
-    count = sum(1 for block in blocks_of(README) if block.language in RUN_LANGUAGES)
-    pytest.skip(f"README.md: its {count} runnable blocks wait for issue 36 part B (the README's rewrite);"
-                " AMP_DOCS_README=1 runs them")
+def test_readme_shows_the_setups_it_names() -> None:
+    """GitHub does not expand ``--8<--``, so a setup the README names must be shown in it: each
+    code line of the setup (its model and export) is a line of a README block."""
+    shown = {line.strip() for block in blocks_of(README) for line in block.code.splitlines()}
+    for block in blocks_of(README):
+        name = block.options.get("setup")
+        if name in (None, "checkout"):
+            continue
+        code = [line.strip() for line in (SETUPS / f"{name}.py").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#", "import ", "from ", "assert "))]
+        missing = [line for line in code if line not in shown]
+        assert not missing, f"{block.where}: setup {name} does what the README does not show: {missing}"
 
 
 # --------------------------------------------------------------------------------------

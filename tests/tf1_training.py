@@ -491,11 +491,11 @@ def float8_saver_round_trip(workdir: Path, batches: list) -> dict:
 
 
 def readme_example(workdir: Path) -> dict:
-    """The README's TF1 example (the ```python block with MonitoredTrainingSession), run as
-    written with target= and its checkpoint directory replaced."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The training guide's TF1 example (the ```python block with MonitoredTrainingSession), run
+    as written with target= and its checkpoint directory replaced."""
+    text = (ROOT / "docs" / "guides" / "training.md").read_text(encoding="utf-8")
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MonitoredTrainingSession" in b]
-    assert len(blocks) == 1, f"expected one README block with MonitoredTrainingSession, found {len(blocks)}"
+    assert len(blocks) == 1, f"expected one block with MonitoredTrainingSession in docs/guides/training.md, found {len(blocks)}"
     code = blocks[0]
     assert code.count("enable_mixed_precision_graph_rewrite(opt)") == 1 and code.count('"/tmp/amp_rewrite_tf1"') == 1
     code = code.replace("enable_mixed_precision_graph_rewrite(opt)",
