@@ -186,7 +186,7 @@ MUTANTS = (
         "live-private-copy-shares-name",
         "the live rewrite names a nested function's private copy as the shared one: the copy is never"
         " registered, and the nested function runs float32",
-        "amp_rewrite/training/live.py",
+        "amp_rewrite/training/tracing.py",
         (('    return f"{name}_amp_{owner}"\n', "    return name\n"),),
         ("tests/test_live.py",),
     ),
