@@ -54,13 +54,14 @@ EVENTS_FILE = "events.out.tfevents.0.amp_rewrite"
 # Node classes, shared by the drawing and the report: (fill colour, legend text).
 CLASS_TO_STYLE = {
     "converted": ("#9be29b", "converted to the target type"),
-    "deny": ("#f4a3a3", "kept float32: deny list, keep_nodes, or downstream of either"),
+    "deny": ("#f4a3a3", "kept float32: deny list, keep_nodes, timing, or downstream of them"),
     "infer": ("#f7e08a", "kept float32: infer op"),
     "clear": ("#d6d6d6", "kept float32: clear op"),
     "other": ("#ffffff", "not painted, or no float32 type attribute"),
     "cast": ("#a9cdf2", "Cast inserted by the pass"),
 }
-_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value})
+_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value,
+                         Rule.MEASURED_SLOWER.value})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
 
 

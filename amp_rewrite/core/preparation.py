@@ -14,7 +14,7 @@ from tensorflow.core.framework import types_pb2
 from amp_rewrite.core.graph_io import WorkingGraph
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.rules import Reason, Rule
+from amp_rewrite.core.rules import Reason, keep_rule
 from amp_rewrite.core.target import Target
 
 # Grappler feeds every placeholder, and feeds are preserved: inputs keep their dtype.
@@ -66,7 +66,7 @@ def find_processed_nodes(
         elif entry is not None:
             if entry not in entry_to_reason:
                 text = lists.keep_reasons.get(entry) or f"matches keep_nodes entry {entry!r}"
-                entry_to_reason[entry] = Reason(Rule.KEEP_NODES, text, entry)
+                entry_to_reason[entry] = Reason(keep_rule(text), text, entry)
             kept[name] = entry_to_reason[entry]
             skipped[name] = kept[name].text
         else:
