@@ -18,7 +18,7 @@ Speed-up = median over rounds of float32's step time / the variant's. Model: Mob
     TF_CPP_MIN_LOG_LEVEL=2 nice -n 10 .venv/bin/python tools/bench_live_tuning.py   # a few minutes
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_live_tuning.py --smoke     # tiny CNN: checks the script
 
-How ``training/live.py`` would call it: in ``rewrite_registered_function``, after the
+How the live path would call it: in ``training/tracing.py``'s ``rewrite_registered_function``, after the
 rewrite with ``settings.lists``, ``cached_keeps(graph_def, result, target, feed_shapes,
 cache, handles)`` (feed shapes and variable handles from the traced FuncGraph's inputs and
 captures, as ``step_graph`` below finds them), then the rewrite again with
