@@ -26,6 +26,7 @@ LIVE = "the live rewrite (enable_mixed_precision_graph_rewrite, mixed_precision)
 SESSION = "the Session path (a tf.compat.v1.Session created while the rewrite is on)"
 FLOAT8_TRAINING = "FP8 training (target='float8')"
 OPTIMIZERS = "the loss-scale optimizer wrappers"
+PASS = "the graph rewrite (TensorFlow's op definitions and kernel registry)"
 
 
 class TensorFlowInternalsError(AmpRewriteError):
@@ -96,19 +97,38 @@ def problems() -> list[tuple[Private, str]]:
 
 
 # --- the live rewrite (training/live.py) ------------------------------------------------------
-
+# TensorFlow has no public hook on tracing: these two lists are what tf.function runs for each
+# new FuncGraph and ConcreteFunction (tf.debugging's dumping callback uses the second one too).
 CONCRETE_FUNCTION_CALLBACKS = Private(LIVE, "tensorflow.python.eager.polymorphic_function.transform",
                                       "CONCRETE_FUNCTION_CALLBACKS")
 FUNC_GRAPH_TRANSFORMS = Private(LIVE, "tensorflow.python.eager.polymorphic_function.transform",
                                 "FUNC_GRAPH_TRANSFORMS")
+# The eager context's function library: the only way to replace a traced function's body by name.
 EAGER_CONTEXT = Private(LIVE, "tensorflow.python.eager.context", "context")
+CONTEXT_GET_FUNCTION_DEF = Private(LIVE, "tensorflow.python.eager.context", "Context.get_function_def", ("name",))
+CONTEXT_HAS_FUNCTION = Private(LIVE, "tensorflow.python.eager.context", "Context.has_function", ("name",))
+CONTEXT_REMOVE_FUNCTION = Private(LIVE, "tensorflow.python.eager.context", "Context.remove_function", ("name",))
+CONTEXT_ADD_FUNCTION_DEF = Private(LIVE, "tensorflow.python.eager.context", "Context.add_function_def", ("fdef",))
+# A private copy becomes a child of the trace's AtomicFunction, so it is exported and kept with it.
 ATOMIC_FUNCTION = Private(LIVE, "tensorflow.python.eager.polymorphic_function.atomic_function", "AtomicFunction",
                           ("name", "bound_context", "function_type"))
-MIXED_PRECISION_GLOBAL_STATE = Private(LIVE, "tensorflow.python.training.experimental.mixed_precision_global_state")
+# TensorFlow's "graph rewrite enabled" flag: what makes tf_keras refuse a mixed policy (no public setter).
+GRAPH_REWRITE_ENABLED = Private(LIVE, "tensorflow.python.training.experimental.mixed_precision_global_state",
+                                "is_mixed_precision_graph_rewrite_enabled", ())
+SET_GRAPH_REWRITE_ENABLED = Private(LIVE, "tensorflow.python.training.experimental.mixed_precision_global_state",
+                                    "set_mixed_precision_graph_rewrite_enabled", ("enabled",))
+USING_MIXED_PRECISION_POLICY = Private(LIVE, "tensorflow.python.training.experimental.mixed_precision_global_state",
+                                       "is_using_mixed_precision_policy", ())
 
 # --- the Session path (training/session.py) ---------------------------------------------------
-
-SESSION_MODULE = Private(SESSION, "tensorflow.python.client.session")
+# A Session has no hook between its graph and its C session: the mirror replaces the lowest layer
+# of BaseSession (the methods below, overridden or called) and keeps everything above it.
+BASE_SESSION = Private(SESSION, "tensorflow.python.client.session", "BaseSession")
+SESSION_INIT = Private(SESSION, "tensorflow.python.client.session", "BaseSession.__init__",
+                       ("target", "graph", "config"))
+# What BaseSession.__init__ sets and the mirror reads: the C session it runs, the ConfigProto a
+# mirror's own Session is made with, whether it is closed (instance attributes, no public getter).
+SESSION_HANDLE, SESSION_CONFIG, SESSION_CLOSED = "_session", "_config", "_closed"
 BASE_SESSION_EXTEND_GRAPH = Private(SESSION, "tensorflow.python.client.session", "BaseSession._extend_graph", ())
 BASE_SESSION_CALL_TF_SESSIONRUN = Private(SESSION, "tensorflow.python.client.session",
                                           "BaseSession._call_tf_sessionrun",
@@ -117,18 +137,76 @@ BASE_SESSION_CALL_TF_SESSIONPRUN = Private(SESSION, "tensorflow.python.client.se
                                            "BaseSession._call_tf_sessionprun", ("handle", "feed_dict", "fetch_list"))
 BASE_SESSION_MAKE_CALLABLE_FROM_OPTIONS = Private(SESSION, "tensorflow.python.client.session",
                                                   "BaseSession._make_callable_from_options", ("callable_options",))
-C_API = Private(SESSION, "tensorflow.python.client.pywrap_tf_session")
+BASE_SESSION_DO_CALL = Private(SESSION, "tensorflow.python.client.session", "BaseSession._do_call", ("fn",))
+BASE_SESSION_CALLABLE = Private(SESSION, "tensorflow.python.client.session", "BaseSession._Callable",
+                                ("session", "callable_options"))
+# partial_run_setup's own fetch handling and feed expansions, reused rather than written again.
+FETCH_HANDLER = Private(SESSION, "tensorflow.python.client.session", "_FetchHandler", ("graph", "fetches", "feeds"))
+REGISTERED_EXPANSIONS = Private(SESSION, "tensorflow.python.client.session", "_REGISTERED_EXPANSIONS")
+# The C API the Session itself runs the mirror's graph with.
+SESSION_RUN = Private(SESSION, "tensorflow.python.client.pywrap_tf_session", "TF_SessionRun_wrapper")
+SESSION_PRUN = Private(SESSION, "tensorflow.python.client.pywrap_tf_session", "TF_SessionPRun_wrapper")
+SESSION_PRUN_SETUP = Private(SESSION, "tensorflow.python.client.pywrap_tf_session", "TF_SessionPRunSetup_wrapper")
+OPERATION_NAME = Private(SESSION, "tensorflow.python.client.pywrap_tf_session", "TF_OperationName")
+OPERATION_OUTPUT_TYPE = Private(SESSION, "tensorflow.python.client.pywrap_tf_session", "TF_OperationOutputType")
+TENSOR_AS_TF_OUTPUT = Private(SESSION, "tensorflow.python.client._pywrap_tf_session", "PyTensor._as_tf_output")
+OPERATION_C_OP = Private(SESSION, "tensorflow.python.client._pywrap_tf_session", "PyOperation._c_op")
+# Control inputs from running nodes onto new ones: import_graph_def maps them only under a prefix.
+ADD_CONTROL_INPUTS = Private(SESSION, "tensorflow.python.client._pywrap_tf_session", "PyOperation._add_control_inputs")
 IMPORT_GRAPH_DEF_INTERNAL = Private(SESSION, "tensorflow.python.framework.importer", "_import_graph_def_internal",
                                     ("graph_def",))
+# The process's default ConfigProto, which a Session without a config runs with.
+SESSION_EAGER_CONTEXT = Private(SESSION, "tensorflow.python.eager.context", "context")
 
 # --- FP8 training (training/float8.py, core/float8_training.py) -------------------------------
-
+# Whether a FuncGraph is compiled by XLA, including from an outer function's jit_compile.
 CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow_util",
                             "GraphOrParentsInXlaContext", ("graph",))
+# Loop bodies and branches: their captures are fixed before the FuncGraph transform runs.
+CONTROL_FLOW_FUNC_GRAPH = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow_v2_func_graphs",
+                                  "ControlFlowFuncGraph")
+# A FuncGraph's call-time captures (distribution strategies use them) come last among its inputs.
+DEFERRED_INTERNAL_CAPTURES = Private(FLOAT8_TRAINING, "tensorflow.python.framework.func_graph",
+                                     "FuncGraph.deferred_internal_captures")
 
 # --- the loss-scale optimizers (training/optimizers.py, training/keras_optimizer.py) ----------
+# Keras 3's LossScaleOptimizer methods our subclass overrides: a fixed scale (no public option),
+# skipped steps decided on all replicas together, and the scale kept within [1, float32 max].
+KERAS_TF_APPLY = Private(OPTIMIZERS, "keras", "mixed_precision.LossScaleOptimizer._tf_apply",
+                         ("grads", "trainable_variables"))
+KERAS_HANDLE_FINITE = Private(OPTIMIZERS, "keras", "mixed_precision.LossScaleOptimizer._stateful_handle_finite_grads",
+                              ("grads", "trainable_variables"))
+KERAS_HANDLE_NON_FINITE = Private(OPTIMIZERS, "keras",
+                                  "mixed_precision.LossScaleOptimizer._stateful_handle_non_finite_grads", ())
+# Keras' own test of whether a step needs a merge call (tf.__internal__ is TensorFlow's door for Keras).
+STRATEGY_SUPPORTS_NO_MERGE_CALL = Private(OPTIMIZERS, "tensorflow",
+                                          "__internal__.distribute.strategy_supports_no_merge_call", ())
+# XLA cannot print: the skipped-steps warning only counts under it.
+OPTIMIZERS_XLA_CONTEXT = Private(OPTIMIZERS, "tensorflow.python.ops.control_flow_util",
+                                 "GraphOrParentsInXlaContext", ("graph",))
+# TF1's loss-scale optimizer has no public get_scaled_loss/get_unscaled_gradients: its own halves.
+V1_SCALE_LOSS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale_optimizer",
+                        "MixedPrecisionLossScaleOptimizer._scale_loss", ("loss",))
+V1_UNSCALE_GRADS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale_optimizer",
+                           "MixedPrecisionLossScaleOptimizer._unscale_grads", ("grads",))
+# TF1's DynamicLossScale keeps its count of good steps in ``_num_good_steps`` (no public getter);
+# a fixed scale counts its skipped steps there (keras_optimizer.count_skipped_step).
+V1_DYNAMIC_LOSS_SCALE = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale",
+                                "DynamicLossScale.__init__", ("initial_loss_scale", "increment_period", "multiplier"))
+V1_GOOD_STEPS = "_num_good_steps"
+# TF1's optimizer takes nothing but its deprecated loss scales: their notice is silenced.
+DEPRECATION_SILENCE = Private(OPTIMIZERS, "tensorflow.python.util.deprecation", "silence", ())
+# TF1 wrappers do not track attributes by assignment: the float8 state is tracked by hand.
+TRACK_TRACKABLE = Private(OPTIMIZERS, "tensorflow.python.trackable.base", "Trackable._track_trackable",
+                          ("trackable", "name"))
 
 # --- the pass and its support checks (core/) --------------------------------------------------
+
+# No public API gives an op's OpDef or its registered kernels: grappler's questions
+# (SupportsF16DataType, IsKernelRegisteredForNode) can only be asked here (core/support.py).
+OP_DEF_REGISTRY_GET = Private(PASS, "tensorflow.python.framework.op_def_registry", "get", ("name",))
+REGISTERED_KERNELS_FOR_OP = Private(PASS, "tensorflow.python.framework.kernels", "get_registered_kernels_for_op",
+                                    ("name",))
 
 # --- weights and SavedModels (core/weights.py, cli/weights.py, calibration/savedmodel.py) -----
 

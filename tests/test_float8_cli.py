@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
     tuple(int(p) for p in tf.__version__.split(".")[:2]) < _FLOAT8_MIN_TENSORFLOW,
     reason=f"target float8 needs TensorFlow 2.18+ (XLA before it drops a float8 round trip); this is {tf.__version__}")
 
-FIRST, SECOND = "functional_1/dense_a_1/MatMul", "functional_1/dense_b_1/MatMul"
+# The model is named: its scope is the same whichever models the process built before.
+FIRST, SECOND = "mlp_1/dense_a_1/MatMul", "mlp_1/dense_b_1/MatMul"
 XLA_MUST_COMPILE = "_XlaMustCompile"
 
 
@@ -40,7 +41,7 @@ def _export_mlp(path: Path) -> None:
     x = keras.Input((32,), name="x")
     first = keras.layers.Dense(64, activation="relu", name="dense_a")
     h = keras.layers.Dense(64, activation="relu", name="dense_b")(first(x))
-    model = keras.Model(x, keras.layers.Dense(8, name="logits")(h))
+    model = keras.Model(x, keras.layers.Dense(8, name="logits")(h), name="mlp")
     kernel = first.kernel.numpy()
     kernel[0] = 0.0
     first.kernel.assign(kernel)
@@ -120,7 +121,7 @@ def test_explain_and_the_report_show_amax_and_scale(files, converted, overlay):
     run = run_cli("explain", files["mlp"], SECOND, "--target", "float8", "--lists", overlay)
     assert run.code == 0, run.err
     assert "attribute T: float32 -> float16" in run.out and "rule: float8-matmul" in run.out
-    assert "functional_1/dense_a_1/Relu:0 (activation) amax" in run.out and " scale 128;" in run.out
+    assert "mlp_1/dense_a_1/Relu:0 (activation) amax" in run.out and " scale 128;" in run.out
     page = (converted[2] / "report.html").read_text(encoding="utf-8")
     assert page.count("float8_e4m3fn operands: ") == 3 and "(activation) amax" in page
     assert "matmul whose operands are quantized to float8_e4m3fn with per-tensor scales" in page

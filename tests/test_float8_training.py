@@ -11,6 +11,8 @@ accuracy on scikit-learn's digits against the bfloat16 rewrite of the same model
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -97,18 +99,18 @@ def test_delayed_scaling_records_amax_rolls_history_and_sets_power_of_two_scales
     step = _matmul_step(opt)
     step(_x(3.0))
     assert sorted(name for name, _ in state.items()) == sorted(
-        f"product/{operand}/{kind}" for operand in ("input_0", "input_1", "output_grad")
+        f"v0_kernel/{operand}/{kind}" for operand in ("input", "weight", "output_grad")
         for kind in ("amax_history", "scale"))
-    assert _values(state, "product/input_0") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
-    assert _values(state, "product/input_1") == ([2.0, 0, 0, 0], _scale(2.0, E4M3_MAX))
-    assert _values(state, "product/output_grad") == ([1000.0, 0, 0, 0], _scale(1000.0, E5M2_MAX))
+    assert _values(state, "v0_kernel/input") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/weight") == ([2.0, 0, 0, 0], _scale(2.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/output_grad") == ([1000.0, 0, 0, 0], _scale(1000.0, E5M2_MAX))
     step(_x(6.0))
-    assert _values(state, "product/input_0") == ([6.0, 3.0, 0, 0], _scale(6.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([6.0, 3.0, 0, 0], _scale(6.0, E4M3_MAX))
     for _ in range(3):
         step(_x(1.0))
-    assert _values(state, "product/input_0") == ([1.0, 1.0, 1.0, 6.0], _scale(6.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([1.0, 1.0, 1.0, 6.0], _scale(6.0, E4M3_MAX))
     step(_x(1.0))
-    assert _values(state, "product/input_0") == ([1.0] * 4, _scale(1.0, E4M3_MAX))
+    assert _values(state, "v0_kernel/input") == ([1.0] * 4, _scale(1.0, E4M3_MAX))
 
 
 def test_a_step_quantizes_with_the_scale_its_state_holds():
@@ -122,7 +124,7 @@ def test_a_step_quantizes_with_the_scale_its_state_holds():
     tiny = np.array([[2.0**-12, 0.0]], np.float32)
     np.testing.assert_array_equal(step(tiny).numpy().astype(np.float32), tiny @ WEIGHT)
     x = np.array([[3.0, 0.0]], np.float32)
-    history, scale = opt.float8_state.lookup("product/input_0")
+    history, scale = opt.float8_state.lookup("v0_kernel/input")
     scale.assign(2.0**10)
     history.assign([1.0, 0, 0, 0])  # keep the history from taking over the next scale's meaning
     np.testing.assert_array_equal(step(x).numpy().astype(np.float32), np.array([[448.0 / 1024, 0.0]]) @ WEIGHT)
@@ -134,9 +136,9 @@ def test_a_non_finite_step_records_no_amax():
                                                            amax_history_length=HISTORY)
     step = _matmul_step(opt)
     step(_x(3.0))
-    before = _values(opt.float8_state, "product/input_0")
+    before = _values(opt.float8_state, "v0_kernel/input")
     step(_x(np.inf))
-    assert _values(opt.float8_state, "product/input_0") == before
+    assert _values(opt.float8_state, "v0_kernel/input") == before
 
 
 def test_float16_base_with_the_loss_scale_skips_overflowing_steps():
@@ -152,9 +154,9 @@ def test_float16_base_with_the_loss_scale_skips_overflowing_steps():
     for _ in range(12):
         step(_x(3.0))
     assert float(opt.loss_scale) == 16.0
-    assert _values(opt.float8_state, "product/output_grad") == ([16000.0, 32000.0, 64000.0, 128000.0],
+    assert _values(opt.float8_state, "v0_kernel/output_grad") == ([16000.0, 32000.0, 64000.0, 128000.0],
                                                                  _scale(128000.0, E5M2_MAX))
-    assert _values(opt.float8_state, "product/input_0")[0] == [3.0] * HISTORY
+    assert _values(opt.float8_state, "v0_kernel/input")[0] == [3.0] * HISTORY
 
 
 def test_mixed_precision_block_trains_in_float8_with_the_state_it_yields():
@@ -162,7 +164,7 @@ def test_mixed_precision_block_trains_in_float8_with_the_state_it_yields():
     hold the state (checkpoint it yourself)."""
     with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY) as settings:
         _matmul_step(keras.optimizers.SGD(0.0))(_x(3.0))
-    assert _values(settings.float8.state, "product/input_0") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
+    assert _values(settings.float8.state, "m0/input") == ([3.0, 0, 0, 0], _scale(3.0, E4M3_MAX))
 
 
 def test_without_xla_it_warns_once_that_the_matmuls_run_emulated():
@@ -175,7 +177,7 @@ def test_without_xla_it_warns_once_that_the_matmuls_run_emulated():
         step(_x(3.0)[:1])  # a second trace
     messages = [str(w.message) for w in caught if "emulated" in str(w.message)]
     assert len(messages) == 1 and "jit_compile=True" in messages[0] and "\n" not in messages[0]
-    assert _values(opt.float8_state, "product/input_0")[0][0] == 3.0  # and it trains as under XLA
+    assert _values(opt.float8_state, "v0_kernel/input")[0][0] == 3.0  # and it trains as under XLA
 
 
 # --- where the state goes -------------------------------------------------------------------------
@@ -199,7 +201,7 @@ def test_checkpoint_carries_the_state_into_a_fresh_wrapper(tmp_path):
     fresh_step.get_concrete_function(tf.TensorSpec([4, 2], tf.float32))  # the trace makes the variables
     assert {name: variable.numpy().tolist() for name, variable in fresh.float8_state.items()} == saved
     fresh_step(_x(1.0))
-    assert _values(fresh.float8_state, "product/input_0")[0] == [1.0, 6.0, 3.0, 0.0]
+    assert _values(fresh.float8_state, "v0_kernel/input")[0] == [1.0, 6.0, 3.0, 0.0]
 
 
 def test_saved_model_carries_the_state(tmp_path):
@@ -214,7 +216,7 @@ def test_saved_model_carries_the_state(tmp_path):
     loaded = tf.saved_model.load(str(tmp_path / "saved")).optimizer.float8_state.by_name
     assert {name: loaded[name].numpy().tolist() for name, _ in opt.float8_state.items()} == {
         name: variable.numpy().tolist() for name, variable in opt.float8_state.items()}
-    assert loaded["product/input_0/amax_history"].numpy().tolist() == [3.0, 0, 0, 0]
+    assert loaded["v0_kernel/input/amax_history"].numpy().tolist() == [3.0, 0, 0, 0]
 
 
 def test_keras_file_carries_the_state_and_the_loaded_wrapper_resumes(tmp_path):
@@ -253,7 +255,7 @@ def test_keras_fit_under_xla_trains_in_float8():
     assert not [w for w in caught if "emulated" in str(w.message)]  # XLA compiles it: no warning
     histories = {name: variable.numpy() for name, variable in opt.float8_state.items() if name.endswith("history")}
     assert len(histories) == 3
-    (inputs,) = [history for name, history in histories.items() if name.endswith("input_0/amax_history")]
+    (inputs,) = [history for name, history in histories.items() if name.endswith("/input/amax_history")]
     assert inputs.tolist() == [1.0, 1.0, 0.0, 0.0]  # digits' pixels reach 16/16 in every batch
     assert all(np.all(history[:2] > 0) and np.all(history[2:] == 0) for history in histories.values())
 
@@ -268,7 +270,7 @@ def test_bad_amax_history_length_is_one_line(length, error):
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8",
                                                          amax_history_length=length)
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings is None
+    assert live.active() is None
 
 
 @pytest.mark.parametrize("first, second", [("bfloat16", "float8"), ("float8", "float16")])
@@ -278,7 +280,7 @@ def test_float8_and_another_target_do_not_take_turns(first, second):
                                          rf"\(\) before enabling '{second}'") as caught:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target=second)
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings.name == first
+    assert live.active().name == first
 
 
 def test_resuming_with_another_history_length_says_which_to_pass():
@@ -303,17 +305,14 @@ def test_refused_before_tensorflow_2_18(monkeypatch):
     with pytest.raises(AmpRewriteError, match=r"needs TensorFlow 2\.18 or newer: TensorFlow 2\.17\.1") as caught:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8")
     assert "\n" not in str(caught.value)
-    assert live.STATE.settings is None
+    assert live.active() is None
 
 
 # --- a TF1 Session graph ------------------------------------------------------------------------
 
 
-def test_session_graph_trains_with_its_state_in_the_mirror():
-    """A TF1 graph (``tf.compat.v1.train`` optimizer, ``minimize``) run by a Session made while
-    enabled: the mirror quantizes its MatMul and the two gradient MatMuls, holds the state as
-    its own variables (initialized once), records each step's amax, and the loss falls."""
-    data = digits.digits()
+def _tf1_graph(optimizer: Callable[[], Any]) -> tuple[tf.Graph, dict]:
+    """A TF1 digits graph, one MatMul (64 -> 10), whose train op ``optimizer().minimize`` builds."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 64], name="x")
@@ -321,34 +320,66 @@ def test_session_graph_trains_with_its_state_in_the_mirror():
         kernel = tf.compat.v1.get_variable("kernel", [64, 10], initializer=tf.compat.v1.glorot_uniform_initializer(0))
         logits = tf.matmul(x, kernel, name="logits")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.GradientDescentOptimizer(0.5),
-                                                               target="float8", amax_history_length=HISTORY)
-        train = opt.minimize(loss)
+        train = optimizer().minimize(loss)
         init = tf.compat.v1.global_variables_initializer()
+    return graph, dict(x=x, y=y, loss=loss, train=train, init=init)
+
+
+def test_session_graph_trains_with_its_state_in_the_mirror():
+    """A TF1 graph (``tf.compat.v1.train`` optimizer, ``minimize``) run by a Session made while
+    enabled: the mirror quantizes its MatMul and the two gradient MatMuls, holds the state as
+    its own variables (initialized once), records each step's amax, and the loss falls."""
+    data = digits.digits()
+    graph, m = _tf1_graph(lambda: amp_rewrite.enable_mixed_precision_graph_rewrite(
+        tf.compat.v1.train.GradientDescentOptimizer(0.5), target="float8", amax_history_length=HISTORY))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulated, without XLA: the test above
         with tf.compat.v1.Session(graph=graph) as session:
-            session.run(init)
-            feed = {x: data.x_train[:256], y: data.y_train[:256]}
-            losses = [session.run([train, loss], feed)[1] for _ in range(5)]
+            session.run(m["init"])
+            feed = {m["x"]: data.x_train[:256], m["y"]: data.y_train[:256]}
+            losses = [session.run([m["train"], m["loss"]], feed)[1] for _ in range(5)]
             mirror = session._amp_rewrite_mirror
-            history = mirror.session.run("amp_rewrite_float8/logits/input_0/amax_history/read:0")
+            history = mirror.session.run("amp_rewrite_float8/kernel/input/amax_history/Read/ReadVariableOp:0")
     assert mirror.result.report.float8_matmuls == 3
     assert history.tolist() == [1.0] * 4  # digits' pixels reach 16/16 in every batch
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])) and losses[-1] < losses[0] * 0.85
 
 
+def test_a_session_graph_trained_by_an_unwrapped_optimizer_says_its_state_is_not_checkpointed():
+    """A TF1 graph whose train op a plain ``GradientDescentOptimizer`` built, run by a Session
+    made inside ``mixed_precision(target="float8")``: it trains FP8 (3 matmuls) on state the
+    mirror alone holds, and one line says so — how many operands, one example, which call
+    puts the state in the user's graph."""
+    data = digits.digits()
+    graph, m = _tf1_graph(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amp_rewrite.mixed_precision(target="float8", amax_history_length=HISTORY):
+            session = tf.compat.v1.Session(graph=graph)
+        session.run(m["init"])
+        session.run(m["train"], {m["x"]: data.x_train[:64], m["y"]: data.y_train[:64]})
+    (message,) = [str(w.message) for w in caught if "no FP8 state variables" in str(w.message)]
+    assert "\n" not in message and "for 3 operand(s) (e.g. 'kernel/input')" in message
+    assert "enable_mixed_precision_graph_rewrite returned" in message
+    assert session._amp_rewrite_mirror.result.report.float8_matmuls == 3
+    session.close()
+
 # --- proof: the HLO XLA gets, and accuracy on digits --------------------------------------------
 
 
-@pytest.mark.parametrize("name", digits.MODELS)
+@pytest.mark.parametrize("name", digits.MODELS + digits.LOOP_MODELS)
 def test_every_matmul_of_a_training_step_reaches_xla_on_float8(name):
     """In the HLO of one jit-compiled training step, every dot and convolution of the forward
     pass reads both operands as ``multiply(convert(f8e4m3fn), broadcast(scale))`` and every
     one of the gradient reads f8e5m2 (the incoming gradient) and f8e4m3fn: the operands XLA's
-    GEMM rewriter turns into cuBLASLt FP8 GEMMs on a GPU of compute capability 8.9+."""
+    GEMM rewriter turns into cuBLASLt FP8 GEMMs on a GPU of compute capability 8.9+. The LSTM's
+    include its loop bodies': 2 forward dots per time step there (and 2 for the first step Keras
+    runs outside the loop, and the head's), 4 in the gradient loop's body (and the head's 2); the
+    GRU's likewise (its input and recurrent kernels)."""
     count = digits.count_float8_matmuls(digits.training_step_hlo(name, "float8"))
     assert count.forward >= 3 and count.backward >= count.forward
+    if name in digits.LOOP_MODELS:
+        assert (count.forward, count.backward) == (5, 6)
     assert (count.forward_float8, count.backward_float8) == (count.forward, count.backward)
 
 
@@ -362,3 +393,51 @@ def test_digits_accuracy_within_two_points_of_bfloat16():
     assert bfloat16.accuracy > 0.9
     assert abs(float8.accuracy - bfloat16.accuracy) <= 0.02
     assert float8.losses != bfloat16.losses  # the float8 run is not the bfloat16 one
+
+
+# --- loops: a while loop's matmuls, forward and backward -------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["scan", "while_loop"])
+def test_a_loops_matmuls_keep_one_history_whose_amax_is_the_largest_of_its_iterations(loop):
+    """An RNN step written with ``tf.scan`` or ``tf.while_loop``: the matmuls in the loop body
+    (and in its gradient's) record into one state per matmul, whose amax is the largest of all
+    iterations — here the first iteration's input, 5, though later ones are smaller — and the
+    next step quantizes with the scale that history sets (no iteration rescales itself)."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.0), target="float8",
+                                                           amax_history_length=HISTORY)
+    w = tf.Variable(np.full((2, 3), 0.5, np.float32), name="w")
+    u = tf.Variable(np.full((3, 3), 0.25, np.float32), name="u")
+
+    @tf.function(jit_compile=False)
+    def step(xs):
+        with tf.GradientTape() as tape:
+            cell = lambda h, x: tf.tanh(tf.matmul(x, w) + tf.matmul(h, u))
+            if loop == "scan":
+                last = tf.scan(cell, xs, initializer=tf.zeros((4, 3)))[-1]
+            else:
+                last = tf.while_loop(lambda t, h: t < 5, lambda t, h: (t + 1, cell(h, xs[t])),
+                                     (tf.constant(0), tf.zeros((4, 3))), maximum_iterations=5)[1]
+            loss = tf.reduce_sum(last)
+        opt.apply(tape.gradient(loss, [w, u]), [w, u])
+
+    xs = np.stack([np.full((4, 2), 5.0 - t, np.float32) for t in range(5)])  # amax 5, 4, 3, 2, 1
+    step(xs)
+    step(xs)
+    history, scale = opt.float8_state.lookup("v0_w/input")
+    assert history.numpy().tolist() == [5.0, 5.0, 0.0, 0.0]
+    assert float(scale.numpy()) == _scale(5.0, E4M3_MAX)
+    for key in ("v0_w/weight", "v1_u/weight", "v1_u/input", "v0_w/output_grad", "v1_u/output_grad"):
+        assert np.all(opt.float8_state.lookup(key)[0].numpy()[:2] > 0), key
+
+
+def test_lstm_digits_accuracy_within_two_points_of_bfloat16():
+    """A Keras LSTM over the digits' 8 rows (its matmuls in a while loop, forward and backward):
+    FP8 training's held-out accuracy is within 2 points of the bfloat16 rewrite's."""
+    data = digits.digits()
+    bfloat16 = digits.train("lstm", "bfloat16", epochs=3, jit_compile=False, data=data, learning_rate=3e-2)
+    float8 = digits.train("lstm", "float8", epochs=3, jit_compile=False, data=data, learning_rate=3e-2)
+    assert bfloat16.accuracy > 0.85
+    assert abs(float8.accuracy - bfloat16.accuracy) <= 0.02
+    histories = [name for name, _ in float8.optimizer.float8_state.items() if name.endswith("amax_history")]
+    assert {"v0_kernel/input/amax_history", "v1_recurrent_kernel/output_grad/amax_history"} <= set(histories)

@@ -1,9 +1,10 @@
 """GraphDef ⇄ networkx and FunctionDef ⇄ body round trips, and the tensor-name grammar (graph_io is the only parser)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite import GraphError
 from amp_rewrite.core import functions
@@ -12,11 +13,12 @@ from amp_rewrite.core.graph_io import (
     CONTROL,
     TensorRef,
     insert_node,
-    new_node_def,
+    make_node_def,
     parse_tensor_name,
     take_graph_def,
     to_graph_def,
     to_networkx,
+    working_copy,
 )
 
 
@@ -42,54 +44,50 @@ def test_round_trip_is_byte_identical():
     assert round_tripped.SerializeToString(deterministic=True) == graph_def.SerializeToString(deterministic=True)
 
 
-def test_take_graph_def_equals_to_graph_def_after_edits():
-    """take_graph_def hands back the working copy with added nodes appended: same as to_graph_def."""
+def _fresh(graph_def: graph_pb2.GraphDef) -> dict[str, tuple]:
+    """Each node's parsed inputs and readers, as ``working_copy`` indexes ``graph_def`` anew."""
+    fresh = working_copy(graph_def)
+    return {name: (fresh.inputs[name], fresh.readers[name]) for name in fresh.node_defs}
+
+
+_IDENTITY = node_def_pb2.NodeDef(op="Identity")
+
+
+def test_take_graph_def_hands_back_the_working_copy_with_added_nodes_appended():
+    """take_graph_def returns the working GraphDef itself (no node copied), the inserted nodes
+    last, each on its device, each reader reading them; the caller's graph is untouched."""
     graph_def = _graph_with_control_edges()
-    graph = to_networkx(graph_def)
-    insert_node(graph, node_def_pb2.NodeDef(name="a2", op="Identity"), "split", 0, [("cat", 0), ("cat", 2)])
-    made_inside = new_node_def(graph)
-    made_inside.MergeFrom(node_def_pb2.NodeDef(name="b2", op="Identity"))
-    insert_node(graph, made_inside, "split", 1, [("y", 0)])
-    expected = to_graph_def(graph)
+    graph = working_copy(graph_def)
+    first = insert_node(graph, _IDENTITY, "a2", "/device:CPU:0", "split", 0, [("cat", 0), ("cat", 2)])
+    insert_node(graph, _IDENTITY, "b2", "", "split", 1, [("y", 0)])
     taken = take_graph_def(graph)
-    assert taken.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    assert taken is graph.graph_def and taken.node[-2] == first and first.device == "/device:CPU:0"
     assert [n.name for n in taken.node][-2:] == ["a2", "b2"] and list(taken.node[-2].input) == ["split:0"]
+    assert [n.op for n in taken.node][-2:] == ["Identity", "Identity"] and _IDENTITY.name == ""
     assert list(next(n for n in taken.node if n.name == "cat").input) == ["a2", "y", "a2", "cat/axis"]
     assert graph_def == _graph_with_control_edges()  # the caller's graph is untouched
 
 
-def test_take_graph_def_leaves_out_a_made_node_never_inserted():
-    graph = to_networkx(_graph_with_control_edges())
-    new_node_def(graph).name = "stray"
-    taken = take_graph_def(graph)
-    assert "stray" not in [n.name for n in taken.node]
-    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
+def test_insert_node_moves_inputs_and_indexes_together():
+    """After an insert, the working copy's indexes read as those of a fresh working copy of
+    its GraphDef: same inputs, same ports, same readers in the same order."""
+    graph = working_copy(_graph_with_control_edges())
+    insert_node(graph, _IDENTITY, "s1", "", "split", 1, [("y", 0)])
+    assert graph.data_readers("split", 1) == [("s1", 0)] and graph.data_readers("s1", 0) == [("y", 0)]
+    assert list(graph.node_defs["s1"].input) == ["split:1"] and list(graph.node_defs["y"].input) == ["s1", "^gate"]
+    assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
+    insert_node(graph, _IDENTITY, "s0", "", "split", 0, [("cat", 2)])  # one of two readers of split:0
+    assert graph.data_readers("split", 0) == [("cat", 0), ("s0", 0)]
+    assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
 
 
-def test_insert_node_moves_inputs_and_edges_together():
-    """The inserted node's edges and its readers' inputs agree, and the graph reads as a
-    freshly built one: same edges, same ports, same spellings."""
-    graph = to_networkx(_graph_with_control_edges())
-    insert_node(graph, node_def_pb2.NodeDef(name="s1", op="Identity"), "split", 1, [("y", 0)])
-    assert not graph.has_edge("split", "y") and graph.has_edge("split", "s1") and graph.has_edge("s1", "y")
-    rebuilt = to_networkx(to_graph_def(graph))
-    def edges(g):
-        return sorted((u, v, k, d["src_port"], d["tensor"]) for u, v, k, d in g.edges(keys=True, data=True))
-    assert edges(graph) == edges(rebuilt)
-    assert list(graph.pred["cat"]) == list(rebuilt.pred["cat"])  # still split, y, cat/axis; "split" loses no key
-    assert graph.nodes["s1"]["node_def"].input == ["split:1"] and graph.nodes["y"]["node_def"].input == ["s1", "^gate"]
-
-
-def test_take_graph_def_copies_when_a_node_was_replaced():
-    graph_def = _graph_with_control_edges()
-    graph = to_networkx(graph_def)
-    replacement = node_def_pb2.NodeDef()
-    replacement.CopyFrom(graph.nodes["gate"]["node_def"])
-    replacement.device = "/device:CPU:0"
-    graph.nodes["gate"]["node_def"] = replacement
-    taken = take_graph_def(graph)
-    assert taken.SerializeToString(deterministic=True) == to_graph_def(graph).SerializeToString(deterministic=True)
-    assert next(n for n in taken.node if n.name == "gate").device == "/device:CPU:0"
+def test_inputs_and_readers_carry_ports_and_control_inputs():
+    graph = working_copy(_graph_with_control_edges())
+    assert graph.inputs["cat"] == [("split", 0), ("y", 0), ("split", 0), ("cat/axis", 0)]
+    assert graph.inputs["y"] == [("split", 1), ("gate", CONTROL)]
+    assert graph.readers["split"] == [("y", 0), ("cat", 0), ("cat", 2)]
+    assert graph.readers["gate"] == []  # a control input reads no tensor
+    assert graph.data_readers("split", 0) == [("cat", 0), ("cat", 2)]
 
 
 def test_edges_carry_ports_and_control_flag():
@@ -119,14 +117,14 @@ def test_dangling_input_names_the_node():
     graph_def = _graph_with_control_edges()
     graph_def.node[-1].input[1] = "ghost:0"
     with pytest.raises(GraphError, match="node 'cat': input 'ghost:0' names a node that is not in the graph"):
-        to_networkx(graph_def)
+        working_copy(graph_def)
 
 
 def test_duplicate_node_name_is_rejected():
     graph_def = _graph_with_control_edges()
     graph_def.node.add().CopyFrom(graph_def.node[0])
     with pytest.raises(GraphError, match="duplicate node name 'x'"):
-        to_networkx(graph_def)
+        working_copy(graph_def)
 
 
 def _library_graph_def() -> graph_pb2.GraphDef:
@@ -172,3 +170,53 @@ def test_function_body_round_trip_is_exact():
     assert [graph_def.library.function[program.positions[name]].signature.name for name in program.library] == list(
         program.library
     )
+
+
+# --- make_node_def: the one NodeDef builder ------------------------------------------------
+
+
+def test_make_node_def_types_each_attr_from_the_op_definition():
+    """``N`` is an int attr and ``T``/``Tidx`` type attrs: the same Python int lands in the
+    field its definition names, and the node TensorFlow builds from the same call agrees."""
+    graph_def = graph_pb2.GraphDef()
+    node = make_node_def("ConcatV2", "concat", ["a", "b", "axis"], device="/device:CPU:0", into=graph_def.node,
+                         N=2, T=types_pb2.DT_HALF, Tidx=tf.int32)
+    assert graph_def.node[0] == node
+    assert (node.attr["N"].WhichOneof("value"), node.attr["N"].i) == ("i", 2)
+    assert (node.attr["T"].WhichOneof("value"), node.attr["T"].type) == ("type", types_pb2.DT_HALF)
+    assert node.attr["Tidx"].type == types_pb2.DT_INT32
+    assert list(node.input) == ["a", "b", "axis"] and node.device == "/device:CPU:0"
+    listed = make_node_def("IdentityN", "n", ["a", "b"], T=[types_pb2.DT_FLOAT, tf.bfloat16])
+    assert list(listed.attr["T"].list.type) == [types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16]
+    const = make_node_def("Const", "c", dtype=types_pb2.DT_FLOAT, value=np.arange(3, dtype=np.float32))
+    assert tf.make_ndarray(const.attr["value"].tensor).tolist() == [0.0, 1.0, 2.0]
+    placeholder = make_node_def("Placeholder", "p", dtype=types_pb2.DT_FLOAT, shape=[None, 3], _note=b"kept")
+    assert [d.size for d in placeholder.attr["shape"].shape.dim] == [-1, 3]
+    assert placeholder.attr["_note"].s == b"kept"
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({"N": 2, "T": 2.5}, "node 'bad' \\(AddN\\): attribute 'T' is of type type: give a DataType"),
+        ({"N": types_pb2.DT_FLOAT * 1.0, "T": types_pb2.DT_FLOAT}, "attribute 'N' is of type int: give an int"),
+        ({"N": True, "T": types_pb2.DT_FLOAT}, "attribute 'N' is of type int: give an int, not True"),
+        ({"N": 2, "T": 5000}, "attribute 'T' is of type type: give a DataType"),
+        ({"N": 2, "T": types_pb2.DT_FLOAT, "axis": 0}, "attribute 'axis' is not in the op's definition \\(it has N, T\\)"),
+        ({"N": 2, "T": attr_value_pb2.AttrValue(i=1)}, "attribute 'T' is of type type, but the AttrValue given holds i"),
+        ({"N": 2, "T": types_pb2.DT_FLOAT, "_x": 3}, "attribute '_x' is in no op definition"),
+    ],
+)
+def test_make_node_def_refuses_a_mistyped_or_unknown_attr_and_adds_nothing(attrs, message):
+    """The builder the float8 step, the casts and calibration share types attrs by the op's
+    definition: a value of the wrong kind, or an attr the op lacks, is one GraphError naming
+    node, op and attr, and the graph it was to go into is unchanged."""
+    graph_def = graph_pb2.GraphDef()
+    with pytest.raises(GraphError, match=message):
+        make_node_def("AddN", "bad", ["a", "b"], into=graph_def.node, **attrs)
+    assert len(graph_def.node) == 0
+
+
+def test_make_node_def_names_an_op_tensorflow_does_not_know():
+    with pytest.raises(GraphError, match="node 'n': op 'NoSuchOp' is neither registered"):
+        make_node_def("NoSuchOp", "n", T=types_pb2.DT_FLOAT)

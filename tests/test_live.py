@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 from conftest import TARGET_TO_TOLERANCE, TARGETS
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 from tensorflow.python.client import session as session_lib
 from tensorflow.python.eager import context
@@ -706,3 +706,124 @@ def test_export_after_enabling_is_low_precision_and_float32_after_disabling(tmp_
     exported = tf.saved_model.load(str(tmp_path / "float32"))
     float32 = exported.serve(x).numpy()
     np.testing.assert_allclose(float32, model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# What enabling owns: hooks put back in any order, TensorFlow's internals checked first, a
+# failed function swap leaves the user's function registered
+
+
+def _tensorflow_hooks() -> tuple:
+    """What enabling changes in TensorFlow: the trace hooks, ``BaseSession.__init__``, the global flag."""
+    return (tuple(transform.CONCRETE_FUNCTION_CALLBACKS), tuple(transform.FUNC_GRAPH_TRANSFORMS),
+            session_lib.BaseSession.__init__, mixed_precision_global_state.is_mixed_precision_graph_rewrite_enabled())
+
+
+@pytest.mark.parametrize("order", ["first-first", "second-first"])
+def test_two_enables_and_their_disables_in_any_order_leave_tensorflow_as_it_was(order):
+    """Each enable is an enablement its wrapper holds; ``disable_…(opt)`` stops exactly that one.
+    The hooks stay while either is active — new traces take the newest active one's settings —
+    and every one is put back when the last goes, whichever order they go in."""
+    before = _tensorflow_hooks()
+    first = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    with pytest.warns(UserWarning, match="now enabled for float16"):
+        second = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="float16")
+    installed = _tensorflow_hooks()
+    assert installed != before and live.active().target == "float16"
+    gone, kept = (first, second) if order == "first-first" else (second, first)
+    amp_rewrite.disable_mixed_precision_graph_rewrite(gone)
+    assert _tensorflow_hooks() == installed
+    assert live.active().target == {first: "bfloat16", second: "float16"}[kept]
+    with pytest.warns(UserWarning, match=r"disable_mixed_precision_graph_rewrite\(opt\) called, but"):
+        amp_rewrite.disable_mixed_precision_graph_rewrite(gone)  # once is enough: the other stays
+    assert live.active() is not None
+    amp_rewrite.disable_mixed_precision_graph_rewrite(kept)
+    assert _tensorflow_hooks() == before and live.active() is None
+
+
+_REMOVE_AND_ENABLE = """
+import sys
+from tensorflow.python.client import session
+from tensorflow.python.eager.polymorphic_function import transform
+from tensorflow.python.training.experimental import mixed_precision_global_state as flag
+from tensorflow.python.ops import control_flow_v2_func_graphs as loops
+import keras
+import amp_rewrite
+
+def hooks():
+    return (list(transform.CONCRETE_FUNCTION_CALLBACKS), list(transform.FUNC_GRAPH_TRANSFORMS),
+            session.BaseSession.__init__, flag.is_mixed_precision_graph_rewrite_enabled())
+
+for owner, name, target in [(session.BaseSession, "_call_tf_sessionprun", "bfloat16"),
+                            (keras.mixed_precision.LossScaleOptimizer, "_tf_apply", "bfloat16"),
+                            (transform, "FUNC_GRAPH_TRANSFORMS", "bfloat16"),
+                            (loops, "ControlFlowFuncGraph", "float8")]:
+    saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    before = hooks()
+    delattr(owner, name)
+    try:
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target=target,
+                                                         **({"amax_history_length": 4} if target == "float8" else {}))
+        print("ENABLED", name)
+    except amp_rewrite.AmpRewriteError as error:
+        print("REFUSED", name, "|", error)
+    setattr(owner, name, saved)
+    print("UNCHANGED", name, hooks() == before)
+"""
+
+
+def test_enabling_refuses_in_one_line_before_installing_anything_when_a_private_name_is_gone():
+    """In a fresh process, one private name a feature of enabling needs is removed (the Session
+    path's, the loss-scale optimizer's, the live rewrite's, FP8 training's) and ``enable_…`` itself is called:
+    it refuses in one line naming TensorFlow's version, the name and the feature, and leaves
+    the hooks, ``BaseSession.__init__`` and the global flag as they were."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _REMOVE_AND_ENABLE], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("REFUSED", "ENABLED", "UNCHANGED"))]
+    assert len(lines) == 8, run.stdout + run.stderr[-3000:]
+    for name, feature in (("_call_tf_sessionprun", "the Session path"), ("_tf_apply", "loss-scale optimizer"),
+                          ("FUNC_GRAPH_TRANSFORMS", "the live rewrite"), ("ControlFlowFuncGraph", "FP8 training")):
+        (refused,) = [line for line in lines if line.startswith(f"REFUSED {name} ")]
+        message = refused.partition("| ")[2]
+        assert f"TensorFlow {tf.__version__}" in message and f"{name} is gone" in message and feature in message
+        assert f"UNCHANGED {name} True" in lines
+
+
+def test_a_failed_function_swap_leaves_the_users_function_registered(monkeypatch, matmul_inputs):
+    """The rewritten body replaces the traced one under its name; when TensorFlow refuses that
+    registration, the traced body is registered again, no private copy of ours is left behind
+    (``inner``, traced before enabling, is copied into ``outer``'s rewrite), a warning says so and
+    the call runs the traced body."""
+    a, b, expected = matmul_inputs
+    traced: dict = {}
+    transform.CONCRETE_FUNCTION_CALLBACKS.insert(0, lambda f: traced.setdefault(
+        f.function_def.signature.name, function_pb2.FunctionDef.FromString(f.function_def.SerializeToString())))
+    original_add = context.Context.add_function_def
+
+    def add_failing_for_rewritten_bodies(self, fdef):
+        calls_a_copy = any("f" in node.attr and "_amp_" in node.attr["f"].func.name for node in fdef.node_def)
+        if fdef.signature.name in traced and calls_a_copy:  # the rewritten body, not the traced one
+            raise tf.errors.InvalidArgumentError(None, None, "registration failed")
+        return original_add(self, fdef)
+
+    inner = tf.function(_matmul)
+    outer = tf.function(lambda a, b: inner(a, b) + 1.0)
+    inner(a, b)
+    before = function_names()
+    try:
+        amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+        monkeypatch.setattr(context.Context, "add_function_def", add_failing_for_rewritten_bodies)
+        with pytest.warns(UserWarning, match=r"did not register the rewritten .*\(registration failed\), so it runs"
+                                             " as traced"):
+            result = outer(a, b)
+    finally:
+        transform.CONCRETE_FUNCTION_CALLBACKS.pop(0)
+    assert traced, "the trace reached the callbacks"
+    for name in traced:
+        registered = context.context().get_function_def(name)
+        assert [node.op for node in registered.node_def] == [node.op for node in traced[name].node_def]
+    assert not [name for name in function_names() - before if "_amp_" in name]
+    assert relative_error(result.numpy(), expected + 1.0) < 1e-6  # float32

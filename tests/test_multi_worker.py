@@ -1,10 +1,11 @@
-"""MultiWorkerMirroredStrategy with two local worker processes, bfloat16.
+"""MultiWorkerMirroredStrategy with two local worker processes, bfloat16 and FP8 training.
 
 Each worker (``_WORKER``) trains the same model twice — tf_keras ``model.fit`` and a Keras 3
 custom loop with ``strategy.run`` — and on worker 1 alone the loss of step 1 is NaN. A
 non-finite step must be skipped by both workers (the scale halves everywhere, the step
 counter does not advance) and the weights must stay equal across workers. Keras 3
 ``model.fit`` under this strategy fails inside Keras itself (README), so it is not run.
+An FP8 ``strategy.run`` loop on digits reaches the single-device run's held-out accuracy.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ _WORKER = textwrap.dedent(
     with strategy.scope():
         tf_keras.utils.set_random_seed(0)
         model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,))])
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1), target="bfloat16")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.SGD(0.1), "dynamic",
+                                                         target="bfloat16")
         model.compile(optimizer=opt, loss=lambda t, p: tf.reduce_mean((t - p) ** 2) * poison)
 
     class Poison(tf_keras.callbacks.Callback):
@@ -65,7 +67,7 @@ _WORKER = textwrap.dedent(
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="bfloat16")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), "dynamic", target="bfloat16")
         opt.build(model.trainable_variables)
     batches = iter(strategy.experimental_distribute_dataset(data))
 
@@ -83,6 +85,42 @@ _WORKER = textwrap.dedent(
     report["keras"] = {"weights": [np.asarray(w.numpy()).tolist() for w in model.weights],
                        "iterations": int(opt.iterations.numpy()), "scale": float(opt.loss_scale.numpy()),
                        "good_in_a_row": int(opt.step_counter.numpy())}
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+    # Keras 3 custom loop, FP8 training: worker 1's inputs are 2 x worker 0's
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8",
+                                                               amax_history_length=4)
+        opt.build(model.trainable_variables)
+    x8 = x * (2.0 if task == 1 else 1.0)
+    batches = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x8, y)).batch(8).with_options(options)))
+
+    @tf.function
+    def float8_step(batch):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return tf.reduce_max(tf.abs(xb))  # this worker's input amax
+        return strategy.experimental_local_results(strategy.run(replica_step, args=batch))[0]
+
+    amaxes = [float(float8_step(next(batches))) for _ in range(STEPS)]
+    report["float8"] = {"state": {name: np.asarray(v.numpy()).tolist() for name, v in opt.float8_state.items()},
+                        "weights": [np.asarray(w.numpy()).tolist() for w in model.weights], "amax": amaxes}
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+    # Digits in FP8 by a strategy.run loop and by tf_keras model.fit, each worker training on its
+    # half of every batch; worker 0 then trains the same on one device.
+    from amp_rewrite.testing import digits
+    report["digits"] = {"workers": digits.strategy_run_accuracy(strategy, "float8"),
+                        "fit_workers": digits.tf_keras_fit_accuracy(strategy, "float8")[1]}
+    if task == 0:
+        one_device = tf.distribute.get_strategy()
+        report["digits"]["one_device"] = digits.strategy_run_accuracy(one_device, "float8")
+        report["digits"]["fit_one_device"] = digits.tf_keras_fit_accuracy(one_device, "float8")[1]
     print("RESULT " + json.dumps(report))
     """
 )
@@ -137,3 +175,27 @@ def test_both_workers_skip_one_workers_nan_and_end_equal(workers, path):
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(np.array(a), np.array(b))
         assert np.all(np.isfinite(np.array(a)))
+
+
+def test_float8_workers_record_the_largest_amax_of_any_worker_and_scale_alike(workers):
+    """FP8 training in a Keras 3 ``strategy.run`` loop, worker 1's inputs twice worker 0's: each
+    step's input amax is reduced to the largest across workers (one collective), so both
+    workers hold the same state — the larger worker's amaxes, newest first — and end with
+    equal weights."""
+    first, second = (report["float8"] for report in workers)
+    assert first["state"] == second["state"] and len(first["state"]) == 6
+    largest = [max(a, b) for a, b in zip(first["amax"], second["amax"])]
+    np.testing.assert_allclose(first["state"]["v0_kernel/input/amax_history"], largest[::-1], rtol=1e-6)
+    assert largest == second["amax"]  # worker 1's, not the worker's own
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize("how", ["", "fit_"], ids=["keras3-strategy.run", "tf_keras-fit"])
+def test_float8_digits_on_two_workers_match_the_single_device_run(workers, how):
+    """Three epochs of digits in FP8 on two workers, by a Keras 3 ``strategy.run`` loop and by
+    tf_keras ``model.fit``: both workers end with the same held-out accuracy, within 2 points
+    of the same training on one device."""
+    first, second = (report["digits"] for report in workers)
+    assert first[f"{how}workers"] == second[f"{how}workers"]
+    assert first[f"{how}one_device"] > 0.9 and abs(first[f"{how}workers"] - first[f"{how}one_device"]) <= 0.02

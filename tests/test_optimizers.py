@@ -636,7 +636,7 @@ def test_a_skipped_step_leaves_the_weights_but_not_batch_norm_statistics():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
     poison = tf.Variable(1.0)
-    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1),
+    model.compile(optimizer=amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), "dynamic",
                                                                             target="bfloat16"),
                   loss=lambda y, p: keras.losses.mean_squared_error(y, p) * poison, jit_compile=False)
     x, y = _regression_data()
@@ -967,7 +967,7 @@ _MIRRORED_SCRIPT = textwrap.dedent(
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
             opt = amp_rewrite.enable_mixed_precision_graph_rewrite(
-                keras.optimizers.SGD(0.1, momentum=0.9), target="bfloat16")
+                keras.optimizers.SGD(0.1, momentum=0.9), "dynamic", target="bfloat16")
             opt.build(model.trainable_variables)
         poison = tf.Variable(1.0)
         data = iter(strategy.experimental_distribute_dataset(
@@ -1152,3 +1152,62 @@ def test_keras_scale_never_drops_below_one_nor_overflows():
     for _ in range(3):
         grow()
     assert float(big.loss_scale) == 2.0**127
+
+
+# --------------------------------------------------------------------------------------
+# Defaults that fit the target
+
+
+@pytest.mark.parametrize("target, extra, expected", [
+    ("bfloat16", {}, optimizers.ScalePlan(False, 1.0)),
+    ("float16", {}, optimizers.ScalePlan(True, 2.0**15)),
+    ("float8", {}, optimizers.ScalePlan(False, 1.0)),
+    ("float8", {"base_precision": "float16"}, optimizers.ScalePlan(True, 2.0**15)),
+], ids=["bfloat16", "float16", "float8-on-bfloat16", "float8-on-float16"])
+def test_the_default_loss_scale_fits_the_target(target, extra, expected):
+    """The README's table: bfloat16 (and float8 on it) has float32's exponent range and needs no
+    scale — a fixed 1 that still skips non-finite steps; float16 keeps the dynamic one."""
+    if target == "float8" and live.tensorflow_version() < (2, 18):
+        pytest.skip("FP8 training needs TensorFlow 2.18+")
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target=target, **extra)
+    assert (not opt.fixed, float(opt.initial_scale)) == (expected.dynamic, expected.initial_scale)
+
+
+def test_the_plain_keras_3_loop_works_with_bfloat16_and_skips_a_non_finite_step():
+    """The loop every ``mixed_bfloat16`` user writes — ``tape.gradient(loss)``, then
+    ``apply_gradients`` — with ``target="bfloat16"`` and no loss_scale: it trains as float32
+    SGD does, and a step whose gradients are not finite is skipped, the scale staying 1."""
+    w = keras.Variable([1.0, 2.0])
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="bfloat16")
+    poison = tf.Variable(1.0)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w) * poison
+        opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+    step()
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6)
+    poison.assign(float("inf"))
+    step()
+    np.testing.assert_allclose(np.asarray(w.numpy()), [0.8, 1.6], rtol=1e-6)
+    assert float(opt.loss_scale) == 1.0
+
+
+def test_resuming_a_wrapper_with_another_target_or_base_precision_is_refused():
+    """A wrapper keeps the loss scale and state of the target it was made for: enabling it
+    again with another target, or float8 on another base precision, says what to pass."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="bfloat16")
+    with pytest.raises(ValueError, match=r"was made for target='bfloat16', .* pass target='bfloat16' to resume"):
+        amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="float16")
+    assert amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="bfloat16") is opt
+    if live.tensorflow_version() < (2, 18):
+        return
+    live.stop()
+    fp8 = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8")
+    live.stop()
+    with pytest.raises(ValueError, match=r"made for target='float8', base_precision='bfloat16'.*pass"
+                                         r" target='float8', base_precision='bfloat16'") as caught:
+        amp_rewrite.enable_mixed_precision_graph_rewrite(fp8, target="float8", base_precision="float16")
+    assert "\n" not in str(caught.value) and live.active() is None

@@ -34,7 +34,7 @@ def context(build: Callable[[], object], *, unprocessed: Iterable[str] = (), lis
     """The paint context of the graph ``build`` makes: every node processed on the CPU
     except ``unprocessed``, placeholders (grappler preserves feeds) and the nodes the
     lists' keep_nodes keep."""
-    nodes = graph_io.to_networkx(graph_def_of(build))
+    nodes = graph_io.working_copy(graph_def_of(build))
     kept = preparation.find_processed_nodes(nodes, BFLOAT16, (), lists)[2]
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES)
     skipped = set(unprocessed) | set(kept)
@@ -147,6 +147,26 @@ def test_allow_op_vertices_the_op_definition_rejects_are_removed():
     assert removed[sizes].rule is Rule.UNCONVERTIBLE
 
 
+def test_allow_op_vertices_of_a_quantized_node_are_removed():
+    """Step 7.7: a node with a quantized dtype anywhere (here Dequantize's ``T``, quint8) keeps
+    its float vertices out of ALLOW even when its op is allowlisted; a float-only node of the
+    same graph stays."""
+    def build():
+        quantized = tf.raw_ops.QuantizeV2(input=x(), min_range=-1.0, max_range=1.0, T=tf.quint8, name="quantize")
+        tf.raw_ops.Dequantize(input=quantized.output, min_range=quantized.output_min,
+                              max_range=quantized.output_max, name="allow_quantized")
+        tf.identity(x(), name="allow1")
+
+    lists = OpLists(target="bfloat16", allow={"Dequantize", "Identity"}, deny=(), infer=(), clear=())
+    ctx = context(build, lists=lists)
+    allow = set(colouring.add_allowlist_ops(ctx))
+    dequantized = Vertex("allow_quantized", TypeAttr("dtype"))
+    assert {dequantized} | t("allow1") <= allow
+    removed = colouring.remove_unconvertible_allow(ctx, allow)
+    assert dequantized in removed and removed[dequantized] == Reason(Rule.UNCONVERTIBLE, "the node is quantized")
+    assert not t("allow1") & removed.keys()
+
+
 def _v1_loop() -> None:
     """A v1 while loop's skeleton: Enter → Merge ⇄ NextIteration, the body one MatMul."""
     from tensorflow.python.ops import control_flow_ops  # Merge/NextIteration builders
@@ -166,7 +186,7 @@ def test_next_iteration_takes_the_colour_of_the_merge_it_feeds():
     graph_def = graph_def_of(build)
     merge = next(n for n in graph_def.node if n.name == "merge")
     merge.input[1] = "next"  # close the loop: Merge(enter, next)
-    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def), PAINTED_DTYPES)
+    types = typegraph.build_type_graph(graph_io.working_copy(graph_def), PAINTED_DTYPES)
     processed = {name: "CPU" for name in types.ops if name != "x"}
     ctx = PaintContext(types, LISTS, BFLOAT16, frozenset(processed), processed)
 
@@ -282,7 +302,7 @@ def test_kept_node_is_not_painted_by_the_passes_that_ignore_processed():
 
     graph_def = graph_def_of(loop)
     next(n for n in graph_def.node if n.name == "merge").input[1] = "next"  # Merge(enter, next)
-    types = typegraph.build_type_graph(graph_io.to_networkx(graph_def), PAINTED_DTYPES)
+    types = typegraph.build_type_graph(graph_io.working_copy(graph_def), PAINTED_DTYPES)
     kept = {"next": Reason(Rule.KEEP_NODES, "matches keep_nodes entry 'next'", "next")}
     processed = {name: "CPU" for name in types.ops if name not in ("x", "next")}
     ctx = PaintContext(types, LISTS, BFLOAT16, frozenset(processed), processed, kept=kept)

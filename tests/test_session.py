@@ -62,7 +62,7 @@ _SCRIPT = textwrap.dedent(
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) * poison
             opt = tf.compat.v1.train.AdamOptimizer(1e-2)
             if target:
-                opt = amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target=target)
+                opt = amp_rewrite.enable_mixed_precision_graph_rewrite(opt, "dynamic", target=target)
             if split:
                 train = opt.apply_gradients(opt.compute_gradients(loss))
             else:
@@ -151,6 +151,7 @@ _SCRIPT = textwrap.dedent(
         low = tf.matmul(feat, w, name="low")  # painted afresh, the Identity feeding it would be bfloat16
     grown["low"] = executed_matmuls(sess, low, feed)
     grown["low_value"] = sess.run(low, feed).tolist()
+    grown["low_fetched_as"] = str(sess.run(low, feed).dtype)  # bfloat16 in the mirror, float32 in the user's graph
     grown["feat"] = types_pb2.DataType.Name(sess._amp_rewrite_mirror.graph.get_operation_by_name("feat").get_attr("T")
                                             .as_datatype_enum)
     grown["same_mirror"] = sess._amp_rewrite_mirror.graph is mirror_graph
@@ -219,10 +220,61 @@ def test_keep_nodes_hold_and_a_new_op_is_painted_around_running_nodes(report):
     (MatMul "kept" runs float32). A MatMul added after the first runs reads an Identity that
     runs float32; painted afresh it would be converted, but a running node keeps its dtype: the
     Identity stays float32 and the new MatMul, imported into the same mirror, runs bfloat16
-    and reads w's value (3 × ones, assigned in an earlier run): 4 × 3 = 12."""
+    and reads w's value (3 × ones, assigned in an earlier run): 4 × 3 = 12, fetched as the user's
+    graph types it (float32), not as the mirror computes it (bfloat16)."""
     assert report["grown"] == {"kept": ["DT_FLOAT"], "total": 8.0, "low": ["DT_BFLOAT16"],
-                               "low_value": [[12.0] * 3] * 2, "feat": "DT_FLOAT", "same_mirror": True}
+                               "low_value": [[12.0] * 3] * 2, "low_fetched_as": "float32", "feat": "DT_FLOAT",
+                               "same_mirror": True}
 
 
 def test_v1_path_prints_no_deprecation_notice(report):
     assert "DynamicLossScale.__init__" not in report["stderr"] and "is deprecated" not in report["stderr"]
+
+
+def test_threads_racing_the_first_run_rewrite_the_graph_once(monkeypatch):
+    """8 threads call ``Session.run`` at once on a fresh mirrored Session: the mirror is built
+    once (one rewrite of the user's graph), and every thread gets the same result."""
+    import threading
+    import time
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import amp_rewrite
+    from amp_rewrite.training import live
+    from amp_rewrite.training import session as amp_session
+
+    rewrites = []
+    rewrite = amp_session.rewrite_graph_def
+
+    def counted(*args, **kwargs):
+        rewrites.append(threading.get_ident())
+        time.sleep(0.2)  # the others reach the lock meanwhile
+        return rewrite(*args, **kwargs)
+
+    monkeypatch.setattr(amp_session, "rewrite_graph_def", counted)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (4, 4))
+        product = tf.matmul(x, x)
+    live.stop()
+    amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(), target="bfloat16")
+    try:
+        session = tf.compat.v1.Session(graph=graph)
+    finally:
+        live.stop()
+    start, results = threading.Barrier(8), []
+
+    def run() -> None:
+        start.wait()
+        results.append(session.run(product, {x: np.eye(4, dtype=np.float32)}))
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    session.close()
+    assert len(rewrites) == 1 and len(results) == 8
+    assert all(np.array_equal(result, np.eye(4)) for result in results)

@@ -404,6 +404,92 @@ def fixed_scale_all_skipped() -> dict:
     return out
 
 
+def digits_graph(target: str) -> tuple[tf.Graph, dict]:
+    """A digits MLP (64-64-10) trained by Adam through ``opt.minimize``, wrapped for ``target``
+    (FP8 training: 4-step amax histories), fed from placeholders; reference variables, as
+    ``disable_v2_behavior()`` makes them."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, (None, 64), name="x")
+        y = tf.compat.v1.placeholder(tf.int64, (None,), name="y")
+        w1 = tf.compat.v1.get_variable("w1", (64, 64), initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+        w2 = tf.compat.v1.get_variable("w2", (64, 10), initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        extra = {"amax_history_length": 4} if target == "float8" else {}
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.AdamOptimizer(1e-2), target=target,
+                                                               **extra)
+        train = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+    return graph, dict(x=x, y=y, train=train, accuracy=accuracy, opt=opt)
+
+
+def float8_monitored(workdir: Path) -> dict:
+    """FP8 training in a MonitoredTrainingSession that checkpoints, then a restart: its
+    checkpoints hold the float8 state (the v1 wrapper made it variables of the user's graph),
+    the restarted session starts from the saved state and trains on; held-out accuracy
+    against the same loop in bfloat16."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    images, labels = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split((images / 16.0).astype("float32"), labels, test_size=0.25,
+                                                        random_state=0, stratify=labels)
+    batches = [(x_train[i:i + 32], y_train[i:i + 32]) for i in range(0, len(x_train) - 31, 32)]
+    out: dict = {}
+
+    def train(target: str, checkpoints: str, steps: int) -> tuple[dict, dict]:
+        graph, m = digits_graph(target)
+        with graph.as_default():
+            state = dict(m["opt"].float8_state.items()) if target == "float8" else {}
+            with tf.compat.v1.train.MonitoredTrainingSession(checkpoint_dir=checkpoints, save_checkpoint_steps=10,
+                                                             save_summaries_steps=None) as sess:
+                start = {name: sess.run(v).tolist() for name, v in state.items()}
+                for index in range(steps):
+                    x, y = batches[index % len(batches)]
+                    sess.run(m["train"], {m["x"]: x, m["y"]: y})
+                end = {name: sess.run(v).tolist() for name, v in state.items()}
+                end["accuracy"] = float(sess.run(m["accuracy"], {m["x"]: x_test, m["y"]: y_test}))
+        amp_rewrite.disable_mixed_precision_graph_rewrite()
+        return start, end
+
+    checkpoints = str(workdir / "mts_float8")
+    _, first = train("float8", checkpoints, 30)
+    saved = tf.train.latest_checkpoint(checkpoints)
+    out["checkpointed"] = sorted(name for name, _ in tf.train.list_variables(saved) if "amp_rewrite_float8" in name)
+    out["saved"] = {name: tf.train.load_variable(saved, name).tolist() for name in out["checkpointed"]}
+    out["first"] = first
+    out["resumed_start"], out["resumed_end"] = train("float8", checkpoints, 10)
+    out["saver"] = float8_saver_round_trip(workdir / "saver_float8", batches[:5])
+    _, out["float8"] = train("float8", str(workdir / "float8_long"), 3 * len(batches))
+    _, out["bfloat16"] = train("bfloat16", str(workdir / "bfloat16_long"), 3 * len(batches))
+    return out
+
+
+def float8_saver_round_trip(workdir: Path, batches: list) -> dict:
+    """FP8 training in a plain ``tf.compat.v1.Session`` saved by a ``Saver`` made after the train
+    op, then restored by another ``Saver`` into a freshly built graph's Session: the float8
+    state as saved, and as restored."""
+    def state(sess: tf.compat.v1.Session, m: dict) -> dict:
+        return {name: sess.run(v).tolist() for name, v in m["opt"].float8_state.items()}
+
+    graph, m = digits_graph("float8")
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        saver = tf.compat.v1.train.Saver()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for x, y in batches:
+            sess.run(m["train"], {m["x"]: x, m["y"]: y})
+        saved, path = state(sess, m), saver.save(sess, str(workdir / "model"))
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    graph, m = digits_graph("float8")
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        tf.compat.v1.train.Saver().restore(sess, path)
+        restored = state(sess, m)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    return {"saved": saved, "restored": restored}
+
+
 def readme_example(workdir: Path) -> dict:
     """The training guide's TF1 example (the ```python block with MonitoredTrainingSession), run
     as written with target= and its checkpoint directory replaced."""
@@ -436,6 +522,7 @@ def main() -> None:
         "refused": refused_growth(),
         "fixed_scale": fixed_scale_all_skipped(),
         "readme": readme_example(workdir),
+        "float8": float8_monitored(workdir),
     }
     print("RESULT " + json.dumps(report))
 

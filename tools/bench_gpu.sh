@@ -57,10 +57,15 @@ start=$SECONDS
 TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" tools/bench.py --device gpu --target float16 \
     --resnet-batch 128 --resnet-train-batch 64 --bert-batch 32 --bert-train-batch 32 \
     --runs 5 --warmup 2 --pass-runs 3 --child-timeout 120 ${BENCH_ARGS:-}
-# Serving converted SavedModels at batch 1 and 8: float32, convert --target float16 (weights
-# stored float16) and convert --float32-weights; sizes, load time, peak RSS and GPU memory,
-# ratios of calls timed in turn (tools/bench_serving.py; its own section of BENCHMARKS.md).
-# Not yet run on a GPU. SERVING_ARGS: extra flags, e.g. SERVING_ARGS="--models bert --rounds 30".
+# Serving converted SavedModels at batch 1 and 8 (ResNet50, the BERT encoder, MobileNetV2):
+# float32, convert --target float16 (weights stored float16), convert --float32-weights and
+# convert --tune speed --batch-sizes 1,8 (each op timed on this GPU in float32 and float16 with
+# its casts, those that do not pay kept float32; what the timing moved and cost, and
+# convert's own check against the source); sizes, load time, peak RSS and GPU memory, ratios
+# of calls timed in turn (tools/bench_serving.py; its own section of BENCHMARKS.md).
+# Not yet run on a GPU: the --tune part has only run on CPUs (its timing Session assumes, as
+# TensorFlow's DirectSession does by default, that a call returns once the GPU is done).
+# SERVING_ARGS: extra flags, e.g. SERVING_ARGS="--models bert --rounds 30".
 # shellcheck disable=SC2086
 TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" tools/bench_serving.py --device gpu --child-timeout 600 ${SERVING_ARGS:-}
 echo "bench_gpu.sh: measured in $((SECONDS - start)) s" >&2

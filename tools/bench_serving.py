@@ -1,12 +1,18 @@
 """Serving speed of converted SavedModels: weights stored in the target precision or not.
 
 A converted SavedModel is served: loaded once, then called with small batches. This tool
-exports ResNet50 and a BERT-base-shaped encoder (``tools/bench.py``'s shapes, random
-weights, ``model.export``; BERT takes any sequence length) and compares three SavedModels:
+exports ResNet50, a BERT-base-shaped encoder (``tools/bench.py``'s shapes, random
+weights, ``model.export``; BERT takes any sequence length) and MobileNetV2
+(``keras.applications``, weights=None), and compares four SavedModels:
 
 * the float32 export;
 * ``amp-rewrite convert --target T`` (weights stored in T, the default);
-* ``amp-rewrite convert --target T --float32-weights`` (float32 weights, cast on every call).
+* ``amp-rewrite convert --target T --float32-weights`` (float32 weights, cast on every call);
+* ``amp-rewrite convert --target T --tune speed --batch-sizes 1,8`` (ops timed on this
+  machine, those that do not pay kept float32; BERT's shapes from ``--inputs`` of the batch-8
+  regime), with what the timing moved and cost, and convert's own check of the result;
+* the same once per regime, ``--batch-sizes 1`` for the batch-1 column and ``8`` for the
+  other (BERT: ``--inputs`` of that regime), each timed at its own batch.
 
 Measured, per model: the size of ``variables/`` and of the whole SavedModel; load time
 (``tf.saved_model.load``) and peak RSS, each variant loaded in its own fresh process (median
@@ -19,7 +25,7 @@ with full tracing: the time of every op the call ran) says where the time goes: 
 float32 ops, low-precision matmuls and convolutions, other low-precision ops.
 
 Goals (issue 29, a CPU with AVX512-BF16): batch 1 ≥ 1.1×, batch 8 ≥ 1.7× float32; variables/
-≤ 0.55× the source's.
+≤ 0.55× the source's. Issue 37: ``--tune speed`` never slower than float32 (≥ 1.0× at both).
 
     TF_CPP_MIN_LOG_LEVEL=2 nice -n 10 .venv/bin/python tools/bench_serving.py          # ~25 min on 2 cores
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_serving.py --smoke            # tiny BERT: checks the script
@@ -56,9 +62,14 @@ import bench  # noqa: E402  (tools/bench.py: the models and BENCHMARKS.md's sect
 from bench_pass import machine_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("float32", "low", "float32-weights")
+VARIANTS = ("float32", "low", "float32-weights", "tuned", "tuned-each")
+PER_REGIME = ("tuned-each",)               # variants converted once per regime, each timed at its own
+PROFILED = ("float32", "low", "float32-weights", "tuned-each")  # traced where a goal is missed
 DEVICE_TARGETS = {"cpu": "bfloat16", "gpu": "float16"}
 GOALS = {"batch 1": 1.1, "batch 8": 1.7}  # speed-up of "low" over float32, per regime
+TUNED_GOAL = 1.0                           # speed-up of "tuned" over float32, every regime (issue 37)
+TUNE_ARGS = ("--tune", "speed")
+REGIME_BATCH = {"batch 1": 1, "batch 8": 8}
 VARIABLES_GOAL = 0.55                     # variables/ of "low" over the source's
 LOW_DTYPES = {"bfloat16": 14, "float16": 19}
 DT_FLOAT = 1
@@ -78,6 +89,7 @@ class Sizes:
     warmup: int
     load_rounds: int  # fresh-process loads of each variant
     profiled: tuple[tuple[str, str], ...]  # (regime, variant) profiled where that regime's goal is missed
+    tune_budget: float = 30.0  # --tune-budget of the tuned variants (convert's default)
 
 
 REGIMES = ("batch 1", "batch 8")
@@ -86,7 +98,8 @@ FULL = Sizes(image_size=224, bert_layers=12, bert_hidden=768, bert_heads=12, ber
              profiled=tuple((regime, variant) for regime in REGIMES for variant in VARIANTS))
 # --smoke: each kind of child once, in this process, on a tiny BERT; checks the script, measures nothing.
 SMOKE = Sizes(image_size=32, bert_layers=1, bert_hidden=32, bert_heads=2, bert_ffn=64, bert_vocab=100,
-              short_seq=4, long_seq=8, rounds=1, warmup=0, load_rounds=1, profiled=(("batch 1", "low"),))
+              short_seq=4, long_seq=8, rounds=1, warmup=0, load_rounds=1, profiled=(("batch 1", "low"),),
+              tune_budget=3.0)
 SMOKE_MODELS = "bert"
 
 
@@ -95,6 +108,9 @@ def variant_label(variant: str, target: str) -> str:
         "float32": "float32 SavedModel (`model.export`)",
         "low": f"`amp-rewrite convert --target {target}` (weights stored {target})",
         "float32-weights": f"`amp-rewrite convert --target {target} --float32-weights`",
+        "tuned": f"`amp-rewrite convert --target {target} --tune speed --batch-sizes 1,8`",
+        "tuned-each": f"`amp-rewrite convert --target {target} --tune speed --batch-sizes N`, N each column's batch"
+                      " (one conversion per column)",
     }[variant]
 
 
@@ -102,10 +118,13 @@ def variant_label(variant: str, target: str) -> str:
 
 
 def _build(model: str, sizes: Sizes) -> Any:
-    """tools/bench.py's models; its BERT encoder taking any sequence length up to ``long_seq``."""
+    """tools/bench.py's models, its BERT encoder taking any sequence length up to
+    ``long_seq``; MobileNetV2 from keras.applications."""
     import keras
 
     keras.utils.set_random_seed(0)
+    if model == "mobilenetv2":
+        return keras.applications.MobileNetV2(weights=None, input_shape=(sizes.image_size, sizes.image_size, 3))
     shapes = dataclasses.replace(bench.FULL, image_size=sizes.image_size, bert_layers=sizes.bert_layers,
                                  bert_hidden=sizes.bert_hidden, bert_heads=sizes.bert_heads, bert_ffn=sizes.bert_ffn,
                                  bert_vocab=sizes.bert_vocab, bert_seq=sizes.long_seq)
@@ -117,14 +136,17 @@ def _batch(model: str, regime: str, sizes: Sizes) -> Any:
 
     rng = np.random.default_rng(0)
     batch = 1 if regime == "batch 1" else 8
-    if model == "resnet50":
+    if model in IMAGE_MODELS:
         return rng.standard_normal((batch, sizes.image_size, sizes.image_size, 3), dtype=np.float32)
     seq = sizes.short_seq if regime == "batch 1" else sizes.long_seq
     return rng.integers(0, sizes.bert_vocab, size=(batch, seq), dtype=np.int32)
 
 
+IMAGE_MODELS = ("resnet50", "mobilenetv2")
+
+
 def _regime_text(model: str, regime: str, sizes: Sizes) -> str:
-    if model == "resnet50":
+    if model in IMAGE_MODELS:
         return regime
     return f"{regime} × {sizes.short_seq if regime == 'batch 1' else sizes.long_seq} tokens"
 
@@ -147,7 +169,16 @@ def _serve(directory: str, device: str) -> Any:
 
 
 def child_export(spec: dict[str, Any]) -> dict[str, Any]:
-    _build(spec["model"], Sizes(**spec["sizes"])).export(spec["dir"], verbose=False)
+    """The float32 export, and for BERT the batch-8 regime's inputs (``--tune``'s shapes)."""
+    import numpy as np
+    import tensorflow as tf
+
+    sizes = Sizes(**spec["sizes"])
+    _build(spec["model"], sizes).export(spec["dir"], verbose=False)
+    if spec["model"] not in IMAGE_MODELS:
+        (name,) = tf.saved_model.load(spec["dir"]).signatures["serve"].structured_input_signature[1]
+        for regime, path in spec["inputs"].items():
+            np.savez(path, **{name: _batch(spec["model"], regime, sizes)})
     return {}
 
 
@@ -172,11 +203,14 @@ def child_load(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_time(spec: dict[str, Any]) -> dict[str, Any]:
-    """The three variants in one process, timed in turn: seconds per call, per regime and variant."""
+    """The variants in one process, timed in turn: seconds per call, per regime and variant
+    (a PER_REGIME variant's conversion for that regime)."""
     sizes = Sizes(**spec["sizes"])
-    calls = {variant: _serve(directory, spec["device"]) for variant, directory in spec["dirs"].items()}
+    calls = {variant: _serve(directory, spec["device"]) for variant, directory in spec["dirs"].items()
+             if variant not in spec["per_regime"]}
     seconds: dict[str, dict[str, list[float]]] = {}
     for regime in REGIMES:
+        calls.update({variant: _serve(dirs[regime], spec["device"]) for variant, dirs in spec["per_regime"].items()})
         x = _batch(spec["model"], regime, sizes)
         for call in calls.values():
             for _ in range(1 + sizes.warmup):
@@ -284,7 +318,9 @@ def convert(source: Path, destination: Path, target: str, *extra: str, in_proces
     if first is None:
         return time.perf_counter() - start, ""
     block = [lines[first]] + [line for line in lines[first + 1:] if line.startswith("  ")]
-    return time.perf_counter() - start, "ok: " + "\n".join(block)
+    said = [line for line in lines if line.startswith(("Timing:", "Speed against"))]  # --tune speed
+    said += [line.removeprefix("amp-rewrite: warning: ") for line in child.stderr.splitlines() if "Speed:" in line]
+    return time.perf_counter() - start, "ok: " + "\n".join(block + said)
 
 
 def folder_bytes(path: Path) -> int:
@@ -313,6 +349,20 @@ class ModelResult:
         return statistics.median(theirs / mine for theirs, mine in pairs)
 
 
+def convert_jobs(model: str, sizes: Sizes, workdir: Path, dirs: dict[str, Path],
+                 per_regime: dict[str, dict[str, Path]], inputs: dict[str, Path]) -> list[tuple[str, Path, tuple]]:
+    """(variant, destination, convert's extra arguments) of each converted variant; each
+    tuned one with a fresh cache, so its Timing line says what timing costs."""
+    def tuned(cache: str, batches: str, regime: str) -> tuple[str, ...]:
+        given = ("--inputs", str(inputs[regime])) if model not in IMAGE_MODELS else ()
+        return (*TUNE_ARGS, "--tune-budget", f"{sizes.tune_budget:g}", "--batch-sizes", batches,
+                "--tune-cache", str(workdir / cache), *given)
+    jobs = [("low", dirs["low"], ()), ("float32-weights", dirs["float32-weights"], ("--float32-weights",)),
+            ("tuned", dirs["tuned"], tuned(f"{model}-timings.json", "1,8", "batch 8"))]
+    return jobs + [(variant, path, tuned(f"{model}-{variant}.json", str(REGIME_BATCH[regime]), regime))
+                   for variant, regime_dirs in per_regime.items() for regime, path in regime_dirs.items()]
+
+
 def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, timeout: int,
             in_process: bool = False) -> ModelResult:
     """One model's variants: exported, converted, sized, loaded, timed (``in_process``: --smoke)."""
@@ -323,16 +373,23 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
 
     dirs = {variant: workdir / f"{model}-{variant}" for variant in VARIANTS}
     common = {"model": model, "sizes": dataclasses.asdict(sizes), "device": device, "target": target}
-    exported = run("export", {**common, "dir": str(dirs["float32"])})
+    per_regime = {v: {r: workdir / f"{model}-{v}-b{REGIME_BATCH[r]}" for r in REGIMES} for v in PER_REGIME}
+    for variant, regime_dirs in per_regime.items():
+        dirs[variant] = regime_dirs["batch 8"]  # its sizes and load times
+    inputs = {regime: workdir / f"{model}-inputs-b{REGIME_BATCH[regime]}.npz" for regime in REGIMES}
+    exported = run("export", {**common, "dir": str(dirs["float32"]), "inputs": {r: str(p) for r, p in inputs.items()}})
     if "error" in exported:
         result.errors.append(f"export: {exported['error']}")
         return result
-    for variant, extra in (("low", ()), ("float32-weights", ("--float32-weights",))):
-        seconds, line = convert(dirs["float32"], dirs[variant], target, *extra, in_process=in_process)
+
+    jobs = convert_jobs(model, sizes, workdir, dirs, per_regime, inputs)
+    for variant, destination, extra in jobs:
+        seconds, line = convert(dirs["float32"], destination, target, *extra, in_process=in_process)
         if not line.startswith("ok") and line:
             result.errors.append(f"convert {variant}: {line}")
             return result
-        result.convert_lines[variant] = line.removeprefix("ok: ")
+        said = line.removeprefix("ok: ")
+        result.convert_lines[variant] = "\n".join(filter(None, (result.convert_lines.get(variant), said)))
         print(f"{model}: converted {variant} in {seconds:.1f} s", file=sys.stderr, flush=True)
     for variant, directory in dirs.items():
         result.sizes_bytes[variant] = (folder_bytes(directory / "variables"), folder_bytes(directory))
@@ -346,15 +403,17 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
                 return result
             result.loads.setdefault(variant, []).append(answer)
     print(f"{model}: loads measured", file=sys.stderr, flush=True)
-    timed = run("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()}})
+    timed = run("time", {**common, "dirs": {v: str(d) for v, d in dirs.items()},
+                         "per_regime": {v: {r: str(d) for r, d in rd.items()} for v, rd in per_regime.items()}})
     if "error" in timed:
         result.errors.append(f"timing: {timed['error']}")
         return result
     result.seconds = timed["seconds"]
     for regime, variant in sizes.profiled:  # where a goal is missed, or low weights run slower than float32 ones
         slower = result.speed_up(regime, "low", base="float32-weights") < 0.95
-        if result.speed_up(regime, "low") < GOALS[regime] or slower:
-            answer = run("profile", {**common, "dir": str(dirs[variant]), "regime": regime})
+        if variant in PROFILED and (result.speed_up(regime, "low") < GOALS[regime] or slower):
+            directory = per_regime[variant][regime] if variant in per_regime else dirs[variant]
+            answer = run("profile", {**common, "dir": str(directory), "regime": regime})
             if "error" not in answer:
                 result.profiles[(regime, variant)] = answer["profile"]
             else:
@@ -365,11 +424,25 @@ def measure(model: str, sizes: Sizes, device: str, target: str, workdir: Path, t
 
 # --- markdown -------------------------------------------------------------------------
 
-LABELS = {"resnet50": "ResNet50", "bert": "BERT-base-shaped encoder"}
+LABELS = {"resnet50": "ResNet50", "bert": "BERT-base-shaped encoder", "mobilenetv2": "MobileNetV2"}
 
 
 def _mb(count: float) -> str:
     return f"{count / 1e6:,.1f}"
+
+
+def tuned_lines(result: ModelResult) -> list[str]:
+    """The tuned variants' speed against the goal, and what convert said about their timing."""
+    lines = []
+    for variant, what in (("tuned", "`--tune speed --batch-sizes 1,8`"),
+                          ("tuned-each", "`--tune speed`, one conversion per batch size")):
+        ratios = {regime: result.speed_up(regime, variant) for regime in REGIMES}
+        lines.append(f"  {what}: " + ", ".join(
+            f"{regime} {ratio:.2f}x ({'met' if ratio >= TUNED_GOAL else '**missed**'})"
+            for regime, ratio in ratios.items()) + f" (goal ≥ {TUNED_GOAL}x float32). `convert` said:")
+        lines += [f"  - {line}" for line in result.convert_lines.get(variant, "").splitlines()
+                  if line.startswith(("Timing:", "Speed"))]
+    return lines
 
 
 def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: str, machine: str, elapsed_s: float,
@@ -385,6 +458,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         " a change in load falls on every variant alike; the absolute times move more.", "",
         f"`tools/bench_serving.py`: ResNet50 {sizes.image_size}x{sizes.image_size}; BERT-base-shaped encoder"
         f" {sizes.bert_layers} layers, hidden {sizes.bert_hidden}, FFN {sizes.bert_ffn}, vocab {sizes.bert_vocab};"
+        f" MobileNetV2 {sizes.image_size}x{sizes.image_size} (`keras.applications`, weights=None);"
         f" random weights, written with `model.export`. Time per call of the `serve` signature: median of"
         f" {sizes.rounds} rounds after {sizes.warmup} warm-up calls; speed-up = median over rounds of float32's"
         " time / the variant's. Load = `tf.saved_model.load` in a fresh process (TensorFlow already imported),"
@@ -416,7 +490,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
             lines.append(f"| {LABELS[result.model]} | {variant_label(variant, target)} | {_mb(variables)} |"
                          f" {_mb(whole)} | {load:.2f} | {rss_cell} | " + " | ".join(cells) + " |")
     lines += ["", "Regimes: " + "; ".join(f"{LABELS[m]}: {', '.join(_regime_text(m, r, sizes) for r in REGIMES)}"
-                                          for m in ("resnet50", "bert")) + ".", ""]
+                                          for m in LABELS) + ".", ""]
     lines += ["Goals (weights stored low against float32): " + ", ".join(
         f"{regime} ≥ {goal}x" for regime, goal in GOALS.items()) + f", variables/ ≤ {VARIABLES_GOAL}x the source's.", ""]
     for result in results:
@@ -431,6 +505,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         share = result.sizes_bytes["low"][0] / result.sizes_bytes["float32"][0]
         parts.append(f"variables/ {share:.2f}x ({'met' if share <= VARIABLES_GOAL else '**missed**'})")
         lines.append(f"- **{LABELS[result.model]}:** " + "; ".join(parts) + ".")
+        lines += tuned_lines(result)
         said = result.convert_lines.get("low", "").splitlines()
         listed = share > VARIABLES_GOAL  # where the float32 bytes are: the variables that stay, and why
         if said:
@@ -449,7 +524,7 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
         kinds = ("casts", "float32 matmul/conv", "float32 other ops", "low-precision matmul/conv",
                  "low-precision other ops", "other (no arithmetic)")
         for result, regime in profiled:
-            for variant in VARIANTS:
+            for variant in PROFILED:
                 profile = result.profiles.get((regime, variant), {})
                 cells = [f"{profile.get(kind, 0.0) * 1e3:,.1f}" for kind in kinds]
                 lines.append(f"| {LABELS[result.model]} | {_regime_text(result.model, regime, sizes)} |"
@@ -467,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="checks this script: a tiny BERT (default), each kind of child once; writes a copy of"
                              " BENCHMARKS.md in a temporary directory; not a measurement")
     parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu")
-    parser.add_argument("--models", help="comma-separated: resnet50, bert (default both; --smoke: bert)")
+    parser.add_argument("--models", help="comma-separated: resnet50, bert, mobilenetv2 (default all three; --smoke: bert)")
     parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds}, smoke {SMOKE.rounds})")
     parser.add_argument("--output", type=Path, default=bench.BENCHMARKS_MD)
     parser.add_argument("--no-write", action="store_true", help="print the section only")
@@ -480,10 +555,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # TensorFlow's and Keras' prints
         out.write_text(json.dumps(CHILDREN[spec.pop("kind")](spec)), encoding="utf-8")
         return 0
-    names = args.models or (SMOKE_MODELS if args.smoke else "resnet50,bert")
+    names = args.models or (SMOKE_MODELS if args.smoke else ",".join(LABELS))
     models = [m.strip() for m in names.split(",") if m.strip()]
     if not models or any(m not in LABELS for m in models):
-        parser.error(f"--models {names!r}: choose from resnet50,bert")
+        parser.error(f"--models {names!r}: choose from {','.join(LABELS)}")
     sizes = SMOKE if args.smoke else FULL
     if args.rounds is not None:
         sizes = dataclasses.replace(sizes, rounds=args.rounds)

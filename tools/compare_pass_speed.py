@@ -3,11 +3,16 @@
 ``bench_pass.py`` times our pass against grappler's; two runs of it on a shared machine
 differ by more than the 5% a refactoring may cost. This tool exports REV with ``git
 archive`` into a temporary folder, renames its package ``amp_rewrite_base`` so that both
-import side by side, checks on ``bench_pass.py``'s training-step graphs that both give
-the same GraphDef bytes and the same decisions, then calls them in turn, alternating
-which goes first, and prints the median and best time of each and the ratio of medians.
+import side by side, checks on each graph that both give the same GraphDef bytes and the
+same decisions, then calls them in turn, alternating which goes first, and prints the
+median wall and CPU time of each, the ratios of medians and the ratio of the best CPU
+times. The CPU time (the process's) moves less than the wall time when other work shares
+the machine, and the best of many the least.
 
-    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/compare_pass_speed.py REV [--rounds 40]
+Graphs: ``bench_pass.py``'s training steps, or with ``--sizes`` its MatMul chains of
+those node counts (bfloat16).
+
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/compare_pass_speed.py REV [--rounds 40] [--sizes 5000,20000]
 
 Exits 1 when the two revisions disagree on a graph.
 """
@@ -22,17 +27,15 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from io import BytesIO
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this tree's package, whatever is installed
+sys.path.insert(0, str(ROOT / "tools"))
 
-GRAPHS = (
-    ("ResNet50 training step, 224x224", "resnet50", {"image_size": 224}),
-    ("transformer training step", "transformer", {}),
-)
-TARGETS = ("float16", "bfloat16")
+SMOKE_SIZE, SMOKE_ROUNDS = 300, 2
 
 
 def export_renamed(revision: str, directory: Path) -> None:
@@ -46,45 +49,69 @@ def export_renamed(revision: str, directory: Path) -> None:
                         encoding="utf-8")
 
 
-def main() -> int:
+def graphs(sizes: Sequence[int]) -> Iterator[tuple[str, object, list[str], tuple[str, ...]]]:
+    """(label, GraphDef, fetches, targets) of each graph to time."""
+    import bench_pass
+    from amp_rewrite.testing.models import build_model_graph
+
+    if sizes:
+        for size in sizes:
+            yield f"MatMul chain, {size:,} nodes", bench_pass.matmul_chain(size), ["Identity"], (bench_pass.CHAIN_TARGET,)
+        return
+    for label, name, build_args in bench_pass.GRAPHS:
+        model = build_model_graph(name, training=True, **build_args)
+        yield label, model.graph_def, list(model.fetches), tuple(bench_pass.TARGETS)
+
+
+def timed(run: Callable[[], object], wall: list[float], cpu: list[float]) -> None:
+    start, start_cpu = time.perf_counter(), time.process_time()
+    run()
+    wall.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+
+
+def same_rewrite(old: object, new: object) -> bool:
+    return old.graph_def.SerializeToString(deterministic=True) == new.graph_def.SerializeToString(
+        deterministic=True) and [tuple(d) for d in old.report.decisions] == [tuple(d) for d in new.report.decisions]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("revision", help="the git revision to compare with, e.g. main or a commit")
+    parser.add_argument("revision", nargs="?", default="HEAD", help="the git revision to compare with (default HEAD)")
     parser.add_argument("--rounds", type=int, default=40, help="timed calls of each pass per graph (default 40)")
-    args = parser.parse_args()
+    parser.add_argument("--sizes", default="", help="MatMul chains of these node counts instead of the training steps")
+    parser.add_argument("--smoke", action="store_true", help=f"one {SMOKE_SIZE}-node chain, {SMOKE_ROUNDS} rounds")
+    args = parser.parse_args(argv)
+    sizes = [SMOKE_SIZE] if args.smoke else [int(size) for size in args.sizes.split(",") if size.strip()]
+    rounds = SMOKE_ROUNDS if args.smoke else args.rounds
     with tempfile.TemporaryDirectory(prefix="amp_base_") as folder:
         export_renamed(args.revision, Path(folder))
         sys.path.insert(0, folder)
         base = importlib.import_module("amp_rewrite_base")
         import amp_rewrite
-        from amp_rewrite.testing.models import build_model_graph
 
-        print(f"base: {args.revision}; new: {ROOT} (working tree); {args.rounds} calls each, alternating\n")
-        print("| graph | target | base median (s) | new median (s) | new/base | base best (s) | new best (s) |")
-        print("|---|---|---:|---:|---:|---:|---:|")
-        for label, name, build_args in GRAPHS:
-            model = build_model_graph(name, training=True, **build_args)
-            for target in TARGETS:
-                passes = {
-                    which: (lambda module=module: module.rewrite_graph_def(model.graph_def, target=target,
-                                                                           fetches=model.fetches))
-                    for which, module in (("base", base), ("new", amp_rewrite))
-                }
-                old, new = passes["base"](), passes["new"]()
-                if old.graph_def.SerializeToString(deterministic=True) != new.graph_def.SerializeToString(
-                    deterministic=True
-                ) or [tuple(d) for d in old.report.decisions] != [tuple(d) for d in new.report.decisions]:
+        print(f"base: {args.revision}; new: {ROOT} (working tree); {rounds} calls each, alternating\n")
+        print("| graph | target | base wall (s) | new wall (s) | new/base wall | base CPU (s) | new CPU (s) |"
+              " new/base CPU | new/base best CPU |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for label, graph_def, fetches, targets in graphs(sizes):
+            for target in targets:
+                passes = {which: (lambda module=module: module.rewrite_graph_def(graph_def, target=target,
+                                                                                 fetches=fetches))
+                          for which, module in (("base", base), ("new", amp_rewrite))}
+                if not same_rewrite(passes["base"](), passes["new"]()):
                     print(f"{label}, {target}: the two revisions rewrite differently", file=sys.stderr)
                     return 1
-                times: dict[str, list[float]] = {"base": [], "new": []}
-                for round_ in range(args.rounds):
+                wall: dict[str, list[float]] = {"base": [], "new": []}
+                cpu: dict[str, list[float]] = {"base": [], "new": []}
+                for round_ in range(rounds):
                     for which in ("base", "new") if round_ % 2 == 0 else ("new", "base"):
-                        start = time.perf_counter()
-                        passes[which]()
-                        times[which].append(time.perf_counter() - start)
-                medians = {which: statistics.median(values) for which, values in times.items()}
-                print(f"| {label} | {target} | {medians['base']:.4f} | {medians['new']:.4f} | "
-                      f"{medians['new'] / medians['base']:.3f} | {min(times['base']):.4f} | {min(times['new']):.4f} |",
-                      flush=True)
+                        timed(passes[which], wall[which], cpu[which])
+                w = {which: statistics.median(values) for which, values in wall.items()}
+                c = {which: statistics.median(values) for which, values in cpu.items()}
+                print(f"| {label} | {target} | {w['base']:.4f} | {w['new']:.4f} | {w['new'] / w['base']:.3f} |"
+                      f" {c['base']:.4f} | {c['new']:.4f} | {c['new'] / c['base']:.3f} |"
+                      f" {min(cpu['new']) / min(cpu['base']):.3f} |", flush=True)
     return 0
 
 

@@ -1,9 +1,10 @@
 """Print amp_rewrite's module import graph by layer, from the source (no module is imported).
 
-Layers, lowest first: ``core`` (the pass), then ``training``, ``calibration`` (models on
-disk, validation, statistics, calibration) and ``testing``, which build on ``core`` and not
-on each other, then ``cli`` (the command, which may use all three), then the package facade (``amp_rewrite/__init__.py``,
-``__main__.py``). ``_quiet`` needs nothing and may be used by any layer. An import that
+Layers, lowest first: ``core`` (the pass), ``tuning`` (timing ops, on ``core``), then
+``training``, ``calibration`` (models on disk, validation, statistics, calibration, the
+model-level timing) and ``testing``, which build on those two and not on each other, then
+``cli`` (the command, which may use them all), then the package facade
+(``amp_rewrite/__init__.py``, ``__main__.py``). ``_quiet`` needs nothing and may be used by any layer. An import that
 points to a higher layer or to a sibling layer runs upward; the tool lists each one, and
 any import cycle, and exits 1 if there is either. Imports under ``if TYPE_CHECKING:`` and
 inside functions count too.
@@ -20,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = "amp_rewrite"
-LAYER_RANK = {"base": 0, "core": 1, "training": 2, "calibration": 2, "testing": 2, "cli": 3, "facade": 4}
+LAYER_RANK = {"base": 0, "core": 1, "tuning": 2, "training": 3, "calibration": 3, "testing": 3, "cli": 4, "facade": 5}
 # The flat layout before sub-packages: where each module would sit.
 FLAT_MODULE_TO_LAYER = {
     "_quiet": "base",

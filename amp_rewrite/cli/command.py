@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import re
 import shutil
 import sys
@@ -48,6 +49,7 @@ examples:
   amp-rewrite convert my_model/ my_model_fp16/ --calibrate calib.npz --inputs held_out.npz
   amp-rewrite calibrate my_model/ --inputs calib.npz --out keep.yaml   # then: convert ... --lists keep.yaml
   amp-rewrite convert my_model/ my_model_fp8/ --target float8 --calibrate calib.npz --inputs held_out.npz
+  amp-rewrite convert my_model/ my_model_bf16/ --target bfloat16 --tune speed --batch-sizes 1,8  # timed here
   amp-rewrite inspect my_model/
   amp-rewrite explain my_model/ dense/MatMul
   amp-rewrite dump my_model/ report/
@@ -94,6 +96,46 @@ def _count(low: int, high: int | None = None) -> Callable[[str], int]:
                                              else f"{text!r}: use a whole number, {low} or more")
         return value
     return parse
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``1,8`` -> (1, 8): whole numbers, 1 or more."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use batch sizes like 1,8 (whole numbers, 1 or more)")
+    return tuple(dict.fromkeys(sizes))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number of seconds above 0, e.g. 30")
+    return value
+
+
+def _tuning_options(sub: argparse.ArgumentParser, inputs: bool = True) -> None:
+    """--tune speed and its settings (``inputs``: the command has no --inputs of its own)."""
+    sub.add_argument("--tune", choices=("speed",),
+                     help="speed: time each op the lists convert, here, in float32 and in the target with its"
+                          " casts, and keep float32 those that do not pay; convert then times the result"
+                          " against SRC (README: Tuning for speed)")
+    sub.add_argument("--batch-sizes", type=_sizes, metavar="N[,N...]",
+                     help="--tune: the batch sizes to time at (default: the --inputs' batch, or 1)")
+    sub.add_argument("--tune-budget", type=_seconds, metavar="SECONDS",
+                     help="--tune: seconds the timing may add (default 30)")
+    sub.add_argument("--tune-cache", type=Path, metavar="FILE",
+                     help="--tune: the timing cache (default $XDG_CACHE_HOME/amp_rewrite/timings.json); a"
+                          " second run re-times nothing it holds; copy it to machines like this one")
+    if inputs:
+        sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
+                         help="--tune: inputs of the shapes to time at (needed where dims beyond the batch are"
+                              " unknown)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                               " tolerance (signature inputs as --inputs takes; none: random inputs)")
     metric(convert)
     calibration(convert)
+    _tuning_options(convert, inputs=False)
 
     calibrate = commands.add_parser("calibrate", help="measure SRC on calibration data; write the nodes to keep"
                                     " float32 as an overlay YAML for --lists", formatter_class=formatter)
@@ -178,18 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="what a rewrite would do, per function; writes nothing")
     common(inspect)
     weights(inspect)
+    _tuning_options(inspect)
     inspect.add_argument("--all", action="store_true",
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
 
     explain = commands.add_parser("explain", help="why NODE has its dtype after the rewrite")
     common(explain)
+    _tuning_options(explain)
     explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
     dump = commands.add_parser("dump", help="write before/after graphs, DOT/SVG, report.html, TensorBoard log")
     common(dump)
     weights(dump)
+    _tuning_options(dump)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
     return parser
 
@@ -238,6 +284,16 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     steps("loading TensorFlow")
     from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
 
+    untuned = [flag for flag, value in (("--batch-sizes", "batch_sizes"), ("--tune-budget", "tune_budget"),
+                                        ("--tune-cache", "tune_cache")) if getattr(args, value, None) is not None]
+    args.tune = getattr(args, "tune", None)
+    if untuned and not args.tune:
+        raise AmpRewriteError(f"{', '.join(untuned)}: timing options; add --tune speed, or drop them")
+    if args.tune:
+        from amp_rewrite.calibration.speed import check_target
+        from amp_rewrite.core.target import lookup_target
+
+        check_target(lookup_target(args.target, quantized=True))
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set)
@@ -248,8 +304,38 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
     steps.done()
+    if args.command != "convert":  # convert tunes after calibrating
+        _, result, lists = _tune(args, model, lists, result, steps)
     _say(args, *_model_lines(model))
     return model, result, lists
+
+
+def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: RewriteResult,
+          steps: _Steps) -> tuple[Any, RewriteResult, OpLists]:
+    """``--tune speed``: the converted ops timed here; ``result`` with those that do not pay
+    kept float32, and the lists that make it (calibration/speed.py); without it, as they
+    were. Cache problems are one warning line each."""
+    if not args.tune:
+        return None, result, lists
+    from amp_rewrite.calibration import speed
+    from amp_rewrite.core.target import lookup_target
+
+    target = lookup_target(args.target, quantized=True)
+    feeds, notes = speed.batch_feeds(model, args.inputs, args.batch_sizes)
+    _say(args, *[f"Note: {note}" for note in notes])
+    cache = speed.open_cache(speed.DEFAULT if args.tune_cache is None else args.tune_cache, target)
+    if cache.problem:
+        print(f"amp-rewrite: warning: {cache.problem}", file=sys.stderr)
+    steps(f"timing ops at batch size(s) {', '.join(map(str, feeds))}")
+    tuning = speed.tune_model(model, feeds, target=target, lists=lists, cross_function=args.cross_function,
+                              budget_s=args.tune_budget or speed.DEFAULT_BUDGET_S, cache=cache, base=result,
+                              weights_low=not getattr(args, "float32_weights", False))
+    steps.done()
+    problem = speed.save_cache(cache)
+    if problem:
+        print(f"amp-rewrite: warning: {problem}", file=sys.stderr)
+    _say(args, tuning.summary(), *[f"Note: {note}" for note in tuning.notes])
+    return tuning, tuning.result, tuning.lists
 
 
 def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found: Any) -> None:
@@ -346,6 +432,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
                   " (--keep-failed writes it anyway)", file=sys.stderr)
             return EXIT_VALIDATION
+    tuning, result, lists = _tune(args, model, lists, result, steps)
     written_model, result, stored = _store_weights(args, model, result)
     feeds = None
     if args.validate or args.inputs:
@@ -376,7 +463,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     steps("writing")
     with _checkpoint(args, model, stored) as variables:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
-                              accept=accept if feeds is not None else None, variables=variables)
+                              accept=_speed_checked(args, tuning, steps, accept if feeds is not None else None),
+                              variables=variables)
     steps.done()
     _say(args, *_summary_lines(model, result.report), *_weights_lines(stored))
     if written:
@@ -387,6 +475,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _speed_checked(args: argparse.Namespace, tuning: Any, steps: _Steps,
+                   accept: Callable[[Path], bool] | None) -> Callable[[Path], bool] | None:
+    """``accept`` (validation), then with --tune the speed check of what it accepted."""
+    if tuning is None:
+        return accept
+
+    def checked(staged: Path) -> bool:
+        if accept is not None and not accept(staged):
+            return False
+        _check_speed(args, tuning, staged, steps)
+        return True
+    return checked
+
+
+def _check_speed(args: argparse.Namespace, tuning: Any, staged: Path, steps: _Steps) -> None:
+    """The written result against the source at each batch size, in what the budget has left."""
+    from amp_rewrite.calibration import speed
+
+    steps("timing the result against the source")
+    checks = speed.check_speed(tuning, staged)
+    steps.done()
+    lines = speed.speed_lines(tuning, checks)
+    _say(args, lines[0])
+    for line in lines[1:]:  # slower than the source: said even with --quiet
+        print(f"amp-rewrite: warning: {line}", file=sys.stderr)
 
 
 def _weights_bytes(model: Model) -> int:
@@ -665,11 +780,15 @@ def tensor_core_hints(model: Model, result: RewriteResult) -> list[str]:
 
 
 def _through_casts(graph_def: Any, tensor: str) -> str:
+    """The tensor behind the rewrite's own casts that ``tensor`` names (itself where it is none)."""
+    from amp_rewrite.core.casts import is_amp_cast
+    from amp_rewrite.core.graph_io import parse_tensor_name
+
     nodes = {n.name: n for n in graph_def.node}
-    name = tensor.split(":")[0].lstrip("^")
-    while name in nodes and nodes[name].op == "Cast" and name.endswith("-AutoMixedPrecision"):
+    name = parse_tensor_name(tensor).node
+    while name in nodes and is_amp_cast(nodes[name]):
         tensor = nodes[name].input[0]
-        name = tensor.split(":")[0]
+        name = parse_tensor_name(tensor).node
     return tensor
 
 
@@ -715,6 +834,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
     """The shortest data path from the deny op that decided to the node, in the rewritten item."""
     import networkx as nx
 
+    from amp_rewrite.core.casts import is_amp_cast
     from amp_rewrite.core.graph_io import to_networkx
 
     graph = to_networkx(result.program.item(function))
@@ -722,7 +842,7 @@ def _deny_path(result: RewriteResult, function: str, source: str, node: str) -> 
         path = nx.shortest_path(graph, source, node)
     except (nx.NetworkXNoPath, nx.NodeNotFound):
         return []
-    return [name for name in path if not re.search(r"-CastTo\w+-\d+-AutoMixedPrecision$", name)]
+    return [name for name in path if not is_amp_cast(graph.nodes[name]["node_def"])]
 
 
 COMMANDS = {"convert": cmd_convert, "calibrate": cmd_calibrate, "inspect": cmd_inspect, "explain": cmd_explain,

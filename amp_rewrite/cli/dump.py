@@ -24,14 +24,14 @@ from pathlib import Path
 
 import jinja2
 import markupsafe
+import tensorflow as tf
 import yaml
 from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
-from tensorflow.python.lib.io import tf_record
 
 from amp_rewrite.cli import graph_view
-from amp_rewrite.core import casts, graph_io, support, typegraph
+from amp_rewrite.core import casts, graph_io, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.report import Decision, ItemStats, Report, dtype_name
@@ -54,13 +54,14 @@ EVENTS_FILE = "events.out.tfevents.0.amp_rewrite"
 # Node classes, shared by the drawing and the report: (fill colour, legend text).
 CLASS_TO_STYLE = {
     "converted": ("#9be29b", "converted to the target type"),
-    "deny": ("#f4a3a3", "kept float32: deny list, keep_nodes, or downstream of either"),
+    "deny": ("#f4a3a3", "kept float32: deny list, keep_nodes, timing, or downstream of them"),
     "infer": ("#f7e08a", "kept float32: infer op"),
     "clear": ("#d6d6d6", "kept float32: clear op"),
     "other": ("#ffffff", "not painted, or no float32 type attribute"),
     "cast": ("#a9cdf2", "Cast inserted by the pass"),
 }
-_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value})
+_DENY_RULES = frozenset({Rule.DENY_LIST.value, Rule.DENY_PROPAGATION.value, Rule.KEEP_NODES.value,
+                         Rule.MEASURED_SLOWER.value})
 _COLOUR_TO_CLASS = {Colour.ALLOW: "other", Colour.DENY: "deny", Colour.INFER: "infer", Colour.CLEAR: "clear"}
 
 
@@ -272,7 +273,7 @@ def _lists_yaml(lists: OpLists) -> str:
 def _write_events(path: Path, graph_def: graph_pb2.GraphDef) -> Path:
     """The events ``tf.summary.graph`` writes, with wall time 0 so the file is reproducible."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tf_record.TFRecordWriter(str(path)) as writer:
+    with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(event_pb2.Event(wall_time=0.0, file_version="brain.Event:2").SerializeToString())
         graph = graph_def.SerializeToString(deterministic=True)
         writer.write(event_pb2.Event(wall_time=0.0, step=0, graph_def=graph).SerializeToString())
@@ -290,7 +291,7 @@ def _node_classes(
     node_to_class = {}
     for node in graph_def.node:
         own = node_to_decisions.get(node.name, ())
-        if _is_amp_cast(node):
+        if casts.is_amp_cast(node):
             node_to_class[node.name] = "cast"
         elif any(d.converted for d in own):
             node_to_class[node.name] = "converted"
@@ -304,20 +305,8 @@ def _node_classes(
     return node_to_class
 
 
-def _is_amp_cast(node: node_def_pb2.NodeDef) -> bool:
-    return node.op == "Cast" and node.name.endswith("-" + casts.SUFFIX)
-
-
 def _dot_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _output_dtypes(node: node_def_pb2.NodeDef, op_defs: Mapping[str, op_def_pb2.OpDef]) -> list[str]:
-    """Dtype name per output port, from the op definition."""
-    op_def = support.resolve_op_def(node, op_defs)
-    data_inputs = sum(1 for tensor in node.input if not tensor.startswith("^"))
-    outputs = typegraph.node_types(node, op_def, data_inputs).outputs
-    return [dtype_name(typegraph.dtype_of(node, attr)) for attr in outputs]
 
 
 def _dot(item: DumpItem, op_defs: Mapping[str, op_def_pb2.OpDef], title: str, target: str) -> str:
@@ -332,7 +321,7 @@ def _dot(item: DumpItem, op_defs: Mapping[str, op_def_pb2.OpDef], title: str, ta
     ]
     node_to_dtypes = {}
     for node in item.after.node:
-        node_to_dtypes[node.name] = _output_dtypes(node, op_defs)
+        node_to_dtypes[node.name] = _output_dtype_names(node, op_defs)
         node_class = item.node_to_class[node.name]
         tooltip = [f"{node.name} ({node.op})"] + [
             f"{d.attr}: {d.before} → {d.after} [{d.rule}] {d.reason}" for d in item.node_to_decisions.get(node.name, ())
@@ -354,6 +343,11 @@ def _dot(item: DumpItem, op_defs: Mapping[str, op_def_pb2.OpDef], title: str, ta
         lines.append(f"  {source} -> {destination} [xlabel={_dot_quote(edge.label)}{low}];")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _output_dtype_names(node: node_def_pb2.NodeDef, op_defs: Mapping[str, op_def_pb2.OpDef]) -> list[str]:
+    """The dtype of each output port, by name, as the type graph reads it."""
+    return [dtype_name(dtype) for dtype in typegraph.output_dtypes(node, op_defs)]
 
 
 def _edges(item: DumpItem, node_to_dtypes: Mapping[str, Sequence[str]], target: str) -> list[graph_view.ViewEdge]:
@@ -382,7 +376,7 @@ def _view(dump: Dump, item: DumpItem, drawing: Drawing, directory: Path) -> grap
         if view is not None:
             return graph_view.GraphView(view.svg, view.drawn_by, drawing.note)
         why = f"Graphviz's graphs/{item.stem}.svg is too big to embed"
-    node_to_dtypes = {node.name: _output_dtypes(node, dump.op_defs) for node in item.after.node}
+    node_to_dtypes = {node.name: _output_dtype_names(node, dump.op_defs) for node in item.after.node}
     nodes = [graph_view.ViewNode(node.name, node.op, CLASS_TO_STYLE[item.node_to_class[node.name]][0],
                                  "; ".join(f"{d.attr}: {d.before} → {d.after} [{d.rule}]"
                                            for d in item.node_to_decisions.get(node.name, ())))

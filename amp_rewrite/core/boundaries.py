@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
+from networkx.utils import UnionFind
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import colouring, typegraph
@@ -97,14 +98,7 @@ def find_links(
     fixed = set(entry_functions) | {g.function_name for g in graph_def.library.gradient}
     fixed |= {g.gradient_func for g in graph_def.library.gradient}
     bodies = [(MAIN_GRAPH, graph_def.node)] + [(name, f.node_def) for name, f in library.items()]
-    parent = {}
-
-    def find(slot: Slot) -> Slot:
-        while parent.setdefault(slot, slot) != slot:
-            parent[slot] = parent[parent[slot]]
-            slot = parent[slot]
-        return slot
-
+    joined = UnionFind()
     callee_slots: set[Slot] = set()
     for item, nodes in bodies:
         for node in nodes:
@@ -117,10 +111,10 @@ def find_links(
             for caller, *callee in groups:
                 callee_slots.update(callee)
                 for slot in callee:
-                    parent[find(slot)] = find(caller)
+                    joined.union(caller, slot)
     members: dict[Slot, set[Slot]] = defaultdict(set)
-    for slot in parent:
-        members[find(slot)].add(slot)
+    for slot in joined:  # in the order first seen: the groups' order
+        members[joined[slot]].add(slot)
 
     def usable(slot: Slot) -> bool:
         item = slot[0]
@@ -162,7 +156,7 @@ def paint_linked(
     its members do, so both sides of every boundary agree.
     """
     def dtype(item: str, vertex: Vertex) -> int:
-        return contexts[item].types.dtype(vertex) if vertex in contexts[item].types.graph else types_pb2.DT_INVALID
+        return contexts[item].types.dtype(vertex) if vertex in contexts[item].types.succ else types_pb2.DT_INVALID
 
     groups = [list(g) for g in links.groups if is_float32_group(g, dtype)]
     seeds: dict[str, set[Vertex]] = {name: set() for name in contexts}
@@ -177,7 +171,7 @@ def paint_linked(
 
         def denied(item: str, vertex: Vertex) -> bool:
             deny = paintings[item].deny
-            return vertex in deny or any(f in deny for f in contexts[item].types.graph.pred[vertex])
+            return vertex in deny or any(f in deny for f in contexts[item].types.pred[vertex])
 
         grew = False
         for group in groups + list_groups:
@@ -210,13 +204,7 @@ def _joined_tensor_lists(
 ) -> list[list[tuple[str, Vertex]]]:
     """Element vertices of TensorList clusters that share lists through linked handles."""
     slot_group = {slot: index for index, group in enumerate(links.groups) for slot in group}
-    parent: dict[object, object] = {}
-
-    def find(key: object) -> object:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
+    shared = UnionFind()
     element: dict[object, set[tuple[str, Vertex]]] = {}
     for name, painting in paintings.items():
         for index, cluster in enumerate(painting.clusters):
@@ -225,8 +213,8 @@ def _joined_tensor_lists(
             key = (name, index)
             element[key] = {(name, colouring.tensor_list_float_vertex(contexts[name], n)) for n in cluster.members}
             for vertex in cluster.touches:
-                parent[find(key)] = find(("group", slot_group[(name, vertex)]))
+                shared.union(("group", slot_group[(name, vertex)]), key)
     joined: dict[object, set[tuple[str, Vertex]]] = {}
     for key, vertices in element.items():
-        joined.setdefault(find(key), set()).update(vertices)
+        joined.setdefault(shared[key], set()).update(vertices)
     return [sorted(vertices, key=str) for vertices in joined.values()]

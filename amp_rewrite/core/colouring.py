@@ -15,10 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
-import networkx as nx
 import numpy as np
+import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2, types_pb2
-from tensorflow.python.framework import tensor_util
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
@@ -31,9 +30,6 @@ log = logging.getLogger(__name__)
 
 
 DT_FLOAT = types_pb2.DT_FLOAT
-QUANTIZED = frozenset(
-    {types_pb2.DT_QINT8, types_pb2.DT_QUINT8, types_pb2.DT_QINT16, types_pb2.DT_QUINT16, types_pb2.DT_QINT32}
-)
 TENSOR_LIST_READERS = frozenset(
     {"TensorListConcat", "TensorListConcatV2", "TensorListGather", "TensorListGetItem",
      "TensorListPopBack", "TensorListStack"}
@@ -69,10 +65,6 @@ BOUNDED_WHEN_NONPOSITIVE = frozenset({"Exp"})
 # Ops whose output is never negative.
 NONNEGATIVE_OPS = frozenset(
     {"Abs", "Exp", "Relu", "Relu6", "Sigmoid", "Softmax", "Softplus", "Sqrt", "Square", "SquaredDifference"}
-)
-VARIABLE_OPS = frozenset(
-    {"Variable", "VariableV2", "AutoReloadVariable", "VarHandleOp", "_VarHandlesOp", "ReadVariableOp",
-     "_ReadVariablesOp"}
 )
 
 
@@ -126,7 +118,7 @@ class PaintContext:
     def float32(self) -> Mapping[Vertex, None]:
         """The float32 vertices, in graph order: read before the rewrite, as casts change
         dtypes only after colouring."""
-        return dict.fromkeys(self.types.float32)
+        return self.types.float32
 
     @functools.cached_property
     def bounded(self) -> Mapping[str, str]:
@@ -204,19 +196,6 @@ class PaintContext:
         attrs[vertex.attr.name] = changed
         return support.has_kernel(node_def, attrs, self.kernel_device[vertex.node])
 
-    def reads_ref_variable(self, node: str) -> bool:
-        """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
-        op = self.ops[node]
-        if op not in ("Identity", "Enter"):
-            return False
-        producer = self.types.data_producer(node, 0)
-        if producer is None or producer[0] not in self.ops:
-            return False  # no input, or a Cast the final pass inserted (never on a ref edge)
-        source = producer[0]
-        if op == "Identity":
-            return self.ops[source] in ("Variable", "VariableV2")
-        return self.reads_ref_variable(source)
-
 
 def bounded_ops(lists: OpLists) -> frozenset[str]:
     """The deny ops that act as infer ops where their argument is never positive; none
@@ -279,7 +258,7 @@ def _nonpositive_constant(types: TypeGraph, node: str) -> bool:
     node_def = types.node_def(node)
     if node_def.op != "Const" or "value" not in node_def.attr:
         return False
-    values = tensor_util.MakeNdarray(node_def.attr["value"].tensor)
+    values = tf.make_ndarray(node_def.attr["value"].tensor)
     return values.dtype.kind == "f" and bool(np.all(values <= 0))
 
 
@@ -298,11 +277,11 @@ class Painting:
 
 
 def _reach(
-    graph: nx.DiGraph, root: Vertex, enter: Callable[[Vertex], bool], *, inputs: bool, outputs: bool
+    types: TypeGraph, root: Vertex, enter: Callable[[Vertex], bool], *, inputs: bool, outputs: bool
 ) -> list[Vertex]:
     """Pre-order DFS from ``root`` (always entered) through vertices ``enter`` accepts."""
     seen, stack, order = {root}, [root], []
-    pred, succ = graph._pred, graph._succ
+    pred, succ = types.pred, types.succ
     while stack:
         vertex = stack.pop()
         order.append(vertex)
@@ -337,7 +316,7 @@ def _closure(
 
 
 def _vertices(ctx: PaintContext) -> Iterator[Vertex]:
-    return iter(ctx.types.graph.nodes)
+    return iter(ctx.types.succ)
 
 
 # --- TensorList clusters (spec §2.5) -----------------------------------------------------
@@ -396,13 +375,13 @@ def find_tensor_list_clusters(ctx: PaintContext) -> tuple[list[TensorListCluster
         if "TensorList" not in op:
             continue  # tensor_list_float_vertex would say None
         root = Vertex(node, handle)
-        if node not in ctx.processed or root not in ctx.types.graph:
+        if node not in ctx.processed or root not in ctx.types.succ:
             continue
         root_float = tensor_list_float_vertex(ctx, node)
         if root_float is None:
             continue
         members, touches = {node}, set()
-        for vertex in _reach(ctx.types.graph, root, lambda v: True, inputs=True, outputs=True):
+        for vertex in _reach(ctx.types, root, lambda v: True, inputs=True, outputs=True):
             op = ctx.op(vertex)
             if vertex in ctx.list_links:
                 touches.add(vertex)
@@ -424,7 +403,7 @@ def tensor_list_implicit_edges(ctx: PaintContext, cluster: TensorListCluster) ->
         if ctx.types.node_def(node).op not in TENSOR_LIST_READERS or node not in ctx.processed:
             continue
         reader = tensor_list_float_vertex(ctx, node)
-        for vertex in _reach(ctx.types.graph, Vertex(node, handle), ctx.is_processed, inputs=True, outputs=False):
+        for vertex in _reach(ctx.types, Vertex(node, handle), ctx.is_processed, inputs=True, outputs=False):
             writer = tensor_list_float_vertex(ctx, vertex.node)
             if ctx.op(vertex) in TENSOR_LIST_WRITERS and writer is not None:
                 edges.append((writer, reader))
@@ -508,31 +487,39 @@ def propagate_deny_forward(
     """
     if ctx.lists.force_all:
         return {}
-    graph = ctx.types.graph
+    types = ctx.types
     lists = ctx.lists
     ops, stoppers, clear, kept = ctx.ops, lists.deny | lists.infer, lists.clear, ctx.kept
     denied = set(deny)
     stopper_vertices, roots = [], []  # roots: the deny ops' and kept nodes' vertices
-    for v in _vertices(ctx):
-        op = ops[v.node]
-        if op in stoppers:
-            stopper_vertices.append(v)
-            if v not in denied and ctx.colour(v.node) is Colour.DENY:
-                roots.append(v)
+    for node, vertices in ctx.types.vertices.items():
+        stopper, keeps = ops[node] in stoppers, bool(kept) and node in kept
+        if not (stopper or keeps):
+            continue
+        deny_op = stopper and ctx.colour(node) is Colour.DENY
+        for v in vertices:
+            if v is None:
                 continue
-        if kept and v.node in kept and v not in denied and v in ctx.float32:
-            roots.append(v)
-    # Pinned loop values are clear ops all the same: deny passes through them.
-    upstream = _closure(graph._pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
-    added: dict[Vertex, Reason] = {}
+            if stopper:
+                stopper_vertices.append(v)
+                if deny_op and v not in denied:
+                    roots.append(v)
+                    continue
+            if keeps and v not in denied and v in ctx.float32:
+                roots.append(v)
     if deny_seeds:  # cross_function: deny from across a boundary
         roots += [v for v in _vertices(ctx) if v in deny_seeds]
+    if not roots:
+        return {}
+    # Pinned loop values are clear ops all the same: deny passes through them.
+    upstream = _closure(types.pred, stopper_vertices, lambda v: ops[v.node] in clear or ctx.is_clear(v))
+    added: dict[Vertex, Reason] = {}
     for root in roots:
         op = ctx.op(root)
         if root in denied and root not in deny_seeds:
             continue
         propagated = None  # one Reason for every vertex this root denies
-        for vertex in _reach(graph, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
+        for vertex in _reach(types, root, lambda v: v not in denied and v in upstream, inputs=False, outputs=True):
             if vertex not in denied:
                 denied.add(vertex)
                 if vertex == root:
@@ -546,34 +533,48 @@ def propagate_deny_forward(
     return added
 
 
+def _allow_op_vertices(ctx: PaintContext, seeds: frozenset[Vertex]) -> list[Vertex]:
+    """Step 7.4's roots, in graph order: the vertices of processed allowlisted nodes, the
+    ``seeds`` of processed ones, and the frozen converted vertices."""
+    ops, processed, allow_ops, frozen_allow = ctx.ops, ctx.processed, ctx.lists.allow, ctx.frozen_allow
+    roots: list[Vertex] = []
+    for node, vertices in ctx.types.vertices.items():
+        if node in processed and ops[node] in allow_ops:
+            roots += [v for v in vertices if v is not None]
+        elif seeds or frozen_allow:
+            roots += [v for v in vertices if v is not None and (v in seeds and node in processed or v in frozen_allow)]
+    return roots
+
+
 def add_clear_and_infer_between_allow(
     ctx: PaintContext, allow: set[Vertex], deny: set[Vertex], seeds: frozenset[Vertex] = frozenset()
 ) -> dict[Vertex, Reason]:
     """Step 7.4: clear/infer vertices both downstream and upstream of allowlist ops (grappler logs "pass 3")."""
-    graph, lists = ctx.types.graph, ctx.lists
+    types, lists = ctx.types, ctx.lists
     ops, processed, float32 = ctx.ops, ctx.processed, ctx.float32
     # Seeds (cross_function) count as allow ops: across the boundary they meet one.
     # Frozen converted vertices are roots too: the allow ops that made them so are frozen.
-    frozen, frozen_allow = ctx.frozen_nodes, ctx.frozen_allow
-    roots = [v for v in _vertices(ctx) if v.node in processed and (ops[v.node] in lists.allow or v in seeds)
-             or v in frozen_allow]
+    frozen = ctx.frozen_nodes
+    roots = _allow_op_vertices(ctx, seeds)
 
-    allow_ops, infer_ops, bounded = lists.allow, lists.infer, ctx.bounded
-    is_clear, has_target_kernel = ctx.is_clear, ctx.has_target_kernel
+    allow_ops, infer_ops, clear_ops, bounded = lists.allow, lists.infer, lists.clear, ctx.bounded
+    boundary, pinned, has_target_kernel = ctx.boundary, ctx.pinned, ctx.has_target_kernel
 
     def enter_downstream(v: Vertex) -> bool:
         node = v.node
         op = ops[node]
         return (
             op not in allow_ops and v not in deny and node in processed and node not in frozen
-            and (op in infer_ops or node in bounded or is_clear(v))  # ctx.is_infer(node), inlined
-            and v in float32 and has_target_kernel(v)
+            # ctx.is_infer(node) or ctx.is_clear(v), inlined
+            and (op in infer_ops or node in bounded or bool(boundary) and v in boundary
+                 or op in clear_ops and not (pinned and v in pinned))
+            and v in float32 and has_target_kernel(v)  # the closure asks each vertex once: no memo first
         )
 
-    downstream = _closure(graph._succ, roots, enter_downstream)
+    downstream = _closure(types.succ, roots, enter_downstream)
     upstream: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
-    fanins = graph._pred
+    fanins = types.pred
     for root in roots:
         if root in upstream:
             continue
@@ -601,66 +602,78 @@ def add_infer_after_allow(ctx: PaintContext, allow: set[Vertex], deny: set[Verte
 
     One sweep in vertex order, so a vertex added here can qualify a later one.
     """
-    graph = ctx.types.graph
+    fanins_of = ctx.types.pred
     added: dict[Vertex, Reason] = {}
-    processed = ctx.processed
-    for vertex in _vertices(ctx):
-        if (
-            vertex.node not in processed or vertex.node in ctx.frozen_nodes or not ctx.is_infer(vertex.node) or vertex in deny or vertex in allow
-            or vertex in added or not ctx.is_float32(vertex) or not ctx.op_allows_target(vertex)
-        ):
-            continue
-        fanins = graph._pred[vertex]
-        if any(f in deny for f in fanins):
-            continue
-        feeder = next((f for f in fanins if f in allow or f in added), None)
-        if feeder is not None:
-            added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'", feeder.node)
+    ops, processed, frozen, infer_ops, bounded, float32 = (ctx.ops, ctx.processed, ctx.frozen_nodes, ctx.lists.infer,
+                                                          ctx.bounded, ctx.float32)
+    for node, vertices in ctx.types.vertices.items():
+        if node not in processed or node in frozen or not (ops[node] in infer_ops or node in bounded):
+            continue  # ctx.is_infer(node), inlined
+        for vertex in vertices:
+            if (vertex is None or vertex in deny or vertex in allow or vertex in added or vertex not in float32
+                    or not ctx.op_allows_target(vertex)):
+                continue
+            feeder = None  # the first fanin in ALLOW; none at all if any is DENY
+            for fanin in fanins_of[vertex]:
+                if fanin in deny:
+                    break
+                if feeder is None and (fanin in allow or fanin in added):
+                    feeder = fanin
+            else:
+                if feeder is not None:
+                    added[vertex] = Reason(Rule.INFER_AFTER_ALLOW, f"infer op directly after allow vertex '{feeder}'",
+                                           feeder.node)
     return added
 
 
 def propagate_allow_through_clear(ctx: PaintContext, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
     """Step 7.6: allow spreads both ways through clear vertices, never through infer ones (grappler logs "pass 5")."""
-    graph = ctx.types.graph
     painted = set(allow)
     used: set[Vertex] = set()
     added: dict[Vertex, Reason] = {}
 
-    processed, float32, frozen = ctx.processed, ctx.float32, ctx.frozen_nodes
-    is_clear, has_target_kernel, reads_ref_variable = ctx.is_clear, ctx.has_target_kernel, ctx.reads_ref_variable
+    ops, processed, float32, frozen, clear_ops = ctx.ops, ctx.processed, ctx.float32, ctx.frozen_nodes, ctx.lists.clear
+    boundary, pinned = ctx.boundary, ctx.pinned
+    kernel_answers, has_target_kernel, reads_ref_variable = ctx.memo.by_vertex, ctx.has_target_kernel, \
+        ctx.types.reads_ref_variable
 
     def enter(v: Vertex) -> bool:
+        node = v.node
         return (
-            v not in painted and v not in deny and v.node in processed and v.node not in frozen and is_clear(v)
-            and v in float32 and has_target_kernel(v) and not reads_ref_variable(v.node)
+            v not in painted and v not in deny and node in processed and node not in frozen
+            and (bool(boundary) and v in boundary or ops[node] in clear_ops and not (pinned and v in pinned))
+            and v in float32 and (kernel_answers.get(v) or has_target_kernel(v)) and not reads_ref_variable(node)
         )
 
-    fanins, fanouts = graph._pred, graph._succ
+    fanins, fanouts = ctx.types.pred, ctx.types.succ
     # Once ``enter`` says no, it says no for good: the vertex is painted or can never be
     # entered; one it lets in is painted by that walk. So each vertex is asked once, over
     # all the walks.
     asked: set[Vertex] = set()
-    for root in _vertices(ctx):
-        if root not in painted or root in used or root.node not in processed:
+    for node, vertices in ctx.types.vertices.items():
+        if node not in processed:
             continue
-        # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow vertex).
-        spread = None  # one Reason for every vertex found from this root
-        asked.add(root)
-        stack = [root]
-        while stack:
-            vertex = stack.pop()
-            used.add(vertex)
-            if vertex not in painted:
-                painted.add(vertex)
-                if spread is None:
-                    spread = Reason(Rule.CLEAR_PROPAGATION, f"clear op connected to allow vertex '{root}' through clear ops",
-                                    root.node)
-                added[vertex] = spread
-            for other in itertools.chain(fanins[vertex], fanouts[vertex]):
-                if other not in asked:
-                    asked.add(other)
-                    if enter(other):
-                        stack.append(other)
+        for root in vertices:
+            if root is None or root not in painted or root in used:
+                continue
+            # _reach(graph, root, enter, inputs=True, outputs=True), inlined (one call per allow vertex).
+            spread = None  # one Reason for every vertex found from this root
+            asked.add(root)
+            stack = [root]
+            while stack:
+                vertex = stack.pop()
+                used.add(vertex)
+                if vertex not in painted:
+                    painted.add(vertex)
+                    if spread is None:
+                        spread = Reason(Rule.CLEAR_PROPAGATION,
+                                        f"clear op connected to allow vertex '{root}' through clear ops", root.node)
+                    added[vertex] = spread
+                for other in itertools.chain(fanins[vertex], fanouts[vertex]):
+                    if other not in asked:
+                        asked.add(other)
+                        if enter(other):
+                            stack.append(other)
     return added
 
 
@@ -668,17 +681,19 @@ def remove_unconvertible_allow(ctx: PaintContext, allow: set[Vertex]) -> dict[Ve
     """Step 7.7: allowlisted vertices whose op definition rejects the target, or quantized nodes (grappler logs
     "pass 6")."""
     removed: dict[Vertex, Reason] = {}
-    quantized: dict[str, bool] = {}
+    allows: dict[tuple[str, TypeAttr], bool] = {}  # op_allows_target by (op, attr): the same for every node
+    ops, allow_ops, quantized = ctx.ops, ctx.lists.allow, ctx.types.quantized
     for vertex in allow:
-        if ctx.op(vertex) not in ctx.lists.allow:
+        node, attr = vertex
+        op = ops[node]
+        if op not in allow_ops:
             continue
-        if vertex.node not in quantized:
-            quantized[vertex.node] = any(
-                ctx.types.dtype(Vertex(vertex.node, a)) in QUANTIZED for a in ctx.types.types[vertex.node].attrs
-            )
-        if not ctx.op_allows_target(vertex):
-            removed[vertex] = Reason(Rule.UNCONVERTIBLE, f"the op definition of {ctx.op(vertex)} does not allow the target dtype for {vertex.attr}")
-        elif quantized[vertex.node]:
+        allowed = allows.get((op, attr))
+        if allowed is None:
+            allowed = allows[(op, attr)] = ctx.op_allows_target(vertex)
+        if not allowed:
+            removed[vertex] = Reason(Rule.UNCONVERTIBLE, f"the op definition of {op} does not allow the target dtype for {attr}")
+        elif node in quantized:
             removed[vertex] = Reason(Rule.UNCONVERTIBLE, "the node is quantized")
     return removed
 
@@ -732,6 +747,45 @@ def retarget_existing_casts(ctx: PaintContext, allow: set[Vertex]) -> dict[Verte
     return added
 
 
+class _Reasons:
+    """Which reason a vertex ends with when several steps give it one: the one that explains
+    its final colour. A converted vertex has the reason of the last step that added it to
+    ALLOW (7.8 re-adds what 7.7 took out); a vertex kept float32 and denied, of the first
+    step that denied it (no step undoes a denial, and a later one only agrees); one a step
+    took out of ALLOW without denying it, of the last such step (7.7, 7.9)."""
+
+    def __init__(self) -> None:
+        self.allow: dict[Vertex, Reason] = {}
+        self.deny: dict[Vertex, Reason] = {}
+        self.removed: dict[Vertex, Reason] = {}
+
+    def added(self, step: str, found: Mapping[Vertex, Reason]) -> None:
+        log.debug("step %s: %d vertices", step, len(found))
+        self.allow.update(found)
+
+    def denied(self, step: str, found: Mapping[Vertex, Reason]) -> None:
+        log.debug("step %s: %d vertices", step, len(found))
+        for vertex, why in found.items():
+            self.deny.setdefault(vertex, why)
+
+    def moved(self, step: str, found: Mapping[Vertex, Reason], allow: set[Vertex], deny: set[Vertex]) -> None:
+        """A step that moves vertices both ways: each reason goes where its vertex went."""
+        log.debug("step %s: %d vertices", step, len(found))
+        for vertex, why in found.items():
+            if vertex in allow:
+                self.allow[vertex] = why
+            elif vertex in deny:
+                self.deny.setdefault(vertex, why)
+            else:
+                self.removed[vertex] = why
+
+    def final(self, allow: set[Vertex], deny: set[Vertex]) -> dict[Vertex, Reason]:
+        final = {v: why for v, why in self.removed.items() if v not in deny}
+        final.update(self.deny)
+        final.update((v, self.allow[v]) for v in allow)
+        return final
+
+
 def paint(
     ctx: PaintContext, tensor_lists: TensorLists, seeds: frozenset[Vertex] = frozenset(),
     deny_seeds: frozenset[Vertex] = frozenset(),
@@ -744,99 +798,80 @@ def paint(
     ``seeds`` and ``deny_seeds`` (``cross_function`` only): vertices known to be converted,
     or to carry a value from a deny path, on the other side of their function boundary.
     """
-    # Which reason a vertex ends with when several steps give it one: the one that explains
-    # its final colour. A converted vertex has the reason of the last step that added it to
-    # ALLOW (7.8 re-adds what 7.7 took out); a vertex kept float32 and denied, of the first
-    # step that denied it (no step undoes a denial, and a later one only agrees); one a
-    # step took out of ALLOW without denying it, of the last such step (7.7, 7.9).
-    why_allow: dict[Vertex, Reason] = {}
-    why_deny: dict[Vertex, Reason] = {}
-    why_removed: dict[Vertex, Reason] = {}
-
-    def added(step: str, found: Mapping[Vertex, Reason]) -> None:
-        log.debug("step %s: %d vertices", step, len(found))
-        why_allow.update(found)
-
-    def denied(step: str, found: Mapping[Vertex, Reason]) -> None:
-        log.debug("step %s: %d vertices", step, len(found))
-        for vertex, why in found.items():
-            why_deny.setdefault(vertex, why)
-
-    def moved(step: str, found: Mapping[Vertex, Reason], allow: set[Vertex], deny: set[Vertex]) -> None:
-        """A step that moves vertices both ways: each reason goes where its vertex went."""
-        log.debug("step %s: %d vertices", step, len(found))
-        for vertex, why in found.items():
-            if vertex in allow:
-                why_allow[vertex] = why
-            elif vertex in deny:
-                why_deny.setdefault(vertex, why)
-            else:
-                why_removed[vertex] = why
-
-    def reasons() -> dict[Vertex, Reason]:
-        final = {v: why for v, why in why_removed.items() if v not in deny}
-        final.update(why_deny)
-        final.update((v, why_allow[v]) for v in allow)
-        return final
-
-    # 7.0 The roots of unsafe TensorList clusters are denied.
-    clusters, deny_found = tensor_lists.clusters, dict(tensor_lists.unsafe)
-    deny_found.update((v, Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary"))
-                      for v in deny_seeds if v not in deny_found)
-    denied("7.0 tensor-list clusters", deny_found)
-    deny = set(deny_found)
-    # 7.1 Allowlist ops.
-    allow_found = add_allowlist_ops(ctx)
-    allow_found.update(
-        (v, Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary"))
-        for v in seeds if v not in allow_found
-    )
-    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.graph)
-    added("7.1 allow list", allow_found)
-    allow = set(allow_found)
+    why, clusters = _Reasons(), tuple(tensor_lists.clusters)
+    allow, deny = _first_colours(ctx, tensor_lists, seeds, deny_seeds, why)  # 7.0 and 7.1
     if not allow:
         log.info("No allowlist ops found, nothing to do")
-        return Painting(frozenset(), frozenset(deny), reasons(), tuple(clusters))
+        return Painting(frozenset(), frozenset(deny), why.final(allow, deny), clusters)
     # 7.2 Deny propagation through clear/infer.
     deny_found = propagate_deny_forward(ctx, deny, deny_seeds)
-    denied("7.2 deny propagation", deny_found)
+    why.denied("7.2 deny propagation", deny_found)
     deny |= deny_found.keys()
     # 7.3 TensorList colour match.
     allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny)
-    moved("7.3 tensor-list colours", found, allow, deny)
+    why.moved("7.3 tensor-list colours", found, allow, deny)
     # 7.4 Clear/infer between allow ops.
     found = add_clear_and_infer_between_allow(ctx, allow, deny, seeds)
-    added("7.4 between allow", found)
+    why.added("7.4 between allow", found)
     allow |= found.keys()
     # 7.5 Infer directly after allow.
     found = add_infer_after_allow(ctx, allow, deny)
-    added("7.5 infer after allow", found)
+    why.added("7.5 infer after allow", found)
     allow |= found.keys()
     # 7.6 Allow through clear.
     found = propagate_allow_through_clear(ctx, allow, deny)
-    added("7.6 allow through clear", found)
+    why.added("7.6 allow through clear", found)
     allow |= found.keys()
     # 7.7 Remove unconvertible allowlist vertices.
     removed = remove_unconvertible_allow(ctx, allow)
     allow -= removed.keys()
-    moved("7.7 unconvertible", removed, allow, deny)
+    why.moved("7.7 unconvertible", removed, allow, deny)
     # 7.8 TensorList colour match again.
     allow, deny, found = match_tensor_list_colours(ctx, clusters, allow, deny)
-    moved("7.8 tensor-list colours", found, allow, deny)
+    why.moved("7.8 tensor-list colours", found, allow, deny)
     # 7.9 Recurrent edges.
     allow, found = match_recurrent_edges(ctx, allow)
-    moved("7.9 recurrent edges", found, allow, deny)
+    why.moved("7.9 recurrent edges", found, allow, deny)
     # 7.10 Existing casts.
     found = retarget_existing_casts(ctx, allow)
-    added("7.10 existing casts", found)
+    why.added("7.10 existing casts", found)
     allow |= found.keys()
-    final = reasons()
-    for node, why in ctx.bounded.items():  # deny ops converted: say why
+    return Painting(frozenset(allow), frozenset(deny), _say_bounded(ctx, why.final(allow, deny), allow), clusters)
+
+
+def _first_colours(
+    ctx: PaintContext, tensor_lists: TensorLists, seeds: frozenset[Vertex], deny_seeds: frozenset[Vertex],
+    why: _Reasons,
+) -> tuple[set[Vertex], set[Vertex]]:
+    """Steps 7.0 and 7.1: the roots of unsafe TensorList clusters (and ``deny_seeds``) denied,
+    the allowlist ops' vertices (and ``seeds``, and frozen converted vertices) allowed."""
+    deny_found = {**tensor_lists.unsafe, **{v: CROSSING_DENY for v in deny_seeds if v not in tensor_lists.unsafe}}
+    why.denied("7.0 tensor-list clusters", deny_found)
+    allow_found = add_allowlist_ops(ctx)
+    allow_found.update((v, CROSSING_ALLOW) for v in seeds if v not in allow_found)
+    allow_found.update((v, FROZEN_CONVERTED) for v in ctx.frozen_allow if v in ctx.types.succ)
+    why.added("7.1 allow list", allow_found)
+    return set(allow_found), set(deny_found)
+
+
+CROSSING_DENY = Reason(Rule.CROSS_FUNCTION, "a value from a deny path crosses this function boundary")
+CROSSING_ALLOW = Reason(Rule.CROSS_FUNCTION, "shares its dtype with converted values across a function boundary")
+
+
+def _say_bounded(ctx: PaintContext, reasons: dict[Vertex, Reason], allow: set[Vertex]) -> dict[Vertex, Reason]:
+    """``reasons`` with each converted vertex of a bounded deny op saying why it acts as infer."""
+    for node, why in ctx.bounded.items():
         for vertex in ctx.types.node_vertices(node):
             if vertex in allow:
-                rule, text, source = final[vertex]
-                final[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
-    return Painting(frozenset(allow), frozenset(deny), final, tuple(clusters))
+                rule, text, source = reasons[vertex]
+                reasons[vertex] = Reason(rule, f"{text}; deny op {ctx.ops[node]} acts as infer: {why}", source)
+    return reasons
+
+
+@functools.lru_cache(maxsize=1024)
+def _unlisted(op: str) -> Reason:
+    """The reason of an op in no list: one value per op, as most float32 vertices kept have it."""
+    return Reason(Rule.UNLISTED, f"op {op} is in no list")
 
 
 def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vertex: Vertex) -> Reason:
@@ -860,7 +895,7 @@ def explain(ctx: PaintContext, painting: Painting, skipped: dict[str, str], vert
     if colour is None:
         if op in ctx.lists.reasons:  # in the float32 section of the built-in file
             return Reason(Rule.SLOWER_CONVERTED, f"op {op}: {ctx.lists.reasons[op]}")
-        return Reason(Rule.UNLISTED, f"op {op} is in no list")
+        return _unlisted(op)
     if colour in (Colour.CLEAR, Colour.INFER) and not ctx.has_target_kernel(vertex):
         return Reason(Rule.NO_KERNEL, f"no {ctx.target.name} kernel for {op} on {ctx.kernel_device[vertex.node]}")
     if colour is Colour.INFER:

@@ -40,12 +40,13 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
-from tensorflow.python.framework import tensor_util
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import functions
+from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.errors import AmpRewriteError
-from amp_rewrite.core.graph_io import TensorRef, parse_tensor_name
+from amp_rewrite.core.graph_io import TensorRef, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 
@@ -57,13 +58,12 @@ MIN_TENSORFLOW = (2, 18)
 
 def check_tensorflow() -> None:
     """Refuse the float8 target where XLA would silently undo it."""
-    from tensorflow.python.framework import versions
-
-    found = tuple(int(part) for part in versions.__version__.split(".")[:2])
+    version = tf.version.VERSION
+    found = tuple(int(part) for part in version.split(".")[:2])
     if found < MIN_TENSORFLOW:
         raise AmpRewriteError(
             f"target 'float8' needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))} or newer: TensorFlow"
-            f" {versions.__version__}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
+            f" {version}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
             " upgrade TensorFlow, or use target float16")
 Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
 
@@ -73,7 +73,6 @@ FLOAT8_MAX = 448.0  # E4M3FN's largest finite value
 MATMUL_OPS = {"MatMul": 2, "BatchMatMul": 2, "BatchMatMulV2": 2, "Einsum": 2, "Conv2D": 2}
 # Scale exponents such that 2**e and 2**-e are exact in the matmul's dtype.
 _EXPONENTS = {types_pb2.DT_HALF: (-24, 15), types_pb2.DT_FLOAT: (-126, 126)}
-_AMP_SUFFIX = "AutoMixedPrecision"  # the rewrite's own casts (casts.SUFFIX)
 _VARIABLE_READS = frozenset({"ReadVariableOp"})
 # Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
 _SAME_VALUES = frozenset({"Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
@@ -287,7 +286,7 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
 def amp_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> TensorRef:
     """The tensor behind the rewrite's own casts that ``tensor`` is (itself if it is no such cast)."""
     ref = parse_tensor_name(tensor)
-    while nodes[ref.node].op == "Cast" and ref.node.endswith(_AMP_SUFFIX):
+    while is_amp_cast(nodes[ref.node]):
         ref = parse_tensor_name(nodes[ref.node].input[0])
     return ref
 
@@ -295,7 +294,7 @@ def amp_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> Tensor
 def origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
     """The node whose values ``name`` passes on, through ops that only move values and the rewrite's casts."""
     found = nodes[name]
-    while found.op in _SAME_VALUES or found.op == "Cast" and found.name.endswith(_AMP_SUFFIX):
+    while found.op in _SAME_VALUES or is_amp_cast(found):
         found = nodes[parse_tensor_name(found.input[0]).node]
     return found
 
@@ -308,26 +307,14 @@ class NodeWriter:
         self.graph_def, self.nodes = graph_def, nodes
 
     def add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
-        """A node ``name``; ``attrs``: a bool, a DataType enum, or any ``AttrValue``."""
-        node = self.graph_def.node.add(name=name, op=op, input=inputs, device=device)
-        for key, value in attrs.items():
-            if isinstance(value, attr_value_pb2.AttrValue):
-                node.attr[key].CopyFrom(value)
-            elif isinstance(value, bool):
-                node.attr[key].b = value
-            else:
-                node.attr[key].type = value
-        self.nodes[name] = node
+        """A node ``name``, its attrs typed by the op's definition (``graph_io.make_node_def``)."""
+        self.nodes[name] = make_node_def(op, name, inputs, device=device, into=self.graph_def.node, **attrs)
         return name
 
     def const(self, name: str, value: float | list[int] | np.ndarray, dtype: int, device: str) -> str:
-        node = self.graph_def.node.add(name=name, op="Const", device=device)
-        node.attr["dtype"].type = dtype
         numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
                        types_pb2.DT_INT32: np.int32}[dtype]
-        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(np.asarray(value, numpy_dtype)))
-        self.nodes[name] = node
-        return name
+        return self.add(name, "Const", [], device, {"dtype": dtype, "value": np.asarray(value, numpy_dtype)})
 
     def amax(self, base: str, tensor: str, dtype: int, device: str) -> str:
         """``Max(Abs(tensor))`` over all its elements, as a float32 scalar (``dtype``: the tensor's)."""
@@ -429,9 +416,8 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
         reference.name = f"{name}-{PROBE}/float16"
         reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
                               for tensor in node.input]
-        difference = output.node.add(name=f"{name}-{PROBE}/error", op="Sub", input=[name, reference.name],
-                                     device=node.device)
-        difference.attr["T"].type = node.attr["T"].type
+        difference = make_node_def("Sub", f"{name}-{PROBE}/error", [name, reference.name], device=node.device,
+                                   into=output.node, T=node.attr["T"].type)
         probes[name] = (reference.name, difference.name)
     return output, probes
 

@@ -36,14 +36,16 @@ forward matmul and stay in the base precision.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
 from amp_rewrite.core import float8
+from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import parse_tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
 
@@ -78,7 +80,7 @@ _OPERAND_POSITIONS = {"MatMul": (0, 1), "BatchMatMul": (0, 1), "BatchMatMulV2": 
 # The name scope TensorFlow opens for an op's gradient: GradientTape's, tf.gradients' (and its _N).
 _GRADIENT_ROOT = re.compile(r"(?:^|/)(?:gradient_tape|gradients(?:_\d+)?)/")
 _UNIQUIFIED = re.compile(r"_\d+$")  # the suffix TensorFlow gives a name taken in its scope
-_AMP_SUFFIX = "AutoMixedPrecision"  # the base rewrite's own casts (casts.SUFFIX)
+_VARIABLE_HANDLES = frozenset({"VarHandleOp", "VariableV2", "Variable", "Placeholder", "_Arg"})
 
 
 @dataclass(frozen=True)
@@ -94,16 +96,29 @@ class Backward:
 
 @dataclass(frozen=True)
 class Matmul:
-    """A forward matmul the base rewrite converts, its two operands and its backward matmuls."""
+    """A forward matmul the base rewrite converts, its two operands and its backward matmuls.
+
+    ``weight``: which input reads a variable (``weight_of``), if one does. ``base``: the name its
+    state keys start with — the node's name unless the caller gives a stable one (a variable's
+    place in its optimizer: ``training.float8``), so that several matmuls of one weight (its
+    replicas) share one state."""
 
     node: str
     op: str
     inputs: tuple[str, str]  # the tensors it reads, as in the input graph
     backward: tuple[Backward, ...] = ()
+    weight: int | None = None
+    base: str = ""
 
     def key(self, operand: int | None) -> str:
-        """The state key of input ``operand``, or (None) of the gradient of its output."""
-        return f"{self.node}/output_grad" if operand is None else f"{self.node}/input_{operand}"
+        """The state key of input ``operand``, or (None) of the gradient of its output; a weight's
+        matmul names its operands by role (``weight``, ``input``), as a weight may be either input."""
+        base = self.base or self.node
+        if operand is None:
+            return f"{base}/output_grad"
+        if self.weight is not None:
+            return f"{base}/weight" if operand == self.weight else f"{base}/input"
+        return f"{base}/input_{operand}"
 
     def keys(self) -> tuple[tuple[str, Format], ...]:
         """The operands it quantizes, as state keys with their formats."""
@@ -125,16 +140,35 @@ class Plan:
         return any(matmul.backward for matmul in self.matmuls)
 
     def keys(self) -> tuple[tuple[str, Format], ...]:
-        return tuple(key for matmul in self.matmuls for key in matmul.keys())
+        """Every operand's key once (replicas of one matmul share theirs), with its format."""
+        return tuple(dict.fromkeys(key for matmul in self.matmuls for key in matmul.keys()))
+
+    def with_bases(self, node_to_base: Mapping[str, str]) -> Plan:
+        """The plan with each matmul's stable key ``base`` (``Matmul``); others keep their node's name."""
+        return replace(self, matmuls=tuple(replace(matmul, base=node_to_base.get(matmul.node, ""))
+                                           for matmul in self.matmuls))
 
 
 @dataclass(frozen=True)
 class State:
     """One operand's state in a graph: the ``ReadVariableOp`` nodes of its scale and its amax
-    history; their inputs are the variables' handles."""
+    history; their inputs are the variables' handles. ``mirrors``: the reads of the other
+    components of mirrored state variables (a distribution strategy's), which each update sets alike."""
 
     scale: str
     history: str
+    mirrors: tuple[State, ...] = ()
+
+
+@dataclass(frozen=True)
+class Workers:
+    """A training step that each of ``group_size`` workers runs (MultiWorkerMirroredStrategy):
+    its amaxes are reduced to their largest across workers by one collective of ``group_key``
+    and ``instance_key``, so every worker records and scales alike."""
+
+    group_size: int
+    group_key: int
+    instance_key: int
 
 
 def in_gradient_scope(name: str) -> bool:
@@ -159,7 +193,8 @@ def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> P
             kept[node.name] = (f"stays in the base precision: Const operand {constants[0]!r} is folded before XLA"
                                " sees it, so FP8 would add its error without an FP8 GEMM")
             continue
-        forward[node.name] = Matmul(node.name, node.op, (_canonical(data_inputs[0]), _canonical(data_inputs[1])))
+        forward[node.name] = Matmul(node.name, node.op, (_canonical(data_inputs[0]), _canonical(data_inputs[1])),
+                                    weight=next((index for index, _ in weight_of(nodes, data_inputs)), None))
     backward: dict[str, list[Backward]] = {}
     for node in graph_def.node:
         if node.op in _OPERAND_POSITIONS and in_gradient_scope(node.name):
@@ -168,6 +203,36 @@ def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> P
                 backward.setdefault(found[0], []).append(found[1])
     matmuls = tuple(replace(matmul, backward=tuple(backward.get(name, ()))) for name, matmul in forward.items())
     return Plan(matmuls, kept)
+
+
+def weight_of(nodes: Mapping[str, node_def_pb2.NodeDef], inputs: Iterable[str]) -> list[tuple[int, str]]:
+    """The operands among ``inputs`` that read a variable — through ops that only move values,
+    a ``ReadVariableOp`` (or a ref variable's read ``Identity``) — as (input index, the node the
+    variable's handle comes from: ``variable_handle``)."""
+    found = []
+    for index, tensor in enumerate(inputs):
+        source = float8.origin(nodes, parse_tensor_name(tensor).node)
+        if source.op == "ReadVariableOp":
+            handle = variable_handle(nodes, source.input[0])
+        else:
+            handle = source.name if source.op in ("VariableV2", "Variable") else None
+        if handle is not None:
+            found.append((index, handle))
+    return found
+
+
+def variable_handle(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
+    """The node resource ``tensor`` comes from, through ops that only move values, if it is a
+    variable's: ``VarHandleOp`` (a TF1 graph), or a function's resource input (a captured variable)."""
+    source = float8.origin(nodes, parse_tensor_name(tensor).node)
+    if source.op in _VARIABLE_HANDLES and (source.op not in ("Placeholder", "_Arg") or _is_resource(source)):
+        return source.name
+    return None
+
+
+def _is_resource(node: node_def_pb2.NodeDef) -> bool:
+    # ``in`` first: indexing a NodeDef's attr map inserts the key, and these nodes are shared.
+    return any(name in node.attr and node.attr[name].type == types_pb2.DT_RESOURCE for name in ("dtype", "T"))
 
 
 def _canonical(tensor: str) -> str:
@@ -181,24 +246,30 @@ def _forward_of(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tu
     if len(node.input) <= max(positions):
         return None
     operands = [_canonical(node.input[position]) for position in positions]
-    for match in _GRADIENT_ROOT.finditer(node.name):
-        segments = node.name[match.end():].split("/")
-        # The longest forward name first, the whole name too: an Einsum's gradient einsums sit
-        # beside it, uniquified (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1),
-        # a MatMul's under it.
+    for name in forward_names(node.name):
+        matmul = forward.get(name)
+        if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
+            continue
+        shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
+                  if tensor in matmul.inputs]
+        if len(shared) == 1:  # one forward operand; the other one is the incoming gradient
+            index, forward_input = shared[0]
+            return name, Backward(node.name, positions[index], forward_input, positions[1 - index])
+    return None
+
+
+def forward_names(name: str) -> Iterator[str]:
+    """The names of the forward op whose gradient node ``name`` may be part of, by the scope
+    TensorFlow gives a gradient (``gradient_tape/<op>/…``, ``gradients/<op>_grad/…``): the
+    longest first, the whole name too — an Einsum's gradient einsums sit beside it, uniquified
+    (a/einsum/Einsum's are gradient_tape/a/einsum/Einsum and Einsum_1), a MatMul's under it."""
+    for match in _GRADIENT_ROOT.finditer(name):
+        segments = name[match.end():].split("/")
         for length in range(len(segments), 0, -1):
             scope = "/".join(segments[:length])
-            whole = (scope, _UNIQUIFIED.sub("", scope)) if length == len(segments) else ()
-            for name in (*whole, scope.removesuffix("_grad")):
-                matmul = forward.get(name)
-                if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
-                    continue
-                shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
-                          if tensor in matmul.inputs]
-                if len(shared) == 1:  # one forward operand; the other one is the incoming gradient
-                    index, forward_input = shared[0]
-                    return name, Backward(node.name, positions[index], forward_input, positions[1 - index])
-    return None
+            if length == len(segments):
+                yield from (scope, _UNIQUIFIED.sub("", scope))
+            yield scope.removesuffix("_grad")
 
 
 def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str]:
@@ -209,52 +280,82 @@ def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str
 
 def quantize_training_step(
     graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
-) -> tuple[graph_pb2.GraphDef, dict[str, Reason]]:
+    workers: Workers | None = None, in_function: bool = False, loop_amaxes: Mapping[str, Sequence[Any]] = {},
+) -> tuple[graph_pb2.GraphDef, dict[str, Reason], list[str]]:
     """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
     A forward matmul is quantized where the base rewrite converted it; a backward one where
     it also has its forward matmul's dtype. ``state``: key -> its read nodes in ``graph_def``;
     an operand without one (a function without gradients: ``evaluate``, ``predict``, an
     export) is scaled by its own amax in that call, so such a function needs no state. Where a
-    state has a history, the step records amax and updates it: the updates are control inputs
-    of the backward matmuls (of the forward matmul itself where it has none), so they run
-    whenever the step trains. Returns the new GraphDef and the reason of each quantized
-    matmul; ``graph_def`` is not modified."""
+    state has a history, the step records amax — the largest of every chain of its key, so
+    replicas of one matmul in one graph record and scale alike — and updates it. In a function
+    (``in_function``) the updates are returned, to become its control outputs: a key's chains may
+    sit in several phases of one step (a GAN's two updates), which only the end of the step
+    follows. In a main graph, run by what it fetches, they are control inputs of the backward
+    matmuls (of the forward matmul itself where it has none), so they run whenever the step
+    trains. Returns the new GraphDef, the reason of each quantized matmul and those updates;
+    ``graph_def`` is not modified. ``workers``: the amaxes are the largest of every worker's
+    (``Workers``). ``loop_amaxes``: key -> the loops' outputs holding its amax over their
+    iterations (``float8_loops.LoopAmax``), recorded with the key's chains here."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
     builder = _TrainingBuilder(output, nodes, history_length)
     reasons: dict[str, Reason] = {}
-    for matmul in plan.matmuls:
-        node = nodes.get(matmul.node)
-        dtype = node.attr["T"].type if node is not None else None
-        if dtype not in _EXPONENTS:
-            continue
-        chains = [builder.chain(matmul.key(index), E4M3, node.input[index], dtype, state.get(matmul.key(index)))
-                  for index in (0, 1)]
-        node.input[0], node.input[1] = chains
-        gradient_key = matmul.key(None)
-        quantized_backward = []
-        for backward in matmul.backward:
-            backward_node = nodes[backward.node]
-            if backward_node.attr["T"].type != dtype:
-                continue
-            backward_node.input[backward.operand_position] = chains[backward.forward_input]
-            backward_node.input[backward.gradient_position] = builder.chain(
-                gradient_key, E5M2, backward_node.input[backward.gradient_position], dtype, state.get(gradient_key))
-            quantized_backward.append(backward_node)
-            reasons[backward.node] = Reason(
-                Rule.FLOAT8_TRAINING, f"gradient of {matmul.node}: the incoming gradient {E5M2.name}, input"
-                f" {backward.forward_input} {E4M3.name} as in the forward matmul", matmul.node)
-        scaling = "delayed scaling" if matmul.key(0) in state else "scales from this call's amax"
-        reasons[matmul.node] = Reason(
-            Rule.FLOAT8_TRAINING, f"inputs {E4M3.name}" + (f", {len(quantized_backward)} backward matmul(s) on"
-                                                           f" {E5M2.name} gradients" if quantized_backward else "")
-            + f", {scaling}")
-        keys = [matmul.key(0), matmul.key(1)] + ([gradient_key] if quantized_backward else [])
+    consumers: list[tuple[list[node_def_pb2.NodeDef], list[str]]] = []
+    for matmul in plan.matmuls:  # every chain first: an update takes the amax of all chains of its key
+        quantized = _quantize_matmul(builder, nodes, matmul, state, reasons)
+        if quantized is not None:
+            consumers.append(quantized)
+    for key, amaxes in loop_amaxes.items():
+        builder.amaxes.setdefault(key, []).extend(amax.tensor for amax in amaxes)
+        builder.formats.setdefault(key, (amaxes[0].fmt, amaxes[0].dtype, amaxes[0].device))
+    consumers.append(([], list(loop_amaxes)))
+    if workers is not None:
+        builder.reduce_across(workers, [key for _, keys in consumers for key in keys if key in state])
+    control_outputs: list[str] = []
+    for nodes_to_order, keys in consumers:
         updates = [update for key in keys if key in state for update in builder.update(key, state[key])]
-        for consumer in quantized_backward or [node]:
+        if in_function:
+            control_outputs += [update for update in updates if update not in control_outputs]
+            continue
+        for consumer in nodes_to_order:
             consumer.input.extend(f"^{update}" for update in updates if f"^{update}" not in consumer.input)
-    return output, reasons
+    return output, reasons, control_outputs
+
+
+def _quantize_matmul(builder: _TrainingBuilder, nodes: dict[str, node_def_pb2.NodeDef], matmul: Matmul,
+                     state: Mapping[str, State],
+                     reasons: dict[str, Reason]) -> tuple[list[node_def_pb2.NodeDef], list[str]] | None:
+    """The chains of one forward matmul and its backward ones; returns the nodes its updates must
+    precede and the keys it records, or None where the base rewrite left it alone."""
+    node = nodes.get(matmul.node)
+    dtype = node.attr["T"].type if node is not None else None
+    if dtype not in _EXPONENTS:
+        return None
+    chains = [builder.chain(matmul.key(index), E4M3, node.input[index], dtype, state.get(matmul.key(index)))
+              for index in (0, 1)]
+    node.input[0], node.input[1] = chains
+    gradient_key = matmul.key(None)
+    quantized_backward = []
+    for backward in matmul.backward:
+        backward_node = nodes[backward.node]
+        if backward_node.attr["T"].type != dtype:
+            continue
+        backward_node.input[backward.operand_position] = chains[backward.forward_input]
+        backward_node.input[backward.gradient_position] = builder.chain(
+            gradient_key, E5M2, backward_node.input[backward.gradient_position], dtype, state.get(gradient_key))
+        quantized_backward.append(backward_node)
+        reasons[backward.node] = Reason(
+            Rule.FLOAT8_TRAINING, f"gradient of {matmul.node}: the incoming gradient {E5M2.name}, input"
+            f" {backward.forward_input} {E4M3.name} as in the forward matmul", matmul.node)
+    scaling = "delayed scaling" if matmul.key(0) in state else "scales from this call's amax"
+    reasons[matmul.node] = Reason(
+        Rule.FLOAT8_TRAINING, f"inputs {E4M3.name}" + (f", {len(quantized_backward)} backward matmul(s) on"
+                                                       f" {E5M2.name} gradients" if quantized_backward else "")
+        + f", {scaling}")
+    keys = [matmul.key(0), matmul.key(1)] + ([gradient_key] if quantized_backward else [])
+    return quantized_backward or [node], keys
 
 
 class _TrainingBuilder(float8.NodeWriter):
@@ -269,10 +370,14 @@ class _TrainingBuilder(float8.NodeWriter):
         self.amaxes: dict[str, list[str]] = {}  # key -> the amax of each of its chains' float32 sources
         self.formats: dict[str, tuple[Format, int, str]] = {}  # key -> format, matmul dtype, device
         self.updated: dict[str, list[str]] = {}
+        self.reduced: dict[str, str] = {}  # key -> its amax, the largest across workers (``reduce_across``)
 
-    def chain(self, key: str, fmt: Format, tensor: str, dtype: int, state: State | None) -> str:
+    def chain(self, key: str, fmt: Format, tensor: str, dtype: int, state: State | None,
+              given: str | None = None) -> str:
         """The dequantized ``tensor`` (an input of a matmul of ``dtype``), quantized with ``key``'s
-        scale: the state's, or (None) one from the tensor's own amax."""
+        scale: the state's once its history has seen an amax, else (or without a state) one from
+        the tensor's own amax. ``given``: instead of a state, a float32 scalar holding the scale
+        where it is > 0 (a loop body's, ``float8_loops``)."""
         tensor = _canonical(tensor)
         if (key, tensor) in self.chains:
             return self.chains[(key, tensor)]
@@ -287,8 +392,10 @@ class _TrainingBuilder(float8.NodeWriter):
             source = add("float32", "Cast", [tensor], SrcT=dtype, DstT=f32, Truncate=False)
         amax = self.amax(base, source, f32, device)
         scale = self._power_of_two(f"{base}/current", amax, fmt, dtype, device)
-        if state is not None:  # the state's scale once its history has seen an amax
-            scale = add("step_scale", "SelectV2", [self._seen(key, state, device), f"{state.scale}:0", scale], T=f32)
+        given = self.given_scale(key, state, device) if state is not None else given
+        if given is not None:
+            delayed = add("delayed", "Greater", [given, self.const(f"{base}/zero", 0.0, f32, device)], T=f32)
+            scale = add("step_scale", "SelectV2", [delayed, given, scale], T=f32)
         unscale = self._unscale(base, scale, dtype, device)
         scaled = add("scaled", "Mul", [source, scale], T=f32)
         clipped = add("clipped", "ClipByValue", [scaled, self.const(f"{base}/min", -fmt.max, f32, device),
@@ -301,15 +408,18 @@ class _TrainingBuilder(float8.NodeWriter):
         self.chains[(key, tensor)] = unscaled
         return unscaled
 
-    def _seen(self, key: str, state: State, device: str) -> str:
-        """``key``'s ``max(history) > 0`` (one per key): whether its scale comes from an amax."""
-        base = f"{STATE_SCOPE}/{key}/seen"
+    def given_scale(self, key: str, state: State, device: str) -> str:
+        """``key``'s scale where its history has seen an amax (``max(history) > 0``), else 0: what
+        its chains use (``chain``'s ``given``), here and in loop bodies. One per key."""
+        base = f"{STATE_SCOPE}/{key}/given_scale"
         if base not in self.nodes:
             f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
             largest = self.add(f"{base}/largest", "Max", [f"{state.history}:0",
                                                          self.const(f"{base}/axis", 0, i32, device)],
                                device, {"T": f32, "Tidx": i32, "keep_dims": False})
-            self.add(base, "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], device, {"T": f32})
+            zero = self.const(f"{base}/zero", 0.0, f32, device)
+            seen = self.add(f"{base}/seen", "Greater", [largest, zero], device, {"T": f32})
+            self.add(base, "SelectV2", [seen, f"{state.scale}:0", zero], device, {"T": f32})
         return base
 
     def _power_of_two(self, base: str, amax: str, fmt: Format, dtype: int, device: str) -> str:
@@ -328,6 +438,45 @@ class _TrainingBuilder(float8.NodeWriter):
             self.add(name, "Cast", [inverse], device, {"SrcT": f32, "DstT": dtype, "Truncate": False})
         return name
 
+    def local_amax(self, key: str) -> str:
+        """The largest amax of ``key``'s chains in this graph (its replicas' too)."""
+        amax, *others = self.amaxes[key]
+        device = self.formats[key][2]
+        for index, other in enumerate(others):
+            amax = self.add(f"{STATE_SCOPE}/{key}/update/amax_{index + 1}", "Maximum", [amax, other], device,
+                            {"T": types_pb2.DT_FLOAT})
+        return amax
+
+    def reduce_across(self, workers: Workers, keys: list[str]) -> None:
+        """One collective for every key's amax: the largest of each across ``workers``. A
+        non-finite amax goes in as +Inf, so that every worker skips recording it."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return
+        f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
+        device = self.formats[keys[0]][2]
+        base = f"{STATE_SCOPE}/workers"
+        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        infinity = self.const(f"{base}/infinity", float("inf"), f32, device)
+        finite = []
+        for index, key in enumerate(keys):
+            amax = self.local_amax(key)
+            finite.append(add(f"finite_{index}", "SelectV2", [add(f"is_finite_{index}", "IsFinite", [amax], T=f32),
+                                                               amax, infinity], T=f32))
+        packed = add("amaxes", "Pack", finite, T=f32, N=attr_value_pb2.AttrValue(i=len(keys)),
+                     axis=attr_value_pb2.AttrValue(i=0))
+        reduced = add("largest", "CollectiveReduceV2", [
+            packed, *(self.const(f"{base}/{name}", value, i32, device) for name, value in (
+                ("group_size", workers.group_size), ("group_key", workers.group_key),
+                ("instance_key", workers.instance_key)))],
+            T=f32, merge_op=attr_value_pb2.AttrValue(s=b"Max"), final_op=attr_value_pb2.AttrValue(s=b"Id"),
+            communication_hint=attr_value_pb2.AttrValue(s=b"auto"), timeout_seconds=attr_value_pb2.AttrValue(f=0.0),
+            is_stateless=False, Nordering_token=attr_value_pb2.AttrValue(i=0),
+            max_subdivs_per_device=attr_value_pb2.AttrValue(i=-1))
+        unpacked = add("each", "Unpack", [reduced], T=f32, num=attr_value_pb2.AttrValue(i=len(keys)),
+                       axis=attr_value_pb2.AttrValue(i=0))
+        self.reduced = {key: f"{unpacked}:{index}" for index, key in enumerate(keys)}
+
     def update(self, key: str, state: State) -> list[str]:
         """The nodes that record this step's amax of ``key``'s chains and set the next scale."""
         if key in self.updated:
@@ -336,9 +485,7 @@ class _TrainingBuilder(float8.NodeWriter):
         f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
         base = f"{STATE_SCOPE}/{key}/update"
         add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
-        amax, *others = self.amaxes[key]
-        for index, other in enumerate(others):
-            amax = add(f"amax_{index + 1}", "Maximum", [amax, other], T=f32)
+        amax = self.reduced.get(key) or self.local_amax(key)
         history = f"{state.history}:0"
         entry = add("entry", "Reshape", [amax, self.const(f"{base}/entry_shape", [1], i32, device)], T=f32, Tshape=i32)
         older = add("older", "Slice", [history, self.const(f"{base}/begin", [0], i32, device),
@@ -354,11 +501,15 @@ class _TrainingBuilder(float8.NodeWriter):
         seen = add("seen", "Greater", [largest, self.const(f"{base}/zero", 0.0, f32, device)], T=f32)
         scale = add("next_scale", "SelectV2", [seen, candidate, f"{state.scale}:0"], T=f32)
         handle = lambda read: self.nodes[read].input[0]
-        # validate_shape: its default, which TensorFlow writes into a registered function (a caller's rewrite reads it)
-        assigns = [add("assign_history", "AssignVariableOp", [handle(state.history), new_history], dtype=f32,
-                       validate_shape=False),
-                   add("assign_scale", "AssignVariableOp", [handle(state.scale), scale], dtype=f32,
-                       validate_shape=False)]
+        assigns = []
+        for index, target in enumerate((state, *state.mirrors)):
+            suffix = f"_{index}" if index else ""
+            # validate_shape: its default, which TensorFlow writes into a registered function (a caller's rewrite
+            # reads it)
+            assigns += [add(f"assign_history{suffix}", "AssignVariableOp", [handle(target.history), new_history],
+                            dtype=f32, validate_shape=False),
+                        add(f"assign_scale{suffix}", "AssignVariableOp", [handle(target.scale), scale], dtype=f32,
+                            validate_shape=False)]
         self.updated[key] = assigns
         return assigns
 
@@ -367,7 +518,7 @@ def _float32_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> s
     """The float32 tensor the base rewrite cast to give ``tensor``, or None if it made none."""
     ref = parse_tensor_name(tensor)
     node = nodes[ref.node]
-    if node.op != "Cast" or not node.name.endswith(_AMP_SUFFIX) or node.attr["SrcT"].type != types_pb2.DT_FLOAT:
+    if not is_amp_cast(node) or node.attr["SrcT"].type != types_pb2.DT_FLOAT:
         return None
     return _canonical(node.input[0])
 
@@ -402,20 +553,3 @@ def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]],
                                            device, {"dtype": f32, "validate_shape": False}))
         state[key] = State(reads[SCALE], reads[HISTORY])
     return output, state, initializers
-
-
-def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
-                            state: Mapping[str, State], history_length: int) -> tuple[graph_pb2.GraphDef, Report]:
-    """``quantize_training_step`` on one item of a rewrite's output (``function``: a library
-    function's name, or ``MAIN_GRAPH``), with the report's reasons and counts for it."""
-    program = program_of(result_graph_def)
-    body, reasons = quantize_training_step(program.item(function), plan, state, history_length)
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(result_graph_def)
-    program.put(output, function, body)
-    items = tuple(replace(item, float8_matmuls=len(reasons)) if item.function == function else item
-                  for item in report.items)
-    pending = tuple(replace(item, overrides={**item.overrides, **{(node, "T"): reason
-                                                                  for node, reason in reasons.items()}})
-                    if item.function == function else item for item in report.pending)
-    return output, Report(report.target, items, pending)

@@ -198,41 +198,50 @@ def check_calls(graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb
     ``library`` as for ``reachable_functions``.
     """
     library = _by_name(graph_def) if library is None else library
-
-    def check(nodes: Sequence[node_def_pb2.NodeDef], where: str) -> None:
-        # Most graphs call nothing: their few distinct ops say so without a walk over the nodes.
-        calling = {op for op in {node.op for node in nodes} if _may_call(op)}
-        if not calling:
-            return
-        for node in nodes:
-            if node.op not in calling:
-                continue
-            for name in called_functions(node):
-                if name != node.op and name not in library and support.registered_op_def(name) is None:
-                    raise GraphError(
-                        f"function '{name}' called by node '{node.name}'{where} is not in the graph's library;"
-                        " export the graph with its functions"
-                    )
-            for attr_name, in_attr, out_attr in _CALL_SIGNATURES.get(node.op, ()):
-                function = library.get(node.attr[attr_name].func.name) if attr_name in node.attr else None
-                if function is None:
-                    continue
-                expected_in = list(node.attr[in_attr].list.type)
-                actual_in = _arg_types(function.signature.input_arg)
-                actual_out = _arg_types(function.signature.output_arg)
-                expected_out = list(node.attr[out_attr].list.type) if out_attr else None
-                if actual_in is not None and actual_in != expected_in or (
-                    out_attr and actual_out is not None and actual_out != expected_out
-                ):
-                    raise GraphError(
-                        f"function '{function.signature.name}' ({attr_name} of {node.op} node '{node.name}'{where})"
-                        f" has a signature that does not match the node's '{in_attr}'"
-                        f"{'/' + out_attr if out_attr else ''} types; re-export the graph"
-                    )
-
-    check(graph_def.node, "")
+    _check_call_nodes(graph_def.node, "", library)
     for function in graph_def.library.function:
-        check(function.node_def, f" in function '{function.signature.name}'")
+        _check_call_nodes(function.node_def, f" in function '{function.signature.name}'", library)
+    _check_not_recursive(library)
+
+
+def _check_call_nodes(
+    nodes: Sequence[node_def_pb2.NodeDef], where: str, library: Mapping[str, function_pb2.FunctionDef]
+) -> None:
+    """Each call node of one item (``where`` names it in errors) names a function that exists,
+    with the types its caller's signature attrs say."""
+    # Most graphs call nothing: their few distinct ops say so without a walk over the nodes.
+    calling = {op for op in {node.op for node in nodes} if _may_call(op)}
+    if not calling:
+        return
+    for node in nodes:
+        if node.op not in calling:
+            continue
+        for name in called_functions(node):
+            if name != node.op and name not in library and support.registered_op_def(name) is None:
+                raise GraphError(
+                    f"function '{name}' called by node '{node.name}'{where} is not in the graph's library;"
+                    " export the graph with its functions"
+                )
+        for attr_name, in_attr, out_attr in _CALL_SIGNATURES.get(node.op, ()):
+            function = library.get(node.attr[attr_name].func.name) if attr_name in node.attr else None
+            if function is None:
+                continue
+            expected_in = list(node.attr[in_attr].list.type)
+            actual_in = _arg_types(function.signature.input_arg)
+            actual_out = _arg_types(function.signature.output_arg)
+            expected_out = list(node.attr[out_attr].list.type) if out_attr else None
+            if actual_in is not None and actual_in != expected_in or (
+                out_attr and actual_out is not None and actual_out != expected_out
+            ):
+                raise GraphError(
+                    f"function '{function.signature.name}' ({attr_name} of {node.op} node '{node.name}'{where})"
+                    f" has a signature that does not match the node's '{in_attr}'"
+                    f"{'/' + out_attr if out_attr else ''} types; re-export the graph"
+                )
+
+
+def _check_not_recursive(library: Mapping[str, function_pb2.FunctionDef]) -> None:
+    """No function of ``library`` calls itself, directly or through others."""
     calls = {
         name: set(_called_functions(f.node_def, library)) for name, f in library.items()
     }

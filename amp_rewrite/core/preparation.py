@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
-import networkx as nx
 from tensorflow.core.framework import types_pb2
 
+from amp_rewrite.core.graph_io import WorkingGraph
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.rules import Reason, Rule
+from amp_rewrite.core.rules import Reason, keep_rule
 from amp_rewrite.core.target import Target
 
 # Grappler feeds every placeholder, and feeds are preserved: inputs keep their dtype.
@@ -34,7 +34,7 @@ def device_type(device: str) -> str | None:
 
 
 def find_processed_nodes(
-    nodes: nx.MultiDiGraph, target: Target, fetches: Iterable[str], lists: OpLists, function: str = MAIN_GRAPH,
+    nodes: WorkingGraph, target: Target, fetches: Iterable[str], lists: OpLists, function: str = MAIN_GRAPH,
     reasons: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, str], dict[str, Reason]]:
     """Nodes the pass may paint (→ kernel device type), for the others why not, and of
@@ -55,8 +55,7 @@ def find_processed_nodes(
     processed: dict[str, str] = {}
     skipped: dict[str, str] = {}
     kept: dict[str, Reason] = {}
-    for name, data in nodes._node.items():
-        node_def = data["node_def"]
+    for name, node_def in nodes.node_defs.items():
         entry = keep_entry(name, function) if keep_entry is not None else None
         if name in preserved:
             skipped[name] = (reasons or {}).get(name, "fetched: its outputs keep their dtype")
@@ -67,7 +66,7 @@ def find_processed_nodes(
         elif entry is not None:
             if entry not in entry_to_reason:
                 text = lists.keep_reasons.get(entry) or f"matches keep_nodes entry {entry!r}"
-                entry_to_reason[entry] = Reason(Rule.KEEP_NODES, text, entry)
+                entry_to_reason[entry] = Reason(keep_rule(text), text, entry)
             kept[name] = entry_to_reason[entry]
             skipped[name] = kept[name].text
         else:
@@ -83,12 +82,11 @@ def find_processed_nodes(
     return processed, skipped, kept
 
 
-def upgrade_batch_norm_ops(nodes: nx.MultiDiGraph, processed: Collection[str]) -> int:
+def upgrade_batch_norm_ops(nodes: WorkingGraph, processed: Collection[str]) -> int:
     """FusedBatchNorm(Grad) → V2 with ``U=float32`` so ``T`` can change alone (spec §2.1
     step 5), in the working copy; returns how many nodes changed."""
     upgraded = 0
-    for name, data in nodes._node.items():
-        node_def = data["node_def"]
+    for name, node_def in nodes.node_defs.items():
         if node_def.op in ("FusedBatchNorm", "FusedBatchNormGrad") and name in processed:
             node_def.op += "V2"
             node_def.attr["U"].type = types_pb2.DT_FLOAT

@@ -5,7 +5,7 @@ The steps, numbered alike here, in the code below and in its DEBUG log lines (th
 
 1-2. ``lists.load_lists``: the four lists for the target, with TensorFlow's variables
      (spec §2.1 steps 1-2). Once per rewrite; then, for every item (spec §1.2):
-3.   ``graph_io.to_networkx``: the working copy of the item, the only graph changed.
+3.   ``graph_io.working_copy``: the working copy of the item, the only graph changed.
 4.   ``preparation.find_processed_nodes``: which nodes may be painted (spec §1.5, §2.1 step 4),
      and which ones keep_nodes keeps (deny ops in step 7.2).
 5.   ``preparation.upgrade_batch_norm_ops``: FusedBatchNorm(Grad) → V2 (spec §2.1 step 5).
@@ -248,11 +248,11 @@ def _prepare(
 ) -> _Item:
     """Steps 3-6 (module doc) on one item."""
     # 3. The working copy as a node graph; every fetch must exist.
-    nodes = graph_io.to_networkx(graph_def)
-    missing = [f for f in fetches if f not in nodes]
+    nodes = graph_io.working_copy(graph_def)
+    missing = [f for f in fetches if f not in nodes.node_defs]
     if missing:
         raise GraphError(f"fetch node(s) {', '.join(map(repr, missing))} not in the graph")
-    log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes))
+    log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes.node_defs))
     # 4. Which nodes may be painted.
     processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function, reasons)
     log.debug("%s: step 4 processed nodes: %d, skipped %d (kept %d)", function or "main graph", len(processed),
@@ -263,7 +263,7 @@ def _prepare(
     # 6. The (node, type attribute) vertex graph, what colouring reads besides, and the
     # TensorList clusters with their implicit element edges (spec §2.1 steps 6-7).
     types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
-    linked = frozenset(v for v in links.vertices(function) if v in types.graph)
+    linked = frozenset(v for v in links.vertices(function) if v in types.succ)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
     ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
                        pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept,
@@ -271,7 +271,7 @@ def _prepare(
     tensor_lists = colouring.find_tensor_lists(ctx)
     typegraph.add_implicit_edges(types, tensor_lists.edges)
     log.debug("%s: step 6 type graph: %d vertices, %d float32, %d TensorList clusters", function or "main graph",
-              len(types.graph), len(ctx.float32), len(tensor_lists.clusters))
+              len(types.succ), len(ctx.float32), len(tensor_lists.clusters))
     return _Item(graph_def, ctx, tensor_lists, skipped)
 
 
@@ -285,10 +285,11 @@ def _finish(item: _Item, painting: Painting, function: str) -> tuple[graph_pb2.G
         v: colouring.explain(ctx, painting, skipped, v) for v in ctx.float32
         if v.attr.name and (v.node in skipped or v not in reasons)
     }
-    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow,
-                                 {**reasons, **explained})
+    reasons.update(explained)  # the painting's own dict: this item's painting is done with
+    decisions = PendingDecisions(function, ctx.target.name, ctx.float32, ctx.ops, painting.allow, reasons)
     # 8. Types and casts, the one mutation (of the working copy).
-    stats = casts.change_types_and_insert_casts(ctx, painting) if painting.allow else casts.CastStats(0, 0, 0)
+    stats = (casts.change_types_and_insert_casts(ctx.types, ctx.target, painting.allow) if painting.allow
+             else casts.CastStats(0, 0, 0))
     log.debug("%s: step 8 types and casts: %d vertices converted, %d casts", function or "main graph",
               stats.vertices_converted, stats.casts_added)
     item_stats = ItemStats(function, len(item.graph_def.node), stats.vertices_converted, stats.casts_added,

@@ -52,6 +52,10 @@ class Rule(enum.Enum):
     KEEP_NODES = (
         "keep-nodes", "kept float32 by a keep_nodes entry, a user's choice or calibration's measurement; acts as a deny op"
     )
+    MEASURED_SLOWER = (
+        "measured-slower", "kept float32 by --tune speed: timed on this machine, the target with its casts is slower;"
+                           " acts as a deny op"
+    )
     UNCONVERTIBLE = "unconvertible", "the type attribute cannot take the target type"
     INFER_ISOLATED = "infer-isolated", "infer op neither between allow ops nor directly after one"
     CLEAR_ISOLATED = "clear-isolated", "clear op not connected to an allow op through clear ops"
@@ -65,6 +69,16 @@ class Rule(enum.Enum):
     NO_KERNEL = "no-kernel", "TensorFlow has no low-precision kernel for the op on that device"
     LOOP_VALUE = "loop-value", "loop value of a functional While whose body and cond keep float32"
     NO_ALLOW_OPS = "no-allow-ops", "the item has no allow op, so nothing in it is converted"
+
+
+# A keep_nodes reason that starts so was written by the timing step (amp_rewrite/tuning): its
+# rule is MEASURED_SLOWER, in the rewrite that timed it and in any rewrite of its overlay.
+MEASURED_PREFIX = "measured: "
+
+
+def keep_rule(reason: str) -> Rule:
+    """The rule of a node a keep_nodes entry with ``reason`` keeps."""
+    return Rule.MEASURED_SLOWER if reason.startswith(MEASURED_PREFIX) else Rule.KEEP_NODES
 
 
 class Reason(NamedTuple):

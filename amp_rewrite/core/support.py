@@ -17,14 +17,17 @@ from tensorflow.core.framework import (
     node_def_pb2,
     op_def_pb2,
 )
-from tensorflow.python.framework import kernels, op_def_registry
-
+from amp_rewrite import _tf
 from amp_rewrite.core.errors import GraphError
+
+_tf.require(_tf.PASS)  # at import: the pass asks these on every node
+_op_def = _tf.OP_DEF_REGISTRY_GET.get()
+_registered_kernels = _tf.REGISTERED_KERNELS_FOR_OP.get()
 
 
 def registered_op_def(op: str) -> op_def_pb2.OpDef | None:
     """The OpDef in TensorFlow's global registry, or None (e.g. a library function)."""
-    return op_def_registry.get(op)
+    return _op_def(op)
 
 
 def library_op_defs(library: function_pb2.FunctionDefLibrary | None) -> dict[str, op_def_pb2.OpDef]:
@@ -95,7 +98,7 @@ def op_allows_dtype(op: str, attr: str, fixed: int, dtype: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernels(op: str, device_type: str, label: str) -> tuple:
-    registered = kernels.get_registered_kernels_for_op(op).kernel
+    registered = _registered_kernels(op).kernel
     return tuple(k for k in registered if k.device_type == device_type and k.label == label)
 
 
@@ -120,7 +123,7 @@ def _constraint_met(constraint, attrs: Mapping[str, object]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _constrained_attrs(op: str) -> tuple[str, ...]:
-    registered = kernels.get_registered_kernels_for_op(op).kernel
+    registered = _registered_kernels(op).kernel
     return tuple(sorted({c.name for k in registered for c in k.constraint}))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import networkx as nx
 from tensorflow.core.framework import (
@@ -24,6 +24,12 @@ from tensorflow.core.framework import (
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.graph_io import WorkingGraph
+
+
+QUANTIZED = frozenset(
+    {types_pb2.DT_QINT8, types_pb2.DT_QUINT8, types_pb2.DT_QINT16, types_pb2.DT_QUINT16, types_pb2.DT_QINT32}
+)
 
 
 class TypeAttr(NamedTuple):
@@ -141,7 +147,7 @@ def _port_count_error(node_def: node_def_pb2.NodeDef, expected: int) -> GraphErr
     )
 
 
-_REGISTERED_LAYOUTS: dict[tuple[str, frozenset[str]], _AttrLayout] = {}
+_REGISTERED_LAYOUTS: dict[tuple[str, tuple[str, ...]], _AttrLayout] = {}
 _REGISTERED_NODE_TYPES: dict[tuple, NodeTypes] = {}
 
 
@@ -218,19 +224,34 @@ def output_dtypes(node_def: node_def_pb2.NodeDef, functions: Mapping[str, op_def
 
 @dataclass(frozen=True)
 class TypeGraph:
-    """Vertices and edges for colouring, over a node graph from ``graph_io``."""
+    """Vertices and edges for colouring, over a node graph from ``graph_io``.
 
-    graph: nx.DiGraph                  # Vertex -> Vertex, no attrs (ports: see ``nodes``)
-    nodes: nx.MultiDiGraph             # the node graph it was built from
+    ``succ`` and ``pred`` are the vertex graph: every vertex, in graph order, with the
+    vertices its tensors reach and come from, each once, in the order first met (ports:
+    see ``nodes``). Lists, not a networkx graph: the passes only walk them, and building a
+    networkx graph of the same costs the pass a tenth of its time; ``graph`` makes one."""
+
+    succ: dict[Vertex, list[Vertex]]
+    pred: dict[Vertex, list[Vertex]]
+    nodes: WorkingGraph                # the working copy it was built from
     types: dict[str, NodeTypes]        # node name -> port maps
-    node_defs: dict[str, node_def_pb2.NodeDef]  # node name -> NodeDef in ``nodes`` (same objects)
+    node_defs: dict[str, node_def_pb2.NodeDef]  # ``nodes.node_defs``: node name -> NodeDef
     # node name -> its vertices in ``NodeTypes.attrs`` order, None for those not in ``graph``
     # (``node_vertices`` makes them): most are never asked for.
     vertices: dict[str, list[Vertex | None]]
     ops: dict[str, str]                         # node name -> op
     labelled: frozenset[str]                    # nodes with a "_kernel" label attr
-    float32: tuple[Vertex, ...]                 # the vertices that were float32 when built, in graph order
+    quantized: frozenset[str]                   # nodes with a quantized dtype (never converted, spec §2.3 pass 6)
+    float32: Mapping[Vertex, None]              # the vertices that were float32 when built, in graph order
     op_defs: Mapping[str, op_def_pb2.OpDef]     # library function name -> signature: the ops that call one
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The vertex graph as a networkx ``DiGraph``, made on each call (tests, tools)."""
+        graph = nx.DiGraph()
+        graph.add_nodes_from(self.succ)
+        graph.add_edges_from((u, v) for u, vs in self.succ.items() for v in vs)
+        return graph
 
     def node_def(self, name: str) -> node_def_pb2.NodeDef:
         return self.node_defs[name]
@@ -249,32 +270,39 @@ class TypeGraph:
         vertex = self.vertices[node][slot]
         return vertex if vertex is not None else Vertex(node, self.types[node].attrs[slot])
 
-    def data_consumers(self, node: str, port: int) -> Iterator[tuple[str, int]]:
+    def data_consumers(self, node: str, port: int) -> list[tuple[str, int]]:
         """(consumer, input port) for every data edge out of ``node:port``."""
-        for dst, keyed in self.nodes._succ[node].items():
-            for data in keyed.values():
-                if data["src_port"] == port:
-                    yield dst, data["dst_port"]
+        return self.nodes.data_readers(node, port)
+
+    def reads_ref_variable(self, node: str) -> bool:
+        """Identity of a ref Variable, or Enter chains over one (spec §2.7, PR #31178)."""
+        op = self.ops[node]
+        if op not in ("Identity", "Enter"):
+            return False
+        producer = self.data_producer(node, 0)
+        if producer is None or producer[0] not in self.ops:
+            return False  # no input, or a Cast the final pass inserted (never on a ref edge)
+        source = producer[0]
+        if op == "Identity":
+            return self.ops[source] in ("Variable", "VariableV2")
+        return self.reads_ref_variable(source)
 
     def data_producer(self, node: str, port: int) -> tuple[str, int] | None:
-        for src, keyed in self.nodes._pred[node].items():
-            for data in keyed.values():
-                if data["dst_port"] == port and data["src_port"] >= 0:
-                    return src, data["src_port"]
-        return None
+        inputs = self.nodes.inputs[node]
+        return tuple(inputs[port]) if port < len(inputs) and inputs[port].port >= 0 else None
 
 
 def add_implicit_edges(types: TypeGraph, edges: Iterable[tuple[Vertex, Vertex]]) -> None:
     """Adds edges no tensor makes, such as TensorList writer → reader element edges (spec
-    §2.2, §2.5), to ``types.graph``; an edge already there stays as it is."""
-    graph = types.graph
+    §2.2, §2.5), between vertices of ``types``; an edge already there stays as it is."""
     for source, destination in edges:
-        if not graph.has_edge(source, destination):
-            graph.add_edge(source, destination, implicit=True)
+        if destination not in types.succ[source]:
+            types.succ[source].append(destination)
+            types.pred[destination].append(source)
 
 
 def build_type_graph(
-    nodes: nx.MultiDiGraph, dtypes: frozenset[int] | None = None, op_defs: Mapping[str, op_def_pb2.OpDef] | None = None
+    nodes: WorkingGraph, dtypes: frozenset[int] | None = None, op_defs: Mapping[str, op_def_pb2.OpDef] | None = None
 ) -> TypeGraph:
     """Builds the vertex graph; bad op references or port counts raise ``GraphError``.
 
@@ -286,38 +314,55 @@ def build_type_graph(
     signatures of the library functions the nodes may call (``Program.op_defs``); None
     reads them from the node graph's own library.
 
-    Fills in the working copy's missing default attrs first (the caller's graph is
-    untouched). Nodes share what depends only on their op and attr shape (an ``AddN``'s
-    ``N``, an ``IdentityN``'s list length), and networkx's adjacency dicts are filled
-    the way ``add_nodes_from``/``add_edges_from`` do, without their per-item checks.
+    Two steps: each node's port map and vertices (filling in the working copy's missing
+    default attrs first; the caller's graph is untouched), then the edges between vertices.
     """
-    functions = support.library_op_defs(nodes.graph["library"]) if op_defs is None else op_defs
-    node_defs = {name: data["node_def"] for name, data in nodes._node.items()}
-    types: dict[str, NodeTypes] = {}
-    node_vertices: dict[str, list[Vertex | None]] = {}  # in ``NodeTypes.attrs`` order, None where not in ``graph``
-    float32: list[Vertex] = []
-    ops: dict[str, str] = {}
-    labelled: set[str] = set()
-    graph = nx.DiGraph()
-    vertex_data, succ, pred = graph._node, graph._succ, graph._pred
-    # Nodes with the same op and attr shape share port maps. Without library functions
-    # every op is a registered one, and what they share holds for any graph: kept.
-    layouts: dict[tuple[str, frozenset[str]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
+    functions = support.library_op_defs(nodes.graph_def.library) if op_defs is None else op_defs
+    node_defs = nodes.node_defs  # casts join it later: nothing reads it for every node after they do
+    succ: dict[Vertex, list[Vertex]] = {}
+    pred: dict[Vertex, list[Vertex]] = {}
+    found = _add_vertices(succ, pred, node_defs, functions, dtypes)
+    _add_edges(succ, pred, nodes, found.types, found.vertices)
+    return TypeGraph(succ, pred, nodes, found.types, node_defs, found.vertices, found.ops, frozenset(found.labelled),
+                     frozenset(found.quantized), found.float32, functions)
+
+
+class _Vertices(NamedTuple):
+    """What ``_add_vertices`` found: ``TypeGraph``'s fields of the same names."""
+
+    types: dict[str, NodeTypes]
+    vertices: dict[str, list[Vertex | None]]
+    ops: dict[str, str]
+    labelled: set[str]
+    quantized: set[str]
+    float32: dict[Vertex, None]
+
+
+def _add_vertices(
+    succ: dict[Vertex, list[Vertex]], pred: dict[Vertex, list[Vertex]], node_defs: Mapping[str, node_def_pb2.NodeDef],
+    functions: Mapping[str, op_def_pb2.OpDef], dtypes: frozenset[int] | None,
+) -> _Vertices:
+    """Each node's port map and its vertices of ``dtypes`` (all for None), each added to ``succ``
+    and ``pred`` with no edges yet. Nodes of one op and
+    attr names share a layout, and of equal counts (an ``AddN``'s ``N``) a port map: for any
+    graph when every op is a registered one (no library functions), so kept across graphs."""
+    found = _Vertices({}, {}, {}, set(), set(), {})
+    types, node_vertices, ops, labelled, quantized, float32 = found
+    layouts: dict[tuple[str, tuple[str, ...]], _AttrLayout] = {} if functions else _REGISTERED_LAYOUTS
     shared: dict[tuple, NodeTypes] = {} if functions else _REGISTERED_NODE_TYPES
     new_vertex = tuple.__new__
     keep_all, dt_float, dt_invalid = dtypes is None, types_pb2.DT_FLOAT, types_pb2.DT_INVALID
     for name, node_def in node_defs.items():
         attrs = node_def.attr
         op = ops[name] = node_def.op
-        layout_key = (op, frozenset(attrs))
+        layout_key = (op, tuple(attrs))  # a tuple is cheaper to make than a frozenset; its order may vary
         layout = layouts.get(layout_key)
         if layout is None:
-            layout = layouts[layout_key] = _attr_layout(node_def, layout_key[1], functions)
+            layout = layouts[layout_key] = _attr_layout(node_def, frozenset(layout_key[1]), functions)
         if layout.labelled:
             labelled.add(name)
-        if layout.defaults:
-            for attr_name, default in layout.defaults:
-                attrs[attr_name].CopyFrom(default)
+        for attr_name, default in layout.defaults:
+            attrs[attr_name].CopyFrom(default)
         key = (layout_key, tuple(
             len(attrs[attr_name].list.type) if is_list else attrs[attr_name].i for attr_name, is_list in layout.counted
         )) if layout.counted else layout_key
@@ -337,40 +382,73 @@ def build_type_graph(
                 else:
                     listed = value.list.type
                     dtype = listed[index] if index < len(listed) else dt_invalid
+            if dtype in QUANTIZED:
+                quantized.add(name)
             if keep_all or dtype in dtypes:
                 vertex = new_vertex(Vertex, (name, attr))
-                vertex_data[vertex] = {}
-                succ[vertex] = {}
-                pred[vertex] = {}
+                succ[vertex] = []
+                pred[vertex] = []
                 if dtype == dt_float:
-                    float32.append(vertex)
+                    float32[vertex] = None
                 vertices.append(vertex)
             else:
                 vertices.append(None)
         node_vertices[name] = vertices
-    for dst, in_edges in nodes._pred.items():
+    return found
+
+
+def _add_edges(
+    succ: dict[Vertex, list[Vertex]], pred: dict[Vertex, list[Vertex]], nodes: WorkingGraph,
+    types: Mapping[str, NodeTypes], node_vertices: Mapping[str, list[Vertex | None]],
+) -> None:
+    """An edge in ``succ`` and ``pred`` for every data edge of ``nodes`` between two vertices, once however
+    many tensors join them; every node's data inputs are counted against its port map.
+
+    A node's in-edges go in by producer, producers in the order of their first input (as the
+    node graph lists them): which predecessor a vertex lists first decides walk orders and
+    so which root a reason names. Only a node with three inputs or more can read a producer
+    again after another one."""
+    node_defs = nodes.node_defs
+    for dst, refs in nodes.inputs.items():
         dst_vertices, dst_slots = node_vertices[dst], types[dst].input_slots
         data_inputs = 0
-        for src, keyed in in_edges.items():
-            src_vertices, src_slots = node_vertices[src], types[src].output_slots
-            for data in keyed.values():
-                out_port = data["src_port"]
-                if out_port < 0:
+        seen: set[tuple[Vertex, Vertex]] | None = set() if len(refs) > 16 else None
+        for position in _by_producer(refs) if len(refs) > 2 else range(len(refs)):
+            src, out_port = refs[position]
+            if out_port < 0:
+                continue
+            data_inputs += 1
+            src_slots = types[src].output_slots
+            if out_port >= len(src_slots):
+                raise GraphError(
+                    f"node '{dst}': input '{node_defs[dst].input[position]}' names output {out_port} of '{src}',"
+                    f" which has {len(src_slots)} output(s)"
+                )
+            try:
+                v = dst_vertices[dst_slots[position]]
+            except IndexError:  # more data inputs than the op has
+                raise _port_count_error(node_defs[dst], len(dst_slots)) from None
+            u = node_vertices[src][src_slots[out_port]]
+            if u is None or v is None:
+                continue
+            # A second tensor between u and v adds nothing; v's predecessors so far all come
+            # from this node's inputs, so a short list is scanned, a long one's pairs kept.
+            if seen is None:
+                if u in pred[v]:
                     continue
-                data_inputs += 1
-                if out_port >= len(src_slots):
-                    raise GraphError(
-                        f"node '{dst}': input '{data['tensor']}' names output {out_port} of '{src}',"
-                        f" which has {len(src_slots)} output(s)"
-                    )
-                try:
-                    v = dst_vertices[dst_slots[data["dst_port"]]]
-                except IndexError:  # more data inputs than the op has
-                    raise _port_count_error(node_defs[dst], len(dst_slots)) from None
-                u = src_vertices[src_slots[out_port]]
-                if u is None or v is None:
-                    continue
-                succ[u][v] = pred[v][u] = {}  # a second tensor between them: a fresh dict, same position
+            elif (u, v) in seen:
+                continue
+            else:
+                seen.add((u, v))
+            pred[v].append(u)
+            succ[u].append(v)
         if data_inputs != len(dst_slots):
             raise _port_count_error(node_defs[dst], len(dst_slots))
-    return TypeGraph(graph, nodes, types, node_defs, node_vertices, ops, frozenset(labelled), tuple(float32), functions)
+
+
+def _by_producer(refs: Sequence[tuple[str, int]]) -> list[int]:
+    """Input positions grouped by producer, producers in the order of their first input."""
+    first: dict[str, int] = {}
+    for position, (producer, _) in enumerate(refs):
+        first.setdefault(producer, position)
+    return sorted(range(len(refs)), key=lambda position: first[refs[position][0]])

@@ -22,6 +22,7 @@ import tensorflow as tf
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 
 MODELS = ("mlp", "cnn", "transformer")
+LOOP_MODELS = ("lstm", "gru")  # their matmuls in a while loop's body (FP8 training's loop tests)
 VARIANTS = ("float32", "bfloat16", "float8", "keras-float8")
 BATCH, LEARNING_RATE = 32, 1e-3
 
@@ -48,7 +49,8 @@ def digits() -> Digits:
 def build(name: str) -> keras.Model:
     """Model ``name`` on a flat 64-pixel input, with logits out: an MLP; a CNN (two Conv2D
     and a Dense); a Transformer block over the image's 8 rows (MultiHeadAttention, a GELU
-    feed-forward, LayerNormalization, a Dense head)."""
+    feed-forward, LayerNormalization, a Dense head); an LSTM or a GRU over the 8 rows (its
+    matmuls in a while loop's body, and its gradient's)."""
     layers = keras.layers
     pixels = keras.Input((64,))
     if name == "mlp":
@@ -58,6 +60,10 @@ def build(name: str) -> keras.Model:
         hidden = layers.Conv2D(16, 3, padding="same", activation="relu")(image)
         hidden = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(hidden)
         hidden = layers.Flatten()(hidden)
+    elif name == "lstm":
+        hidden = layers.LSTM(32)(layers.Reshape((8, 8))(pixels))
+    elif name == "gru":
+        hidden = layers.GRU(32)(layers.Reshape((8, 8))(pixels))
     elif name == "transformer":
         rows = layers.Dense(32)(layers.Reshape((8, 8))(pixels))
         attention = layers.MultiHeadAttention(4, key_dim=8)(rows, rows)
@@ -65,7 +71,7 @@ def build(name: str) -> keras.Model:
         feed_forward = layers.Dense(32)(layers.Dense(64, activation="gelu")(hidden))
         hidden = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(hidden + feed_forward))
     else:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS + LOOP_MODELS)}")
     return keras.Model(pixels, layers.Dense(10)(hidden), name=name)
 
 
@@ -97,16 +103,17 @@ def variant_settings(variant: str, amax_history_length: int = 1024, optimizer: A
     finally:
         keras.config.set_dtype_policy("float32")
         if variant in ("bfloat16", "float8"):
-            amp_rewrite.disable_mixed_precision_graph_rewrite()
+            amp_rewrite.disable_mixed_precision_graph_rewrite(optimizer)
 
 
 def train(name: str, variant: str, *, epochs: int, seed: int = 0, jit_compile: bool = True,
-          amax_history_length: int = 1024, data: Digits | None = None) -> Trained:
+          amax_history_length: int = 1024, data: Digits | None = None,
+          learning_rate: float = LEARNING_RATE) -> Trained:
     """Train ``name`` as ``variant`` (module doc); same weights, batches and order for every variant."""
     data = data if data is not None else digits()
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    with variant_settings(variant, amax_history_length) as optimizer:
+    with variant_settings(variant, amax_history_length, keras.optimizers.Adam(learning_rate)) as optimizer:
         model = build(name)
         if variant == "keras-float8":
             model.quantize("float8")
@@ -146,6 +153,63 @@ def training_step(model: keras.Model, optimizer: Any) -> Any:
 
     return step
 
+
+
+def strategy_run_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epochs: int = 3,
+                          amax_history_length: int = 4, data: Digits | None = None) -> float:
+    """Held-out accuracy of the MLP trained ``epochs`` on digits as ``variant`` by a Keras 3
+    ``strategy.run`` loop (tape, ``tape.gradient(loss)``, ``opt.apply``; the loss averaged over
+    the global batch of ``BATCH``), on whatever replicas ``strategy`` has: what a replica run is
+    compared with on one device."""
+    data = data if data is not None else digits()
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    keras.utils.set_random_seed(0)
+    with strategy.scope(), variant_settings(variant, amax_history_length) as optimizer:
+        model = build("mlp")
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(x: Any, y: Any) -> None:
+            def replica(x: Any, y: Any) -> None:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(per_example(y, model(x, training=True))) / BATCH
+                optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            strategy.run(replica, args=(x, y))
+
+        batches = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).batch(BATCH, drop_remainder=True)
+        for _ in range(epochs):
+            for x, y in strategy.experimental_distribute_dataset(batches):
+                step(x, y)
+        predicted = np.argmax(keras.ops.convert_to_numpy(model(data.x_test)), axis=1)  # eager: no predict loop
+    return float(np.mean(predicted == data.y_test))
+
+
+def tf_keras_fit_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epochs: int = 3,
+                          amax_history_length: int = 4, data: Digits | None = None) -> tuple[Any, float]:
+    """The wrapper and held-out accuracy of a tf_keras MLP (128-64-10) trained ``epochs`` on
+    digits by ``model.fit`` as ``variant`` (``"bfloat16"`` or ``"float8"``) under ``strategy``:
+    the Keras 2 path, whose ``fit`` also runs under MultiWorkerMirroredStrategy."""
+    import tf_keras
+
+    import amp_rewrite
+
+    data = data if data is not None else digits()
+    extra = {"amax_history_length": amax_history_length} if variant == "float8" else {}
+    tf_keras.utils.set_random_seed(0)
+    with strategy.scope():
+        optimizer = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(LEARNING_RATE),
+                                                                     target=variant, **extra)
+        layers = tf_keras.layers
+        model = tf_keras.Sequential([layers.Dense(128, activation="relu", input_shape=(64,)),
+                                     layers.Dense(64, activation="relu"), layers.Dense(10)])
+        model.compile(optimizer=optimizer, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        batches = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train)).batch(BATCH, drop_remainder=True)
+        model.fit(batches, epochs=epochs, verbose=0)
+        predicted = np.argmax(model(data.x_test).numpy(), axis=1)
+    finally:
+        amp_rewrite.disable_mixed_precision_graph_rewrite(optimizer)
+    return optimizer, float(np.mean(predicted == data.y_test))
 
 @dataclass(frozen=True)
 class MatmulCount:

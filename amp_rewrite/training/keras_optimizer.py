@@ -7,11 +7,13 @@ registers it with Keras' serialization as soon as Keras is loaded (``registratio
 from __future__ import annotations
 
 import sys
+import warnings
+from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
+from amp_rewrite import _tf
 from amp_rewrite.training.float8_state import Float8State
 
 DEFAULT_INITIAL_SCALE = 2.0**15
@@ -20,6 +22,20 @@ DEFAULT_GROWTH_STEPS = 2000
 SKIPPED_STEPS_TO_WARN = 10
 SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
 FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables
+
+
+@dataclass(frozen=True)
+class MadeFor:
+    """The live rewrite's target a wrapper was made for (``"float8"``: with its base precision);
+    None where unknown (a file saved before it was recorded)."""
+
+    target: str | None = None
+    base_precision: str | None = None
+
+    def enable_call(self) -> str:
+        """The call that turns the rewrite on again for a wrapper ``opt`` of this kind."""
+        base = f", base_precision={self.base_precision!r}" if self.base_precision else ""
+        return f"amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target={self.target!r}{base})"
 
 
 def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
@@ -32,7 +48,7 @@ def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
     before = tf.convert_to_tensor(counter)
     after = tf.where(before <= 0, before - 1, before)
     with tf.control_dependencies([counter.assign(after)]):
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
             return tf.identity(after)
 
         def warn() -> tf.Tensor:
@@ -65,14 +81,38 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def __init__(self, inner_optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
                  dynamic_growth_steps=DEFAULT_GROWTH_STEPS, fixed=False, float8_amax_history_length=None,
-                 name=None, **kwargs):
+                 target=None, base_precision=None, name=None, **kwargs):
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)
         self.fixed = fixed
         self._gradients: str | None = None  # SCALED or UNSCALED once the code has said which
+        self.made_for = MadeFor(target, base_precision)
+        self._warned_off = False
         # FP8 training's state (target="float8"): tracked here, so checkpoints and SavedModels carry it.
         self.float8_state = (Float8State(float8_amax_history_length) if float8_amax_history_length is not None
                              else None)
+
+    def build(self, var_list):
+        super().build(var_list)
+        if self.float8_state is not None:  # the variables whose matmuls record into it (training.float8)
+            self.float8_state.updates(var_list)
+
+    def _record(self, trainable_variables) -> None:
+        """At each traced apply: FP8 training records which variables it updates; a wrapper whose
+        rewrite is off in this process (a loaded ``.keras`` file's) says once which call turns it on."""
+        from amp_rewrite.training import float8  # not at import: keras loads this module before TensorFlow is ready
+
+        enablement = getattr(self, "_amp_rewrite_enablement", None)
+        if enablement is not None and enablement.active:
+            if self.float8_state is not None:
+                float8.record_apply(self.float8_state, trainable_variables if trainable_variables is not None
+                                    else self.float8_state.variables_updated)
+        elif self.made_for.target is not None and not self._warned_off:
+            self._warned_off = True
+            warnings.warn(f"amp_rewrite: this {type(self).__name__} was made for the {self.made_for.target} rewrite,"
+                          " which is not enabled for it in this process, so its steps train in float32; call"
+                          f" {self.made_for.enable_call()} (opt: this optimizer, e.g. model.optimizer) before"
+                          " training", stacklevel=4)
 
     @property
     def loss_scale(self):
@@ -117,6 +157,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             # with ``overwrite_with_gradient``, too; this undoes that as well.)
             scale = self.loss_scale
             grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+        self._record(trainable_variables)
         return super().apply(grads, trainable_variables)
 
     def minimize(self, loss, var_list, tape=None):
@@ -127,12 +168,13 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 loss = loss()
         # d(scale * loss) = scale * d(loss): seed the backward pass with the scale.
         grads = tape.gradient(loss, var_list, output_gradients=tf.cast(self.loss_scale, loss.dtype))
+        self._record(var_list)
         super().apply(grads, var_list)
 
     def _tf_apply(self, grads, trainable_variables=None):
         """Keras decides on replica 0's gradients alone when a merge call is needed, so a
         NaN on another replica was applied everywhere: decide on all replicas together."""
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if _tf.STRATEGY_SUPPORTS_NO_MERGE_CALL.get()():
             return super()._tf_apply(grads, trainable_variables)
 
         def apply_everywhere(distribution, grads, trainable_variables):
@@ -168,7 +210,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def get_config(self):
         length = self.float8_state.amax_history_length if self.float8_state is not None else None
-        return {**super().get_config(), "fixed": self.fixed, "float8_amax_history_length": length}
+        return {**super().get_config(), "fixed": self.fixed, "float8_amax_history_length": length,
+                "target": self.made_for.target, "base_precision": self.made_for.base_precision}
 
     def save_own_variables(self, store):
         """Keras' numbered variables, then the float8 state by name (``float8:<key>:<kind>``, with

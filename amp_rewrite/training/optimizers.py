@@ -29,11 +29,12 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import deprecation
 
+from amp_rewrite import _tf
+from amp_rewrite.training import float8
 from amp_rewrite.training.float8_state import Float8State
 from amp_rewrite.training.keras_optimizer import (
-    DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, count_skipped_step,
+    DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, MadeFor, count_skipped_step,
 )
 
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
@@ -78,7 +79,8 @@ def plan_loss_scale(loss_scale: Any) -> ScalePlan:
         return ScalePlan(True, initial, int(period))
     if isinstance(loss_scale, v1.FixedLossScale):
         # The number as given: calling it makes a float32 tensor, which fails for one float32 cannot hold.
-        return ScalePlan(dynamic=False, initial_scale=_float32_scale(loss_scale._loss_scale_value, "FixedLossScale"))
+        value = loss_scale.get_config()["loss_scale_value"]
+        return ScalePlan(dynamic=False, initial_scale=_float32_scale(value, "FixedLossScale"))
     # numbers.Real covers NumPy scalars (np.float32(128)) too; a bool is no scale.
     if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, (bool, np.bool_)):
         return ScalePlan(dynamic=False, initial_scale=_float32_scale(loss_scale, "a fixed loss_scale"))
@@ -141,7 +143,7 @@ class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
             finite = tf.equal(finite_replicas, strategy.num_replicas_in_sync)
         else:
             finite = tf.equal(all_finite(grads), 1.0)
-        counter = self._num_good_steps
+        counter = getattr(self, _tf.V1_GOOD_STEPS)
 
         def applied() -> tf.Tensor:  # counts up from 1 (count_skipped_step)
             after = tf.maximum(tf.convert_to_tensor(counter), 0) + 1
@@ -153,26 +155,53 @@ class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
 
 
 class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer):
-    """TF1's loss-scale optimizer with the seed API's ``get_scaled_loss`` & co."""
+    """TF1's loss-scale optimizer with the seed API's ``get_scaled_loss`` & co, and FP8 training's
+    state: recorded for the step being traced, or (a TF1 graph) added to the user's graph."""
+
+    def __init__(self, opt: Any, scale: Any) -> None:
+        super().__init__(opt, scale)
+        self._amp_rewrite_scale = scale
 
     @property
     def loss_scale(self):
-        return self._loss_scale()
+        return self._amp_rewrite_scale()
 
     def get_scaled_loss(self, loss):
-        return self._scale_loss(loss)
+        return _tf.V1_SCALE_LOSS.get()(self, loss)
 
     def get_unscaled_gradients(self, grads):
-        return self._unscale_grads(grads)
+        return _tf.V1_UNSCALE_GRADS.get()(self, grads)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        grads_and_vars = tuple(grads_and_vars)
+        state = float8_state_of(self)
+        if state is not None:
+            _float8_apply(self, state, [v for _, v in grads_and_vars])
+        return super().apply_gradients(grads_and_vars, global_step, name)
+
+
+def _float8_apply(opt: Any, state: Float8State, variables: list[Any]) -> None:
+    """FP8 training's part of a v1 ``apply_gradients``: in a TF1 graph, the state as variables
+    of the graph (``float8.add_graph_state``), else recorded for the step being traced."""
+    enablement = enablement_of(opt)
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or hasattr(graph, "outer_graph"):
+        float8.record_apply(state, variables)
+    elif enablement is not None and enablement.settings.float8 is not None:
+        float8.add_graph_state(graph, enablement.settings.float8, enablement.settings.target,
+                               enablement.settings.lists)
 
 
 # An optimizer -> the wrapper this module made of it, as long as both live.
 _INNER_TO_WRAPPER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic", float8_amax_history_length: int | None = None) -> Any:
+def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic", float8_amax_history_length: int | None = None,
+                   made_for: MadeFor | None = None) -> Any:
     """``opt`` wrapped in its family's loss-scale optimizer, configured from ``loss_scale``; with
-    ``float8_amax_history_length``, tracking a new ``Float8State`` as ``float8_state`` (FP8 training)."""
+    ``float8_amax_history_length``, tracking a new ``Float8State`` as ``float8_state`` (FP8 training).
+    ``made_for``: the live rewrite's target it is made for (``resumable``)."""
+    _tf.require(_tf.OPTIMIZERS)
     if _already_wrapped(opt):
         raise ValueError(
             f'"opt" is already a loss-scale optimizer ({type(opt).__name__}); pass the optimizer it wraps'
@@ -185,7 +214,7 @@ def wrap_optimizer(opt: Any, loss_scale: Any = "dynamic", float8_amax_history_le
             f"amp_rewrite: this {type(opt).__name__} is already wrapped by a loss-scale optimizer that is still in use"
             " (an earlier enable_mixed_precision_graph_rewrite returned it); two wrappers of one optimizer keep two"
             " loss scales and both step it: use the wrapper you have, or wrap a new optimizer", stacklevel=3)
-    wrapped = _wrap(opt, family, plan, float8_amax_history_length)
+    wrapped = _wrap(opt, family, plan, float8_amax_history_length, made_for)
     _INNER_TO_WRAPPER[opt] = weakref.ref(wrapped)
     return wrapped
 
@@ -196,11 +225,40 @@ def float8_state_of(opt: Any) -> Float8State | None:
     return state if isinstance(state, Float8State) else None
 
 
-def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: int | None) -> Any:
+MADE_FOR = "_amp_rewrite_made_for"  # on a tf_keras or v1 wrapper of ours: what it was made for
+ENABLEMENT = "_amp_rewrite_enablement"  # on a wrapper of ours: the enablement it holds (live.Enablement)
+
+
+def resumable(opt: Any) -> MadeFor | None:
+    """What a wrapper that ``enable_mixed_precision_graph_rewrite`` made was made for (it may take
+    it back); None for any other object. A wrapper saved before the target was recorded is known
+    only by its float8 state."""
+    made_for = opt.made_for if isinstance(opt, LossScaleOptimizer) else getattr(opt, MADE_FOR, None)
+    if not isinstance(made_for, MadeFor):
+        return None
+    if made_for.target is None:
+        return MadeFor("float8") if float8_state_of(opt) is not None else None
+    return made_for
+
+
+def hold(opt: Any, enablement: Any) -> None:
+    """``opt`` holds ``enablement``: ``disable_mixed_precision_graph_rewrite(opt)`` stops it."""
+    object.__setattr__(opt, ENABLEMENT, enablement)  # not tracked: no checkpoint dependency
+
+
+def enablement_of(opt: Any) -> Any:
+    """The enablement a wrapper of ours holds (``hold``), or None."""
+    return getattr(opt, ENABLEMENT, None)
+
+
+def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: int | None,
+          made_for: MadeFor | None) -> Any:
+    made_for = made_for if made_for is not None else MadeFor()
     if family == "keras":  # it makes its float8 state itself: a .keras file rebuilds it from the config
         return LossScaleOptimizer(opt, initial_scale=plan.initial_scale,
                                   dynamic_growth_steps=plan.growth_steps if plan.dynamic else NEVER,
-                                  fixed=not plan.dynamic, float8_amax_history_length=float8_amax_history_length)
+                                  fixed=not plan.dynamic, float8_amax_history_length=float8_amax_history_length,
+                                  target=made_for.target, base_precision=made_for.base_precision)
     if family == "tf_keras":
         tf_keras = sys.modules["tf_keras"]
         wrapped = tf_keras.mixed_precision.LossScaleOptimizer(
@@ -209,16 +267,18 @@ def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: in
         )
     else:
         wrapped = _wrap_v1(opt, plan)
-    if float8_amax_history_length is not None:  # neither tracks attributes by assignment
-        wrapped.float8_state = Float8State(float8_amax_history_length)
-        wrapped._track_trackable(wrapped.float8_state, name="float8_state")  # pylint: disable=protected-access
+    object.__setattr__(wrapped, MADE_FOR, made_for)
+    if float8_amax_history_length is not None:
+        wrapped.float8_state = Float8State(float8_amax_history_length)  # tf_keras' wrapper tracks it so
+        if family != "tf_keras":  # TF1's optimizer does not track attributes by assignment
+            _tf.TRACK_TRACKABLE.get()(wrapped, wrapped.float8_state, name="float8_state")
     return wrapped
 
 
 def _wrap_v1(opt: Any, plan: ScalePlan) -> Any:
     # TF1's optimizer takes nothing but its deprecated loss scales, so TensorFlow's notice that
     # DynamicLossScale is deprecated (it points to Keras) would only confuse a v1 user: silenced.
-    with deprecation.silence():
+    with _tf.DEPRECATION_SILENCE.get()():
         scale = (tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=plan.initial_scale,
                                                               increment_period=plan.growth_steps)
                  if plan.dynamic else _FixedLossScale(plan.initial_scale))

@@ -42,10 +42,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.client import pywrap_tf_session as c_api
-from tensorflow.python.client import session as session_lib
-from tensorflow.python.framework import importer
 
+from amp_rewrite import _tf
 from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
@@ -76,14 +74,14 @@ class Mirror:
         found = self._outputs.get((name, index))
         if found is None:
             tensor = self.graph.get_operation_by_name(name).outputs[index]
-            found = self._outputs[name, index] = (tensor._as_tf_output(), tensor.dtype)  # pylint: disable=protected-access
+            found = self._outputs[name, index] = (_tf.TENSOR_AS_TF_OUTPUT.get()(tensor), tensor.dtype)
         return found
 
     def operation(self, name: str) -> Any:
         """The mirror's operation ``name`` (a TF_Operation)."""
         found = self._operations.get(name)
         if found is None:
-            found = self._operations[name] = self.graph.get_operation_by_name(name)._c_op  # pylint: disable=protected-access
+            found = self._operations[name] = _tf.OPERATION_C_OP.get().__get__(self.graph.get_operation_by_name(name))
         return found
 
     def fetch(self, user_output: Any) -> _Fetch:
@@ -93,7 +91,7 @@ class Mirror:
         found = self._fetches.get(key)
         if found is None:
             inner, dtype = self.output(*key)
-            user = c_api.TF_OperationOutputType(user_output)
+            user = _tf.OPERATION_OUTPUT_TYPE.get()(user_output)
             found = self._fetches[key] = _Fetch(
                 inner, None if dtype.as_datatype_enum == user else tf.as_dtype(user).base_dtype.as_numpy_dtype)
         return found
@@ -110,30 +108,30 @@ class Mirror:
         return feeds
 
 
-def patch_session_init(active: Callable[[], Any], show_once: Callable[[str], bool]) -> Callable[[], None]:
-    """Make a Session created while ``active()`` gives settings (a ``live.LiveRewrite``) run the
-    mirror; returns the function that puts ``BaseSession.__init__`` back. ``show_once(key)``:
-    whether a once-only warning is still to be shown."""
-    original = session_lib.BaseSession.__init__
+def patch_session_init(settings: Callable[[], tuple[Any, Callable[[str], bool]] | None]) -> Callable[[], None]:
+    """Make a Session created while ``settings()`` gives (a ``live.LiveRewrite``, its once-only
+    warnings' ``show_once``) run the mirror; returns the function that puts ``BaseSession.__init__`` back."""
+    _tf.require(_tf.SESSION)
+    base_session = _tf.BASE_SESSION.get()
+    original = base_session.__init__
 
     @functools.wraps(original)
     def __init__(self, target: str = "", graph: tf.Graph | None = None, config: Any = None) -> None:
-        settings = active()
-        if settings is None or getattr(graph, MIRROR_GRAPH_ATTR, None) is not None:
+        found = settings()
+        if found is None or getattr(graph, MIRROR_GRAPH_ATTR, None) is not None:
             original(self, target, graph, config)
             return
         original(self, target, graph, _without_grappler_amp(config))
         self.__class__ = _mirrored_class(type(self))
-        self._amp_rewrite_settings = settings
-        self._amp_rewrite_show_once = show_once
+        self._amp_rewrite_settings, self._amp_rewrite_show_once = found
         self._amp_rewrite_mirror = None
         self._amp_rewrite_lock = threading.Lock()
 
-    session_lib.BaseSession.__init__ = __init__
+    base_session.__init__ = __init__
 
     def restore() -> None:
-        if session_lib.BaseSession.__init__ is __init__:  # else someone patched it after us: leave theirs
-            session_lib.BaseSession.__init__ = original
+        if base_session.__init__ is __init__:  # else someone patched it after us: leave theirs
+            base_session.__init__ = original
 
     return restore
 
@@ -159,9 +157,7 @@ def _without_grappler_amp(config: Any) -> Any:
 
 
 def _default_config() -> config_pb2.ConfigProto:
-    from tensorflow.python.eager import context
-
-    return context.context().config
+    return _tf.SESSION_EAGER_CONTEXT.get()().config
 
 
 _CLASS_TO_MIRRORED: dict[type, type] = {}
@@ -185,7 +181,7 @@ class _Fetch:
         return value if self.user_dtype is None else value.astype(self.user_dtype)  # a NumPy scalar stays one
 
 
-class MirroredSession(session_lib.BaseSession):
+class MirroredSession(_tf.BASE_SESSION.get()):
     """What a Session created while the rewrite is on runs instead of ``BaseSession``'s lowest
     layer (mixed in before its own class): every call that would reach the user's C session
     reaches the mirror's, with outputs and operations mapped by name."""
@@ -203,32 +199,32 @@ class MirroredSession(session_lib.BaseSession):
         mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)]
                                    + [_operation_name(t) for t in target_list])
         fetches = [mirror.fetch(output) for output in fetch_list]
-        results = c_api.TF_SessionRun_wrapper(
-            mirror.session._session, options, mirror.feeds(feed_dict),  # pylint: disable=protected-access
+        results = _tf.SESSION_RUN.get()(
+            getattr(mirror.session, _tf.SESSION_HANDLE), options, mirror.feeds(feed_dict),
             [f.output for f in fetches], [mirror.operation(_operation_name(t)) for t in target_list], run_metadata)
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def _call_tf_sessionprun(self, handle: Any, feed_dict: dict, fetch_list: list) -> list:
         mirror = self._mirror_with([_operation_name(o.oper) for o in (*feed_dict, *fetch_list)])
         fetches = [mirror.fetch(output) for output in fetch_list]
-        results = c_api.TF_SessionPRun_wrapper(mirror.session._session, handle,  # pylint: disable=protected-access
-                                               mirror.feeds(feed_dict), [f.output for f in fetches])
+        results = _tf.SESSION_PRUN.get()(getattr(mirror.session, _tf.SESSION_HANDLE), handle,
+                                         mirror.feeds(feed_dict), [f.output for f in fetches])
         return [fetch.to_user(value) for fetch, value in zip(fetches, results)]
 
     def partial_run_setup(self, fetches: Any, feeds: Any = None) -> Any:
         """``BaseSession.partial_run_setup`` on the mirror: TensorFlow's own fetch handler and feed
         expansions give the flat lists, which are set up in the mirror's C session."""
-        if self._closed:
+        if getattr(self, _tf.SESSION_CLOSED):
             raise RuntimeError("Attempted to use a closed Session.")
         if self.graph.version == 0:
             raise RuntimeError("The Session graph is empty. Add operations to the graph before calling run().")
-        handler = session_lib._FetchHandler(self.graph, fetches, {})  # pylint: disable=protected-access
+        handler = _tf.FETCH_HANDLER.get()(self.graph, fetches, {})
         feed_tensors = [self.graph.as_graph_element(subfeed, allow_tensor=True, allow_operation=False)
                         for feed in _as_list(feeds) for subfeed in _partial_run_expansion(feed)]
         mirror = self._mirror_with([t.op.name for t in (*feed_tensors, *handler.fetches())]
                                    + [op.name for op in handler.targets()])
-        return self._do_call(
-            c_api.TF_SessionPRunSetup_wrapper, mirror.session._session,  # pylint: disable=protected-access
+        return _tf.BASE_SESSION_DO_CALL.get()(
+            self, _tf.SESSION_PRUN_SETUP.get(), getattr(mirror.session, _tf.SESSION_HANDLE),
             [mirror.output(t.op.name, t.value_index)[0] for t in feed_tensors],
             [mirror.output(t.op.name, t.value_index)[0] for t in handler.fetches()],
             [mirror.operation(op.name) for op in handler.targets()])
@@ -240,7 +236,7 @@ class MirroredSession(session_lib.BaseSession):
         feeds, fetches = list(callable_options.feed), list(callable_options.fetch)
         names = [parse_tensor_name(n).node for n in (*feeds, *fetches, *connections, *callable_options.target)]
         mirror = self._mirror_with(names)
-        inner = session_lib.BaseSession._Callable(mirror.session, callable_options)  # pylint: disable=protected-access
+        inner = _tf.BASE_SESSION_CALLABLE.get()(mirror.session, callable_options)
         feed_dtypes = [self._changed_dtype(mirror, name, to_mirror=True) for name in feeds]
         fetch_dtypes = [self._changed_dtype(mirror, name, to_mirror=False) for name in fetches]
         if not any(feed_dtypes) and not any(fetch_dtypes):
@@ -266,20 +262,23 @@ class MirroredSession(session_lib.BaseSession):
         return (inner if to_mirror else user.base_dtype).as_numpy_dtype
 
     def _mirror_with(self, names: Iterable[str]) -> Mirror:
-        """The mirror, grown first if it lacks a node of ``names``."""
+        """The mirror, grown first if it lacks a node of ``names``. Checked again under the lock:
+        of threads racing the first run, one builds and the others find it built."""
+        names = list(names)
         mirror = self._amp_rewrite_mirror
         if mirror is not None and all(name in mirror.nodes for name in names):
             return mirror
         with self._amp_rewrite_lock:
-            if self._amp_rewrite_mirror is None:
+            mirror = self._amp_rewrite_mirror
+            if mirror is None:
                 self._amp_rewrite_mirror = _build(self)
-            else:
-                _grow(self, self._amp_rewrite_mirror)
+            elif not all(name in mirror.nodes for name in names):
+                _grow(self, mirror)
             return self._amp_rewrite_mirror
 
 
 def _operation_name(operation: Any) -> str:
-    return c_api.TF_OperationName(operation)
+    return _tf.OPERATION_NAME.get()(operation)
 
 
 def _as_list(feeds: Any) -> list:
@@ -291,7 +290,7 @@ def _as_list(feeds: Any) -> list:
 def _partial_run_expansion(feed: Any) -> list:
     """The tensors ``feed`` stands for in a partial run (a SparseTensor placeholder: three), by
     TensorFlow's own expansions."""
-    for tensor_type, _, _, expand in session_lib._REGISTERED_EXPANSIONS:  # pylint: disable=protected-access
+    for tensor_type, _, _, expand in _tf.REGISTERED_EXPANSIONS.get():
         if isinstance(feed, tensor_type):
             return expand(feed)
     raise TypeError(f'Feed argument {feed} has invalid type "{type(feed).__name__}"')
@@ -322,8 +321,9 @@ def _rewrite(session: MirroredSession,
                                cross_function=settings.cross_function, frozen=frozen)
     initializers: list[str] = []
     if settings.float8 is not None:
-        result, initializers = float8.session_step(graph_def, result, settings.float8)
-        if result.report.float8_matmuls and not float8.xla_jit_enabled(session._config) \
+        result, initializers = float8.session_step(graph_def, result, settings.float8, settings.target,
+                                                   settings.lists)
+        if result.report.float8_matmuls and not float8.xla_jit_enabled(getattr(session, _tf.SESSION_CONFIG)) \
                 and session._amp_rewrite_show_once("float8-emulated"):  # pylint: disable=protected-access
             warnings.warn(float8.emulated_warning("this Session's graph", result.report.float8_matmuls), stacklevel=6)
     log.debug("amp_rewrite: session graph version %d rewritten", session.graph.version)
@@ -336,8 +336,8 @@ def _build(session: MirroredSession) -> Mirror:
     setattr(graph, MIRROR_GRAPH_ATTR, session.graph)
     with graph.as_default():
         tf.graph_util.import_graph_def(result.graph_def, name="")
-    inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=session._config)  # pylint: disable=protected-access
-    inner._extend_graph()  # pylint: disable=protected-access
+    inner = tf.compat.v1.Session(target=session.sess_str, graph=graph, config=getattr(session, _tf.SESSION_CONFIG))
+    _tf.BASE_SESSION_EXTEND_GRAPH.get()(inner)
     if initializers:
         inner.run([graph.get_operation_by_name(name) for name in initializers])
     return Mirror(graph, inner, result, {node.name: node for node in source.node},
@@ -377,12 +377,12 @@ def _grow(session: MirroredSession, mirror: Mirror) -> None:
     with mirror.graph.as_default():
         # A new op colocated with a running one (a table's lookup, a variable's read) names a node
         # outside ``new``: the mirror has it, so the constraint is kept, not checked here.
-        importer._import_graph_def_internal(new, input_map=input_map, name="",  # pylint: disable=protected-access
-                                            validate_colocation_constraints=False)
+        _tf.IMPORT_GRAPH_DEF_INTERNAL.get()(new, input_map=input_map, name="", validate_colocation_constraints=False)
+    add_control_inputs = _tf.ADD_CONTROL_INPUTS.get()
     for name, producers in controls.items():
-        mirror.graph.get_operation_by_name(name)._add_control_inputs(  # pylint: disable=protected-access
-            [mirror.graph.get_operation_by_name(producer) for producer in producers])
-    mirror.session._extend_graph()  # pylint: disable=protected-access
+        add_control_inputs(mirror.graph.get_operation_by_name(name),
+                           [mirror.graph.get_operation_by_name(producer) for producer in producers])
+    _tf.BASE_SESSION_EXTEND_GRAPH.get()(mirror.session)
     added = [mirror.graph.get_operation_by_name(name) for name in initializers if name not in mirror.nodes]
     if added:
         mirror.session.run(added)

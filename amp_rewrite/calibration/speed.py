@@ -1,0 +1,340 @@
+"""``--tune speed`` on a model: time its converted ops here, keep float32 what does not pay,
+then time the whole result against the source (README, "Tuning for speed").
+
+1. **Shapes.** The feeds at each batch size (``--batch-sizes``; the inputs given or random
+   ones, their first dim set to the batch) give every tensor's shape (``tuning.shapes``).
+2. **Timing.** Each node the rewrite converts is timed alone in float32 and in the
+   target, and so are the casts at the shapes it would need; identical ops once, what the
+   cache knows not at all, largest first while the budget's op share lasts (``tuning.timing``).
+3. **Decisions.** A minimum cut picks the converted nodes to keep float32
+   (``tuning.decide``); they become keep_nodes entries whose reasons name the measurement
+   (rule ``measured-slower``), and the model is rewritten with them. Numerics come first:
+   the lists, ``--keep`` and calibration decide before this, which only adds keeps.
+4. **The whole model** (``check_speed``): the written result and the source, called in
+   turn at each batch size for what is left of the budget; a batch size where the
+   result is slower gets one line naming the ops that cost most.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+import yaml
+
+from amp_rewrite.calibration import validate
+from amp_rewrite.calibration.calibrate import keep_entries, node_items
+from amp_rewrite.calibration.savedmodel import Model, graph_sinks, plumbing_kinds, read_model, rewrite_model
+from amp_rewrite.calibration.staging import write_text_atomically
+from amp_rewrite.core.errors import AmpRewriteError, ModelError
+from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.report import dtype_name
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.tuning import cache as timing_cache
+from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
+from amp_rewrite.tuning.shapes import infer_shapes
+from amp_rewrite.tuning.timing import Budget, Timings
+
+DEFAULT_BUDGET_S = 30.0
+OP_SHARE = 0.6       # of the budget, for timing ops; the whole-model check has the rest, and what ops left
+MIN_ROUNDS = 3       # whole-model rounds per batch size below which no ratio is given
+MAX_ROUNDS = 15
+SLOWER = 0.95        # a result under this speed-up is called slower: within 5%, two runs of one model differ
+DEFAULT = object()   # cache=DEFAULT: the file at tuning.cache.default_path()
+
+BatchFeeds = dict[int, validate.Feeds]  # batch size -> the feeds at it
+
+
+def check_budget(budget_s: float) -> float:
+    if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s > 0):
+        raise AmpRewriteError(f"timing budget {budget_s!r}: use a number of seconds above 0, e.g. 30")
+    return float(budget_s)
+
+
+def check_target(target: Target) -> None:
+    """Timing measures the target's kernels where they run: a GPU for float16."""
+    if target.colouring != target.name:
+        raise AmpRewriteError(f"--tune speed: not for target {target.name} (its FP8 matmuls run under XLA on a GPU);"
+                              " tune the float16 rewrite instead")
+    if target.device_type == "GPU" and not tf.config.list_physical_devices("GPU"):
+        raise AmpRewriteError(f"--tune speed: target {target.name} runs on a GPU and TensorFlow sees none here;"
+                              " convert on the machine you serve on")
+
+
+def _gpu_name(target: Target) -> str:
+    if target.device_type != "GPU":
+        return ""
+    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    return f"{details.get('device_name', 'GPU')} sm_{''.join(map(str, details.get('compute_capability', ())))}"
+
+
+# --- 1. shapes: the feeds at each batch size ---------------------------------------------------
+
+
+def batch_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None,
+                batch_sizes: Sequence[int] | None) -> tuple[BatchFeeds, list[str]]:
+    """One feed per signature at each batch size: the inputs given (their first dim
+    repeated or cut to the batch), or random ones; ``batch_sizes`` None: the inputs' batch
+    (1 for random ones). Unknown dims other than the first need the inputs given."""
+    feeds, notes = validate.plan_feeds(model, inputs, 1)
+    specs = validate.input_specs(model)
+    if inputs is None:
+        vague = next((s for s in specs if s.shape is None or None in s.shape[1:]), None)
+        if vague is not None:
+            raise ModelError(f"{model.path}: {vague.describe()} has unknown dims beyond the batch; timing needs"
+                             " their sizes: pass --inputs FILE.npz with arrays of the shapes you serve")
+    first = next((a for runs in feeds.values() for feed in runs for a in feed.values() if a.ndim), None)
+    sizes = tuple(batch_sizes or (first.shape[0] if inputs is not None and first is not None else 1,))
+    fixed = next((s for s in specs if s.shape and s.shape[0] is not None and set(sizes) - {s.shape[0]}), None)
+    if fixed is not None:
+        raise ModelError(f"{model.path}: {fixed.describe()} has a fixed batch of {fixed.shape[0]}; time it at that"
+                         f" batch size (--batch-sizes {fixed.shape[0]})")
+    by_batch: BatchFeeds = {}
+    for size in sizes:
+        by_batch[size] = {key: [{name: _at_batch(array, size) for name, array in runs[0].items()}]
+                          for key, runs in feeds.items() if runs}
+    return by_batch, notes
+
+
+def _at_batch(array: np.ndarray, size: int) -> np.ndarray:
+    if array.ndim == 0 or array.shape[0] == size:
+        return array
+    return np.take(array, np.arange(size) % max(array.shape[0], 1), axis=0)
+
+
+def _feed_shapes(model: Model, feeds: validate.Feeds) -> dict[str, tuple[int, ...]]:
+    """Placeholder node -> the shape fed to it."""
+    found: dict[str, tuple[int, ...]] = {}
+    for key, runs in feeds.items():
+        for name, array in runs[0].items():
+            if model.kind == "savedmodel":
+                name = parse_tensor_name(model.meta_graph.signature_def[key].inputs[name].name).node
+            found[name] = tuple(array.shape)
+    return found
+
+
+# --- 2-3. timing ops, deciding ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What timing decided for one model: the rewrite with its keeps, and how it got there."""
+
+    model: Model
+    target: Target
+    result: RewriteResult               # the rewrite with the timing's keeps
+    lists: OpLists                      # the lists it was made with: the given ones plus ``keep``
+    keep: Mapping[str, str]             # keep_nodes entries -> the measurement (rule measured-slower)
+    plan: Plan                          # per (function, node) kept, and the modeled seconds per batch size
+    problem: Problem                    # what was timed, per node and batch size
+    timings: Timings
+    feeds: BatchFeeds
+    budget: Budget
+    weights_low: bool                   # weights stored in the target: reading one costs no cast
+    notes: tuple[str, ...] = ()         # for the user: what could not be timed
+
+    def overlay(self, base: Mapping | None = None) -> str:
+        """The decisions as an overlay (YAML) for ``--lists``: ``base`` (the overlay this run
+        was given) with ``keep`` added to its keep_nodes."""
+        data = dict(base or {})
+        keep = data.get("keep_nodes") or {}
+        keep = dict(keep) if isinstance(keep, dict) else dict.fromkeys(keep, "")
+        keep.update(self.keep)
+        data["keep_nodes"] = keep
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)
+
+    def summary(self) -> str:
+        """One line: what moved, the modeled speed-up per batch size, what the timing cost."""
+        modeled = ", ".join(f"batch {b} {f32 / tuned if tuned else 1:.2f}x (lists alone {f32 / low if low else 1:.2f}x)"
+                            for b, (f32, low, tuned) in self.plan.modeled.items())
+        t = self.timings
+        untimed = f", {t.skipped} left untimed by the budget" if t.skipped else ""
+        kept, candidates = len(self.plan.keep), len(self.problem.candidates)
+        return (f"Timing: {kept} of {candidates} converted node(s) kept float32 as slower here;"
+                f" modeled speed of the converted ops: {modeled}; {t.timed} op(s) timed, {t.cached} from the cache"
+                f"{untimed}, {self.budget.spent():.1f} s of the {self.budget.seconds:g} s budget")
+
+
+def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: OpLists,
+               cross_function: bool = False, budget_s: float = DEFAULT_BUDGET_S,
+               cache: timing_cache.TimingCache | None = None, weights_low: bool = True,
+               base: RewriteResult | None = None) -> Tuning:
+    """Steps 1-3 for ``model`` at the batch sizes of ``feeds`` (``batch_feeds``). ``base``:
+    the rewrite with ``lists`` if the caller has it. ``weights_low``: the weights will be
+    stored in the target (convert's default), so reading one costs no cast."""
+    target = lookup_target(target)
+    check_target(target)
+    budget = Budget(check_budget(budget_s))
+    cache = cache or timing_cache.TimingCache(None, timing_cache.machine_description(_gpu_name(target)))
+    base = base or rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
+    skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
+    shapes = {size: infer_shapes(model.graph_def, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
+    problem, timings, plan = plan_rewrite(model.graph_def, base, target, shapes, cache,
+                                          Budget(budget.left() * OP_SHARE), weights_low)
+    keep = keep_entries(plan.keep, node_items(model.graph_def)) if plan.keep else {}
+    tuned_lists = lists.keeping(keep) if keep else lists
+    result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
+        else base
+    untimeable = sum(1 for c in problem.candidates.values() if all(r is None for r in c.runs.values()))
+    notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
+             " their neighbours"] if untimeable else []
+    return Tuning(model, target, result, tuned_lists, keep, plan, problem, timings, feeds, budget, weights_low,
+                  tuple(notes))
+
+
+def open_cache(path: str | os.PathLike | None | object, target: Target) -> timing_cache.TimingCache:
+    """The cache at ``path`` (DEFAULT: the default file; None: none) for this machine and target."""
+    where = timing_cache.default_path() if path is DEFAULT else path
+    return timing_cache.load_cache(where, _gpu_name(target))
+
+
+def save_cache(cache: timing_cache.TimingCache) -> str:
+    """Write what was measured into the cache file; the problem in one line, or ""."""
+    if not cache.usable or not cache.added:
+        return ""
+    try:
+        write_text_atomically(cache.path, cache.text())
+    except OSError as error:
+        return f"{cache.path}: cannot write the timing cache ({error.strerror or error}); the timings are lost"
+    return ""
+
+
+def tune(
+    source: str | os.PathLike,
+    inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    *,
+    target: str | Target = "bfloat16",
+    batch_sizes: Sequence[int] | None = None,
+    fetches: Sequence[str] = (),
+    tag_set: str | None = None,
+    lists: str | os.PathLike | OpLists | None = None,
+    cross_function: bool = False,
+    budget_s: float = DEFAULT_BUDGET_S,
+    cache: str | os.PathLike | None | object = DEFAULT,
+    weights_low: bool = True,
+) -> Tuning:
+    """Time the ops a rewrite of ``source`` (a SavedModel directory or a GraphDef file)
+    converts, on this machine at ``batch_sizes`` (default: the inputs' batch, or 1), and
+    keep float32 those that do not pay. ``inputs`` (an ``.npz`` or arrays by input name)
+    give the shapes; random inputs need every dim but the batch known. ``cache``: the
+    timing cache file (default ``$XDG_CACHE_HOME/amp_rewrite/timings.json``; None: none).
+    Returns the decisions (``.keep``, ``.overlay()`` for ``lists=``) and the tuned rewrite
+    (``.result``); ``.check_speed(written)`` times a written result against the source."""
+    target = lookup_target(target)
+    check_budget(budget_s)
+    model = read_model(source, fetches, tag_set)
+    data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
+    feeds, _ = batch_feeds(model, data, batch_sizes)
+    opened = open_cache(cache, target)
+    tuning = tune_model(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
+                        budget_s=budget_s, cache=opened, weights_low=weights_low)
+    save_cache(opened)
+    return tuning
+
+
+# --- 4. the whole model ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """The written result against its source at one batch size: median seconds per call and
+    the median over rounds of source time / result time (None: too few rounds in the budget)."""
+
+    batch: int
+    rounds: int
+    source_s: float
+    result_s: float
+    speed: float | None
+
+    @property
+    def slower(self) -> bool:
+        return self.speed is not None and self.speed < SLOWER
+
+
+def _loaded(model: Model, path: Path) -> Callable[[validate.Feeds], Callable[[], None]]:
+    """The model at ``path``, loaded once: given feeds, one call of it on them (a SavedModel's
+    ``serving_default`` signature, else its first by name, as served; a GraphDef's outputs in
+    a Session, grappler on as in serving)."""
+    if model.kind == "savedmodel":
+        signatures = tf.saved_model.load(str(path), tags=list(model.tags)).signatures
+
+        def bind(feeds: validate.Feeds) -> Callable[[], None]:
+            key = "serving_default" if "serving_default" in signatures and "serving_default" in feeds else min(feeds)
+            call, fed = signatures[key], {name: tf.constant(v) for name, v in feeds[key][0].items()}
+            return lambda: [t.numpy() for t in tf.nest.flatten(call(**fed))]
+        return bind
+    graph = tf.Graph()
+    graph_def = model.graph_def if path == model.path else read_model(path, model.fetches).graph_def
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    session = tf.compat.v1.Session(graph=graph)
+    fetches = [tensor_name(*parse_tensor_name(name)) for name in validate.compared_outputs(model)]
+
+    def bind_graph(feeds: validate.Feeds) -> Callable[[], None]:
+        fed = {f"{name}:0": value for name, value in feeds[validate.GRAPH][0].items()}
+        return lambda: session.run(fetches, feed_dict=fed)
+    return bind_graph
+
+
+def _timed(call: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def check_speed(tuning: Tuning, written: str | os.PathLike, seconds: float | None = None) -> list[SpeedCheck]:
+    """Step 4: the source and ``written`` called in turn at each batch size, for ``seconds``
+    (default: what the budget has left, loading both included), split evenly over the batch
+    sizes; none where the timing kept every node float32 (the result is the source's graph)."""
+    if not any(d.converted for d in tuning.result.report.decisions):
+        return []  # the source's graph: nothing to time
+    left = tuning.budget.left() if seconds is None else seconds
+    deadline = time.perf_counter() + max(left, 0.0)
+    source, result = _loaded(tuning.model, tuning.model.path), _loaded(tuning.model, Path(written))
+    checks = []
+    for index, (size, feeds) in enumerate(tuning.feeds.items()):
+        calls = (source(feeds), result(feeds))
+        for call in calls * 2:  # warm-up: tracing, kernel caches
+            call()
+        share = (deadline - time.perf_counter()) / (len(tuning.feeds) - index)
+        pairs: list[tuple[float, float]] = []
+        while len(pairs) < MAX_ROUNDS and (not pairs or sum(pairs[-1]) * 1.05 < share - sum(map(sum, pairs))):
+            order = calls if len(pairs) % 2 == 0 else calls[::-1]
+            first, second = _timed(order[0]), _timed(order[1])
+            pairs.append((first, second) if order is calls else (second, first))
+        speed = statistics.median(a / b for a, b in pairs) if len(pairs) >= MIN_ROUNDS else None
+        checks.append(SpeedCheck(size, len(pairs), statistics.median(a for a, _ in pairs),
+                                 statistics.median(b for _, b in pairs), speed))
+    return checks
+
+
+def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
+    """One line for the check, and one per batch size where the result is slower, naming
+    the converted op types that cost most there (their target time over float32's, summed)."""
+    shown = "; ".join(f"batch {c.batch} {c.speed:.2f}x ({c.source_s * 1e3:.1f} -> {c.result_s * 1e3:.1f} ms,"
+                      f" {c.rounds} rounds)" if c.speed is not None else f"batch {c.batch} not checked: {c.rounds}"
+                      f" round(s) of {c.source_s + c.result_s:.2f} s in the budget left, {MIN_ROUNDS} needed (a"
+                      " larger --tune-budget checks it)" for c in checks)
+    if not checks:
+        return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"
+                f" (timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget)"]
+    spent = f"; timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget in all"
+    lines = [f"Speed against the source (median of the rounds' ratios): {shown}{spent}"]
+    for check in checks:
+        if check.slower:
+            lines.append(f"Speed: slower than the source at batch {check.batch} ({check.speed:.2f}x); costliest in"
+                         f" {tuning.target.name}: {_costliest(tuning, check.batch)}")
+    return lines
+
+
+def _costliest(tuning: Tuning, batch: int) -> str:
+    converted = {(d.function, d.node) for d in tuning.result.report.decisions if d.converted}
+    return costliest(tuning.problem, tuning.timings, tuning.target.dtype, tuning.weights_low, converted, batch)

@@ -1,0 +1,396 @@
+"""Which of the ops a rewrite converted to keep float32, so the converted ops and their
+casts cost least on this machine: a minimum cut.
+
+Each converted node is float32 or the target. Its cost is its own time in that precision
+(timed alone, ``timing``), and the casts it causes: a float32 tensor read in the target
+needs a cast down, a target tensor read in float32 a cast back; one cast per tensor and
+direction, however many readers share it, as the rewrite inserts them. Costs of this form
+(a time per node and precision, a time per tensor paid when its producer and some reader
+differ) are minimised exactly by a minimum s-t cut, where the float32 side holds the
+source and every node that is not converted; a tensor's shared cast is an extra vertex
+between its producer and its readers. So a run of ops decides together: one op kept
+float32 in a converted chain costs two casts, and stays converted unless it saves more.
+
+Several batch sizes are one cost, each batch's weighed by one over its float32 time; a
+batch the plan predicts slower than float32 weighs more, until none does (or every
+converted node stays float32). Ops measured faster in the target by less than ``MARGIN``
+count as float32's equal: a decision to keep float32 needs the target clearly slower.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+
+from amp_rewrite.core import support
+from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.program import Program, program_of
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rules import MEASURED_PREFIX
+from amp_rewrite.core.target import Target
+from amp_rewrite.tuning.cache import TimingCache
+from amp_rewrite.tuning.shapes import Shapes, TensorInfo, infer_shapes
+from amp_rewrite.tuning.timing import Budget, OpRun, Pair, Timings, cast_pair, op_run, time_pairs
+
+MARGIN = 0.1  # the target must be over 10% slower (with its casts) before an op is kept float32
+_REWEIGHTS = 6
+# Readers of a weight: where weights are stored in the target (convert's default), reading
+# one costs no cast.
+WEIGHT_OPS = frozenset({"ReadVariableOp", "Const", "ResourceGather"})
+
+Node = tuple[str, str]  # (item, node name)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A converted node: the two forms that are timed, per batch size (None: not timeable)."""
+
+    node: Node
+    op: str
+    runs: Mapping[int, Pair | None]
+
+
+@dataclass
+class Problem:
+    """The cost graph before weights: per batch size, each node's and each tensor's times."""
+
+    batch_sizes: tuple[int, ...]
+    candidates: dict[Node, Candidate] = field(default_factory=dict)
+    fused: dict[Node, Node] = field(default_factory=dict)  # a candidate the remapper fuses -> the op it fuses into
+    # tensor (item, "node:port") -> (producer, candidate readers, has other readers, is a weight, shape per batch)
+    tensors: dict[tuple[str, str], tuple[Node, list[Node], bool, bool, dict[int, tuple[int, ...] | None]]] = field(
+        default_factory=dict)
+
+    def pairs(self, low: int, weights_low: bool = True) -> list[Pair]:
+        """Everything to time: each candidate's two forms and each boundary's casts (not a
+        weight's, where weights are stored in the target), weighed by their size over
+        their batch size's total, so each batch size gets its share of a short budget."""
+        totals = {b: sum(c.runs[b].weight for c in self.candidates.values() if c.runs.get(b)) or 1.0
+                  for b in self.batch_sizes}
+        found = [replace(pair, weight=pair.weight / totals[batch]) for c in self.candidates.values()
+                 if c.node not in self.fused for batch, pair in c.runs.items() if pair is not None]
+        shapes = {shape: batch for producer, _, _, weight, by_batch in self.tensors.values()
+                  if not (weight and weights_low and producer not in self.candidates)
+                  for batch, shape in by_batch.items() if shape}
+        casts = [cast_pair(shape, low) for shape in sorted(shapes)]
+        return found + [replace(pair, weight=pair.weight / totals[shapes[pair.first.inputs[0].shape]])
+                        for pair in casts]
+
+
+def input_dtypes(node_def: node_def_pb2.NodeDef) -> list[int] | None:
+    """The dtype of each data input as ``node_def``'s attrs say, an attr it lacks taking its
+    op-def default (None: not a registered op)."""
+    op_def = support.registered_op_def(node_def.op)
+    if op_def is None:
+        return None
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+
+    def attr(name: str):
+        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
+
+    found: list[int] = []
+    for arg in op_def.input_arg:
+        if arg.type_list_attr:
+            found += list(attr(arg.type_list_attr).list.type)
+            continue
+        dtype = arg.type or attr(arg.type_attr).type
+        found += [dtype] * (attr(arg.number_attr).i if arg.number_attr else 1)
+    return found
+
+
+def _form(node_def: node_def_pb2.NodeDef, infos: Sequence[TensorInfo], out: TensorInfo | None) -> OpRun | None:
+    """``node_def`` timed on inputs of ``infos``' shapes in its own dtypes; a chain where its
+    output 0 (``out``) is input 0's shape and dtype."""
+    dtypes = input_dtypes(node_def)
+    if dtypes is None or len(dtypes) != len(infos):
+        return None
+    chain = bool(infos) and out is not None and out.shape == infos[0].shape and out.dtype == infos[0].dtype
+    return op_run(node_def, [TensorInfo(dtype, info.shape, info.value) for dtype, info in zip(dtypes, infos)], chain)
+
+
+def build_problem(source: Program, converted: Program, nodes: Mapping[str, set[str]],
+                  shapes: Mapping[int, Shapes]) -> Problem:
+    """The candidates (``nodes``: item -> the nodes the rewrite converted there, bodies from
+    ``source`` and, converted, from ``converted``) and the float32 tensors around them,
+    with their shapes at each batch size (``shapes``)."""
+    problem = Problem(tuple(sorted(shapes)))
+    for item, names in sorted(nodes.items()):
+        low_nodes = {n.name: n for n in converted.item(item).node if n.name in names}
+        body = source.item(item).node
+        readers: dict[str, dict[int, list[str]]] = {}  # node -> port -> the nodes reading it
+        for node_def in body:
+            for tensor in node_def.input:
+                if not tensor.startswith("^"):
+                    ref = parse_tensor_name(tensor)
+                    readers.setdefault(ref.node, {}).setdefault(ref.port, []).append(node_def.name)
+        for node_def in body:
+            if node_def.name in low_nodes:
+                problem.candidates[(item, node_def.name)] = _candidate(item, node_def, low_nodes[node_def.name], shapes)
+        for node_def in body:
+            _add_tensors(problem, item, node_def, readers.get(node_def.name, {}), names, shapes)
+        problem.fused.update(_fusions(item, body, readers, names, next(iter(shapes.values()))))
+    return problem
+
+
+# What grappler's remapper fuses on CPU (oneDNN), in float32 and bfloat16 alike: a bias add
+# (and an activation after it) into a convolution or matmul, a Pad into the Conv2D it feeds. A
+# fused op costs next to nothing in either precision, but timed alone a bfloat16 BiasAdd or
+# Relu is slow, and keeping it float32 would break the fusion: it follows its head instead.
+FUSION_HEADS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"})
+BIAS_ADDS = frozenset({"BiasAdd", "Add", "AddV2"})
+ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
+
+
+def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], converted: set[str],
+             shapes: Shapes) -> dict[Node, Node]:
+    """Candidates the remapper fuses (above) -> the candidate they fuse into."""
+    nodes = {n.name: n for n in body}
+
+    def only_reader(name: str) -> node_def_pb2.NodeDef | None:
+        ports = readers.get(name, {})
+        found = ports.get(0, [])
+        reader = nodes.get(found[0]) if len(found) == 1 and set(ports) == {0} else None
+        return reader if reader is not None and reader.name in converted else None
+
+    fused: dict[Node, Node] = {}
+    for head in (n for n in body if n.name in converted and n.op in FUSION_HEADS):
+        out = shapes.info(item, tensor_name(head.name, 0))
+        member = only_reader(head.name)
+        if member is not None and member.op in BIAS_ADDS and out is not None and out.shape and len(member.input) >= 2:
+            bias = shapes.info(item, member.input[1])
+            if bias is not None and bias.shape is not None and math.prod(bias.shape) == out.shape[-1]:
+                fused[(item, member.name)] = (item, head.name)
+                member = only_reader(member.name)  # an activation fuses only after the bias add
+                if member is not None and member.op in ACTIVATIONS:
+                    fused[(item, member.name)] = (item, head.name)
+        pad = nodes.get(parse_tensor_name(head.input[0]).node) if head.op == "Conv2D" and head.input else None
+        if pad is not None and pad.op == "Pad" and pad.name in converted and only_reader(pad.name) is head:
+            fused[(item, pad.name)] = (item, head.name)
+    return fused
+
+
+def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
+               ) -> Candidate:
+    data = [t for t in source.input if not t.startswith("^")]
+    runs: dict[int, Pair | None] = {}
+    for batch, found in shapes.items():
+        infos = [found.info(item, t) for t in data]
+        runs[batch] = None
+        if all(info is not None for info in infos):
+            out = found.info(item, tensor_name(source.name, 0))
+            first, second = _form(source, infos, out), _form(low, infos, out)
+            if first is not None and second is not None:
+                size = math.prod(out.shape) if out is not None and out.shape else 1
+                runs[batch] = Pair(first, second, float(size))
+    return Candidate((item, source.name), source.op, runs)
+
+
+def _add_tensors(problem: Problem, item: str, node_def: node_def_pb2.NodeDef, readers: Mapping[int, list[str]],
+                 converted: set[str], shapes: Mapping[int, Shapes]) -> None:
+    """The float32 outputs of ``node_def`` (``readers``: port -> the nodes reading it) that a
+    candidate writes or reads."""
+    for port, read_by in sorted(readers.items()):
+        tensor = tensor_name(node_def.name, port)
+        low = [(item, r) for r in read_by if r in converted]
+        if node_def.name not in converted and not low:
+            continue
+        infos = {batch: found.info(item, tensor) for batch, found in shapes.items()}
+        if any(info is None or info.dtype != types_pb2.DT_FLOAT for info in infos.values()):
+            continue
+        problem.tensors[(item, tensor)] = ((item, node_def.name), sorted(set(low)), len(low) < len(read_by),
+                                           node_def.op in WEIGHT_OPS, {b: i.shape for b, i in infos.items()})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The nodes to keep float32, with why, and the modeled seconds per batch size of the
+    converted ops and their casts: all float32, as the lists convert them, as planned."""
+
+    keep: Mapping[Node, str]
+    modeled: Mapping[int, tuple[float, float, float]]
+
+
+class _Costs:
+    """The timed seconds of each candidate form and each cast, per batch (0 where unknown)."""
+
+    def __init__(self, problem: Problem, timings: Timings, low: int, weights_low: bool) -> None:
+        self.problem, self.timings, self.low, self.weights_low = problem, timings, low, weights_low
+        self.casts: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def node(self, node: Node, batch: int, margin: float = MARGIN) -> tuple[float, float]:
+        """(float32, target) seconds of a candidate (nothing for a fused one); the target's
+        discounted by ``margin``."""
+        pair = None if node in self.problem.fused else self.problem.candidates[node].runs.get(batch)
+        if pair is None or self.timings.ratio(pair) is None:
+            return 0.0, 0.0
+        first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
+        return first, second / (1 + margin)
+
+    def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
+        """(down, up) seconds of the casts of a tensor of ``shape``."""
+        if shape is None:
+            return 0.0, 0.0
+        if shape not in self.casts:
+            pair = cast_pair(shape, self.low)
+            self.casts[shape] = (self.timings.seconds.get(pair.first.key, 0.0),
+                                 self.timings.seconds.get(pair.second.key, 0.0))
+        return self.casts[shape]
+
+
+def _cost(costs: _Costs, batch: int, low: set[Node], margin: float = MARGIN) -> float:
+    """Modeled seconds at ``batch`` of the candidates and casts, ``low`` the nodes in the
+    target (their time discounted by ``margin``)."""
+    total = sum(costs.node(node, batch, margin)[node in low] for node in costs.problem.candidates)
+    for producer, readers, others, weight, shapes in costs.problem.tensors.values():
+        down, up = costs.cast(shapes[batch])
+        if producer in low and (others or any(r not in low for r in readers)):
+            total += down
+        elif producer not in low and any(r in low for r in readers) and not (weight and costs.weights_low):
+            total += up
+    return total
+
+
+def _cut(costs: _Costs, weights: Mapping[int, float]) -> set[Node]:
+    """The candidates on the target side of a minimum cut with these batch weights."""
+    graph = nx.DiGraph()
+    source, sink = "float32", "target"
+
+    def add(u: object, v: object, capacity: float) -> None:
+        if capacity > 0:
+            old = graph.get_edge_data(u, v, {}).get("capacity", 0.0)
+            graph.add_edge(u, v, capacity=old + capacity)
+
+    for member, head in costs.problem.fused.items():  # one precision for both: the fusion holds
+        graph.add_edge(member, head, capacity=math.inf)
+        graph.add_edge(head, member, capacity=math.inf)
+    for node in costs.problem.candidates:
+        graph.add_node(node)
+        for batch, weight in weights.items():
+            first, second = costs.node(node, batch)
+            add(source, node, weight * second)
+            add(node, sink, weight * first)
+    for key, (producer, readers, others, weight_op, shapes) in costs.problem.tensors.items():
+        for batch, weight in weights.items():
+            down, up = costs.cast(shapes[batch])
+            if producer in costs.problem.candidates:
+                if others:
+                    add(source, producer, weight * down)
+                elif readers:
+                    add(("down", key), producer, weight * down)
+            if readers and not (weight_op and costs.weights_low and producer not in costs.problem.candidates):
+                add(producer if producer in costs.problem.candidates else source, ("up", key), weight * up)
+        for reader in readers:
+            graph.add_edge(reader, ("down", key), capacity=math.inf)
+            graph.add_edge(("up", key), reader, capacity=math.inf)
+    if source not in graph or sink not in graph:
+        return set(costs.problem.candidates)
+    _, (_, target_side) = nx.minimum_cut(graph, source, sink)
+    return {node for node in costs.problem.candidates if node in target_side}
+
+
+def plan_keeps(problem: Problem, timings: Timings, target: str, low: int, weights_low: bool = True) -> Plan:
+    """The candidates to keep float32 (-> the reason the report shows) and the modeled costs.
+
+    Each batch size weighs one over its float32 time; while the plan is modeled slower than
+    float32 at a batch size, that batch weighs four times more (``_REWEIGHTS`` times at
+    most). A plan modeled less than ``MARGIN`` faster than float32 at every batch size is
+    within what timing alone can tell apart: then every candidate stays float32, which is
+    float32's speed for sure. Nothing timed (an empty cache, no budget): nothing moves."""
+    costs = _Costs(problem, timings, low, weights_low)
+    everything = set(problem.candidates)
+    float32 = {b: _cost(costs, b, set()) for b in problem.batch_sizes}
+    weights = {b: 1.0 / max(float32[b], 1e-9) for b in problem.batch_sizes}
+    low_side: set[Node] = set()
+    for _ in range(_REWEIGHTS):
+        low_side = _cut(costs, weights)
+        slower = [b for b in problem.batch_sizes if _cost(costs, b, low_side, 0.0) > float32[b]]
+        if not slower:
+            break
+        for batch in slower:
+            weights[batch] *= 4
+    modeled = {b: (float32[b], _cost(costs, b, everything, 0.0), _cost(costs, b, low_side, 0.0))
+               for b in problem.batch_sizes}
+    known = any(f32 > 0 for f32, _, _ in modeled.values())  # else nothing was timed: the lists decide
+    pays = not known or all(tuned <= f32 for f32, _, tuned in modeled.values()) and any(
+        tuned < f32 / (1 + MARGIN) for f32, _, tuned in modeled.values())
+    if not pays and low_side:
+        low_side = set()
+        modeled = {b: (f32, lists, f32) for b, (f32, lists, _) in modeled.items()}
+    keep = {node: _reason(costs, node, target, pays) for node in sorted(everything - low_side)}
+    return Plan(keep, modeled)
+
+
+def _speeds(costs: _Costs, node: Node) -> dict[int, float]:
+    """float32's time over the target's, per batch size where both are timed."""
+    found = {}
+    for batch in costs.problem.batch_sizes:
+        first, second = costs.node(node, batch, margin=0.0)
+        if first > 0 and second > 0:
+            found[batch] = first / second
+    return found
+
+
+def _reason(costs: _Costs, node: Node, target: str, pays: bool) -> str:
+    """Why ``node`` stays float32, as ``explain`` shows it: its speed in the target per batch
+    size, and whether it is slower itself, kept for the casts around it, or kept because
+    the converted ops together would not be clearly faster (``pays`` False)."""
+    head = costs.problem.fused.get(node)
+    if head is not None:
+        return (f"{MEASURED_PREFIX}fused into {head[1]!r} by grappler's remapper, so it takes that op's precision;"
+                f" {_reason(costs, head, target, pays).removeprefix(MEASURED_PREFIX)}")
+    speeds = _speeds(costs, node)
+    shown = ", ".join(f"{s:.2f}x at batch {b}" for b, s in speeds.items())
+    alone = f"{target} runs it at {shown} float32's speed on this machine" if speeds else "not timed alone"
+    if not pays:
+        return (f"{MEASURED_PREFIX}{alone}; the converted ops together would not be over {MARGIN:.0%} faster"
+                " than float32 here")
+    if not speeds:
+        return f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
+    if all(s < 1 / (1 + MARGIN) for s in speeds.values()):
+        return f"{MEASURED_PREFIX}{alone}"
+    return f"{MEASURED_PREFIX}{alone}, not enough to pay for the casts it needs next to float32 neighbours"
+
+
+def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, converted: set[Node], batch: int,
+              count: int = 3) -> str:
+    """The op types of ``converted`` whose target time exceeds float32's most at ``batch``
+    (summed over their nodes), and the casts between them and float32, as one phrase."""
+    costs = _Costs(problem, timings, low, weights_low)
+    extra: dict[str, list[float]] = {}
+    for node in converted & set(problem.candidates):
+        first, second = costs.node(node, batch, margin=0.0)
+        if first > 0:
+            extra.setdefault(problem.candidates[node].op, []).append(second - first)
+    casts = _cost(costs, batch, converted, 0.0) - sum(costs.node(n, batch, 0.0)[n in converted]
+                                                       for n in problem.candidates)
+    ranked = sorted(((sum(v), op, len(v)) for op, v in extra.items() if sum(v) > 0), reverse=True)[:count]
+    parts = [f"{op} +{total * 1e3:.2f} ms over float32 ({n} node(s))" for total, op, n in ranked]
+    return ", ".join(parts + [f"casts {casts * 1e3:.2f} ms" + ("" if parts else "; no converted op is slower alone")])
+
+
+def plan_rewrite(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
+                 cache: TimingCache, budget: Budget, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
+    """What a rewrite ``base`` of ``graph_def`` converted, timed (the cache first, then
+    measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan."""
+    nodes: dict[str, set[str]] = {}
+    for decision in base.report.decisions:
+        if decision.converted:
+            nodes.setdefault(decision.function, set()).add(decision.node)
+    problem = build_problem(program_of(graph_def), base.program, nodes, shapes)
+    timings = time_pairs(problem.pairs(target.dtype, weights_low), cache, budget)
+    return problem, timings, plan_keeps(problem, timings, target.name, target.dtype, weights_low)
+
+
+def cached_keeps(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target,
+                 feed_shapes: Mapping[str, tuple[int, ...]], cache: TimingCache,
+                 handles: Mapping[str, tuple[int, tuple[int, ...]]] | None = None) -> dict[Node, str]:
+    """The plan from the cache alone, nothing timed: for the live training rewrite, which
+    must not time ops on a training step's path. ``feed_shapes``: placeholder -> shape;
+    ``handles``: variable placeholder -> (dtype, shape) (``infer_shapes``). What the cache
+    does not hold counts as no faster nor slower (its neighbours decide)."""
+    shapes = infer_shapes(graph_def, feed_shapes, handles=handles)
+    batch = next((shape[0] for shape in feed_shapes.values() if shape), 1)
+    return dict(plan_rewrite(graph_def, base, target, {batch: shapes}, cache, Budget(0.0))[2].keep)
