@@ -489,10 +489,10 @@ def test_the_live_path_reads_the_cache_and_times_nothing(tmp_path):
 
 
 def test_the_readme_commands_run_as_written(tmp_path, monkeypatch):
-    """README, Tuning for speed: its convert line as written (a cache shipped to the default
+    """The CLI guide, Tuning for speed: its convert line as written (a cache shipped to the default
     place, so nothing is timed), and its explain line with a node of the model for NODE."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    block = text.split("### Tuning for speed: `--tune speed`", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "cli.md").read_text(encoding="utf-8")
+    block = text.split("## Tuning for speed: `--tune speed`", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     lines = [line.split("#")[0].split() for line in block.strip().splitlines()]
     assert [line[:2] for line in lines] == [["amp-rewrite", "convert"], ["amp-rewrite", "explain"]]
     monkeypatch.chdir(tmp_path)
