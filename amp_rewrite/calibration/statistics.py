@@ -34,7 +34,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
-from amp_rewrite.core import functions
+from amp_rewrite.core import functions, graph_io
 from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -165,23 +165,8 @@ class _Body:
         self.consts: dict[str, str] = {}
 
     def node(self, name: str, op: str, inputs: Sequence[str] = (), **attrs: object) -> str:
-        node = self.body.node.add(name=f"{self.prefix}/{name}", op=op, input=list(inputs))
-        for key, value in attrs.items():
-            if isinstance(value, bool):
-                node.attr[key].b = value
-            elif isinstance(value, int) and (key in ("N", "axis") or key.endswith("_mask")):
-                node.attr[key].i = value
-            elif isinstance(value, int):
-                node.attr[key].type = value
-            elif isinstance(value, np.ndarray):
-                node.attr[key].tensor.CopyFrom(tf.make_tensor_proto(value))
-            elif isinstance(value, tf.TensorShape):
-                node.attr[key].shape.CopyFrom(value.as_proto())
-            elif isinstance(value, list):
-                node.attr[key].list.f.extend(value)
-            else:
-                node.attr[key].s = str(value).encode()
-        return node.name
+        """A node of the body under the prefix, its attrs typed by the op's definition."""
+        return graph_io.make_node_def(op, f"{self.prefix}/{name}", inputs, into=self.body.node, **attrs).name
 
     def const(self, name: str, value: np.ndarray) -> str:
         """A Const named ``name``, made once: a second call with the name returns the first's."""

@@ -209,61 +209,65 @@ def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, epilog=EPILOG, formatter_class=formatter)
-    parser.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _common_options(sub: argparse.ArgumentParser) -> None:
+    """SRC and the options every command takes."""
+    sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
+    sub.add_argument("--target", choices=TARGET_NAMES, default="float16",
+                     help="float16 (NVIDIA GPUs, default), bfloat16 (CPUs with AVX512-BF16/AMX) or float8"
+                          " (float16 with float8_e4m3fn matmuls under XLA, compute capability 8.9+; needs"
+                          " calibration: convert --calibrate, or --lists from calibrate --target float8)")
+    sub.add_argument("--tag-set", metavar="TAGS",
+                     help="SavedModel: the MetaGraphDef to read, tags comma-separated as saved_model_cli's"
+                          " --tag_set (default: serve)" + ("; convert copies the others as they are"
+                                                           if sub.prog.endswith(" convert") else ""))
+    sub.add_argument("--lists", type=Path, metavar="OVERLAY.yaml", help="overlay YAML that edits the op lists")
+    sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
+                     help="keep nodes whose name matches REGEX in float32, as deny ops; FUNCTION::REGEX only"
+                          " in that library function (repeatable)")
+    sub.add_argument("--fetch", action="append", default=[], metavar="NAME[:PORT]",
+                     help="GraphDef only: an output whose dtype must not change (repeatable; default: the"
+                          " nodes nothing reads)")
+    sub.add_argument("--cross-function", action="store_true",
+                     help="let low precision cross function and loop boundaries (beyond grappler)")
+    sub.add_argument("--quiet", action="store_true", help="print only errors")
+    sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
-    def common(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
-        sub.add_argument("--target", choices=TARGET_NAMES, default="float16",
-                         help="float16 (NVIDIA GPUs, default), bfloat16 (CPUs with AVX512-BF16/AMX) or float8"
-                              " (float16 with float8_e4m3fn matmuls under XLA, compute capability 8.9+; needs"
-                              " calibration: convert --calibrate, or --lists from calibrate --target float8)")
-        sub.add_argument("--tag-set", metavar="TAGS",
-                         help="SavedModel: the MetaGraphDef to read, tags comma-separated as saved_model_cli's"
-                              " --tag_set (default: serve)" + ("; convert copies the others as they are"
-                                                               if sub.prog.endswith(" convert") else ""))
-        sub.add_argument("--lists", type=Path, metavar="OVERLAY.yaml", help="overlay YAML that edits the op lists")
-        sub.add_argument("--keep", action="append", default=[], metavar="REGEX",
-                         help="keep nodes whose name matches REGEX in float32, as deny ops; FUNCTION::REGEX only"
-                              " in that library function (repeatable)")
-        sub.add_argument("--fetch", action="append", default=[], metavar="NAME[:PORT]",
-                         help="GraphDef only: an output whose dtype must not change (repeatable; default: the"
-                              " nodes nothing reads)")
-        sub.add_argument("--cross-function", action="store_true",
-                         help="let low precision cross function and loop boundaries (beyond grappler)")
-        sub.add_argument("--quiet", action="store_true", help="print only errors")
-        sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
-    def metric(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--metric", choices=METRIC_NAMES, default=METRIC_NAMES[1],
-                         help="how an output's error is measured against the target's tolerance: max-rel (largest"
-                              " |difference| / largest |float32|, grows with the samples), p99-rel (its 99th"
-                              " percentile, default) or top1-agreement (share of samples whose top class changed)")
+def _metric_option(sub: argparse.ArgumentParser) -> None:
+    """--metric: how validation measures an output's error."""
+    sub.add_argument("--metric", choices=METRIC_NAMES, default=METRIC_NAMES[1],
+                     help="how an output's error is measured against the target's tolerance: max-rel (largest"
+                          " |difference| / largest |float32|, grows with the samples), p99-rel (its 99th"
+                          " percentile, default) or top1-agreement (share of samples whose top class changed)")
 
-    def weights(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--float32-weights", action="store_true",
-                         help="keep every weight float32, read through a cast on each call. Default: a variable"
-                              " (a GraphDef's Const) that every reader reads in the target dtype is stored in it,"
-                              " rounded once as the cast rounds it: same outputs, half the size, no per-call casts."
-                              " Keep them float32 to fine-tune the result or restore float32 checkpoints into it")
 
-    def calibration(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--max-rounds", type=_count(1, 10), default=5, metavar="N",
-                         help="calibration: validation runs at most (1-10, default 5)")
-        sub.add_argument("--max-magnitude", type=float, metavar="X",
-                         help="calibration: largest |value| a converted node may see untried; above it, it is tried"
-                              " and kept float32 if validation needs it (float16 default 16384; over 65504 always"
-                              " kept)")
-        sub.add_argument("--small-share", type=float, metavar="S",
-                         help="calibration: largest share of a tensor's magnitude in values below the target's"
-                              " smallest normal (default 0.5)")
+def _weights_option(sub: argparse.ArgumentParser) -> None:
+    """--float32-weights, for the commands that show or write weights."""
+    sub.add_argument("--float32-weights", action="store_true",
+                     help="keep every weight float32, read through a cast on each call. Default: a variable"
+                          " (a GraphDef's Const) that every reader reads in the target dtype is stored in it,"
+                          " rounded once as the cast rounds it: same outputs, half the size, no per-call casts."
+                          " Keep them float32 to fine-tune the result or restore float32 checkpoints into it")
 
+
+def _calibration_options(sub: argparse.ArgumentParser) -> None:
+    """Calibration's limits, for convert --calibrate and calibrate."""
+    sub.add_argument("--max-rounds", type=_count(1, 10), default=5, metavar="N",
+                     help="calibration: validation runs at most (1-10, default 5)")
+    sub.add_argument("--max-magnitude", type=float, metavar="X",
+                     help="calibration: largest |value| a converted node may see untried; above it, it is tried"
+                          " and kept float32 if validation needs it (float16 default 16384; over 65504 always"
+                          " kept)")
+    sub.add_argument("--small-share", type=float, metavar="S",
+                     help="calibration: largest share of a tensor's magnitude in values below the target's"
+                          " smallest normal (default 0.5)")
+
+
+def _add_convert(commands: Any) -> None:
+    """convert and its options."""
     convert = _add_command(commands, "convert")
-    common(convert)
-    weights(convert)
+    _common_options(convert)
+    _weights_option(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
     convert.add_argument("--dump", type=Path, metavar="DIR", help="also write inspection dumps to DIR")
     convert.add_argument("--validate", type=_count(1), metavar="N",
@@ -276,35 +280,44 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--calibrate", type=_calibration_data, metavar="DATA.npz|random",
                          help="keep float32 the nodes calibration data shows out of the target's range or over"
                               " tolerance: DATA.npz holds signature inputs as --inputs takes; random: random inputs")
-    metric(convert)
-    calibration(convert)
+    _metric_option(convert)
+    _calibration_options(convert)
     _tuning_options(convert, inputs=False)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="amp-rewrite", description=DESCRIPTION, epilog=EPILOG, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    _add_convert(commands)
+
     calibrate = _add_command(commands, "calibrate")
-    common(calibrate)
+    _common_options(calibrate)
     calibrate.add_argument("--inputs", type=Path, metavar="DATA.npz",
                            help="calibration inputs (default: random inputs from the signatures; real data is better)")
     calibrate.add_argument("--out", type=Path, required=True, metavar="FILE.yaml", help="the overlay to write")
-    metric(calibrate)
-    calibration(calibrate)
+    _metric_option(calibrate)
+    _calibration_options(calibrate)
 
     inspect = _add_command(commands, "inspect")
-    common(inspect)
-    weights(inspect)
+    _common_options(inspect)
+    _weights_option(inspect)
     _tuning_options(inspect)
     inspect.add_argument("--all", action="store_true",
                          help="also list TensorFlow's plumbing: save/restore functions, signature wrappers, the"
                               " loader's main graph")
 
     explain = _add_command(commands, "explain")
-    common(explain)
+    _common_options(explain)
     _tuning_options(explain)
     explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
 
     dump = _add_command(commands, "dump")
-    common(dump)
-    weights(dump)
+    _common_options(dump)
+    _weights_option(dump)
     _tuning_options(dump)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
     return parser
