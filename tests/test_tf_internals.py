@@ -11,6 +11,14 @@ import pytest
 from amp_rewrite import _tf
 
 
+def _refusal(script: str) -> str:
+    """The one ``REFUSED ...`` line ``script`` prints, run in a fresh interpreter."""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(lines) == 1, run.stdout + run.stderr
+    return lines[0]
+
+
 def test_every_listed_name_is_there_on_the_installed_tensorflow():
     assert _tf.ENTRIES, "the table lists the private names"
     assert _tf.problems() == []
@@ -26,14 +34,12 @@ def test_a_name_removed_in_a_fresh_process_is_one_line_naming_version_name_and_f
         "except _tf.TensorFlowInternalsError as error:\n"
         "    print('REFUSED', error)\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("REFUSED")]
-    assert len(lines) == 1, run.stdout + run.stderr
+    line = _refusal(script)
     import tensorflow as tf
 
-    assert f"TensorFlow {tf.__version__}" in lines[0]
-    assert "transform.CONCRETE_FUNCTION_CALLBACKS is gone" in lines[0]
-    assert _tf.LIVE in lines[0]
+    assert f"TensorFlow {tf.__version__}" in line
+    assert "transform.CONCRETE_FUNCTION_CALLBACKS is gone" in line
+    assert _tf.LIVE in line
 
 
 def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch):
@@ -43,3 +49,27 @@ def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(_tf.TensorFlowInternalsError, match=r"_call_tf_sessionprun takes \(feed_dict, handle"):
         _tf.require(_tf.SESSION)
     _tf.require(_tf.LIVE)  # another feature's names are not asked for
+
+
+def test_the_pass_refuses_in_one_line_where_tensorflows_op_registry_is_gone():
+    """The pass asks TensorFlow's private op-definition registry of every node (``_tf.PASS``):
+    if a release removed it, importing amp_rewrite says so in one line naming the
+    TensorFlow version, the name and the feature, instead of failing on the first node.
+    (``import amp_rewrite`` alone loads no TensorFlow: the first rewrite does.)"""
+    script = (
+        "from tensorflow.python.framework import op_def_registry\n"
+        "del op_def_registry.get\n"
+        "import amp_rewrite\n"
+        "from tensorflow.core.framework import graph_pb2\n"
+        "try:\n"
+        "    amp_rewrite.rewrite_graph_def(graph_pb2.GraphDef(), target='bfloat16')\n"
+        "except Exception as error:\n"
+        "    print('REFUSED', type(error).__name__, error)\n"
+    )
+    line = _refusal(script)
+    import tensorflow as tf
+
+    assert line.startswith("REFUSED TensorFlowInternalsError")
+    assert f"TensorFlow {tf.__version__}" in line
+    assert "op_def_registry.get is gone" in line
+    assert "the graph rewrite" in line
