@@ -126,9 +126,6 @@ USING_MIXED_PRECISION_POLICY = Private(LIVE, "tensorflow.python.training.experim
 BASE_SESSION = Private(SESSION, "tensorflow.python.client.session", "BaseSession")
 SESSION_INIT = Private(SESSION, "tensorflow.python.client.session", "BaseSession.__init__",
                        ("target", "graph", "config"))
-# What BaseSession.__init__ sets and the mirror reads: the C session it runs, the ConfigProto a
-# mirror's own Session is made with, whether it is closed (instance attributes, no public getter).
-SESSION_HANDLE, SESSION_CONFIG, SESSION_CLOSED = "_session", "_config", "_closed"
 BASE_SESSION_EXTEND_GRAPH = Private(SESSION, "tensorflow.python.client.session", "BaseSession._extend_graph", ())
 BASE_SESSION_CALL_TF_SESSIONRUN = Private(SESSION, "tensorflow.python.client.session",
                                           "BaseSession._call_tf_sessionrun",
@@ -140,6 +137,9 @@ BASE_SESSION_MAKE_CALLABLE_FROM_OPTIONS = Private(SESSION, "tensorflow.python.cl
 BASE_SESSION_DO_CALL = Private(SESSION, "tensorflow.python.client.session", "BaseSession._do_call", ("fn",))
 BASE_SESSION_CALLABLE = Private(SESSION, "tensorflow.python.client.session", "BaseSession._Callable",
                                 ("session", "callable_options"))
+# What BaseSession.__init__ sets and the mirror reads: the C session it runs, the ConfigProto a
+# mirror's own Session is made with, whether it is closed (instance attributes, no public getter).
+SESSION_HANDLE, SESSION_CONFIG, SESSION_CLOSED = "_session", "_config", "_closed"
 # partial_run_setup's own fetch handling and feed expansions, reused rather than written again.
 FETCH_HANDLER = Private(SESSION, "tensorflow.python.client.session", "_FetchHandler", ("graph", "fetches", "feeds"))
 REGISTERED_EXPANSIONS = Private(SESSION, "tensorflow.python.client.session", "_REGISTERED_EXPANSIONS")
@@ -224,13 +224,20 @@ WRITE_FINGERPRINT = Private(SAVED_MODEL_WRITING, "tensorflow.python.saved_model.
 
 # --- the grappler oracle and the dumps (testing/reference.py, cli/dump.py) --------------------
 
+ORACLE = "grappler as an oracle (amp_rewrite.testing.reference: the conformance tests and tools)"
 # grappler's AMP pass run on its own has no public entry (tf.config.optimizer runs it inside
 # a function call, on the local devices); the oracle needs it on a virtual cluster.
-ORACLE = "grappler as an oracle (amp_rewrite.testing.reference: the conformance tests and tools)"
 OPTIMIZE_GRAPH = Private(ORACLE, "tensorflow.python.grappler.tf_optimizer", "OptimizeGraph",
                          ("config_proto", "metagraph", "verbose", "graph_id", "cluster", "strip_default_attributes"))
 GRAPPLER_CLUSTER = Private(ORACLE, "tensorflow.python.grappler.cluster", "Cluster",
                            ("allow_soft_placement", "disable_detailed_stats", "disable_timeline", "devices"))
 ONEDNN_DTYPE_SUPPORTED = Private(ORACLE, "tensorflow.python.util._pywrap_utils", "IsDataTypeSupportedByOneDNNOnThisCPU")
+
+# --- the measuring tools (tools/calibration_models_report.py) ---------------------------------
+TOOLS = "the measuring tools (tools/*.py)"
+# Freezing a signature into one GraphDef (variables as constants, bodies inlined) has no public v2
+# entry; tf.compat.v1.graph_util's works on a Session's graph only.
+CONVERT_VARIABLES_TO_CONSTANTS = Private(TOOLS, "tensorflow.python.framework.convert_to_constants",
+                                         "convert_variables_to_constants_v2", ("func",))
 
 ENTRIES: tuple[Private, ...] = tuple(value for value in dict(globals()).values() if isinstance(value, Private))

@@ -2,8 +2,9 @@
 
 A page asks for one with an HTML comment on a line of its own, ``<!-- generated: NAME ARG -->``;
 ``on_page_markdown`` puts the Markdown in its place. Generating them means the CLI options,
-the exit codes, the op lists, the API reference and the mutation table cannot drift from
-the parser, the YAML lists, ``amp_rewrite.__all__`` and ``tools/mutation_check.py``. An
+the exit codes, the op lists, the API reference, the mutation table and the list of TensorFlow internals
+cannot drift from the parser, the YAML lists, ``amp_rewrite.__all__``,
+``tools/mutation_check.py`` and ``amp_rewrite/_tf.py``. An
 unknown name fails the build, naming the page. ``tests/test_docs.py`` checks each generator
 without MkDocs.
 """
@@ -137,6 +138,44 @@ def mutations(_arg: str = "") -> str:
     return _table(("mutant", "fault", "file", "tests run against it"), rows)
 
 
+def _private_names(value: Any) -> list[str]:
+    """The private names one assignment in ``_tf.py`` lists: a ``Private(feature, module,
+    attribute)`` entry, or attribute names (strings with a leading underscore)."""
+    import ast
+
+    if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "Private":
+        module, attribute = (ast.literal_eval(arg) for arg in (value.args[1:3] + [ast.Constant("")])[:2])
+        return [f"{module}.{attribute}" if attribute else module]
+    constants = value.elts if isinstance(value, ast.Tuple) else [value]
+    return [c.value for c in constants if isinstance(c, ast.Constant) and str(c.value).startswith("_")]
+
+
+def tf_internals(_arg: str = "") -> str:
+    """``amp_rewrite/_tf.py``'s private names by section (the feature and the modules using
+    them), each group with the comment above it there, which says why it is private."""
+    import ast
+
+    source = (ROOT / "amp_rewrite" / "_tf.py").read_text(encoding="utf-8")
+    lines = source.splitlines()
+    rows: list[tuple[str, list[str], str]] = []
+    for node in ast.parse(source).body:
+        names = _private_names(node.value) if isinstance(node, ast.Assign) else []
+        if not names:
+            continue
+        above = []
+        for line in reversed(lines[:node.lineno - 1]):
+            if not line.startswith("# ") or line.startswith("# ---"):
+                break
+            above.insert(0, line[2:])
+        section = next(line for line in reversed(lines[:node.lineno - 1]) if line.startswith("# ---"))
+        section = section.strip("# -")
+        if above or not rows or rows[-1][0] != section:
+            rows.append((section, [], " ".join(above)))
+        rows[-1][1].extend(names)
+    return _table(("feature (modules)", "private names", "why private"),
+                  [(section, "<br>".join(f"`{n}`" for n in names), why) for section, names, why in rows])
+
+
 GENERATORS: dict[str, Callable[[str], str]] = {
     "cli-options": cli_options,
     "exit-codes": exit_codes,
@@ -144,6 +183,7 @@ GENERATORS: dict[str, Callable[[str], str]] = {
     "op-list": op_list,
     "api": api,
     "mutations": mutations,
+    "tf-internals": tf_internals,
 }
 
 

@@ -322,6 +322,19 @@ def test_mutation_table_lists_every_mutant() -> None:
     assert names == [mutant.name for mutant in sys.modules["mutation_check"].MUTANTS] and len(names) >= 10
 
 
+
+def test_internals_page_lists_every_private_name_with_its_reason() -> None:
+    """Every entry of amp_rewrite/_tf.py is in the generated table, and no row lacks its why."""
+    from amp_rewrite import _tf
+
+    table = _hooks().tf_internals()
+    rows = table.splitlines()[2:]
+    for entry in _tf.ENTRIES:
+        assert f"`{entry.name}`" in table, f"{entry.name} missing from the internals table"
+    for attribute in (_tf.SESSION_HANDLE, _tf.V1_GOOD_STEPS):
+        assert f"`{attribute}`" in table
+    assert rows and all(row.rsplit("|", 2)[1].strip() for row in rows), "a row without its reason"
+
 def test_an_unknown_generated_part_fails_naming_the_page() -> None:
     with pytest.raises(ValueError, match=r"docs/x\.md: unknown generated part 'no-such-part'"):
         _hooks().expand("<!-- generated: no-such-part -->\n", "docs/x.md")

@@ -48,9 +48,9 @@ from types import MappingProxyType
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework.graph_pb2 import GraphDef
-from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
 import amp_rewrite
+from amp_rewrite import _tf
 from amp_rewrite.cli import command as cli
 from amp_rewrite.core.target import NAME_TO_TARGET
 from amp_rewrite.testing.models import captured_variables
@@ -179,7 +179,8 @@ def frozen_signature(path: Path, signature: str = "serving_default") -> tuple[Fl
     signature input names in the order of the frozen graph's placeholders."""
     loaded = tf.saved_model.load(str(path))  # holds the variables while freezing
     function = loaded.signatures[signature]
-    frozen = convert_variables_to_constants_v2(function)
+    _tf.require(_tf.TOOLS)
+    frozen = _tf.CONVERT_VARIABLES_TO_CONSTANTS.get()(function)
     names = tuple(spec.name for spec in function.structured_input_signature[1].values())
     placeholders = tuple(t.name for t in frozen.inputs)
     if len(names) != len(placeholders):

@@ -48,6 +48,8 @@ def _errors(reference: np.ndarray, candidate: np.ndarray) -> str:
     return f"{validate.max_rel(reference, candidate):.3g} | {validate.p99_rel(reference, candidate):.3g}"
 
 
+
+
 def measure(name: str, workdir: Path, targets: tuple[str, ...] = TARGETS) -> list[str]:
     source = trained_models.export(name, workdir / name)
     model = read_model(source)
@@ -72,7 +74,8 @@ def measure(name: str, workdir: Path, targets: tuple[str, ...] = TARGETS) -> lis
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Layer Add does not have a `quantize` method implemented", per layer
         keras_model.quantize("float8")
-    quantized = sum(getattr(layer, "quantization_mode", None) == "float8" for layer in keras_model._flatten_layers())
+    # Each layer Keras quantizes to float8 owns one "inputs_scale" (public variable paths).
+    quantized = sum(variable.path.endswith("/inputs_scale") for variable in keras_model.variables)
     theirs = keras_model.predict(array, verbose=0)
     rows.append(f"| {name} | Keras quantize(\"float8\") | {_errors(reference[output], theirs)} | "
                 f"{_score(name, theirs, labels):.4f} | {quantized} layer(s) float8 |")
