@@ -322,6 +322,19 @@ def test_mutation_table_lists_every_mutant() -> None:
     assert names == [mutant.name for mutant in sys.modules["mutation_check"].MUTANTS] and len(names) >= 10
 
 
+def test_the_last_mutation_run_is_recorded_for_every_mutant() -> None:
+    """The recorded run (docs/design/mutations.md) has a row per mutant of the tool's table,
+    each caught (some test failed), and the README's count is the table's."""
+    _hooks().mutations()  # loads tools/mutation_check.py
+    mutants = [mutant.name for mutant in sys.modules["mutation_check"].MUTANTS]
+    page = (ROOT / "docs" / "design" / "mutations.md").read_text(encoding="utf-8")
+    recorded = dict(re.findall(r"^\| `([\w-]+)` \| (\d+)/\d+ \|", page, re.MULTILINE))
+    assert sorted(recorded) == sorted(mutants), "rerun tools/mutation_check.py and record its table"
+    assert all(int(failed) > 0 for failed in recorded.values())
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"puts {len(mutants)} deliberate" in readme and f"caught all {len(mutants)}" in readme
+
+
 
 def test_internals_page_lists_every_private_name_with_its_reason() -> None:
     """Every entry of amp_rewrite/_tf.py is in the generated table, and no row lacks its why."""
