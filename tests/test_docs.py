@@ -156,10 +156,13 @@ def _setup_path(block: Block) -> Path | None:
 
 
 def _link_checkout(directory: Path) -> None:
-    """The checkout's top-level files and folders, linked into ``directory`` (writes stay there)."""
+    """The checkout's top-level files and folders, linked into ``directory`` (writes stay there);
+    ``.venv`` is the environment this suite runs in (``make matrix`` runs it in another
+    release's venv, and a fresh checkout may have none of its own)."""
     for entry in ROOT.iterdir():
-        if entry.name not in (".git", "site"):
+        if entry.name not in (".git", "site", ".venv"):
             (directory / entry.name).symlink_to(entry)
+    (directory / ".venv").symlink_to(Path(sys.prefix))
 
 
 def _shell_script(block: Block) -> str:

@@ -172,6 +172,8 @@ def test_main_in_process_leaves_a_signal_to_its_caller(
 
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    # The caller's handler is Python's own, whatever an earlier test in this worker left.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     during: list[object] = []
     real = validate.validate_saved_models
@@ -186,11 +188,14 @@ def test_main_in_process_leaves_a_signal_to_its_caller(
 
     monkeypatch.setattr(validate, "validate_saved_models", interrupted)
     finished = []
-    with pytest.raises(KeyboardInterrupt):
-        try:
-            cli.main(["convert", str(source), str(tmp_path / "dst"), "--validate", "2"])
-        finally:
-            finished.append("the caller's finally ran")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                cli.main(["convert", str(source), str(tmp_path / "dst"), "--validate", "2"])
+            finally:
+                finished.append("the caller's finally ran")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert tuple(during) == handlers, "cli.main installed a signal handler"
     assert finished == ["the caller's finally ran"]
     assert listing(tmp_path) == {"tmp"} and listing(tmp_path / "tmp") == set()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,12 +140,31 @@ def test_the_tool_runs_in_its_smoke_mode(tool: Path, smoke_runs: dict[str, dict]
     assert not run["wrote"], f"{tool.name} --smoke wrote into the checkout: {run['wrote']}"
 
 
-def test_the_gpu_script_refuses_in_one_line_without_a_gpu() -> None:
-    """``tools/bench_gpu.sh`` (not Python: no --smoke) on a machine without an NVIDIA GPU says
-    so in one line and exits 2 before it installs anything."""
-    if shutil.which("nvidia-smi"):
-        pytest.skip("this machine has nvidia-smi: bench_gpu.sh would install and run the GPU benchmark")
+def test_the_gpu_script_refuses_in_one_line_without_a_gpu(tmp_path: Path) -> None:
+    """``tools/bench_gpu.sh`` (not Python: no --smoke) where nvidia-smi fails says so in one
+    line and exits 2 before it installs anything (an nvidia-smi that fails is put first on
+    PATH, so a GPU machine runs this too)."""
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n", encoding="utf-8")
+    (tmp_path / "nvidia-smi").chmod(0o755)
     process = subprocess.run(["bash", str(ROOT / "tools" / "bench_gpu.sh")], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+                             text=True, timeout=60, env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert (process.returncode, process.stderr.splitlines()) == (2, [
         "bench_gpu.sh: no NVIDIA GPU here (nvidia-smi missing or failing); for the CPU run 'make bench'"])
+
+
+def test_the_gpu_script_names_files_and_flags_that_exist() -> None:
+    """What the GPU script cannot show on a CPU: it parses (``bash -n``), the checkout files it
+    tests (its install stamp's trigger) exist, and each tools/X.py flag it passes is one that
+    tool's parser takes — a renamed file or flag fails here, not on a lent GPU."""
+    script = (ROOT / "tools" / "bench_gpu.sh").read_text(encoding="utf-8")
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    for named in re.findall(r"\|\| ([\w.]+) -nt", script):
+        assert (ROOT / named).is_file(), f"bench_gpu.sh tests {named}, which is not in the checkout"
+    commands = re.findall(r"(tools/\w+\.py)((?:[ \t]+[^\s$]+|[ \t]*\\\n)*)", script)
+    assert len(commands) >= 2
+    for tool, arguments in commands:
+        helped = subprocess.run([sys.executable, str(ROOT / tool), "--help"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        assert helped.returncode == 0, helped.stderr[-2000:]
+        for flag in re.findall(r"(?<!\S)(--[\w-]+)", arguments):
+            assert re.search(rf"(?<![\w-]){flag}(?![\w-])", helped.stdout), f"bench_gpu.sh passes {tool} {flag}"

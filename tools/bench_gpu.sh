@@ -41,8 +41,8 @@ if [[ -n "${WHEELS:-}" ]]; then
     pip_args+=(--no-index --find-links "$WHEELS")
 fi
 
-# Install once; again only when setup.py changes (as the Makefile does for .venv).
-if [[ ! -f "$STAMP" || setup.py -nt "$STAMP" ]]; then
+# Install once; again only when pyproject.toml changes (as the Makefile does for .venv).
+if [[ ! -f "$STAMP" || pyproject.toml -nt "$STAMP" ]]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install "${pip_args[@]}" 'tensorflow[and-cuda]>=2.16,<2.22'
     "$VENV/bin/python" -m pip install "${pip_args[@]}" -e .
