@@ -11,6 +11,7 @@ without MkDocs.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import re
 import sys
@@ -141,8 +142,6 @@ def mutations(_arg: str = "") -> str:
 def _private_names(value: Any) -> list[str]:
     """The private names one assignment in ``_tf.py`` lists: a ``Private(feature, module,
     attribute)`` entry, or attribute names (strings with a leading underscore)."""
-    import ast
-
     if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "Private":
         module, attribute = (ast.literal_eval(arg) for arg in (value.args[1:3] + [ast.Constant("")])[:2])
         return [f"{module}.{attribute}" if attribute else module]
@@ -153,8 +152,6 @@ def _private_names(value: Any) -> list[str]:
 def tf_internals(_arg: str = "") -> str:
     """``amp_rewrite/_tf.py``'s private names by section (the feature and the modules using
     them), each group with the comment above it there, which says why it is private."""
-    import ast
-
     source = (ROOT / "amp_rewrite" / "_tf.py").read_text(encoding="utf-8")
     lines = source.splitlines()
     rows: list[tuple[str, list[str], str]] = []
