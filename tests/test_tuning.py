@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from amp_rewrite.core.lists import load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import BFLOAT16
 from amp_rewrite.tuning import cache as timing_cache
-from amp_rewrite.tuning.decide import MARGIN, Problem, build_problem, cached_keeps, plan_keeps
+from amp_rewrite.tuning.decide import MARGIN, Problem, build_problem, plan_keeps
 from amp_rewrite.tuning.shapes import TensorInfo, infer_shapes
 from amp_rewrite.tuning.timing import Budget, Pair, Timings, cast_pair, op_run, time_pairs
 from amp_rewrite.core.program import program_of
@@ -285,6 +286,71 @@ def test_a_spent_budget_times_nothing():
     assert (timings.timed, timings.skipped) == (0, 4)
 
 
+class _Clock:
+    """A clock the test moves: ``time.perf_counter`` for the timing's modules."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def take(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_paused_budget_counts_only_while_it_runs(monkeypatch):
+    """Between the op timing and the whole-model check a conversion writes and validates: not timing."""
+    from amp_rewrite.tuning import timing
+
+    clock = _Clock()
+    monkeypatch.setattr(timing, "time", clock)
+    budget = Budget(30.0, started=clock.now)
+    clock.take(3)
+    budget.pause()
+    clock.take(100)
+    assert (budget.spent(), budget.left()) == (3, 27)
+    budget.resume()
+    clock.take(2)
+    assert budget.spent() == 5
+
+
+def test_the_whole_model_check_starts_no_step_past_its_budget(tmp_path, monkeypatch):
+    """On a clock the test moves (a model's load 5 s, a call 1 s at batch 1 and 2 s at batch
+    4), every budget from 0 to 60 s is kept, but for the two steps nothing predicts (the
+    source's load, its first call), each started only with time left; what did not fit is
+    said per batch size (a call at batch 4 expected as long as 4 at batch 1), and a budget
+    that fits gets its ratios."""
+    from amp_rewrite.tuning import timing
+
+    source = _save_chain(tmp_path / "chain")
+    model = read_model(source)
+    feeds, _ = speed.batch_feeds(model, None, (1, 4))
+    tuning = speed.tune_model(model, feeds, target="bfloat16", lists=load_lists("bfloat16"),
+                              cache=timing_cache.load_cache(None), budget_s=1e-9)
+    clock = _Clock()
+    monkeypatch.setattr(speed, "time", clock)
+    monkeypatch.setattr(timing, "time", clock)
+
+    def loaded(model, path):
+        clock.take(5)
+        return lambda fed: lambda: clock.take(2 if fed is feeds[4] else 1)
+    monkeypatch.setattr(speed, "_loaded", loaded)
+    for budget in np.arange(0, 60.5, 0.5):
+        clock.now = 0.0
+        checks = speed.check_speed(tuning, tmp_path / "written", seconds=float(budget))
+        assert clock.now <= budget or clock.now == 5 or (clock.now - budget <= 1 and clock.now <= 11), (budget, clock.now)
+        assert [c.batch for c in checks] == [1, 4]
+    assert [c.speed for c in checks] == [1.0, 1.0]
+    clock.now = 0.0
+    lines = speed.speed_lines(tuning, speed.check_speed(tuning, tmp_path / "written", seconds=7.0))
+    assert ("batch 1 not checked: loading the result (about 5.0 s, as the source's load took) does not fit in the"
+            " budget left (a larger --tune-budget checks it)") in lines[0], lines
+    clock.now = 0.0
+    lines = speed.speed_lines(tuning, speed.check_speed(tuning, tmp_path / "written", seconds=16.0))
+    assert "batch 4 not checked: its warm-up calls (about 4.00 s each) do not fit in the budget left" in lines[0], lines
+
+
 @pytest.mark.parametrize("content", [b"not json {", b'{"format": "something else", "machines": {}}',
                                      b"\xff\xfe\x00bytes", b'{"format": "amp-rewrite op timings", "version": 1,'
                                      b' "machines": {"m": {"timings": {"k": "fast"}}}}'])
@@ -472,20 +538,41 @@ def test_the_python_api_gives_the_decisions_an_overlay_reproduces(tmp_path):
     assert "casts" in lines[1]
 
 
-def test_the_live_path_reads_the_cache_and_times_nothing(tmp_path):
-    """cached_keeps: what the training rewrite would call, from the cache alone."""
+def _traced_ops(step, x: tf.Tensor) -> dict[str, int]:
+    """Op type -> its T attr in ``step``'s registered (rewritten) body, traced on ``x``."""
+    from tensorflow.python.eager import context
+
+    body = context.context().get_function_def(step.get_concrete_function(x).name)
+    return {node.op: node.attr["T"].type for node in body.node_def if node.op in ("MatMul", "Relu")}
+
+
+def test_the_live_path_keeps_what_the_cache_says_and_times_nothing(tmp_path, monkeypatch):
+    """mixed_precision(timing_cache=...): a step traced at batch 4 keeps the Relu the cache
+    says is slower in bfloat16 float32, its matmuls converted; nothing is timed or written.
+    Without it, or with a cache of no timings here (one warning), the lists decide alone."""
+    import amp_rewrite
+    from amp_rewrite.tuning import timing
+
     source = _save_chain(tmp_path / "chain")
-    model = read_model(source)
-    cache_path = _ship_cache(source, tmp_path / "timings.json", slow="Relu")
-    feeds, _ = speed.batch_feeds(model, None, (4,))
-    base = rewrite_graph_def(model.graph_def, target="bfloat16", fetches=model.fetches,
-                             entry_functions=model.entry_functions)
-    cache = timing_cache.load_cache(cache_path)
-    keeps = cached_keeps(model.graph_def, base, BFLOAT16, speed._feed_shapes(model, feeds[4]), cache)
-    assert [node for _, node in keeps] == ["Relu"] and cache.added == 0
-    empty = timing_cache.load_cache(None)
-    assert cached_keeps(model.graph_def, base, BFLOAT16, speed._feed_shapes(model, feeds[4]), empty) == {}
-    assert empty.added == 0
+    cache = _ship_cache(source, tmp_path / "timings.json", slow="Relu")
+    shipped = cache.read_bytes()
+    monkeypatch.setattr(timing, "_TimingSession", None)  # a timing would fail: the live path never times
+    chain, x = _Chain(), tf.ones((4, 16))
+
+    def step() -> Callable:
+        return tf.function(lambda x: tf.matmul(tf.nn.relu(tf.matmul(x, chain.w1)), chain.w2))
+    with amp_rewrite.mixed_precision(target="bfloat16", timing_cache=cache):
+        assert _traced_ops(step(), x) == {"MatMul": LOW, "Relu": types_pb2.DT_FLOAT}
+    assert cache.read_bytes() == shipped
+    with amp_rewrite.mixed_precision(target="bfloat16"):
+        assert _traced_ops(step(), x) == {"MatMul": LOW, "Relu": LOW}
+    with pytest.warns(UserWarning, match=r"amp_rewrite: .*missing.json: no timings of this machine there \(amp-rewrite"
+                      r" convert --tune speed --tune-cache .*missing.json fills it\); the lists decide alone"):
+        with amp_rewrite.mixed_precision(target="bfloat16", timing_cache=tmp_path / "missing.json"):
+            assert _traced_ops(step(), x) == {"MatMul": LOW, "Relu": LOW}
+    with pytest.raises(ValueError, match="timing_cache applies to target='bfloat16' or 'float16', not to FP8"):
+        with amp_rewrite.mixed_precision(target="float8", timing_cache=cache):
+            pass
 
 
 def test_the_readme_commands_run_as_written(tmp_path, monkeypatch):

@@ -1,16 +1,16 @@
 """Does ``--tune speed``'s cache help a bfloat16 training step? (issue 37, training part)
 
-The live rewrite (``amp_rewrite.mixed_precision``) converts a training step as the lists
-say. It must not time ops on the step's path, so it would read the timing cache
-(``tuning.decide.cached_keeps``) when a step is traced; this script measures what that
-would give, without touching ``training/``: it times the step's ops once, offline (as
-``convert --tune speed`` does, into a cache), then traces three copies of one training
-step, a custom loop as TensorFlow's "training loop from scratch" guide writes it
-(GradientTape, a Keras optimizer), and times them in turn on the same batches:
+The live rewrite (``amp_rewrite.mixed_precision``, ``enable_mixed_precision_graph_rewrite``)
+converts a training step as the lists say; given ``timing_cache=``, each trace also keeps
+float32 what the cache says runs slower in the target, timing nothing on the step's path.
+This script times the step's ops once, offline, into a cache (as ``convert --tune speed``
+does), then traces three copies of one training step, a custom loop as TensorFlow's
+"training loop from scratch" guide writes it (GradientTape, a Keras optimizer), and times
+them in turn on the same batches:
 
 * float32 (no rewrite);
 * ``mixed_precision(target="bfloat16")``: the lists alone;
-* the same with ``lists=`` the lists plus the cache's keeps (what the live path would do).
+* ``mixed_precision(target="bfloat16", timing_cache=FILE)``: the lists and the cache.
 
 Speed-up = median over rounds of float32's step time / the variant's. Model: MobileNetV2
 (``keras.applications``, weights=None, 10 classes) at 96x96, batch 16.
@@ -18,16 +18,10 @@ Speed-up = median over rounds of float32's step time / the variant's. Model: Mob
     TF_CPP_MIN_LOG_LEVEL=2 nice -n 10 .venv/bin/python tools/bench_live_tuning.py   # a few minutes
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_live_tuning.py --smoke     # tiny CNN: checks the script
 
-How the live path would call it: in ``training/tracing.py``'s ``rewrite_registered_function``, after the
-rewrite with ``settings.lists``, ``cached_keeps(graph_def, result, target, feed_shapes,
-cache, handles)`` (feed shapes and variable handles from the traced FuncGraph's inputs and
-captures, as ``step_graph`` below finds them), then the rewrite again with
-``settings.lists.keeping({re.escape(node): why ...})`` where the plan keeps any.
 """
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -87,15 +81,14 @@ def step_graph(step: Any, batch: tuple[Any, Any], variables: list[Any]) -> tuple
     return graph.as_graph_def(), feeds, handles, [t.op.name for t in graph.outputs]
 
 
-def offline_keeps(graph_def: Any, feeds: dict, handles: dict, fetches: list[str], cache_path: Path,
-                  budget_s: float) -> tuple[dict[str, str], str]:
-    """Time the step's converted ops into the cache (offline), then read the plan from the
-    cache alone, as the live path would: keep_nodes entries -> reasons, and what timing cost."""
+def offline_timing(graph_def: Any, feeds: dict, handles: dict, fetches: list[str], cache_path: Path,
+                   budget_s: float) -> str:
+    """Time the step's converted ops into the cache at ``cache_path`` (offline); what it cost."""
     from amp_rewrite.calibration.speed import save_cache
     from amp_rewrite.core.rewrite import rewrite_graph_def
     from amp_rewrite.core.target import BFLOAT16
     from amp_rewrite.tuning.cache import load_cache
-    from amp_rewrite.tuning.decide import cached_keeps, plan_rewrite
+    from amp_rewrite.tuning.decide import plan_rewrite
     from amp_rewrite.tuning.shapes import infer_shapes
     from amp_rewrite.tuning.timing import Budget
 
@@ -104,12 +97,10 @@ def offline_keeps(graph_def: Any, feeds: dict, handles: dict, fetches: list[str]
     budget = Budget(budget_s)
     shapes = infer_shapes(graph_def, feeds, handles=handles)
     batch = next(iter(feeds.values()))[0]
-    problem, timings, _ = plan_rewrite(graph_def, base, BFLOAT16, {batch: shapes}, cache, budget)
+    problem, timings, plan = plan_rewrite(graph_def, base, BFLOAT16, {batch: shapes}, cache, budget)
     save_cache(cache)
-    keeps = cached_keeps(graph_def, base, BFLOAT16, feeds, load_cache(cache_path), handles)
-    cost = (f"{timings.timed} op(s) timed in {budget.spent():.1f} s, {timings.skipped} left by the {budget_s:g} s"
-            f" budget; {len(keeps)} of {len(problem.candidates)} converted node(s) kept float32")
-    return {re.escape(node): why for (_, node), why in keeps.items()}, cost
+    return (f"{timings.timed} op(s) timed in {budget.spent():.1f} s, {timings.skipped} left by the {budget_s:g} s"
+            f" budget; the plan keeps {len(plan.keep)} of {len(problem.candidates)} converted node(s) float32")
 
 
 def time_steps(steps: dict[str, Any], batch: tuple[Any, Any], rounds: int) -> dict[str, list[float]]:
@@ -137,23 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     import tensorflow as tf
 
     import amp_rewrite
-    from amp_rewrite.core.lists import load_lists
 
     model, optimizer, batch = build(args.smoke)
     tensors = tuple(tf.constant(a) for a in batch)
     float32 = make_step(model, optimizer)
     float32(*tensors)  # builds the optimizer's variables
-    with tempfile.TemporaryDirectory(prefix="amp-rewrite-live-tuning-") as directory:
-        graph_def, feeds, handles, fetches = step_graph(float32, tensors, model.variables + optimizer.variables)
-        entries, cost = offline_keeps(graph_def, feeds, handles, fetches, Path(directory) / "timings.json",
-                                      2.0 if args.smoke else args.budget)
     steps = {"float32": float32}
-    with amp_rewrite.mixed_precision(target="bfloat16"):
-        steps["bfloat16 (lists)"] = make_step(model, optimizer)
-        steps["bfloat16 (lists)"].get_concrete_function(*tensors)
-    with amp_rewrite.mixed_precision(target="bfloat16", lists=load_lists("bfloat16").keeping(entries)):
-        steps["bfloat16 (lists + cache)"] = make_step(model, optimizer)
-        steps["bfloat16 (lists + cache)"].get_concrete_function(*tensors)
+    with tempfile.TemporaryDirectory(prefix="amp-rewrite-live-tuning-") as directory:
+        cache = Path(directory) / "timings.json"
+        graph_def, feeds, handles, fetches = step_graph(float32, tensors, model.variables + optimizer.variables)
+        cost = offline_timing(graph_def, feeds, handles, fetches, cache, 2.0 if args.smoke else args.budget)
+        for name, options in (("bfloat16 (lists)", {}), ("bfloat16 (lists + timing_cache)", {"timing_cache": cache})):
+            with amp_rewrite.mixed_precision(target="bfloat16", **options):
+                steps[name] = make_step(model, optimizer)
+                steps[name].get_concrete_function(*tensors)
     seconds = time_steps(steps, tensors, 2 if args.smoke else args.rounds)
     print(f"Offline timing: {cost}")
     for name, times in seconds.items():

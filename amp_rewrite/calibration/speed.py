@@ -11,8 +11,9 @@ then time the whole result against the source (README, "Tuning for speed").
    (rule ``measured-slower``), and the model is rewritten with them. Numerics come first:
    the lists, ``--keep`` and calibration decide before this, which only adds keeps.
 4. **The whole model** (``check_speed``): the written result and the source, called in
-   turn at each batch size for what is left of the budget; a batch size where the
-   result is slower gets one line naming the ops that cost most.
+   turn at each batch size for what is left of the budget (a step starts only where it is
+   expected to fit); a batch size where the result is slower gets one line naming the
+   ops that cost most, one left unchecked a line saying why.
 """
 from __future__ import annotations
 
@@ -67,13 +68,6 @@ def check_target(target: Target) -> None:
     if target.device_type == "GPU" and not tf.config.list_physical_devices("GPU"):
         raise AmpRewriteError(f"--tune speed: target {target.name} runs on a GPU and TensorFlow sees none here;"
                               " convert on the machine you serve on")
-
-
-def _gpu_name(target: Target) -> str:
-    if target.device_type != "GPU":
-        return ""
-    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
-    return f"{details.get('device_name', 'GPU')} sm_{''.join(map(str, details.get('compute_capability', ())))}"
 
 
 # --- 1. shapes: the feeds at each batch size ---------------------------------------------------
@@ -173,7 +167,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     target = lookup_target(target)
     check_target(target)
     budget = Budget(check_budget(budget_s))
-    cache = cache or timing_cache.TimingCache(None, timing_cache.machine_description(_gpu_name(target)))
+    cache = cache or timing_cache.load_cache(None, timing_cache.gpu_name(target.device_type))
     base = base or rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     shapes = {size: infer_shapes(model.graph_def, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
@@ -186,6 +180,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     untimeable = sum(1 for c in problem.candidates.values() if all(r is None for r in c.runs.values()))
     notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
              " their neighbours"] if untimeable else []
+    budget.pause()  # until the whole-model check: writing and validating are not timing
     return Tuning(model, target, result, tuned_lists, keep, plan, problem, timings, feeds, budget, weights_low,
                   tuple(notes))
 
@@ -193,7 +188,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
 def open_cache(path: str | os.PathLike | None | object, target: Target) -> timing_cache.TimingCache:
     """The cache at ``path`` (DEFAULT: the default file; None: none) for this machine and target."""
     where = timing_cache.default_path() if path is DEFAULT else path
-    return timing_cache.load_cache(where, _gpu_name(target))
+    return timing_cache.load_cache(where, timing_cache.gpu_name(target.device_type))
 
 
 def save_cache(cache: timing_cache.TimingCache) -> str:
@@ -253,6 +248,7 @@ class SpeedCheck:
     source_s: float
     result_s: float
     speed: float | None
+    unchecked: str = ""  # why no round ran: the step that did not fit in the budget left
 
     @property
     def slower(self) -> bool:
@@ -293,36 +289,74 @@ def _timed(call: Callable[[], None]) -> float:
 def check_speed(tuning: Tuning, written: str | os.PathLike, seconds: float | None = None) -> list[SpeedCheck]:
     """Step 4: the source and ``written`` called in turn at each batch size, for ``seconds``
     (default: what the budget has left, loading both included), split evenly over the batch
-    sizes; none where the timing kept every node float32 (the result is the source's graph)."""
+    sizes; none where the timing kept every node float32 (the result is the source's graph).
+    The budget counts while this runs. A step starts only where what it is expected to take
+    fits in what is left: loading the result as long as the source's load took, a call as
+    long as the last one (at a larger batch, longer by the ratio of the batch sizes); the two
+    steps nothing predicts, loading the source and its first call, need only time left."""
     if not any(d.converted for d in tuning.result.report.decisions):
         return []  # the source's graph: nothing to time
-    left = tuning.budget.left() if seconds is None else seconds
-    deadline = time.perf_counter() + max(left, 0.0)
-    source, result = _loaded(tuning.model, tuning.model.path), _loaded(tuning.model, Path(written))
-    checks = []
+    tuning.budget.resume()
+    try:
+        left = tuning.budget.left() if seconds is None else seconds
+        return _check_batches(tuning, Path(written), time.perf_counter() + max(left, 0.0))
+    finally:
+        tuning.budget.pause()
+
+
+def _check_batches(tuning: Tuning, written: Path, end: float) -> list[SpeedCheck]:
+    """Both models loaded if they fit before ``end``, then each batch size's share of what is left."""
+    def unchecked(why: str) -> list[SpeedCheck]:
+        return [SpeedCheck(size, 0, 0.0, 0.0, None, why) for size in tuning.feeds]
+
+    if time.perf_counter() >= end:
+        return unchecked("no time was left in the budget")
+    load_s = time.perf_counter()
+    source = _loaded(tuning.model, tuning.model.path)
+    load_s = time.perf_counter() - load_s
+    if time.perf_counter() + load_s > end:
+        return unchecked(f"loading the result (about {load_s:.1f} s, as the source's load took) does not fit in"
+                         " the budget left")
+    result = _loaded(tuning.model, written)
+    checks, took, last = [], 0.0, 0
     for index, (size, feeds) in enumerate(tuning.feeds.items()):
-        calls = (source(feeds), result(feeds))
-        for call in calls * 2:  # warm-up: tracing, kernel caches
-            call()
-        share = (deadline - time.perf_counter()) / (len(tuning.feeds) - index)
-        pairs: list[tuple[float, float]] = []
-        while len(pairs) < MAX_ROUNDS and (not pairs or sum(pairs[-1]) * 1.05 < share - sum(map(sum, pairs))):
-            order = calls if len(pairs) % 2 == 0 else calls[::-1]
-            first, second = _timed(order[0]), _timed(order[1])
-            pairs.append((first, second) if order is calls else (second, first))
-        speed = statistics.median(a / b for a, b in pairs) if len(pairs) >= MIN_ROUNDS else None
-        checks.append(SpeedCheck(size, len(pairs), statistics.median(a for a, _ in pairs),
-                                 statistics.median(b for _, b in pairs), speed))
+        share = (end - time.perf_counter()) / (len(tuning.feeds) - index)
+        expected = took * max(size / last, 1.0) if last else 0.0  # a larger batch: up to as much longer
+        check, took = _check_batch(size, (source(feeds), result(feeds)), time.perf_counter() + share, expected)
+        checks.append(check)
+        last = size
     return checks
+
+
+def _check_batch(size: int, calls: tuple[Callable[[], None], Callable[[], None]], end: float,
+                 expected: float) -> tuple[SpeedCheck, float]:
+    """At one batch size: two warm-up calls of each model (tracing, kernel caches), then
+    rounds, each calling both (in turn first), while the next round is expected to end by
+    ``end``; the first call is expected to take ``expected`` s (0: unknown), the others as
+    long as the last. Returns the check and its last call's seconds."""
+    took = [expected, expected]  # the last two calls' seconds
+    for call in calls * 2:
+        if time.perf_counter() + took[-1] > end:
+            return SpeedCheck(size, 0, 0.0, 0.0, None, f"its warm-up calls (about {took[-1]:.2f} s each) do not"
+                              " fit in the budget left"), took[-1]
+        took.append(_timed(call))
+    pairs: list[tuple[float, float]] = []
+    while len(pairs) < MAX_ROUNDS and time.perf_counter() + 1.05 * sum(pairs[-1] if pairs else took[-2:]) < end:
+        order = calls if len(pairs) % 2 == 0 else calls[::-1]
+        first, second = _timed(order[0]), _timed(order[1])
+        pairs.append((first, second) if order is calls else (second, first))
+    if not pairs:
+        return SpeedCheck(size, 0, took[-2], took[-1], None, f"a round (about {sum(took[-2:]):.2f} s) does not fit"
+                          " in the budget left"), took[-1]
+    speed = statistics.median(a / b for a, b in pairs) if len(pairs) >= MIN_ROUNDS else None
+    return SpeedCheck(size, len(pairs), statistics.median(a for a, _ in pairs),
+                      statistics.median(b for _, b in pairs), speed), max(pairs[-1])
 
 
 def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
     """One line for the check, and one per batch size where the result is slower, naming
     the converted op types that cost most there (their target time over float32's, summed)."""
-    shown = "; ".join(f"batch {c.batch} {c.speed:.2f}x ({c.source_s * 1e3:.1f} -> {c.result_s * 1e3:.1f} ms,"
-                      f" {c.rounds} rounds)" if c.speed is not None else f"batch {c.batch} not checked: {c.rounds}"
-                      f" round(s) of {c.source_s + c.result_s:.2f} s in the budget left, {MIN_ROUNDS} needed (a"
-                      " larger --tune-budget checks it)" for c in checks)
+    shown = "; ".join(_shown(c) for c in checks)
     if not checks:
         return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"
                 f" (timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget)"]
@@ -333,6 +367,15 @@ def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
             lines.append(f"Speed: slower than the source at batch {check.batch} ({check.speed:.2f}x); costliest in"
                          f" {tuning.target.name}: {_costliest(tuning, check.batch)}")
     return lines
+
+
+def _shown(check: SpeedCheck) -> str:
+    if check.speed is not None:
+        return (f"batch {check.batch} {check.speed:.2f}x ({check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms,"
+                f" {check.rounds} rounds)")
+    why = check.unchecked or (f"{check.rounds} round(s) of {check.source_s + check.result_s:.2f} s in the budget"
+                              f" left, {MIN_ROUNDS} needed")
+    return f"batch {check.batch} not checked: {why} (a larger --tune-budget checks it)"
 
 
 def _costliest(tuning: Tuning, batch: int) -> str:

@@ -28,6 +28,7 @@ from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.training import float8, optimizers, session, tracing
 from amp_rewrite.training.float8_state import DEFAULT_AMAX_HISTORY_LENGTH, Float8State, check_history_length
+from amp_rewrite.tuning.cache import TimingCache, training_cache
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LiveRewrite:
     lists: OpLists
     cross_function: bool = False
     float8: float8.Float8Training | None = None  # FP8 training (target="float8"): its state
+    timings: TimingCache | None = field(default=None, compare=False)  # the timing cache's keeps join the lists
 
     @property
     def name(self) -> str:
@@ -224,11 +226,12 @@ def _require(target: Any) -> None:
 
 
 def start(target: Any, lists: Any = None, cross_function: bool = False, *,
-          amax_history_length: Any = None, base_precision: Any = "bfloat16") -> Enablement | None:
+          amax_history_length: Any = None, base_precision: Any = "bfloat16", timing_cache: Any = None
+          ) -> Enablement | None:
     """Rewrite every new trace from now on (no optimizer); returns the enablement, or None if it stays off."""
     _require(target)
     settings = plan_settings(target, lists, cross_function, amax_history_length=amax_history_length,
-                             base_precision=base_precision)
+                             base_precision=base_precision, timing_cache=timing_cache)
     if settings is None:
         return None
     enablement = Enablement(settings)
@@ -238,9 +241,10 @@ def start(target: Any, lists: Any = None, cross_function: bool = False, *,
 
 def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, *,
                   amax_history_length: Any = None, base_precision: Any = "bfloat16",
-                  float8_state: Float8State | None = None) -> LiveRewrite | None:
+                  float8_state: Float8State | None = None, timing_cache: Any = None) -> LiveRewrite | None:
     """The settings ``start`` would enable, every argument checked; nothing is changed yet.
-    ``amax_history_length`` None: ``float8_state``'s (a resumed wrapper's), else Keras' 1024."""
+    ``amax_history_length`` None: ``float8_state``'s (a resumed wrapper's), else Keras' 1024.
+    ``timing_cache``: a ``convert --tune speed`` timing cache file, read (never timed into) at each trace."""
     policy = tracing.mixed_keras_policy()
     if policy:
         raise ValueError(
@@ -249,6 +253,8 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
             " or use the Keras policy alone."
         )
     if target_name(target) == FLOAT8:
+        if timing_cache is not None:
+            raise ValueError("timing_cache applies to target='bfloat16' or 'float16', not to FP8 training; leave it out")
         return _plan_float8(lists, cross_function, amax_history_length, base_precision, float8_state)
     if (amax_history_length, base_precision) != (None, "bfloat16"):
         raise ValueError(f"amax_history_length and base_precision apply to target='float8', not {target!r};"
@@ -263,7 +269,8 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
     else:
         target = lookup_target(target_name(target)).name  # None above: detect it
     _refuse_switch(target, None)
-    return LiveRewrite(target, load_lists(target, lists), cross_function)
+    timings = training_cache(timing_cache, lookup_target(target).device_type) if timing_cache is not None else None
+    return LiveRewrite(target, load_lists(target, lists), cross_function, timings=timings)
 
 
 def _plan_float8(lists: Any, cross_function: bool, amax_history_length: Any, base_precision: Any,
@@ -325,7 +332,7 @@ def default_loss_scale(settings: LiveRewrite | None) -> str | None:
 def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None,
                                          cross_function: bool = False,
                                          amax_history_length: int | None = None,
-                                         base_precision: str = "bfloat16") -> Any:
+                                         base_precision: str = "bfloat16", timing_cache: Any = None) -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``: by default
@@ -338,7 +345,9 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     delayed scaling over ``amax_history_length`` steps (default 1024); the state is the returned
     wrapper's ``float8_state``), or None to pick float16 or bfloat16 from the hardware (the
     rewrite stays off, with a warning, when neither fits). ``cross_function``: paint across call
-    and loop boundaries (``rewrite_graph_def``'s option).
+    and loop boundaries (``rewrite_graph_def``'s option). ``timing_cache``: the path of a timing
+    cache that ``amp-rewrite convert --tune speed`` filled on this machine; each trace then
+    keeps float32 what it says runs slower in the target, at the trace's shapes, timing nothing.
 
     Enabling again keeps the earlier enablements: new traces use the newest one's settings (with a
     warning when its target differs); float8 and another target are an error. A wrapper this
@@ -348,9 +357,10 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     _require(target)
     resumed = optimizers.resumable(opt)
     if resumed is not None:
-        return _resume(opt, resumed, loss_scale, target, cross_function, amax_history_length, base_precision)
+        return _resume(opt, resumed, loss_scale, target, cross_function, amax_history_length, base_precision,
+                       timing_cache)
     settings = plan_settings(target, cross_function=cross_function, amax_history_length=amax_history_length,
-                             base_precision=base_precision)
+                             base_precision=base_precision, timing_cache=timing_cache)
     training = settings.float8 if settings is not None else None
     if loss_scale is DEFAULT_LOSS_SCALE:
         loss_scale = default_loss_scale(settings)
@@ -366,7 +376,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
 
 
 def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any, cross_function: bool,
-            amax_history_length: Any, base_precision: Any) -> Any:
+            amax_history_length: Any, base_precision: Any, timing_cache: Any) -> Any:
     """Enable again for a wrapper of ours (``optimizers.resumable``), with its own state and loss scale."""
     if loss_scale is not DEFAULT_LOSS_SCALE:
         raise ValueError(f"this {type(opt).__name__} is already amp_rewrite's loss-scale optimizer, with its own loss"
@@ -379,7 +389,8 @@ def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any
         raise ValueError(f"this {type(opt).__name__} was made for {wanted}, and its loss scale and state for that;"
                          f" pass {wanted} to resume with it, or wrap a new optimizer for another target")
     settings = plan_settings(asked, cross_function=cross_function, amax_history_length=amax_history_length,
-                             base_precision=base_precision, float8_state=optimizers.float8_state_of(opt))
+                             base_precision=base_precision, float8_state=optimizers.float8_state_of(opt),
+                             timing_cache=timing_cache)
     earlier = optimizers.enablement_of(opt)
     if earlier is not None:
         earlier.disable()
@@ -421,13 +432,13 @@ def disable_mixed_precision_graph_rewrite(opt: Any = None) -> None:
 
 @contextlib.contextmanager
 def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False,
-                    amax_history_length: int | None = None,
-                    base_precision: str = "bfloat16") -> Iterator[LiveRewrite | None]:
+                    amax_history_length: int | None = None, base_precision: str = "bfloat16",
+                    timing_cache: Any = None) -> Iterator[LiveRewrite | None]:
     """Rewrite the tf.functions traced inside the block (no optimizer wrapping). With
     ``target="float8"`` the yielded settings' ``float8.state`` holds the block's FP8 state:
-    checkpoint it yourself."""
+    checkpoint it yourself. ``timing_cache``: as ``enable_mixed_precision_graph_rewrite``'s."""
     enablement = start(target, lists, cross_function, amax_history_length=amax_history_length,
-                       base_precision=base_precision)
+                       base_precision=base_precision, timing_cache=timing_cache)
     try:
         yield enablement.settings if enablement is not None else None
     finally:

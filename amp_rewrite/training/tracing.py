@@ -12,6 +12,7 @@ Both act for the enablement given to them (``live``), which owns their settings 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from typing import Any, Mapping
 
@@ -23,7 +24,9 @@ from amp_rewrite import _tf
 from amp_rewrite.core import functions
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.rewrite import rewrite_graph_def
+from amp_rewrite.core.target import lookup_target
 from amp_rewrite.training import float8
+from amp_rewrite.tuning.decide import cached_keeps
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,8 @@ def on_new_function(concrete_function: Any, enablement: Any) -> None:
             f" {'.'.join(map(str, XLA_REWRITE_MIN_TENSORFLOW))} or newer, or jit_compile=False", stacklevel=2)
     library = concrete_function.graph.as_graph_def().library
     step = float8.trace_step(concrete_function.graph) if settings.float8 is not None else None
-    changed, float8_matmuls = rewrite_registered_function(name, library, settings, concrete_function.inference_fn, step)
+    changed, float8_matmuls = rewrite_registered_function(name, library, settings, concrete_function.inference_fn, step,
+                                                          concrete_function.graph)
     if float8_matmuls and not (jit_compile or step.under_xla or float8.xla_jit_enabled()) \
             and enablement.show_once("float8-emulated"):
         warnings.warn(float8.emulated_warning(name, float8_matmuls), stacklevel=2)
@@ -152,7 +156,8 @@ def private_copies(
 
 
 def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibrary, settings: Any,
-                                atomic: Any = None, step: float8.TraceStep | None = None) -> tuple[int, int]:
+                                atomic: Any = None, step: float8.TraceStep | None = None,
+                                func_graph: Any = None) -> tuple[int, int]:
     """Rewrite the registered function ``name`` in the eager context; its callees are rewritten
     into private copies (``private_copies``) that only the new ``name`` calls.
 
@@ -160,12 +165,19 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
     signature of ``name`` never changes. ``atomic``: ``name``'s AtomicFunction, whose children
     (the functions copied into a graph or SavedModel with it) gain the copies, which then live
     as long as it does. ``step``: FP8 training's findings in ``name``'s FuncGraph, for its float8 chains.
+    ``func_graph``: that FuncGraph, whose input shapes and variables the timing cache's plan needs.
     """
     context = _tf.EAGER_CONTEXT.get()()
     function = context.get_function_def(name)
     graph_def = _call_graph(function, library)
     result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=settings.lists,
                                cross_function=settings.cross_function, entry_functions=[name])
+    keep = measured_keeps(graph_def, result, settings, func_graph) if settings.timings is not None else {}
+    if keep:
+        result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"],
+                                   lists=settings.lists.keeping(keep), cross_function=settings.cross_function,
+                                   entry_functions=[name])
+        log.debug("amp_rewrite: %s: %d node(s) kept float32 by the timing cache", name, len(keep))
     if step is not None and settings.float8 is not None:
         result = float8.quantize(graph_def, result, name, step, settings.float8)
     original = {f.signature.name: f for f in graph_def.library.function}
@@ -175,6 +187,27 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
         return 0, 0
     log.debug("amp_rewrite: %s: %s", name, result.report.summary())
     return len(copies), result.report.float8_matmuls
+
+
+def measured_keeps(graph_def: graph_pb2.GraphDef, result: Any, settings: Any, func_graph: Any) -> dict[str, str]:
+    """keep_nodes entries (-> the measurement) for what the timing cache (``settings.timings``)
+    says runs slower converted in ``graph_def`` (``_call_graph``'s), nothing timed: a training
+    step's path never waits for a timing. ``func_graph`` gives the call's input shapes as traced
+    and its captured variables' dtypes and shapes; a node the cache does not know counts as
+    neither faster nor slower (its neighbours decide)."""
+    if func_graph is None:
+        return {}
+    by_handle = {id(variable.handle): variable for variable in func_graph.variables}
+    captured = {id(internal): by_handle.get(id(external)) for external, internal in func_graph.captures}
+    feeds, handles = {}, {}
+    for index, tensor in enumerate(func_graph.inputs):
+        variable = captured.get(id(tensor))
+        if variable is not None:
+            handles[f"input_{index}"] = (variable.dtype.as_datatype_enum, tuple(variable.shape))
+        elif tensor.dtype != tf.resource and tensor.shape.is_fully_defined():
+            feeds[f"input_{index}"] = tuple(tensor.shape.as_list())
+    kept = cached_keeps(graph_def, result, lookup_target(settings.target), feeds, settings.timings, handles)
+    return {re.escape(node): why for (_, node), why in sorted(kept.items())}
 
 
 def register(context: Any, function: function_pb2.FunctionDef, copies: list[function_pb2.FunctionDef],

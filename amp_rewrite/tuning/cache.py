@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,3 +147,28 @@ def load_cache(path: str | os.PathLike | None, gpu: str = "") -> TimingCache:
     if sections is not None:
         cache.timings = {key: float(value) for key, value in sections.get(cache.key, {}).get("timings", {}).items()}
     return cache
+
+
+def gpu_name(device_type: str) -> str:
+    """The GPU a target of ``device_type`` runs on here, as the cache's machine names it ("" for the CPU)."""
+    if device_type != "GPU":
+        return ""
+    import tensorflow as tf  # only here: the cache file is read and written without TensorFlow
+
+    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    return f"{details.get('device_name', 'GPU')} sm_{''.join(map(str, details.get('compute_capability', ())))}"
+
+
+def training_cache(path: str | os.PathLike, device_type: str) -> TimingCache | None:
+    """The cache at ``path`` for the live rewrite, which only reads it: None, with the reason
+    in one warning, where it cannot help (missing, unreadable, someone else's, or nothing
+    timed on this machine)."""
+    cache = load_cache(path, gpu_name(device_type))
+    why = cache.problem or ("" if cache.timings else f"{path}: no timings of this machine there (amp-rewrite convert"
+                            f" --tune speed --tune-cache {path} fills it)")
+    if why:
+        warnings.warn(f"amp_rewrite: {why.removesuffix('; timing without a cache')}; the lists decide alone",
+                      stacklevel=4)
+        return None
+    return cache
+

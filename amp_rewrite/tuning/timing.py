@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core.report import dtype_name
+from amp_rewrite.core.support import registered_op_def
 from amp_rewrite.tuning.cache import TimingCache
 from amp_rewrite.tuning.shapes import TensorInfo
 
@@ -77,9 +78,11 @@ def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo], chain: 
         if info.shape is None or (info.dtype not in _FLOATS and info.value is None):
             return None
     run = node_def_pb2.NodeDef(name="op", op=node_def.op, input=[f"in{i}:0" for i in range(len(inputs))])
+    op_def = registered_op_def(node_def.op)
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")} if op_def else {}
     for name, value in node_def.attr.items():
-        if name.startswith("_"):
-            continue
+        if name.startswith("_") or defaults.get(name) == value:
+            continue  # a default is left out, as a SavedModel leaves it out: one key with or without it
         if value.HasField("func") or value.list.func:
             return None
         run.attr[name].CopyFrom(value)
@@ -102,16 +105,26 @@ def cast_pair(shape: tuple[int, ...], low: int) -> Pair:
 
 @dataclass
 class Budget:
-    """Seconds the timing may take, from when it was made."""
+    """Seconds the timing may take, counted from when it was made while it runs: ``pause``
+    stops the count (what a conversion does between timing steps is not timing), ``resume``
+    goes on."""
 
     seconds: float
-    started: float = field(default_factory=time.perf_counter)
+    used: float = 0.0                      # seconds counted before ``started``
+    started: float | None = field(default_factory=time.perf_counter)  # None: paused
 
     def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.started)
+        return self.seconds - self.spent()
 
     def spent(self) -> float:
-        return time.perf_counter() - self.started
+        return self.used + (0.0 if self.started is None else time.perf_counter() - self.started)
+
+    def pause(self) -> None:
+        self.used, self.started = self.spent(), None
+
+    def resume(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
 
 
 @dataclass
