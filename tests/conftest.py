@@ -32,6 +32,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
+from amp_rewrite.core.float8 import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
 from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_model_graph
 from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body
@@ -39,6 +40,18 @@ from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp
 TARGET_TO_DTYPE = {name: target.dtype for name, target in NAME_TO_TARGET.items()}
 # Relative tolerance of a mixed-precision result against float32 (11 vs 8 mantissa bits).
 TARGET_TO_TOLERANCE = {name: target.tolerance for name, target in NAME_TO_TARGET.items()}
+
+
+def within_points(accuracy: float, other: float, points: float) -> bool:
+    """Two accuracies at most ``points`` percentage points apart. They are float32 fractions of
+    a test set, so exactly the bound can come out above it (6 of 300 samples: 0.0200000405)."""
+    return abs(accuracy - other) <= points / 100 + 1e-6
+
+
+# The float8 target and FP8 training need TensorFlow 2.18+ (amp_rewrite.core.float8.MIN_TENSORFLOW).
+FLOAT8_SUPPORTED = tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) >= FLOAT8_MIN_TENSORFLOW
+NEEDS_FLOAT8 = pytest.mark.skipif(not FLOAT8_SUPPORTED, reason=f"float8 needs TensorFlow 2.18+ (XLA before it drops a"
+                                                               f" float8 round trip); this is {tf.version.VERSION}")
 _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
 
 

@@ -33,16 +33,13 @@ import yaml
 
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.savedmodel import read_model, rewrite_model
-from amp_rewrite.core.float8 import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
 from amp_rewrite.core.lists import load_float8, load_lists
 from amp_rewrite.core.target import lookup_target
 
 import trained_models
+from conftest import NEEDS_FLOAT8
 from test_cli import REPO, assert_ok, cli_env, error_line, run_cli
 
-FLOAT8_OK = tuple(int(p) for p in tf.__version__.split(".")[:2]) >= FLOAT8_MIN_TENSORFLOW
-needs_float8 = pytest.mark.skipif(not FLOAT8_OK,
-                                  reason=f"target float8 needs TensorFlow 2.18+; this is {tf.__version__}")
 MATMULS = ("MatMul", "BatchMatMulV2", "Conv2D", "Einsum")
 # what training gave (tools/train_models.py): top-1 on the held-out split, R² for diabetes
 TRAINED_SCORE = {"digits_mlp": 0.98, "digits_cnn": 0.98, "digits_mobilenet": 0.95, "digits_transformer": 0.92,
@@ -102,7 +99,7 @@ def test_rescaled_variants_compute_what_their_base_does(name: str) -> None:
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
 
 
-@needs_float8
+@NEEDS_FLOAT8
 def test_trained_transformer_float8_converts_and_holds_on_held_out_data(trained: Trained, tmp_path: Path) -> None:
     """Rule: float8 on the trained Transformer, calibrated on 64 images, validated on the 533
     held out: exit 0, each float8 run printing the model's error, some matmuls on float8."""
@@ -180,7 +177,7 @@ def test_no_kept_matmul_could_be_converted_alone(trained: Trained, name: str, ov
         assert not found <= tolerance, f"{node} converted alone: error {found:.3g} within {tolerance}"
 
 
-@needs_float8
+@NEEDS_FLOAT8
 def test_float8_repair_on_the_trained_mobilenet_meets_the_goal_in_two_runs(trained: Trained) -> None:
     """Rule: float8 calibration of the trained MobileNetV2 (36 Conv2D and the Dense head) with
     max-rel, where the first float8 run is over tolerance: the float16 base is judged
@@ -202,7 +199,7 @@ def test_float8_repair_on_the_trained_mobilenet_meets_the_goal_in_two_runs(train
     assert result.reached_goal and result.result.report.float8_matmuls > 0, "\n".join(lines)
 
 
-@needs_float8
+@NEEDS_FLOAT8
 def test_an_overlay_survives_a_re_export_in_a_new_process(trained: Trained, tmp_path: Path) -> None:
     """Rule: a .keras model exported, calibrated for float8 (overlay written), then loaded in
     a new process and exported again (TensorFlow's function counters differ): the overlay
@@ -319,7 +316,7 @@ def test_top1_agreement_on_a_regression_output_is_exit_2(trained: Trained, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-@needs_float8
+@NEEDS_FLOAT8
 def test_one_session_at_a_time_holds_the_variables(trained: Trained, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule: a run the loaded session takes no more loads the model afresh, and the session
     before it, with its graph and its copy of the variables, is gone first. Float8

@@ -6,7 +6,8 @@ block is complete, or names a setup on the HTML comment line just before it,
 ``<!-- docs-test: setup=NAME -->``: ``docs/setups/NAME.py`` (the page shows it, included with
 ``--8<--``) runs first in the same directory and namespace; ``setup=checkout`` runs the block
 among links to this checkout's files (for the tools' command lines). ``skip=REASON`` is a
-visible skip, for the few commands that cannot run inside the suite (``make test`` itself).
+visible skip, for the few commands that cannot run inside the suite (``make test`` itself);
+``min_tf=2.18 why="the float8 target"`` skips a block on an older TensorFlow, saying why.
 Python blocks share one TensorFlow process (``tests/docs_worker.py``); ``fresh`` runs a block
 (and its setup) in a process of its own, for blocks that change the process for good (graph
 mode, a rewrite left enabled) or name Keras layers by their counters; shell blocks run in
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tensorflow as tf
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +62,10 @@ class Block:
     @property
     def where(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def _release() -> tuple[int, int]:
+    return tuple(int(part) for part in tf.version.VERSION.split(".")[:2])
 
 
 def _options(text: str) -> dict[str, str]:
@@ -207,6 +213,9 @@ def test_block_runs(block: Block, worker: Worker, tmp_path: Path) -> None:
     """The block runs as written (with its named setup) in a fresh directory."""
     if "skip" in block.options:
         pytest.skip(f"{block.where}: {block.options['skip']}")
+    if "min_tf" in block.options and _release() < tuple(map(int, block.options["min_tf"].split("."))):
+        pytest.skip(f"{block.where}: {block.options.get('why', 'it')} needs TensorFlow {block.options['min_tf']}+;"
+                    f" this is {tf.version.VERSION}")
     if block.language == "yaml":
         _load_overlay(block, tmp_path)
         return

@@ -30,11 +30,9 @@ from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 from amp_rewrite.testing.float8 import tensor_amax as _amax, xla_function as _xla_function
 from amp_rewrite.testing.models import build_model_graph
 
-from amp_rewrite.core.float8 import MIN_TENSORFLOW as _FLOAT8_MIN_TENSORFLOW
+from conftest import NEEDS_FLOAT8
 
-pytestmark = pytest.mark.skipif(
-    tuple(int(p) for p in tf.__version__.split(".")[:2]) < _FLOAT8_MIN_TENSORFLOW,
-    reason=f"target float8 needs TensorFlow 2.18+ (XLA before it drops a float8 round trip); this is {tf.__version__}")
+pytestmark = NEEDS_FLOAT8
 
 ROOT = Path(__file__).resolve().parent.parent
 HALF = types_pb2.DT_HALF

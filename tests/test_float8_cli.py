@@ -22,11 +22,9 @@ from amp_rewrite.core.target import FLOAT8
 
 from test_cli import error_line, run_cli
 
-from amp_rewrite.core.float8 import MIN_TENSORFLOW as _FLOAT8_MIN_TENSORFLOW
+from conftest import NEEDS_FLOAT8
 
-pytestmark = pytest.mark.skipif(
-    tuple(int(p) for p in tf.__version__.split(".")[:2]) < _FLOAT8_MIN_TENSORFLOW,
-    reason=f"target float8 needs TensorFlow 2.18+ (XLA before it drops a float8 round trip); this is {tf.__version__}")
+pytestmark = NEEDS_FLOAT8
 
 # The model is named: its scope is the same whichever models the process built before.
 FIRST, SECOND = "mlp_1/dense_a_1/MatMul", "mlp_1/dense_b_1/MatMul"

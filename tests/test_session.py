@@ -21,6 +21,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import within_points
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +189,7 @@ def test_session_training_reaches_float32_accuracy(report, target):
     """A digits MLP trained 6 epochs in a rewritten Session: test accuracy within 2 points of
     float32's (≥ 90%); the accuracy comes back as float32, the user graph's dtype."""
     assert report["float32_accuracy"] >= 0.9
-    assert abs(report[target]["accuracy"] - report["float32_accuracy"]) <= 0.02
+    assert within_points(report[target]["accuracy"], report["float32_accuracy"], 2)
     assert report[target]["accuracy_dtype"] == "float32"
 
 

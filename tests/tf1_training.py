@@ -425,6 +425,13 @@ def digits_graph(target: str) -> tuple[tf.Graph, dict]:
     return graph, dict(x=x, y=y, train=train, accuracy=accuracy, opt=opt)
 
 
+def float8_supported() -> bool:
+    """FP8 training needs TensorFlow 2.18+ (``amp_rewrite.core.float8.MIN_TENSORFLOW``)."""
+    from amp_rewrite.core import float8
+
+    return tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) >= float8.MIN_TENSORFLOW
+
+
 def float8_monitored(workdir: Path) -> dict:
     """FP8 training in a MonitoredTrainingSession that checkpoints, then a restart: its
     checkpoints hold the float8 state (the v1 wrapper made it variables of the user's graph),
@@ -522,7 +529,7 @@ def main() -> None:
         "refused": refused_growth(),
         "fixed_scale": fixed_scale_all_skipped(),
         "readme": readme_example(workdir),
-        "float8": float8_monitored(workdir),
+        "float8": float8_monitored(workdir) if float8_supported() else None,
     }
     print("RESULT " + json.dumps(report))
 
