@@ -205,6 +205,27 @@ def test_what_is_not_timed_follows_its_neighbours():
     assert plan.keep[("", "clr1")] == f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
 
 
+def test_what_the_budget_left_untimed_is_estimated_from_its_op_type():
+    """allow2 was left untimed by the budget; allow1, a MatMul too, was timed: allow2 is taken
+    to cost what allow1 costs per output element. Where allow1 is 10x faster in bfloat16, so
+    is allow2, and it converts, where a cost of 0 would have kept it float32 beside the slow
+    clr1 to save casts; where allow1 is slower, allow2 is kept, saying it was estimated."""
+    problem = _problem(_chain())
+
+    def timed(allow1: tuple[float, float]) -> Timings:
+        timings = _timings(problem, lambda n, b: allow1 if n != "clr1" else (1e-4, 3e-4), cast=1e-5)
+        for pair in problem.candidates[("", "allow2")].runs.values():
+            del timings.seconds[pair.first.key], timings.seconds[pair.second.key]
+        return timings
+
+    assert set(_plan(problem, timed((1e-3, 1e-4))).keep) == {("", "clr1")}
+    slower = _plan(problem, timed((1e-4, 2e-4)))
+    assert set(slower.keep) == {("", "allow1"), ("", "clr1"), ("", "allow2")}
+    assert slower.keep[("", "allow2")] == (f"{MEASURED_PREFIX}left untimed by the budget; the MatMul ops timed here"
+                                           " run at 0.50x at batch 4 float32's speed in the target, and so it is taken to;"
+                                           " the converted ops together would not be over 10% faster than float32 here")
+
+
 def test_a_keep_reason_without_the_prefix_is_keep_nodes():
     """Only the timing step's reasons (MEASURED_PREFIX) give measured-slower; the user's and
     calibration's keep entries stay keep-nodes."""

@@ -19,6 +19,7 @@ count as float32's equal: a decision to keep float32 needs the target clearly sl
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -214,20 +215,37 @@ class Plan:
 
 
 class _Costs:
-    """The timed seconds of each candidate form and each cast, per batch (0 where unknown)."""
+    """The seconds of each candidate form and each cast, per batch: timed, or where the budget
+    left one untimed, estimated per output element from the timed ones of its op type (the
+    timed casts, for a cast); 0 where nothing like it was timed."""
 
     def __init__(self, problem: Problem, timings: Timings, low: int, weights_low: bool) -> None:
         self.problem, self.timings, self.low, self.weights_low = problem, timings, low, weights_low
         self.casts: dict[tuple[int, ...], tuple[float, float]] = {}
+        self.rates: dict[object, tuple[float, float] | None] = {}
+
+    def measured(self, node: Node, batch: int) -> bool:
+        pair = None if node in self.problem.fused else self.problem.candidates[node].runs.get(batch)
+        return pair is not None and self.timings.ratio(pair) is not None
 
     def node(self, node: Node, batch: int, margin: float = MARGIN) -> tuple[float, float]:
         """(float32, target) seconds of a candidate (nothing for a fused one); the target's
         discounted by ``margin``."""
         pair = None if node in self.problem.fused else self.problem.candidates[node].runs.get(batch)
-        if pair is None or self.timings.ratio(pair) is None:
+        if pair is None:
             return 0.0, 0.0
-        first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
+        if self.timings.ratio(pair) is not None:
+            first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
+        else:
+            first, second = (rate * pair.weight for rate in self.rate(self.problem.candidates[node].op, batch))
         return first, second / (1 + margin)
+
+    def rate(self, op: str, batch: int) -> tuple[float, float]:
+        """Median (float32, target) seconds per output element of the ``op`` candidates timed at ``batch``."""
+        if (op, batch) not in self.rates:
+            pairs = [c.runs.get(batch) for c in self.problem.candidates.values() if c.op == op]
+            self.rates[(op, batch)] = _median_rates(self.timings, [p for p in pairs if p is not None])
+        return self.rates[(op, batch)] or (0.0, 0.0)
 
     def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
         """(down, up) seconds of the casts of a tensor of ``shape``."""
@@ -235,9 +253,23 @@ class _Costs:
             return 0.0, 0.0
         if shape not in self.casts:
             pair = cast_pair(shape, self.low)
-            self.casts[shape] = (self.timings.seconds.get(pair.first.key, 0.0),
-                                 self.timings.seconds.get(pair.second.key, 0.0))
+            if self.timings.ratio(pair) is None:
+                if "casts" not in self.rates:
+                    shapes = {s for *_, by_batch in self.problem.tensors.values() for s in by_batch.values() if s}
+                    self.rates["casts"] = _median_rates(self.timings, [cast_pair(s, self.low) for s in shapes])
+                self.casts[shape] = tuple(r * pair.weight for r in self.rates["casts"] or (0.0, 0.0))
+            else:
+                self.casts[shape] = (self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key])
         return self.casts[shape]
+
+
+def _median_rates(timings: Timings, pairs: Sequence[Pair]) -> tuple[float, float] | None:
+    """Median seconds per element (``weight``) of each form of the timed ``pairs``; None: none timed."""
+    timed = [p for p in pairs if timings.ratio(p) is not None and p.weight > 0]
+    if not timed:
+        return None
+    return (statistics.median(timings.seconds[p.first.key] / p.weight for p in timed),
+            statistics.median(timings.seconds[p.second.key] / p.weight for p in timed))
 
 
 def _cost(costs: _Costs, batch: int, low: set[Node], margin: float = MARGIN) -> float:
@@ -328,7 +360,7 @@ def _speeds(costs: _Costs, node: Node) -> dict[int, float]:
     found = {}
     for batch in costs.problem.batch_sizes:
         first, second = costs.node(node, batch, margin=0.0)
-        if first > 0 and second > 0:
+        if first > 0 and second > 0 and costs.measured(node, batch):
             found[batch] = first / second
     return found
 
@@ -343,15 +375,27 @@ def _reason(costs: _Costs, node: Node, target: str, pays: bool) -> str:
                 f" {_reason(costs, head, target, pays).removeprefix(MEASURED_PREFIX)}")
     speeds = _speeds(costs, node)
     shown = ", ".join(f"{s:.2f}x at batch {b}" for b, s in speeds.items())
-    alone = f"{target} runs it at {shown} float32's speed on this machine" if speeds else "not timed alone"
+    alone = f"{target} runs it at {shown} float32's speed on this machine" if speeds else _estimated(costs, node)
     if not pays:
         return (f"{MEASURED_PREFIX}{alone}; the converted ops together would not be over {MARGIN:.0%} faster"
                 " than float32 here")
     if not speeds:
-        return f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
+        return f"{MEASURED_PREFIX}{alone}" + ("; kept float32 with its neighbours, which saves casts"
+                                              if alone == "not timed alone" else "")
     if all(s < 1 / (1 + MARGIN) for s in speeds.values()):
         return f"{MEASURED_PREFIX}{alone}"
     return f"{MEASURED_PREFIX}{alone}, not enough to pay for the casts it needs next to float32 neighbours"
+
+
+def _estimated(costs: _Costs, node: Node) -> str:
+    """How an untimed candidate's cost was taken: from the timed ops of its type, or not at all."""
+    op = costs.problem.candidates[node].op
+    rates = {b: costs.rate(op, b) for b in costs.problem.batch_sizes if costs.problem.candidates[node].runs.get(b)}
+    shown = ", ".join(f"{f32 / low:.2f}x at batch {b}" for b, (f32, low) in rates.items() if f32 > 0 and low > 0)
+    if not shown:
+        return "not timed alone"
+    return (f"left untimed by the budget; the {op} ops timed here run at {shown} float32's speed in the target,"
+            " and so it is taken to")
 
 
 def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, converted: set[Node], batch: int,
