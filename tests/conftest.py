@@ -34,6 +34,7 @@ import amp_rewrite
 import recorded_grappler
 from amp_rewrite.core.float8 import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
 from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
+from amp_rewrite.training.tracing import tensorflow_version
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_model_graph
 from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body
 
@@ -49,7 +50,7 @@ def within_points(accuracy: float, other: float, points: float) -> bool:
 
 
 # The float8 target and FP8 training need TensorFlow 2.18+ (amp_rewrite.core.float8.MIN_TENSORFLOW).
-FLOAT8_SUPPORTED = tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) >= FLOAT8_MIN_TENSORFLOW
+FLOAT8_SUPPORTED = tensorflow_version() >= FLOAT8_MIN_TENSORFLOW
 NEEDS_FLOAT8 = pytest.mark.skipif(not FLOAT8_SUPPORTED, reason=f"float8 needs TensorFlow 2.18+ (XLA before it drops a"
                                                                f" float8 round trip); this is {tf.version.VERSION}")
 _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"

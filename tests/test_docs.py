@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from docs_worker import PREFIX  # noqa: E402
 
+from amp_rewrite.training.tracing import tensorflow_version  # noqa: E402
+
 README = ROOT / "README.md"
 SETUPS = ROOT / "docs" / "setups"
 RUN_LANGUAGES = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell",
@@ -62,10 +64,6 @@ class Block:
     @property
     def where(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
-
-
-def _release() -> tuple[int, int]:
-    return tuple(int(part) for part in tf.version.VERSION.split(".")[:2])
 
 
 def _options(text: str) -> dict[str, str]:
@@ -213,7 +211,7 @@ def test_block_runs(block: Block, worker: Worker, tmp_path: Path) -> None:
     """The block runs as written (with its named setup) in a fresh directory."""
     if "skip" in block.options:
         pytest.skip(f"{block.where}: {block.options['skip']}")
-    if "min_tf" in block.options and _release() < tuple(map(int, block.options["min_tf"].split("."))):
+    if "min_tf" in block.options and tensorflow_version() < tuple(map(int, block.options["min_tf"].split("."))):
         pytest.skip(f"{block.where}: {block.options.get('why', 'it')} needs TensorFlow {block.options['min_tf']}+;"
                     f" this is {tf.version.VERSION}")
     if block.language == "yaml":

@@ -428,8 +428,9 @@ def digits_graph(target: str) -> tuple[tf.Graph, dict]:
 def float8_supported() -> bool:
     """FP8 training needs TensorFlow 2.18+ (``amp_rewrite.core.float8.MIN_TENSORFLOW``)."""
     from amp_rewrite.core import float8
+    from amp_rewrite.training.tracing import tensorflow_version
 
-    return tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) >= float8.MIN_TENSORFLOW
+    return tensorflow_version() >= float8.MIN_TENSORFLOW
 
 
 def float8_monitored(workdir: Path) -> dict:

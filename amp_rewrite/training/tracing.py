@@ -101,7 +101,7 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
         graph_def.library.function.add().CopyFrom(function)
     call = graph_def.node.add(name="call", op="StatefulPartitionedCall")
     for index, arg in enumerate(function.signature.input_arg):
-        placeholder = graph_def.node.add(name=f"input_{index}", op="Placeholder")
+        placeholder = graph_def.node.add(name=_input_name(index), op="Placeholder")
         placeholder.attr["dtype"].type = arg.type
         call.input.append(placeholder.name)
     call.attr["f"].func.name = function.signature.name
@@ -110,6 +110,11 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
     for name in ("config", "config_proto", "executor_type"):
         call.attr[name].s = b""
     return graph_def
+
+
+def _input_name(index: int) -> str:
+    """The placeholder ``_call_graph`` feeds the function's input ``index`` from."""
+    return f"input_{index}"
 
 
 def _renamed_calls(function: function_pb2.FunctionDef, old_to_new: Mapping[str, str]) -> function_pb2.FunctionDef:
@@ -170,13 +175,14 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
     context = _tf.EAGER_CONTEXT.get()()
     function = context.get_function_def(name)
     graph_def = _call_graph(function, library)
-    result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=settings.lists,
-                               cross_function=settings.cross_function, entry_functions=[name])
+    def rewrite(lists: OpLists) -> Any:
+        return rewrite_graph_def(graph_def, target=settings.target, fetches=["call"], lists=lists,
+                                 cross_function=settings.cross_function, entry_functions=[name])
+
+    result = rewrite(settings.lists)
     keep = measured_keeps(graph_def, result, settings, func_graph) if settings.timings is not None else {}
     if keep:
-        result = rewrite_graph_def(graph_def, target=settings.target, fetches=["call"],
-                                   lists=settings.lists.keeping(keep), cross_function=settings.cross_function,
-                                   entry_functions=[name])
+        result = rewrite(settings.lists.keeping(keep))
         log.debug("amp_rewrite: %s: %d node(s) kept float32 by the timing cache", name, len(keep))
     if step is not None and settings.float8 is not None:
         result = float8.quantize(graph_def, result, name, step, settings.float8)
@@ -203,9 +209,9 @@ def measured_keeps(graph_def: graph_pb2.GraphDef, result: Any, settings: Any, fu
     for index, tensor in enumerate(func_graph.inputs):
         variable = captured.get(id(tensor))
         if variable is not None:
-            handles[f"input_{index}"] = (variable.dtype.as_datatype_enum, tuple(variable.shape))
+            handles[_input_name(index)] = (variable.dtype.as_datatype_enum, tuple(variable.shape))
         elif tensor.dtype != tf.resource and tensor.shape.is_fully_defined():
-            feeds[f"input_{index}"] = tuple(tensor.shape.as_list())
+            feeds[_input_name(index)] = tuple(tensor.shape.as_list())
     kept = cached_keeps(graph_def, result, lookup_target(settings.target), feeds, settings.timings, handles)
     return {re.escape(node): why for (_, node), why in sorted(kept.items())}
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core.report import dtype_name
-from amp_rewrite.core.support import registered_op_def
+from amp_rewrite.core.support import default_attrs, registered_op_def
 from amp_rewrite.tuning.cache import TimingCache
 from amp_rewrite.tuning.shapes import TensorInfo
 
@@ -79,7 +79,7 @@ def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo], chain: 
             return None
     run = node_def_pb2.NodeDef(name="op", op=node_def.op, input=[f"in{i}:0" for i in range(len(inputs))])
     op_def = registered_op_def(node_def.op)
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")} if op_def else {}
+    defaults = dict(default_attrs(node_def.op, op_def)) if op_def else {}
     for name, value in node_def.attr.items():
         if name.startswith("_") or defaults.get(name) == value:
             continue  # a default is left out, as a SavedModel leaves it out: one key with or without it
