@@ -15,7 +15,7 @@ from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.calibrate import Calibration, calibrate
-    from amp_rewrite.calibration.speed import Tuning, tune
+    from amp_rewrite.calibration.speed import StepTuning, Tuning, tune, tune_step
     from amp_rewrite.core.lists import Colour, OpLists, load_float8, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
     from amp_rewrite.core.report import Decision, Report
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
     "Tuning": "calibration.speed", "tune": "calibration.speed",
+    "StepTuning": "calibration.speed", "tune_step": "calibration.speed",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
     "load_float8": "core.lists",
     "Decision": "core.report", "Report": "core.report",
@@ -43,6 +44,7 @@ __all__ = [
     "OpLists",
     "Report",
     "RewriteResult",
+    "StepTuning",
     "TARGETS",
     "Tuning",
     "calibrate",
@@ -53,6 +55,7 @@ __all__ = [
     "mixed_precision",
     "rewrite_graph_def",
     "tune",
+    "tune_step",
 ]
 
 

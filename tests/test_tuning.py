@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -587,13 +589,79 @@ def test_the_live_path_keeps_what_the_cache_says_and_times_nothing(tmp_path, mon
     assert cache.read_bytes() == shipped
     with amp_rewrite.mixed_precision(target="bfloat16"):
         assert _traced_ops(step(), x) == {"MatMul": LOW, "Relu": LOW}
-    with pytest.warns(UserWarning, match=r"amp_rewrite: .*missing.json: no timings of this machine there \(amp-rewrite"
-                      r" convert --tune speed --tune-cache .*missing.json fills it\); the lists decide alone"):
+    with pytest.warns(UserWarning, match=r"amp_rewrite: .*missing.json: no timings of this machine there \(amp_rewrite"
+                      r".tune_step, or amp-rewrite convert --tune speed --tune-cache .*missing.json, fills it\); the"
+                      r" lists decide alone"):
         with amp_rewrite.mixed_precision(target="bfloat16", timing_cache=tmp_path / "missing.json"):
             assert _traced_ops(step(), x) == {"MatMul": LOW, "Relu": LOW}
     with pytest.raises(ValueError, match="timing_cache applies to target='bfloat16' or 'float16', not to FP8"):
         with amp_rewrite.mixed_precision(target="float8", timing_cache=cache):
             pass
+
+
+def _training_step(chain: _Chain, optimizer) -> Callable:
+    """A custom loop's step over ``chain``: its forward MatMuls, their gradients, an SGD update."""
+    @tf.function
+    def step(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.nn.relu(tf.matmul(x, chain.w1)), chain.w2))
+        gradients = tape.gradient(loss, [chain.w1, chain.w2])
+        optimizer.apply_gradients(zip(gradients, [chain.w1, chain.w2]))
+        return loss
+    return step
+
+
+def test_tune_step_times_the_whole_training_step_and_the_live_rewrite_keeps_what_it_measured(tmp_path, monkeypatch):
+    """tune_step times a training step's converted ops, gradients included, into the cache and
+    leaves the step itself untraced; the live rewrite of the step then keeps float32 every op
+    measured slower (here every one: the target is timed 10x slower) and times nothing."""
+    import keras
+
+    import amp_rewrite
+    from amp_rewrite.tuning import timing
+
+    chain, x = _Chain(), tf.ones((4, 16))
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build([chain.w1, chain.w2])
+    step = _training_step(chain, optimizer)
+    with amp_rewrite.mixed_precision(target="bfloat16"):
+        lists_only = _traced_ops(_training_step(chain, optimizer), x)
+    assert lists_only == {"MatMul": LOW, "Relu": LOW}  # what the cache must move
+    monkeypatch.setattr(timing._TimingSession, "time_pair", lambda self, index: (1e-4, 1e-3))
+    cache = tmp_path / "timings.json"
+    with amp_rewrite.mixed_precision(target="bfloat16", timing_cache=cache), warnings.catch_warnings():
+        warnings.simplefilter("error")  # enabled before the cache exists: its reading waits for the step's trace
+        tuned = amp_rewrite.tune_step(step, x, timing_cache=cache, budget_s=30)
+        assert step.experimental_get_tracing_count() == 0
+        monkeypatch.setattr(timing, "_TimingSession", None)  # a timing would fail: the live path never times
+        assert _traced_ops(step, x) == {"MatMul": types_pb2.DT_FLOAT, "Relu": types_pb2.DT_FLOAT}
+    assert tuned.timings.timed >= 4 and tuned.candidates >= 6 and len(tuned.plan.keep) == tuned.candidates
+    spent = tuned.budget.spent()
+    time.sleep(0.05)
+    assert tuned.budget.spent() == spent  # what it cost was counted when it ended
+    assert re.fullmatch(rf"Timed the step: {tuned.timings.timed} op\(s\) timed, 0 from the cache, .* keeps"
+                        rf" {tuned.candidates} of its {tuned.candidates} converted node\(s\) float32", tuned.summary())
+    keys = json.loads(cache.read_text())["machines"].popitem()[1]["timings"]
+    assert any("ReluGrad" in key for key in keys), sorted(keys)  # the backward pass was timed too
+
+
+def test_tune_step_refuses_what_it_cannot_time_into(tmp_path):
+    import amp_rewrite
+    from amp_rewrite.core.errors import AmpRewriteError
+
+    chain, x = _Chain(), tf.ones((4, 16))
+    step = tf.function(lambda x: chain.serve(x)["y"])
+    with pytest.raises(AmpRewriteError, match=r"tune_step: function is not a tf.function; pass the training step"):
+        amp_rewrite.tune_step(step.python_function, x, timing_cache=tmp_path / "timings.json")
+    with pytest.raises(AmpRewriteError, match=r"tune_step: no timing cache file \(timing_cache=None\); pass a"):
+        amp_rewrite.tune_step(step, x, timing_cache=None)
+    (tmp_path / "foreign.json").write_text("{}")
+    with pytest.raises(AmpRewriteError, match=r"tune_step: .*foreign.json: not an amp-rewrite timing cache; pass a"
+                                              r" timing_cache path this run can write$"):
+        amp_rewrite.tune_step(step, x, timing_cache=tmp_path / "foreign.json")
+    assert (tmp_path / "foreign.json").read_text() == "{}"
+    with pytest.raises(AmpRewriteError, match=r"timing budget 0: use a number of seconds above 0"):
+        amp_rewrite.tune_step(step, x, timing_cache=tmp_path / "timings.json", budget_s=0)
 
 
 def test_the_readme_commands_run_as_written(tmp_path, monkeypatch):

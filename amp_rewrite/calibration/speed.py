@@ -21,7 +21,9 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +39,11 @@ from amp_rewrite.core.errors import AmpRewriteError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.report import dtype_name
-from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
-from amp_rewrite.tuning.shapes import infer_shapes
+from amp_rewrite.tuning.shapes import infer_shapes, traced_inputs
 from amp_rewrite.tuning.timing import Budget, Timings
 
 DEFAULT_BUDGET_S = 30.0
@@ -233,6 +235,68 @@ def tune(
                         budget_s=budget_s, cache=opened, weights_low=weights_low)
     save_cache(opened)
     return tuning
+
+
+@dataclass(frozen=True)
+class StepTuning:
+    """What ``tune_step`` timed into the cache for one training step."""
+
+    cache: Path | None
+    timings: Timings
+    plan: Plan
+    candidates: int
+    budget: Budget
+
+    def summary(self) -> str:
+        """One line: what was timed and what it cost, and what the live rewrite will keep float32."""
+        t = self.timings
+        untimed = f", {t.skipped} left untimed by the budget" if t.skipped else ""
+        return (f"Timed the step: {t.timed} op(s) timed, {t.cached} from the cache{untimed}, {self.budget.spent():.1f} s"
+                f" of the {self.budget.seconds:g} s budget; with timing_cache={self.cache}, the live rewrite keeps"
+                f" {len(self.plan.keep)} of its {self.candidates} converted node(s) float32")
+
+
+def tune_step(step: Any, *args: Any, timing_cache: str | os.PathLike | object = DEFAULT,
+              target: str | Target = "bfloat16", lists: str | os.PathLike | OpLists | None = None,
+              budget_s: float = DEFAULT_BUDGET_S, **kwargs: Any) -> StepTuning:
+    """Time a training step's converted ops on this machine, before training, into the cache
+    that ``enable_mixed_precision_graph_rewrite(..., timing_cache=)`` and ``mixed_precision``
+    read: the live rewrite times nothing, and ``convert --tune speed`` times only what a model
+    serves (no gradients, no optimizer update). ``step``: a ``tf.function``, traced here on
+    ``args``/``kwargs`` (one batch, at the batch size training uses); nothing runs it.
+    ``timing_cache``: the file (default ``$XDG_CACHE_HOME/amp_rewrite/timings.json``)."""
+    target = lookup_target(target)
+    check_target(target)
+    check_budget(budget_s)
+    python_function = getattr(step, "python_function", None)
+    if python_function is None:
+        raise AmpRewriteError(f"tune_step: {type(step).__name__} is not a tf.function; pass the training step that"
+                              " training calls, decorated with @tf.function")
+    cache = open_cache(timing_cache, target)
+    if not cache.usable:
+        why = cache.problem.split(";")[0] if cache.problem else "no timing cache file (timing_cache=None)"
+        raise AmpRewriteError(f"tune_step: {why}; pass a timing_cache path this run can write")
+    # A trace of its own: ``step`` stays untraced, so a live rewrite enabled after this rewrites it (one
+    # enabled before rewrites this trace too, without the timings it is about to get: no warning for that).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"amp_rewrite: .*: no timings of this machine there")
+        graph = tf.function(python_function, input_signature=step.input_signature).get_concrete_function(
+            *args, **kwargs).graph
+    graph_def = graph.as_graph_def()
+    feed_shapes, variables = traced_inputs(graph)
+    feeds = {graph.inputs[index].op.name: shape for index, shape in feed_shapes.items()}
+    handles = {graph.inputs[index].op.name: variable for index, variable in variables.items()}
+    base = rewrite_graph_def(graph_def, target=target.name, fetches=[t.op.name for t in graph.outputs],
+                             lists=load_lists(target, lists))
+    shapes = infer_shapes(graph_def, feeds, handles=handles)
+    batch = next((shape[0] for shape in feeds.values() if shape), 1)
+    budget = Budget(budget_s)  # counts the timing, not the trace and the rewrite before it
+    problem, timings, plan = plan_rewrite(graph_def, base, target, {batch: shapes}, cache, budget)
+    budget.pause()
+    problem_line = save_cache(cache)
+    if problem_line:
+        raise AmpRewriteError(problem_line)
+    return StepTuning(cache.path, timings, plan, len(problem.candidates), budget)
 
 
 # --- 4. the whole model ------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.training import float8, optimizers, session, tracing
 from amp_rewrite.training.float8_state import DEFAULT_AMAX_HISTORY_LENGTH, Float8State, check_history_length
-from amp_rewrite.tuning.cache import TimingCache, training_cache
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class LiveRewrite:
     lists: OpLists
     cross_function: bool = False
     float8: float8.Float8Training | None = None  # FP8 training (target="float8"): its state
-    timings: TimingCache | None = field(default=None, compare=False)  # the timing cache's keeps join the lists
+    timing_cache: Path | None = field(default=None, compare=False)  # read at each trace: its keeps join the lists
 
     @property
     def name(self) -> str:
@@ -269,8 +268,8 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
     else:
         target = lookup_target(target_name(target)).name  # None above: detect it
     _refuse_switch(target, None)
-    timings = training_cache(timing_cache, lookup_target(target).device_type) if timing_cache is not None else None
-    return LiveRewrite(target, load_lists(target, lists), cross_function, timings=timings)
+    return LiveRewrite(target, load_lists(target, lists), cross_function,
+                       timing_cache=Path(timing_cache) if timing_cache is not None else None)
 
 
 def _plan_float8(lists: Any, cross_function: bool, amax_history_length: Any, base_precision: Any,

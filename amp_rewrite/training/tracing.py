@@ -26,7 +26,9 @@ from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.training import float8
+from amp_rewrite.tuning.cache import training_cache
 from amp_rewrite.tuning.decide import cached_keeps
+from amp_rewrite.tuning.shapes import traced_inputs
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
                                  cross_function=settings.cross_function, entry_functions=[name])
 
     result = rewrite(settings.lists)
-    keep = measured_keeps(graph_def, result, settings, func_graph) if settings.timings is not None else {}
+    keep = measured_keeps(graph_def, result, settings, func_graph) if settings.timing_cache is not None else {}
     if keep:
         result = rewrite(settings.lists.keeping(keep))
         log.debug("amp_rewrite: %s: %d node(s) kept float32 by the timing cache", name, len(keep))
@@ -196,23 +198,20 @@ def rewrite_registered_function(name: str, library: function_pb2.FunctionDefLibr
 
 
 def measured_keeps(graph_def: graph_pb2.GraphDef, result: Any, settings: Any, func_graph: Any) -> dict[str, str]:
-    """keep_nodes entries (-> the measurement) for what the timing cache (``settings.timings``)
-    says runs slower converted in ``graph_def`` (``_call_graph``'s), nothing timed: a training
-    step's path never waits for a timing. ``func_graph`` gives the call's input shapes as traced
-    and its captured variables' dtypes and shapes; a node the cache does not know counts as
-    neither faster nor slower (its neighbours decide)."""
-    if func_graph is None:
+    """keep_nodes entries (-> the measurement) for what the timing cache (``settings.timing_cache``,
+    read now: ``tune_step`` may have filled it since the rewrite was enabled) says runs slower
+    converted in ``graph_def`` (``_call_graph``'s), nothing timed: a training step's path never
+    waits for a timing. ``func_graph`` gives the call's input shapes as traced and its captured
+    variables' dtypes and shapes; a node the cache does not know counts as neither faster nor
+    slower (its neighbours decide)."""
+    target = lookup_target(settings.target)
+    cache = training_cache(settings.timing_cache, target.device_type)
+    if func_graph is None or cache is None:
         return {}
-    by_handle = {id(variable.handle): variable for variable in func_graph.variables}
-    captured = {id(internal): by_handle.get(id(external)) for external, internal in func_graph.captures}
-    feeds, handles = {}, {}
-    for index, tensor in enumerate(func_graph.inputs):
-        variable = captured.get(id(tensor))
-        if variable is not None:
-            handles[_input_name(index)] = (variable.dtype.as_datatype_enum, tuple(variable.shape))
-        elif tensor.dtype != tf.resource and tensor.shape.is_fully_defined():
-            feeds[_input_name(index)] = tuple(tensor.shape.as_list())
-    kept = cached_keeps(graph_def, result, lookup_target(settings.target), feeds, settings.timings, handles)
+    feed_shapes, variables = traced_inputs(func_graph)
+    feeds = {_input_name(index): shape for index, shape in feed_shapes.items()}
+    handles = {_input_name(index): variable for index, variable in variables.items()}
+    kept = cached_keeps(graph_def, result, target, feeds, cache, handles)
     return {re.escape(node): why for (_, node), why in sorted(kept.items())}
 
 

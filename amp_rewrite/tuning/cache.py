@@ -160,15 +160,14 @@ def gpu_name(device_type: str) -> str:
 
 
 def training_cache(path: str | os.PathLike, device_type: str) -> TimingCache | None:
-    """The cache at ``path`` for the live rewrite, which only reads it: None, with the reason
-    in one warning, where it cannot help (missing, unreadable, someone else's, or nothing
-    timed on this machine)."""
+    """The cache at ``path`` for the live rewrite, which only reads it (at each trace): None,
+    with the reason in a warning (once per reason, as warnings go), where it cannot help
+    (missing, unreadable, someone else's, or nothing timed on this machine)."""
     cache = load_cache(path, gpu_name(device_type))
-    why = cache.problem or ("" if cache.timings else f"{path}: no timings of this machine there (amp-rewrite convert"
-                            f" --tune speed --tune-cache {path} fills it)")
+    why = cache.problem or ("" if cache.timings else f"{path}: no timings of this machine there"
+                            f" (amp_rewrite.tune_step, or amp-rewrite convert --tune speed --tune-cache {path}, fills it)")
     if why:
         warnings.warn(f"amp_rewrite: {why.removesuffix('; timing without a cache')}; the lists decide alone",
-                      stacklevel=4)
+                      stacklevel=2)
         return None
     return cache
-

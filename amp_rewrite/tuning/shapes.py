@@ -11,6 +11,7 @@ reads inside know it). A function called with several shapes is seen with the fi
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -177,6 +178,21 @@ def _function_graph(program: Program, name: str, args: list[_Arg]) -> graph_pb2.
             node_def.attr.pop("index", None)
     _without_colocation(body)
     return body
+
+
+def traced_inputs(func_graph: Any) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, tuple[int, ...]]]]:
+    """A traced function's inputs by position: each data input's shape where every dim is known,
+    and each captured variable's (dtype, shape), the shape its handle placeholder does not say."""
+    by_handle = {id(variable.handle): variable for variable in func_graph.variables}
+    captured = {id(internal): by_handle.get(id(external)) for external, internal in func_graph.captures}
+    feeds, handles = {}, {}
+    for index, tensor in enumerate(func_graph.inputs):
+        variable = captured.get(id(tensor))
+        if variable is not None:
+            handles[index] = (variable.dtype.as_datatype_enum, tuple(variable.shape))
+        elif tensor.dtype != tf.resource and tensor.shape.is_fully_defined():
+            feeds[index] = tuple(tensor.shape.as_list())
+    return feeds, handles
 
 
 def _variable(tensor: tf.Tensor) -> tuple[int, tuple[int, ...] | None] | None:
