@@ -239,6 +239,8 @@ def main() -> int:
     sizes = [0.00004] if args.smoke else [float(size) for size in args.sizes.split(",") if size]  # 2 layers
     huge = 0 if args.smoke else args.huge  # smoke: 6 processes
     blocks = [2] if args.smoke else [int(count) for count in args.blocks.split(",") if count]
+    if args.dir is not None and not args.smoke:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory.", dir=None if args.smoke else args.dir) as scratch:
         directory = Path(scratch)
         check_disk(directory, max([*sizes, huge]) * GB * 1.6)  # the source, the result and a margin
