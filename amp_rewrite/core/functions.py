@@ -65,6 +65,22 @@ def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> li
     return ports
 
 
+def output_names(node_def: node_def_pb2.NodeDef, library: Mapping[str, op_def_pb2.OpDef]) -> list[str]:
+    """What a FunctionDef's inputs call each output of ``node_def``, by port: ``node:output_arg:index``."""
+    suffixes = None if node_def.op in library else _fixed_output_suffixes(node_def.op)
+    if suffixes is not None:
+        return [node_def.name + suffix for suffix in suffixes]
+    op_def = support.resolve_op_def(node_def, library)
+    return [f"{node_def.name}:{arg}:{index}" for arg, index in _output_args(node_def, op_def)]
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_output_suffixes(op: str) -> tuple[str, ...] | None:
+    """``:output_arg:index`` of each output of a registered op whose attrs do not set their number, else None."""
+    fixed = _fixed_output_args(op) if support.registered_op_def(op) is not None else None
+    return None if fixed is None else tuple(f":{arg}:{index}" for arg, index in fixed)
+
+
 @functools.lru_cache(maxsize=None)
 def _fixed_output_args(op: str) -> tuple[tuple[str, int], ...] | None:
     """A registered op's output ports when no attr sets their number, else None."""

@@ -25,25 +25,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 
 import numpy as np
 import tensorflow as tf
-from networkx.utils import UnionFind
-from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, TensorRef, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
 
 Place = tuple[str, str]        # (item, node): MAIN_GRAPH or a function, and a node or argument there
-Port = tuple[str, int]         # (node, output port) within one item
 
 RESOURCE = types_pb2.DT_RESOURCE
 FLOAT32 = types_pb2.DT_FLOAT
@@ -53,7 +50,10 @@ ASSIGN_OP = "AssignVariableOp"
 HANDLE_ONLY_OPS = frozenset({"VarIsInitializedOp", "DisableCopyOnRead", "DestroyResourceOp", "VariableShape"})
 FORWARD_OPS = frozenset({"Identity", "Snapshot"})  # output = input: a handle or a value seen through one
 SHAPE_OPS = frozenset({"Shape", "Size", "Rank"})   # read a value's shape only: any dtype gives the same answer
+T_OPS = FORWARD_OPS | SHAPE_OPS                     # the ops of those whose dtype attr is T
+VALUE_OPS = READ_OPS | FORWARD_OPS                  # what gives a variable's value
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
+MARKED_OPS = frozenset({"VarHandleOp", "_Arg", "Const", "RestoreV2", *LOOP_OPS})  # indexed by op: the walks' starts
 BYTES = {FLOAT32: 4, types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2}
 SHOWN_KEPT = 5  # float32 variables named, one per line, with their reason; the rest counted
 
@@ -168,14 +168,21 @@ def store_weights(
     target = lookup_target(target, quantized=True)  # float8 reads its weights as float16
     kept = dict(kept or {})
     program = program_of(graph_def)
-    indexes = {name: _Index.of(program.item(name)) for name in program.names}
+    indexes = {name: _index(program, name) for name in program.names}
     edits = _Edits()
     weights: list[Weight] = []
     if variables:
         weights += _store_variables(program, indexes, target.dtype, kept, objects, dict(blocked_keys or {}), edits)
     if constants:
         weights += _store_constants(program, indexes, target.dtype, kept, edits)
-    return StoredWeights(edits.apply(program), dtype_name(target.dtype), tuple(weights))
+    return StoredWeights(edits.apply(program, indexes), dtype_name(target.dtype), tuple(weights))
+
+
+def _index(program: Program, item: str) -> _Index:
+    if item == MAIN_GRAPH:
+        return _Index.of(program.graph_def.node)
+    function = program.library[item]
+    return _Index.of(function.node_def, function, program.op_defs)
 
 
 # --------------------------------------------------------------------------------------
@@ -184,36 +191,119 @@ def store_weights(
 
 @dataclass(frozen=True)
 class _Index:
-    """One item's nodes, and the data readers of each output."""
+    """One item, read once as it is written: its nodes' places, the nodes the walks start
+    from, and who reads each input string (control inputs too). A function is read from its
+    FunctionDef, no body GraphDef built (most of a large model's nodes are in functions, and
+    few are a variable's): its arguments and outputs stand for the body's ``_Arg`` and
+    ``_Retval`` nodes, its inputs keep their ``node:output_arg:index`` names."""
 
-    nodes: Mapping[str, node_def_pb2.NodeDef]
-    readers: Mapping[Port, list[tuple[str, int]]]  # (node, port) -> [(reader, input position)]
-    order: tuple[str, ...]
-    position: Mapping[str, int]  # node -> its place in ``order``
+    nodes: Mapping[str, node_def_pb2.NodeDef]  # the main graph's nodes, or a function's node_def, by name
+    position: Mapping[str, int]                # node -> its place among them
+    ops: Mapping[str, str]                     # node -> its op; a function's argument: _Arg, output: _Retval
+    readers: Mapping[str, list[tuple[str, int]]]  # input as written -> [(reader, input position)]
+    marked: Mapping[str, list[str]]        # op of MARKED_OPS -> its nodes, in order
+    function: function_pb2.FunctionDef | None = None
+    op_defs: Mapping[str, op_def_pb2.OpDef] = field(default_factory=dict)
+    args: Mapping[str, int] = field(default_factory=dict)     # a function's argument -> its dtype
+    returns: Mapping[str, int] = field(default_factory=dict)  # its output, as the body's _Retval -> index
     decoded: dict[tuple[str, int], list[str] | None] = field(default_factory=dict, compare=False)
+    names: dict[str, list[str]] = field(default_factory=dict, compare=False)       # node -> its outputs' names
+    ports: dict[str, dict[str, int]] = field(default_factory=dict, compare=False)  # node -> name -> port
 
     @staticmethod
-    def of(graph_def: graph_pb2.GraphDef) -> _Index:
-        readers: dict[Port, list[tuple[str, int]]] = defaultdict(list)
-        for node in graph_def.node:
-            for position, tensor in enumerate(node.input):
-                ref = parse_tensor_name(tensor)
-                if not ref.is_control:
-                    readers[(ref.node, ref.port)].append((node.name, position))
-        order = tuple(node.name for node in graph_def.node)
-        return _Index({node.name: node for node in graph_def.node}, readers, order,
-                      {name: position for position, name in enumerate(order)})
+    def of(nodes: Sequence[node_def_pb2.NodeDef], function: function_pb2.FunctionDef | None = None,
+           op_defs: Mapping[str, op_def_pb2.OpDef] | None = None) -> _Index:
+        readers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        by_name: dict[str, node_def_pb2.NodeDef] = {}  # holding each node's wrapper: read again without building it
+        position: dict[str, int] = {}
+        ops: dict[str, str] = {}
+        marked: dict[str, list[str]] = defaultdict(list)
+        for place, node in enumerate(nodes):
+            name, op = node.name, node.op
+            by_name[name], position[name], ops[name] = node, place, op
+            if op in MARKED_OPS:
+                marked[op].append(name)
+            for at, tensor in enumerate(node.input):
+                readers[tensor].append((name, at))
+        if function is None:
+            return _Index(by_name, position, ops, readers, marked)
+        signature, returns = function.signature, {}
+        for at, arg in enumerate(signature.output_arg):
+            if arg.name not in function.ret:
+                raise GraphError(f"function '{signature.name}': output '{arg.name}' has no value in 'ret'")
+            returns[arg.name + functions.RETVAL_SUFFIX] = at
+            ops[arg.name + functions.RETVAL_SUFFIX] = "_Retval"
+            readers[function.ret[arg.name]].append((arg.name + functions.RETVAL_SUFFIX, 0))
+        args = {arg.name: arg.type for arg in signature.input_arg}
+        ops.update(dict.fromkeys(args, "_Arg"))
+        return _Index(by_name, position, ops, readers, marked, function, op_defs or {}, args, returns)
+
+    def node(self, name: str) -> node_def_pb2.NodeDef:
+        return self.nodes[name]
+
+    def op(self, name: str) -> str:
+        """A node's op; a function's arguments and outputs are the body's ``_Arg`` and ``_Retval``."""
+        return self.ops[name]
+
+    def handles(self) -> list[str]:
+        """The resource ``_Arg``\\ s and ``VarHandleOp``\\ s, in the body's order (arguments first)."""
+        found = [name for name, dtype in self.args.items() if dtype == RESOURCE]
+        nodes = sorted([*self.marked.get("_Arg", ()), *self.marked.get("VarHandleOp", ())], key=self.position.get)
+        return found + [name for name in nodes
+                        if self.ops[name] == "VarHandleOp" or self.nodes[name].attr["T"].type == RESOURCE]
+
+    def tensors(self, node: str) -> list[str]:
+        """What inputs call ``node``'s outputs: ``node:output_arg:index`` in a function, by
+        port; else ``node`` and ``node:port`` (a cast's, whose one output is port 0)."""
+        if self.function is None or node in self.args:
+            return [node, f"{node}:0"]
+        names = self.names.get(node)
+        if names is None:
+            names = self.names[node] = functions.output_names(self.nodes[node], self.op_defs)
+        return names
 
     def readers_of(self, node: str, port: int = 0) -> list[tuple[str, int]]:
-        return self.readers.get((node, port), [])
+        """(reader, input position) of each input that reads output ``port`` of ``node``, in the body's order."""
+        if self.function is None or node in self.args:
+            found = self.readers.get(f"{node}:{port}", [])
+            bare = self.readers.get(node, []) if port == 0 else []
+            if found and bare:  # both spellings: in the order a body's readers would be
+                return sorted([*bare, *found], key=self._reader_place)
+            return found or bare
+        names = self.tensors(node)
+        return self.readers.get(names[port], []) if port < len(names) else []
 
-    def input_node(self, node: str, position: int) -> node_def_pb2.NodeDef:
-        return self.nodes[parse_tensor_name(self.nodes[node].input[position]).node]
+    def _reader_place(self, reader: tuple[str, int]) -> tuple[int, int]:
+        name, position = reader
+        return self.position.get(name, len(self.position) + self.returns.get(name, 0)), position
+
+    def input_ref(self, node: str, position: int) -> TensorRef:
+        """What input ``position`` of ``node`` reads, as (node, port)."""
+        tensor = self.nodes[node].input[position]
+        if self.function is None:
+            return parse_tensor_name(tensor)
+        if tensor.startswith("^"):
+            return TensorRef(tensor[1:], CONTROL)
+        name, _, rest = tensor.partition(":")
+        if name in self.args and rest in ("", "0"):
+            return TensorRef(name, 0)
+        if name in self.nodes:
+            ports = self.ports.get(name)
+            if ports is None:
+                ports = self.ports[name] = {output: port for port, output in enumerate(self.tensors(name))}
+            if tensor in ports:
+                return TensorRef(name, ports[tensor])
+        raise GraphError(f"function '{self.function.signature.name}', node '{node}': input '{tensor}' names no"
+                         " argument or node output")
+
+    def source(self, tensor: str) -> str:
+        """The node (or argument) an input string names."""
+        return parse_tensor_name(tensor).node if self.function is None else tensor.lstrip("^").partition(":")[0]
 
 
 @dataclass
 class _Edits:
-    """Changes to make, by item; applied once, to copies (STYLE §4)."""
+    """Changes to make, by item; applied once, to a copy (STYLE §4)."""
 
     types: dict[Place, dict[str, int]] = field(default_factory=lambda: defaultdict(dict))       # attr -> dtype
     list_types: dict[Place, dict[tuple[str, int], int]] = field(default_factory=lambda: defaultdict(dict))
@@ -230,43 +320,60 @@ class _Edits:
             else:
                 self.removed_casts.add(place)
 
-    def items(self) -> set[str]:
-        places = [*self.types, *self.list_types, *self.rounded, *self.removed_casts, *self.cast_values]
-        return {item for item, _ in places}
+    def apply(self, program: Program, indexes: Mapping[str, _Index]) -> graph_pb2.GraphDef:
+        """The edited copy: copied once, each edited node changed where it sits (the same place
+        as in the source), then the casts that go removed. A main graph with rounded Consts is
+        copied a node at a time, each built from its float32 value: a frozen graph's weights
+        are never held twice in float32."""
+        if any(item == MAIN_GRAPH for item, _ in self.rounded):
+            output = without_nodes(program.graph_def)
+            for node in program.graph_def.node:
+                if (MAIN_GRAPH, node.name) in self.rounded:
+                    _put_rounded(output.node.add(), node, self.types[(MAIN_GRAPH, node.name)]["dtype"])
+                else:
+                    output.node.add().CopyFrom(node)
+        else:
+            output = _copy(program.graph_def)
 
-    def apply(self, program: Program) -> graph_pb2.GraphDef:
-        """The edited copy. The main graph is copied a node at a time, a rounded Const built
-        from its float32 value: a frozen graph's weights are never held twice in float32."""
-        output = without_nodes(program.graph_def)
-        for node in program.graph_def.node:
-            if (MAIN_GRAPH, node.name) in self.rounded:
-                _put_rounded(output.node.add(), node, self.types[(MAIN_GRAPH, node.name)]["dtype"])
-            else:
-                output.node.add().CopyFrom(node)
-        for item in sorted(self.items()):
-            body = output if item == MAIN_GRAPH else _copy(program.item(item))
-            self._apply_to(item, body)
-            if item != MAIN_GRAPH:
-                program.put(output, item, body)
+        def nodes_of(item: str) -> Sequence[node_def_pb2.NodeDef]:
+            return output.node if item == MAIN_GRAPH else output.library.function[program.positions[item]].node_def
+
+        live: dict[str, list[node_def_pb2.NodeDef]] = {}  # an edited item's nodes, each wrapper built once
+
+        def live_nodes(item: str) -> list[node_def_pb2.NodeDef]:
+            if item not in live:
+                live[item] = list(nodes_of(item))
+            return live[item]
+
+        def node_at(place: Place) -> node_def_pb2.NodeDef:
+            return live_nodes(place[0])[indexes[place[0]].position[place[1]]]
+
+        for place, attrs in self.types.items():
+            node = node_at(place)
+            for attr, dtype in attrs.items():
+                node.attr[attr].type = dtype
+        for place, entries in self.list_types.items():
+            attr_values = node_at(place).attr
+            for (attr, at), dtype in entries.items():
+                attr_values[attr].list.type[at] = dtype
+        for place in self.rounded:
+            if place[0] != MAIN_GRAPH:  # the main graph's: rounded as copied
+                _put_rounded(node_at(place), node_at(place), self.types[place]["dtype"])
+        removed, valued = _by_item(self.removed_casts), _by_item(self.cast_values)
+        for item in sorted({*removed, *valued}):
+            function = None if item == MAIN_GRAPH else output.library.function[program.positions[item]]
+            _bypass(indexes[item], live_nodes(item), function, removed.get(item, []))
+            _add_casts(indexes[item], nodes_of(item), live_nodes(item), valued.get(item, []), self.types)
+            for place in sorted((indexes[item].position[cast] for cast in removed.get(item, [])), reverse=True):
+                del nodes_of(item)[place]
         return output
 
-    def _apply_to(self, item: str, body: graph_pb2.GraphDef) -> None:
-        replaced: dict[str, str] = {}  # removed cast -> the tensor its readers read now
-        for node in body.node:
-            place = (item, node.name)
-            for attr, dtype in self.types.get(place, {}).items():
-                node.attr[attr].type = dtype
-            for (attr, index), dtype in self.list_types.get(place, {}).items():
-                node.attr[attr].list.type[index] = dtype
-            if place in self.rounded and item != MAIN_GRAPH:  # the main graph's: rounded as copied
-                _put_rounded(node, node, self.types[place]["dtype"])
-            if place in self.removed_casts:
-                replaced[node.name] = node.input[0]
-        for node in list(body.node):
-            if (item, node.name) in self.cast_values:
-                node.input[1] = _add_cast(body, node, self.types[(item, node.name)]["dtype"])
-        if replaced:
-            _bypass(body, replaced)
+
+def _by_item(places: Iterable[Place]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = defaultdict(list)
+    for item, node in places:
+        found[item].append(node)
+    return found
 
 
 def without_nodes(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
@@ -296,37 +403,52 @@ def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
     return copy
 
 
-def _add_cast(body: graph_pb2.GraphDef, assign: node_def_pb2.NodeDef, dtype: int) -> str:
-    """A float32 -> ``dtype`` cast of ``assign``'s value: it writes a float32 value into a
-    variable now stored low (a TF1 initializer), rounded once as every read was."""
-    names = {node.name for node in body.node}
-    name, index = f"{assign.name}/value-StoredAs-{dtype_name(dtype)}", 0
-    while name in names:
-        index += 1
-        name = f"{assign.name}/value-StoredAs-{dtype_name(dtype)}_{index}"
-    cast = body.node.add(name=name, op="Cast", input=[assign.input[1]], device=assign.device)
-    cast.attr["SrcT"].type = FLOAT32
-    cast.attr["DstT"].type = dtype
-    cast.attr["Truncate"].b = False
-    return name
+def _add_casts(index: _Index, nodes: Sequence[node_def_pb2.NodeDef], live: Sequence[node_def_pb2.NodeDef],
+               assigns: list[str], types: Mapping[Place, Mapping[str, int]]) -> None:
+    """For each AssignVariableOp of ``assigns``, a float32 -> its dtype cast of its value: it
+    writes a float32 value into a variable now stored low (a TF1 initializer), rounded once
+    as every read was. Each cast is named after its assign, unlike every name in the item."""
+    if not assigns:
+        return
+    names = {*index.position, *index.args, *index.returns}
+    item = MAIN_GRAPH if index.function is None else index.function.signature.name
+    for assign_name in sorted(assigns, key=index.position.__getitem__):
+        assign, dtype = live[index.position[assign_name]], types[(item, assign_name)]["dtype"]
+        name, count = f"{assign.name}/value-StoredAs-{dtype_name(dtype)}", 0
+        while name in names:
+            count += 1
+            name = f"{assign.name}/value-StoredAs-{dtype_name(dtype)}_{count}"
+        names.add(name)
+        cast = nodes.add(name=name, op="Cast", input=[assign.input[1]], device=assign.device)
+        cast.attr["SrcT"].type = FLOAT32
+        cast.attr["DstT"].type = dtype
+        cast.attr["Truncate"].b = False
+        assign.input[1] = name if index.function is None else functions.output_names(cast, index.op_defs)[0]
 
 
-def _bypass(body: graph_pb2.GraphDef, replaced: Mapping[str, str]) -> None:
-    """Readers of each removed cast read the cast's input instead; the casts go."""
-    for node in body.node:
+def _bypass(index: _Index, nodes: Sequence[node_def_pb2.NodeDef], function: function_pb2.FunctionDef | None,
+            casts: list[str]) -> None:
+    """Readers of each removed cast read the cast's input instead (a control reader: its
+    input's node, once); the caller removes the casts."""
+    replaced = {cast: nodes[index.position[cast]].input[0] for cast in casts}
+    readers = {reader for cast in casts for tensor in (*index.tensors(cast), f"^{cast}")
+               for reader, _ in index.readers.get(tensor, ())}
+    for reader in readers:
+        if reader not in index.position:  # a function's output
+            arg = function.signature.output_arg[index.returns[reader]].name
+            function.ret[arg] = replaced.get(index.source(function.ret[arg]), function.ret[arg])
+            continue
+        node = nodes[index.position[reader]]
         inputs, changed = [], False
         for tensor in node.input:
-            ref = parse_tensor_name(tensor)
-            if ref.node in replaced:
+            source = index.source(tensor)
+            if source in replaced:
                 changed = True
-                tensor = f"^{parse_tensor_name(replaced[ref.node]).node}" if ref.is_control else replaced[ref.node]
+                tensor = f"^{index.source(replaced[source])}" if tensor.startswith("^") else replaced[source]
             if tensor not in inputs or not tensor.startswith("^"):
                 inputs.append(tensor)
         if changed:
             node.input[:] = inputs
-    kept = [node for node in body.node if node.name not in replaced]
-    del body.node[:]
-    body.node.extend(kept)
 
 
 def _casts_to(node: node_def_pb2.NodeDef, dtype: int) -> bool:
@@ -343,62 +465,96 @@ def _where(item: str) -> str:
 # Variables: 1. follow every handle, 2. who reads each value, 3. decide per group, 4. edits
 
 
-def _groups(sets: UnionFind) -> list[list[Place]]:
-    """The sets, each in the order its places were first seen, ordered by their first place:
-    the same groups, in the same order, on every run."""
-    seen = {place: position for position, place in enumerate(sets.parents)}
-    return sorted((sorted(group, key=seen.__getitem__) for group in sets.to_sets()), key=lambda g: seen[g[0]])
+class _Sets:
+    """Disjoint sets of places (union-find), which remember the order places were first seen."""
+
+    def __init__(self) -> None:
+        self.parents: dict[Place, Place] = {}
+
+    def add(self, place: Place) -> None:
+        self.parents.setdefault(place, place)
+
+    def find(self, place: Place) -> Place:
+        parents = self.parents
+        parents.setdefault(place, place)
+        while parents[place] != place:
+            parents[place] = parents[parents[place]]  # halve the path
+            place = parents[place]
+        return place
+
+    def union(self, one: Place, other: Place) -> None:
+        root, other_root = self.find(one), self.find(other)
+        if root != other_root:
+            self.parents[other_root] = root
+
+    def groups(self) -> list[list[Place]]:
+        """The sets, each in the order its places were first seen, ordered by their first place:
+        the same groups, in the same order, on every run."""
+        found: dict[Place, list[Place]] = {}
+        for place in list(self.parents):
+            found.setdefault(self.find(place), []).append(place)
+        return list(found.values())
 
 
 @dataclass
 class _Handles:
     """Step 1's findings: the handle groups, the ops on each handle, and what stops one."""
 
-    sets: UnionFind = field(default_factory=UnionFind)  # one set per variable (with its copies)
+    sets: _Sets = field(default_factory=_Sets)  # one set per variable (with its copies)
     accesses: list[tuple[Place, Place]] = field(default_factory=list)   # (handle, read or assign op)
     blockers: dict[Place, list[str]] = field(default_factory=lambda: defaultdict(list))
     keys: dict[Place, set[str]] = field(default_factory=lambda: defaultdict(set))  # handle -> checkpoint keys
+    calls: dict[Place, tuple[list[str], int] | None] = field(default_factory=dict)  # read once per op (_calls)
+    arg_names: dict[str, list[str]] = field(default_factory=dict)  # function -> its arguments, read once
+
+    def callees(self, program: Program, item: str, node: node_def_pb2.NodeDef, position: int
+                ) -> list[tuple[str, str]] | None:
+        """(function, argument) that a functional op hands its input ``position`` to; None when
+        the op calls nothing (or calls what is not in the library)."""
+        if (item, node.name) not in self.calls:
+            self.calls[(item, node.name)] = _calls(node, program)
+        call = self.calls[(item, node.name)]
+        if call is None or position < call[1]:
+            return None
+        return [(function, self.arg_name(program, function, position - call[1])) for function in call[0]]
+
+    def arg_name(self, program: Program, function: str, index: int) -> str:
+        if function not in self.arg_names:
+            self.arg_names[function] = [arg.name for arg in program.library[function].signature.input_arg]
+        return self.arg_names[function][index]
 
 
-def _callees(node: node_def_pb2.NodeDef, position: int, program: Program) -> list[tuple[str, int]] | None:
-    """(function, argument index) that a functional op hands its input ``position`` to;
-    None when the op calls nothing (or calls what is not in the library)."""
+def _calls(node: node_def_pb2.NodeDef, program: Program) -> tuple[list[str], int] | None:
+    """The functions a functional op calls, and its first input that is their first argument
+    (an If's or Case's predicate is none); None when it calls nothing in the library."""
     library = program.library
 
     def named(attr: str) -> str:
         return node.attr[attr].func.name if attr in node.attr else ""
 
     if node.op in library:
-        names, index = [node.op], position
+        names, first = [node.op], 0
     elif node.op in ("PartitionedCall", "StatefulPartitionedCall"):
-        names, index = [named("f")], position
+        names, first = [named("f")], 0
     elif node.op in LOOP_OPS:
-        names, index = [named("body"), named("cond")], position
+        names, first = [named("body"), named("cond")], 0
     elif node.op in ("If", "StatelessIf"):
-        names, index = [named("then_branch"), named("else_branch")], position - 1
+        names, first = [named("then_branch"), named("else_branch")], 1
     elif node.op in ("Case", "StatelessCase"):
-        names, index = [f.name for f in node.attr["branches"].list.func], position - 1
+        names, first = [f.name for f in node.attr["branches"].list.func], 1
     else:
         return None
-    if index < 0 or not all(name in library for name in names):
-        return None
-    return [(name, index) for name in names]
-
-
-def _arg_name(program: Program, function: str, index: int) -> str:
-    return program.library[function].signature.input_arg[index].name
+    return (names, first) if all(name in library for name in names) else None
 
 
 def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: ObjectGraph | None) -> _Handles:
     """Step 1: from every ``VarHandleOp`` and resource ``_Arg``, every op its handle reaches."""
     found = _Handles()
-    loop_bodies = {node.attr["body"].func.name for index in indexes.values() for node in index.nodes.values()
-                   if node.op in LOOP_OPS}
+    loop_bodies = {index.node(name).attr["body"].func.name for index in indexes.values() for op in LOOP_OPS
+                   for name in index.marked.get(op, ())}
     for item, index in indexes.items():
-        for name in index.order:
-            node = index.nodes[name]
-            if node.op == "VarHandleOp" or node.op == "_Arg" and node.attr["T"].type == RESOURCE:
-                _follow(program, item, index, (item, name), found, item in loop_bodies)
+        for name in index.handles():
+            _follow(program, item, index, (item, name), found, item in loop_bodies)
     if objects is not None:  # a function the object graph binds a variable to reads it through that argument
         for function, saved in objects.proto.concrete_functions.items():
             if function not in program.library or not saved.bound_inputs:
@@ -408,12 +564,12 @@ def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: Ob
                 key = objects.object_to_key.get(node_id)
                 if key is not None and arg.type == RESOURCE:
                     found.keys[(function, arg.name)].add(key)
-                    found.sets[(function, arg.name)]
+                    found.sets.add((function, arg.name))
     return found
 
 
 def _follow(program: Program, item: str, index: _Index, handle: Place, found: _Handles, loop_body: bool) -> None:
-    found.sets[handle]
+    found.sets.add(handle)
     stack, seen = [(handle[1], 0)], set()
     while stack:
         port = stack.pop()
@@ -421,25 +577,28 @@ def _follow(program: Program, item: str, index: _Index, handle: Place, found: _H
             continue
         seen.add(port)
         for reader, position in index.readers_of(*port):
-            node = index.nodes[reader]
-            if node.op in FORWARD_OPS:
+            op = index.ops[reader]
+            if op in FORWARD_OPS:
                 stack.append((reader, 0))
-            elif node.op == "IdentityN":
+            elif op == "IdentityN":
                 stack.append((reader, position))
-            elif node.op in READ_OPS or node.op == ASSIGN_OP and position == 0:
+            elif op in READ_OPS or op == ASSIGN_OP and position == 0:
                 found.accesses.append((handle, (item, reader)))
-            elif node.op in HANDLE_ONLY_OPS:
+            elif op in HANDLE_ONLY_OPS:
                 continue
-            elif node.op == "_Retval" and loop_body:  # the loop hands the handle to its next iteration
-                found.sets.union(handle, (item, _arg_name(program, item, node.attr["index"].i)))
+            elif op == "_Retval":
+                if loop_body:  # the loop hands the handle to its next iteration
+                    found.sets.union(handle, (item, found.arg_name(program, item, index.returns[reader])))
+                else:
+                    found.blockers[handle].append(f"its handle goes to _Retval '{reader}'{_where(item)}")
             else:
-                callees = _callees(node, position, program)
+                callees = found.callees(program, item, index.node(reader), position)
                 if callees is None:
-                    found.blockers[handle].append(f"its handle goes to {node.op} '{reader}'{_where(item)}")
+                    found.blockers[handle].append(f"its handle goes to {op} '{reader}'{_where(item)}")
                     continue
-                for function, arg in callees:
-                    found.sets.union(handle, (function, _arg_name(program, function, arg)))
-                if node.op in LOOP_OPS:
+                for callee in callees:
+                    found.sets.union(handle, callee)
+                if op in LOOP_OPS:
                     stack.append((reader, position))
 
 
@@ -454,40 +613,55 @@ class _Reads:
     float32: list[str] = field(default_factory=list)     # why it must stay float32
 
 
+class _LeftAlone:
+    """The functions the rewrite did not convert (no signature calls them), found when first
+    asked: only a variable read as float32 asks, and finding them reads every node."""
+
+    def __init__(self, program: Program) -> None:
+        self.program, self.names = program, None
+
+    def __contains__(self, function: str) -> bool:
+        if self.names is None:
+            program = self.program
+            self.names = frozenset(program.library) - set(functions.reachable_functions(program.graph_def,
+                                                                                         program.library))
+        return function in self.names
+
+
 def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[Place, str], reads: _Reads,
-                 copies: list[tuple[Place, Place]], handle: Place, left_alone: frozenset[str]) -> None:
+                 copies: list[tuple[Place, Place]], handle: Place, left_alone: _LeftAlone) -> None:
     """Step 2 for one read (``node``'s output 0) and what forwards it. ``left_alone``: the
     functions the rewrite did not convert (their readers read float32, said so)."""
     if (item, node) in kept:
         reads.float32.append(f"its read '{node}'{_where(item)} keeps its dtype: {kept[(item, node)]}")
     for reader, position in index.readers_of(node):
-        reader_node = index.nodes[reader]
+        op = index.ops[reader]
         place = (item, reader)
-        if reader_node.op in FORWARD_OPS:
+        if op in FORWARD_OPS:
             reads.forwards.add(place)
             _read_values(item, index, reader, dtype, kept, reads, copies, handle, left_alone)
-        elif _casts_to(reader_node, dtype):
+        elif op == "Cast" and _casts_to(index.node(reader), dtype):
             reads.casts.add(place)
-        elif reader_node.op == "SaveV2" and position >= 3:
+        elif op == "SaveV2" and position >= 3:
             reads.saves.add((place, position - 3))
-        elif reader_node.op == ASSIGN_OP and position == 1:
+        elif op == ASSIGN_OP and position == 1:
             copies.append((handle, place))  # a copy of this variable: decided with it
-        elif reader_node.op in SHAPE_OPS:
+        elif op in SHAPE_OPS:
             reads.shapes.add(place)
-        elif reader_node.op == "_Retval":
+        elif op == "_Retval":
             reads.float32.append(f"returned as float32 by function {item}")
         else:
             alone = ", a function this rewrite leaves float32 (no signature calls it)" if item in left_alone else ""
-            reads.float32.append(f"read as float32 by {reader_node.op} '{reader}'{_where(item)}{alone}")
+            reads.float32.append(f"read as float32 by {op} '{reader}'{_where(item)}{alone}")
 
 
 def _strings(index: _Index, node: str, position: int) -> list[str] | None:
     """The string list a ``Const`` input holds (SaveV2/RestoreV2 tensor names), or None;
     decoded once per node (a saver's list names every key, and is asked for each)."""
     if (node, position) not in index.decoded:
-        source = index.input_node(node, position)
-        index.decoded[(node, position)] = None if source.op != "Const" else [
-            value.decode() for value in np.asarray(tf.make_ndarray(source.attr["value"].tensor)).ravel()]
+        source = index.input_ref(node, position).node
+        index.decoded[(node, position)] = None if index.op(source) != "Const" else [
+            value.decode() for value in np.asarray(tf.make_ndarray(index.node(source).attr["value"].tensor)).ravel()]
     return index.decoded[(node, position)]
 
 
@@ -498,7 +672,7 @@ def _string_at(index: _Index, item: str, node: str, position: int, at: int) -> s
     if found is None:
         return None
     if at >= len(found):
-        op = index.nodes[node].op
+        op = index.op(node)
         raise GraphError(f"{op} '{node}'{_where(item)} has tensor {at} but its input {position} lists"
                          f" {len(found)} name(s); the saver is malformed: export the model again")
     return found[at]
@@ -522,10 +696,10 @@ def _store_variables(
     handle_reads: dict[Place, _Reads] = defaultdict(_Reads)
     copies: list[tuple[Place, Place]] = []
     restores: dict[Place, tuple[Place, int, list[Place]] | None] = {}  # assign -> (RestoreV2, port, forwards)
-    left_alone = frozenset(program.library) - set(functions.reachable_functions(program.graph_def, program.library))
+    left_alone = _LeftAlone(program)
     for handle, (item, node) in handles.accesses:
         index = indexes[item]
-        if index.nodes[node].op in READ_OPS:
+        if index.op(node) in READ_OPS:
             _read_values(item, index, node, dtype, kept, handle_reads[handle], copies, handle, left_alone)
         else:
             restores[(item, node)] = _restored_value(index, item, node)
@@ -580,18 +754,18 @@ def _key_groups(handles: _Handles) -> list[list[Place]]:
             if key in by_key:
                 handles.sets.union(by_key[key], handle)
             by_key[key] = handle
-    return _groups(handles.sets)
+    return handles.sets.groups()
 
 
 def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, list[Place]] | None:
     """Where an AssignVariableOp's value comes from, if it is a RestoreV2 output (through
     Identity ops nothing else reads): (RestoreV2, port, the Identity ops between)."""
-    ref = parse_tensor_name(index.nodes[assign].input[1])
+    ref = index.input_ref(assign, 1)
     between = []
-    while index.nodes[ref.node].op in FORWARD_OPS and len(index.readers_of(ref.node, ref.port)) == 1:
+    while index.op(ref.node) in FORWARD_OPS and len(index.readers_of(ref.node, ref.port)) == 1:
         between.append((item, ref.node))
-        ref = parse_tensor_name(index.nodes[ref.node].input[0])
-    if index.nodes[ref.node].op == "RestoreV2" and len(index.readers_of(ref.node, ref.port)) == 1:
+        ref = index.input_ref(ref.node, 0)
+    if index.op(ref.node) == "RestoreV2" and len(index.readers_of(ref.node, ref.port)) == 1:
         return (item, ref.node), ref.port, between
     return None
 
@@ -604,11 +778,10 @@ def _decide(
 ) -> Weight | None:
     """Steps 3-4 for one group: its Weight (None if it is no float32 variable) and, when it
     is stored low, its edits."""
-    variables = sorted((p for p in places if indexes[p[0]].nodes.get(p[1]) is not None
-                        and indexes[p[0]].nodes[p[1]].op == "VarHandleOp"),
+    variables = sorted((p for p in places if indexes[p[0]].ops.get(p[1]) == "VarHandleOp"),
                        key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].position[p[1]]))
     accesses = [access for place in places for access in handle_accesses.get(place, ())]
-    node_dtypes = {place: indexes[place[0]].nodes[place[1]].attr["dtype"].type for place in [*variables, *accesses]}
+    node_dtypes = {place: indexes[place[0]].node(place[1]).attr["dtype"].type for place in [*variables, *accesses]}
     if len(set(node_dtypes.values())) > 1:
         raise GraphError(_disagreement(node_dtypes, indexes))
     if set(node_dtypes.values()) != {FLOAT32}:
@@ -635,7 +808,7 @@ def _decide(
     name = variables[0][1] if variables else places[0][1]
     if objects and names.get(objects[0]):
         name = names[objects[0]]  # the name the model gave it, as tf.saved_model.load shows it
-    elements = _elements(indexes[variables[0][0]].nodes[variables[0][1]]) if variables else -1
+    elements = _elements(indexes[variables[0][0]].node(variables[0][1])) if variables else -1
     elements = elements * max(len(keys), 1) if elements >= 0 else -1
     if reasons:
         reasons = list(dict.fromkeys(reasons))
@@ -651,23 +824,24 @@ def _edit_low(variables: list[Place], accesses: list[Place], reads: _Reads,
     """Step 4 for a group stored low: every op on it, its savers' entries, its restores and
     initializers take ``dtype``; the casts that read it go."""
     for item, node in [*variables, *accesses, *reads.forwards, *reads.shapes]:
-        attr = "T" if indexes[item].nodes[node].op in FORWARD_OPS | SHAPE_OPS else "dtype"
+        attr = "T" if indexes[item].op(node) in T_OPS else "dtype"
         edits.types[(item, node)][attr] = dtype
     for (item, save), tensor in reads.saves:
         edits.list_types[(item, save)][("dtypes", tensor)] = dtype
     edits.drop_casts(reads.casts, dtype, kept)
+    values = {*accesses, *reads.forwards}  # what a copy reads: this variable's own value
     for assign in accesses:
-        if indexes[assign[0]].nodes[assign[1]].op != ASSIGN_OP:
+        if indexes[assign[0]].op(assign[1]) != ASSIGN_OP:
             continue
         restored = restores.get(assign)
-        value = indexes[assign[0]].input_node(assign[1], 1)
         if restored is not None:
             (item, restore), port, between = restored
             edits.list_types[(item, restore)][("dtypes", port)] = dtype
             for place in between:
                 edits.types[place]["T"] = dtype
-        elif not (value.op in READ_OPS | FORWARD_OPS and (assign[0], value.name) in
-                  {*accesses, *reads.forwards}):
+            continue
+        value = indexes[assign[0]].input_ref(assign[1], 1).node
+        if not (indexes[assign[0]].op(value) in VALUE_OPS and (assign[0], value) in values):
             edits.cast_values.add(assign)  # a float32 value (an initializer) rounded on the way in
 
 
@@ -676,7 +850,7 @@ def _disagreement(node_dtypes: Mapping[Place, int], indexes: Mapping[str, _Index
     first: dict[int, Place] = {}
     for place, dtype in node_dtypes.items():
         first.setdefault(dtype, place)
-    said = ", ".join(f"{indexes[item].nodes[node].op} '{node}'{_where(item)} says {dtype_name(dtype)}"
+    said = ", ".join(f"{indexes[item].op(node)} '{node}'{_where(item)} says {dtype_name(dtype)}"
                      for dtype, (item, node) in first.items())
     return (f"the ops on one variable disagree on its dtype: {said}; TensorFlow fails on it at run time:"
             " export the model again")
@@ -691,12 +865,13 @@ def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int
     """float32 ``Const`` nodes read only through casts to ``dtype``: ``dtype`` constants."""
     weights = []
     for item, index in indexes.items():
-        for name in index.order:
-            node = index.nodes[name]
-            if node.op != "Const" or node.attr["dtype"].type != FLOAT32:
+        for name in index.marked.get("Const", ()):
+            node = index.node(name)
+            if node.attr["dtype"].type != FLOAT32:
                 continue
             readers = index.readers_of(name)
-            if (item, name) in kept or not readers or not all(_casts_to(index.nodes[r], dtype) for r, _ in readers):
+            if (item, name) in kept or not readers or not all(
+                    r in index.position and _casts_to(index.node(r), dtype) for r, _ in readers):
                 continue
             edits.types[(item, name)]["dtype"] = dtype
             edits.rounded.add((item, name))
@@ -713,9 +888,8 @@ def restored_keys(graph_def: graph_pb2.GraphDef) -> frozenset[str]:
     program = program_of(graph_def)
     found = set()
     for item in program.names:
-        index = _Index.of(program.item(item))
-        for name in index.order:
-            if index.nodes[name].op == "RestoreV2":
-                found.update(_strings(index, name, 1) or ())
+        index = _index(program, item)
+        for name in index.marked.get("RestoreV2", ()):
+            found.update(_strings(index, name, 1) or ())
     return frozenset(found)
 
