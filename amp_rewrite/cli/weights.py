@@ -32,7 +32,7 @@ from amp_rewrite.calibration import bundle
 from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rewrite import RewriteResult, gc_paused
 from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restored_keys, round_to, store_weights
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
@@ -63,7 +63,13 @@ def _unreadable(model: Model, error: Exception) -> ModelError:
 def stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWeights:
     """``result``'s graph with its weights in ``target``'s dtype, and each weight's fate: a
     SavedModel's variables (its checkpoint is read for its object graph only), a GraphDef
-    file's float32 ``Const`` weights."""
+    file's float32 ``Const`` weights. No GC runs meanwhile: the walks hold a few small
+    objects per variable op until they return."""
+    with gc_paused():
+        return _stored_weights(model, result, target)
+
+
+def _stored_weights(model: Model, result: RewriteResult, target: str) -> StoredWeights:
     kept = {(MAIN_GRAPH, parse_tensor_name(fetch).node): "an output of the model" for fetch in model.fetches}
     kept.update(model.preserved)
     if model.kind == "graphdef":

@@ -62,9 +62,10 @@ class RewriteResult:
 
 
 @contextlib.contextmanager
-def _gc_paused():
-    """The pass allocates ~10 small objects per node and frees none until it returns:
-    cyclic GC runs would only rescan them (a third of the time on a 7k-node graph)."""
+def gc_paused():
+    """No cyclic GC inside: a pass over a graph allocates a few small objects per node and
+    frees none until it returns, so GC runs would only rescan them (a third of the time on a
+    7k-node graph; the weights step's, ``cli/weights.py``, too)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -122,7 +123,7 @@ def rewrite_graph_def(
     if amax is not None:
         resolved, _ = float8.resolve(float8.Float8Calibration(amax, lossy or {}), graph_def)
         amax, lossy = resolved.amax, resolved.lossy
-    with _gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
+    with gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
         program = program_of(graph_def)
         functions.check_calls(graph_def, program.library)
         names = functions.reachable_functions(graph_def, program.library)
