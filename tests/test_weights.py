@@ -158,6 +158,71 @@ def test_a_cast_that_is_an_output_keeps_its_name_and_an_updated_variable_stays_f
     assert np.array_equal(got.view(np.uint16), round_to(np.full((4, 4), 1 / 3, np.float32), BF16).view(np.uint16))
 
 
+def _layer_graph() -> tf.Graph:
+    """A TF1 graph whose variable ``w`` a tf.function reads through a cast (a control input
+    on the cast too), beside a tf.function that reads no variable, and a Saver."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.full((4, 4), 1 / 3, np.float32), use_resource=True)
+
+        @tf.function(autograph=False)
+        def layer(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            low = tf.cast(w, tf.bfloat16, name="low")
+            with tf.control_dependencies([low]):
+                return tf.matmul(tf.cast(x, tf.bfloat16), low, name="y"), low
+
+        @tf.function(autograph=False)
+        def twice(x: tf.Tensor) -> tf.Tensor:
+            return x * 2.0
+
+        y, low = layer(x)
+        tf.identity(y, name="out")
+        tf.identity(low, name="out_low")
+        tf.identity(twice(x), name="twice")
+        tf.compat.v1.train.Saver()
+    return graph
+
+
+def _run_layer(graph_def: graph_pb2.GraphDef, x: np.ndarray) -> list[np.ndarray]:
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run("w/Assign")
+        return session.run(["out:0", "out_low:0", "twice:0"], {"x:0": x})
+
+
+def test_a_variable_a_function_reads_through_a_cast_is_stored_low_there_and_other_functions_stay_as_they_are() -> None:
+    """Rule (store_weights on a graph that calls functions): the function a variable's handle
+    is passed to reads it low, its cast gone and the cast's readers (a data and a control
+    input) reading the read instead; the main graph's handle, saver and initializer follow; a
+    function no variable reaches is byte for byte the input's, and so is the input; the
+    result runs with the numbers the per-call cast gave."""
+    from amp_rewrite.core.weights import store_weights
+
+    graph_def = _layer_graph().as_graph_def()
+    before = graph_def.SerializeToString(deterministic=True)
+    stored = store_weights(graph_def, "bfloat16")
+    assert graph_def.SerializeToString(deterministic=True) == before
+    assert [(weight.name, weight.low, weight.keys) for weight in stored.weights] == [("w", True, ("w",))]
+    functions = {function.signature.name.split("_")[3]: function for function in stored.graph_def.library.function}
+    layer = {node.name: node for node in functions["layer"].node_def}
+    assert "low" not in layer and not [node for node in layer.values() if node.op == "Cast" and node.name != "Cast"]
+    assert layer["low/ReadVariableOp"].attr["dtype"].type == BF16
+    assert list(layer["y"].input) == ["Cast:y:0", "low/ReadVariableOp:value:0"]
+    assert list(layer["Cast"].input) == ["x", "^low/ReadVariableOp"]
+    assert layer["Identity_1"].input[0] == "low/ReadVariableOp:value:0"
+    source = {function.signature.name.split("_")[3]: function for function in graph_def.library.function}
+    assert functions["twice"].SerializeToString(deterministic=True) == \
+        source["twice"].SerializeToString(deterministic=True)
+    main = {node.name: node for node in stored.graph_def.node}
+    assert main["w"].attr["dtype"].type == BF16 and main["save/SaveV2"].attr["dtypes"].list.type[0] == BF16
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    for got, expected in zip(_run_layer(stored.graph_def, x), _run_layer(graph_def, x)):
+        assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+
+
 # --------------------------------------------------------------------------------------
 # A TF2 SavedModel: the graph, the object graph and the checkpoint change together
 
