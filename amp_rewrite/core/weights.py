@@ -348,10 +348,10 @@ class _Edits:
         def node_at(place: Place) -> node_def_pb2.NodeDef:
             return live_nodes(place[0])[indexes[place[0]].position[place[1]]]
 
-        for place, attrs in self.types.items():
-            node = node_at(place)
+        for (item, name), attrs in self.types.items():
+            attr_values = live_nodes(item)[indexes[item].position[name]].attr
             for attr, dtype in attrs.items():
-                node.attr[attr].type = dtype
+                attr_values[attr].type = dtype
         for place, entries in self.list_types.items():
             attr_values = node_at(place).attr
             for (attr, at), dtype in entries.items():
@@ -507,13 +507,13 @@ class _Handles:
     calls: dict[Place, tuple[list[str], int] | None] = field(default_factory=dict)  # read once per op (_calls)
     arg_names: dict[str, list[str]] = field(default_factory=dict)  # function -> its arguments, read once
 
-    def callees(self, program: Program, item: str, node: node_def_pb2.NodeDef, position: int
+    def callees(self, program: Program, item: str, index: _Index, node: str, position: int
                 ) -> list[tuple[str, str]] | None:
         """(function, argument) that a functional op hands its input ``position`` to; None when
         the op calls nothing (or calls what is not in the library)."""
-        if (item, node.name) not in self.calls:
-            self.calls[(item, node.name)] = _calls(node, program)
-        call = self.calls[(item, node.name)]
+        if (item, node) not in self.calls:
+            self.calls[(item, node)] = _calls(index.node(node), program)
+        call = self.calls[(item, node)]
         if call is None or position < call[1]:
             return None
         return [(function, self.arg_name(program, function, position - call[1])) for function in call[0]]
@@ -592,7 +592,7 @@ def _follow(program: Program, item: str, index: _Index, handle: Place, found: _H
                 else:
                     found.blockers[handle].append(f"its handle goes to _Retval '{reader}'{_where(item)}")
             else:
-                callees = found.callees(program, item, index.node(reader), position)
+                callees = found.callees(program, item, index, reader, position)
                 if callees is None:
                     found.blockers[handle].append(f"its handle goes to {op} '{reader}'{_where(item)}")
                     continue
@@ -786,9 +786,10 @@ def _decide(
         raise GraphError(_disagreement(node_dtypes, indexes))
     if set(node_dtypes.values()) != {FLOAT32}:
         return None  # not a float32 variable (or nothing says what it holds)
-    keys = sorted({key for place in places for key in handles.keys.get(place, ())})
-    reads = _Reads()
+    keys = sorted({key for place in places if place in handles.keys for key in handles.keys[place]})
+    reads, reasons = _Reads(), []
     for place in places:
+        reasons += handles.blockers.get(place, ())
         found = handle_reads.get(place)
         if found is not None:
             reads.casts |= found.casts
@@ -796,7 +797,7 @@ def _decide(
             reads.shapes |= found.shapes
             reads.saves |= found.saves
             reads.float32 += found.float32
-    reasons = [why for place in places for why in handles.blockers.get(place, ())] + reads.float32
+    reasons += reads.float32
     reasons += [f"its checkpoint key '{key}' {blocked_keys[key]}" for key in keys if key in blocked_keys]
     if not keys:
         if not reads.casts:
