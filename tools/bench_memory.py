@@ -11,7 +11,12 @@
 2. Larger than RAM: the same, with variables larger than this machine's memory (30 GB on a
    24 GB machine; ``--huge``), generated without building it in memory; converted only (no
    TensorFlow load + save can hold it), and ``--validate 1`` refused in one line.
-3. Many variables: Keras MLPs of Dense + LayerNorm blocks (``--blocks``, 300 and 1,000),
+3. Frozen GraphDefs (``--frozen``): the same chain with its kernels as ``Const`` nodes in
+   one ``.pb``, written a node at a time; ``convert`` (every kernel stored bfloat16) beside
+   ``inspect --float32-weights`` (the baseline: TensorFlow imported, the graph read and
+   rewritten, nothing written) and protobuf's own parse + serialize of the file. Goal: peak
+   RSS at most the baseline + 0.1x the constants.
+4. Many variables: Keras MLPs of Dense + LayerNorm blocks (``--blocks``, 300 and 1,000),
    exported with ``model.export``; the weights step (``cli.weights.stored_weights``) against
    the whole conversion. Goal: at most 10%.
 
@@ -128,6 +133,45 @@ MLP = textwrap.dedent('''
     keras.Model(inputs, h).export(path, verbose=False)
 ''')
 
+FROZEN = textwrap.dedent('''
+    import sys, numpy as np, tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, types_pb2
+    from amp_rewrite.calibration.bundle import encode_varint
+    path, layers, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    float32 = attr_value_pb2.AttrValue(type=types_pb2.DT_FLOAT)
+
+    def node(name, op, inputs=(), **attrs):
+        return node_def_pb2.NodeDef(name=name, op=op, input=list(inputs), attr={"T": float32, **attrs})
+
+    base = np.random.default_rng(0).standard_normal((width, width), dtype=np.float32) * 0.02
+    shape = attr_value_pb2.AttrValue(shape=tf.TensorShape([None, width]).as_proto())
+    nodes = [node_def_pb2.NodeDef(name="x", op="Placeholder", attr={"dtype": float32, "shape": shape})]
+    with open(path, "wb") as out:
+        for i in range(layers + 1):  # a layer at a time: its kernel, MatMul and Relu
+            for found in nodes:
+                data = found.SerializeToString(deterministic=True)
+                out.write(b"\\n" + encode_varint(len(data)) + data)
+            h = "x" if i == 0 else f"dense_{i - 1}/Relu"
+            if i == layers:
+                break
+            kernel = attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(base * np.float32(1 + i / layers)))
+            nodes = [node_def_pb2.NodeDef(name=f"dense_{i}/kernel", op="Const",
+                                          attr={"dtype": float32, "value": kernel}),
+                     node(f"dense_{i}/MatMul", "MatMul", (h, f"dense_{i}/kernel")),
+                     node(f"dense_{i}/Relu", "Relu", (f"dense_{i}/MatMul",))]
+        data = node("y", "Identity", (h,)).SerializeToString(deterministic=True)
+        out.write(b"\\n" + encode_varint(len(data)) + data)
+        out.write(graph_pb2.GraphDef(versions={"producer": tf.version.GRAPH_DEF_VERSION}).SerializeToString())
+''')
+
+PROTOBUF = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    from tensorflow.core.framework import graph_pb2
+    graph_def = graph_pb2.GraphDef.FromString(Path(sys.argv[1]).read_bytes())
+    Path(sys.argv[2]).write_bytes(graph_def.SerializeToString(deterministic=True))
+''')
+
 STEPS = textwrap.dedent('''
     import sys, time
     from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
@@ -197,6 +241,33 @@ def measure_size(directory: Path, size: float, width: int, huge: bool, validate:
     return rows, ok
 
 
+def measure_frozen(directory: Path, size: float, width: int) -> tuple[str, bool]:
+    """The row of one frozen GraphDef; whether its goal was met."""
+    layers = max(1, round(size * GB / (width * width * 4)))
+    constants = layers * width * width * 4
+    source, destination = directory / f"frozen-{size:g}GB.pb", directory / "frozen-out.pb"
+    generated = python(FROZEN, source, layers, width)
+    if generated.code:
+        raise SystemExit(_failed("generating the frozen graph", generated))
+    try:
+        baseline = run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
+                       "--float32-weights")
+        ours = run(sys.executable, "-m", "amp_rewrite", "convert", source, destination, "--target", "bfloat16",
+                   "--quiet")
+        destination.unlink(missing_ok=True)
+        protobuf = python(PROTOBUF, source, destination)
+    finally:
+        source.unlink(missing_ok=True)
+        destination.unlink(missing_ok=True)
+    for label, found in (("inspect", baseline), ("convert", ours), ("protobuf", protobuf)):
+        if found.code:
+            raise SystemExit(_failed(label, found))
+    above = (ours.peak - baseline.peak) / constants
+    return (f"| {constants / GB:.2f} GB ({layers} layers) | {baseline.peak / GB:.2f} | {ours.peak / GB:.2f}"
+            f" | {above:.3f}x | {ours.seconds:.1f} | {protobuf.peak / GB:.2f} | {protobuf.seconds:.1f} |",
+            above <= MEMORY_GOAL)
+
+
 def _validated(found: Run, baseline: Run, variables: int) -> str:
     if found.code == 2:
         return f"refused: `{found.err.strip().splitlines()[-1][:150]}`"
@@ -233,17 +304,20 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="where models are written (default: a temporary directory)")
     parser.add_argument("--sizes", default="0.5,2,6", help="GB of variables, comma-separated")
     parser.add_argument("--huge", type=float, default=30, help="GB of variables beyond RAM (0: skip)")
+    parser.add_argument("--frozen", default="", metavar="SIZES",
+                        help="GB of Const weights of frozen GraphDef .pb files, comma-separated (default: none)")
     parser.add_argument("--blocks", default="300,1000", help="Dense+LayerNorm blocks of each MLP, comma-separated")
     args = parser.parse_args()
     width = SMOKE_WIDTH if args.smoke else WIDTH
     sizes = [0.00004] if args.smoke else [float(size) for size in args.sizes.split(",") if size]  # 2 layers
     huge = 0 if args.smoke else args.huge  # smoke: 6 processes
-    blocks = [2] if args.smoke else [int(count) for count in args.blocks.split(",") if count]
+    frozen = [0.00004] if args.smoke else [float(size) for size in args.frozen.split(",") if size]
+    blocks = [2] if args.smoke else [int(count) for count in args.blocks.split(",") if count and int(count)]
     if args.dir is not None and not args.smoke:
         args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory.", dir=None if args.smoke else args.dir) as scratch:
         directory = Path(scratch)
-        check_disk(directory, max([*sizes, huge]) * GB * 1.6)  # the source, the result and a margin
+        check_disk(directory, max([*sizes, huge, *frozen]) * GB * 1.6)  # the source, the result and a margin
         print(f"## Converting models of any size (CPU)\n\n{cpu_line()}; run {time.strftime('%Y-%m-%d')}, by"
               " `tools/bench_memory.py`.\n")
         print("| variables | baseline peak (GB) | convert peak (GB) | above baseline / variables | convert (s) |"
@@ -254,6 +328,14 @@ def main() -> int:
             rows, met = measure_size(directory, size, width, is_huge, validate=not args.smoke)
             print(*rows, sep="\n", flush=True)
             ok = ok and met
+        if frozen:
+            print("\n| constants (frozen .pb) | baseline peak (GB) | convert peak (GB) | above baseline / constants"
+                  " | convert (s) | protobuf parse+write peak (GB) | protobuf (s) |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
+        for size in frozen:
+            row, met = measure_frozen(directory, size, width)
+            print(row, flush=True)
+            ok = ok and met
         if blocks:
             print("\n| MLP blocks | weights step (s) | conversion (s) | weights step share |\n|---:|---:|---:|---:|")
         for count in blocks:
@@ -261,7 +343,8 @@ def main() -> int:
             print(row, flush=True)
             ok = ok and met
     print(f"\nGoals: peak at most baseline + {MEMORY_GOAL}x the variables, convert at most load+save, --validate at"
-          f" most baseline + {VALIDATE_GOAL}x, the weights step at most {WEIGHTS_STEP_GOAL:.0%}:"
+          f" most baseline + {VALIDATE_GOAL}x, a frozen graph's at most baseline + {MEMORY_GOAL}x its constants, the"
+          f" weights step at most {WEIGHTS_STEP_GOAL:.0%}:"
           f" {'met' if ok else 'MISSED'}.")
     return 0 if ok or args.smoke else 1
 
