@@ -13,21 +13,20 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from amp_rewrite import _tf
-from amp_rewrite.calibration.bundle import encode_varint
+from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
-from amp_rewrite.core import functions, support
+from amp_rewrite.core import colouring, functions, support
 from amp_rewrite.core.errors import GraphError, ModelError, did_you_mean
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
-from amp_rewrite.core.weights import without_nodes
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"
@@ -51,6 +50,7 @@ class Model:
     meta_graph_index: int = 0           # SavedModel: the MetaGraphDef rewritten (the one --tag-set names)
     fetches_are_sinks: bool = False     # GraphDef without --fetch: the outputs are the nodes nobody reads
     preserved: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (function, node) -> why: custom gradients
+    left_in_file: frozen.LeftInFile | None = None  # GraphDef: the large Consts whose values stayed in the file
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
@@ -75,20 +75,30 @@ class Model:
         return self.kind == "savedmodel" and (self.path / TF_KERAS_METADATA).exists()
 
 
-def _parse(path: Path, proto: message.Message) -> message.Message:
+def _read_graph_def(path: Path, constants_in_file: bool) -> tuple[graph_pb2.GraphDef, frozen.LeftInFile | None]:
+    """A GraphDef file; a binary one a node at a time (``frozen.read_graph_def``), with
+    ``constants_in_file`` its large Consts' values left in the file (but those colouring reads)."""
+    if path.suffix == ".pbtxt":
+        return _parse(path, graph_pb2.GraphDef()), None
     try:
-        if path.suffix != ".pbtxt" and isinstance(proto, graph_pb2.GraphDef):
-            if path.stat().st_size > PROTOBUF_LIMIT:
-                raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef"
-                                 " over 2 GB (it can write one); save the model as a SavedModel, whose variables live"
-                                 " outside the graph (tf.saved_model.save, or model.export), and convert that")
-            with open(path, "rb") as file:
-                return _parse_nodes(file, proto)
-        data = path.read_bytes()
+        if path.stat().st_size > PROTOBUF_LIMIT:
+            raise ModelError(f"{path}: {path.stat().st_size / 1e9:.1f} GB, and protobuf cannot read a GraphDef"
+                             " over 2 GB (it can write one); save the model as a SavedModel, whose variables live"
+                             " outside the graph (tf.saved_model.save, or model.export), and convert that")
+        graph_def, left = frozen.read_graph_def(path, frozen.LARGE_BYTES if constants_in_file else None)
+        left = frozen.hold(graph_def, left, colouring.constants_read(graph_def))
     except OSError as error:
         raise ModelError(f"{path}: cannot read ({error.strerror}); check the path and permissions") from None
     except message.DecodeError as error:
-        raise _invalid(path, proto, error) from None
+        raise _invalid(path, graph_pb2.GraphDef(), error) from None
+    return graph_def, left if left.contents else None
+
+
+def _parse(path: Path, proto: message.Message) -> message.Message:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ModelError(f"{path}: cannot read ({error.strerror}); check the path and permissions") from None
     try:
         if path.suffix == ".pbtxt":
             text_format.Parse(data.decode("utf-8"), proto)
@@ -104,49 +114,12 @@ def _invalid(path: Path, proto: message.Message, error: Exception) -> ModelError
     return ModelError(f"{path}: not a valid {type(proto).__name__} ({detail}); is the file truncated?")
 
 
-def _varint(file: BinaryIO) -> int | None:
-    """A varint read from ``file``; None at its end."""
-    value, shift = 0, 0
-    while byte := file.read(1):
-        value |= (byte[0] & 0x7F) << shift
-        if not byte[0] & 0x80:
-            return value
-        shift += 7
-    if shift:
-        raise message.DecodeError("the file ends inside a varint")
-    return None
-
-
-def _parse_nodes(file: BinaryIO, graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
-    """A binary GraphDef parsed a node at a time: protobuf's parser holds the file's bytes and
-    the message at once (twice a frozen graph's weights); this holds the message and one node.
-    The other fields (library, versions) are parsed together at the end, as protobuf merges them."""
-    rest = bytearray()
-    while (tag := _varint(file)) is not None:
-        wire = tag & 7
-        if wire == 0:
-            payload = encode_varint(_varint(file) or 0)
-        elif wire in (1, 5):
-            payload = file.read(8 if wire == 1 else 4)
-        elif wire == 2:
-            length = _varint(file) or 0
-            payload = file.read(length)
-            if len(payload) != length:
-                raise message.DecodeError(f"the file ends inside a field of {length} bytes")
-            if tag >> 3 == 1:  # GraphDef.node
-                graph_def.node.add().MergeFromString(payload)
-                continue
-            payload = encode_varint(length) + payload
-        else:
-            raise message.DecodeError(f"unsupported wire type {wire}")
-        rest += encode_varint(tag) + payload
-    graph_def.MergeFromString(bytes(rest))
-    return graph_def
-
-
-def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None) -> Model:
+def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: str | None = None, *,
+               constants_in_file: bool = False) -> Model:
     """A SavedModel directory (the MetaGraphDef ``tag_set`` names, default ``serve``), or a
-    GraphDef ``.pb``/``.pbtxt`` file whose outputs are ``fetches`` (default: its sinks)."""
+    GraphDef ``.pb``/``.pbtxt`` file whose outputs are ``fetches`` (default: its sinks).
+    ``constants_in_file``: a ``.pb``'s large Const values stay in the file (``frozen``), for
+    a run that rewrites and writes the graph but neither runs nor prints it."""
     path = Path(path)
     if path.suffix in KERAS_FILES:
         raise ModelError(f"{path}: a Keras model file, not a SavedModel; export it with model.export(dir)"
@@ -163,14 +136,14 @@ def read_model(path: str | os.PathLike, fetches: Iterable[str] = (), tag_set: st
         raise ModelError(f"{path}: --tag-set applies to SavedModel directories; a GraphDef file has one graph")
     if path.suffix not in (".pb", ".pbtxt"):
         raise ModelError(f"{path}: expected a SavedModel directory or a GraphDef file ending in .pb or .pbtxt")
-    graph_def = _parse(path, graph_pb2.GraphDef())
+    graph_def, left = _read_graph_def(path, constants_in_file)
     fetches = tuple(dict.fromkeys(fetches))
     for fetch in fetches:
         _check_fetch(path, graph_def, fetch)
     if fetches:
-        return Model(path, "graphdef", graph_def, fetches, (), text=path.suffix == ".pbtxt")
+        return Model(path, "graphdef", graph_def, fetches, (), text=path.suffix == ".pbtxt", left_in_file=left)
     return Model(path, "graphdef", graph_def, graph_sinks(graph_def), (), text=path.suffix == ".pbtxt",
-                 fetches_are_sinks=True)
+                 fetches_are_sinks=True, left_in_file=left)
 
 
 def graph_sinks(graph_def: graph_pb2.GraphDef) -> tuple[str, ...]:
@@ -367,7 +340,7 @@ def write_model(
     with staged(destination, force) as target:
         if model.kind == "graphdef":
             with step("writing the graph"):
-                _write_proto(target, graph_def, text=destination.suffix == ".pbtxt")
+                _write_proto(target, graph_def, text=destination.suffix == ".pbtxt", left=model.left_in_file)
         else:
             with step("copying the SavedModel's files"):
                 _copy_contents(model.path, target, skip)
@@ -387,7 +360,7 @@ def write_model(
 def _size_of(model: Model, graph_def: graph_pb2.GraphDef, skip: set[Path]) -> int:
     """About the bytes ``write_model`` writes besides a new checkpoint: the graph, and the files it copies."""
     if model.kind == "graphdef":
-        return graph_def.ByteSize()
+        return graph_def.ByteSize() + (model.left_in_file.size if model.left_in_file is not None else 0)
     copied = sum(path.stat().st_size for path in model.path.rglob("*") if path.is_file() and path not in skip)
     return copied + model.saved_model.ByteSize() + graph_def.ByteSize() - model.graph_def.ByteSize()
 
@@ -418,24 +391,17 @@ def _copy_contents(source: Path, target: Path, skip: set[Path] = frozenset()) ->
             shutil.copyfile(entry, target / entry.name)
 
 
-def _write_proto(path: Path, proto: message.Message, text: bool) -> None:
+def _write_proto(path: Path, proto: message.Message, text: bool, left: frozen.LeftInFile | None = None) -> None:
+    """``proto`` in text or binary; a binary GraphDef a node at a time, the values ``left``
+    holds copied from their file (``frozen.write_graph_def``)."""
     if text:
+        if isinstance(proto, graph_pb2.GraphDef):
+            proto = frozen.loaded(proto, left)
         path.write_text(text_format.MessageToString(proto), encoding="utf-8")
     elif isinstance(proto, graph_pb2.GraphDef):
-        _write_nodes(path, proto)
+        frozen.write_graph_def(path, proto, left)
     else:
         path.write_bytes(proto.SerializeToString(deterministic=True))
-
-
-def _write_nodes(path: Path, graph_def: graph_pb2.GraphDef) -> None:
-    """A binary GraphDef written a node at a time, the bytes of its deterministic serialization
-    (fields in number order: the nodes, field 1, first), without the whole of it in memory."""
-    rest = without_nodes(graph_def)
-    with open(path, "wb") as file:
-        for node in graph_def.node:
-            data = node.SerializeToString(deterministic=True)
-            file.write(b"\n" + encode_varint(len(data)) + data)
-        file.write(rest.SerializeToString(deterministic=True))
 
 
 def _write_fingerprint(directory: Path) -> None:

@@ -379,7 +379,7 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
         check_target(lookup_target(args.target, quantized=True))
     steps(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
-    model = read_model(args.src, args.fetch, args.tag_set)
+    model = read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args))
     _check_not_mixed_otherwise(args, model, lists)
     float8 = _float8_calibration(args, model, lists)
     steps("rewriting")
@@ -392,6 +392,17 @@ def _rewrite(args: argparse.Namespace, steps: _Steps) -> tuple[Model, RewriteRes
         _, result, lists = _tune(args, model, lists, result, steps)
     _say(args, *_model_lines(model))
     return model, result, lists
+
+
+def _constants_in_file(args: argparse.Namespace) -> bool:
+    """Whether a frozen graph's large constants may stay in its file (``calibration/frozen.py``):
+    the run rewrites the graph and writes it as a .pb, or reports on it; validating,
+    calibrating, timing, a dump and a .pbtxt need the values themselves."""
+    if args.command not in ("convert", "inspect", "explain"):
+        return False
+    needs_values = ("validate", "inputs", "calibrate", "tune", "dump")
+    return not any(getattr(args, name, None) for name in needs_values) and (
+        args.command != "convert" or args.dst.suffix != ".pbtxt")
 
 
 def _tune(args: argparse.Namespace, model: Model, lists: OpLists, result: RewriteResult,
@@ -650,7 +661,7 @@ def _check_speed(args: argparse.Namespace, tuning: Any, staged: Path, steps: _St
 def _weights_bytes(model: Model) -> int:
     """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
     if model.kind == "graphdef":
-        return model.graph_def.ByteSize()
+        return model.graph_def.ByteSize() + (model.left_in_file.size if model.left_in_file is not None else 0)
     return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
 
 

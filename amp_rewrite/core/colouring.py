@@ -17,10 +17,11 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import node_def_pb2, types_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
+from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.target import Target
@@ -252,6 +253,14 @@ def _nonpositive(types: TypeGraph, node: str) -> str:
 def _keeps_dims(node_def: node_def_pb2.NodeDef) -> bool:
     value = node_def.attr.get("keep_dims")
     return value is not None and value.b
+
+
+def constants_read(graph_def: graph_pb2.GraphDef) -> frozenset[str]:
+    """The main graph's Const nodes whose values colouring reads (``c * f(x)`` above: a
+    factor of a Mul); a reader that leaves large constants in their file reads these in."""
+    consts = {node.name for node in graph_def.node if node.op == "Const"}
+    return frozenset(ref.node for node in graph_def.node if node.op == "Mul"
+                     for ref in map(parse_tensor_name, node.input[:2]) if not ref.is_control and ref.node in consts)
 
 
 def _nonpositive_constant(types: TypeGraph, node: str) -> bool:

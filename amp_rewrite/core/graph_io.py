@@ -34,6 +34,11 @@ from amp_rewrite.core import support
 from amp_rewrite.core.errors import GraphError
 
 CONTROL = -1
+# In a Const's tensor_content: its values were left in the file it was read from
+# (``calibration/frozen.py``). No valid tensor holds these bytes (17 of them: no whole number
+# of any multi-byte element, and too few for a tensor large enough to be left), so reading
+# them fails, never gives zeros as a tensor with no values would.
+LEFT_IN_FILE = b"\x00left in its file"
 
 
 class TensorRef(NamedTuple):
@@ -65,6 +70,11 @@ def parse_tensor_name(tensor: str, *, consumer: str = "") -> TensorRef:
 
 
 _new_tuple = tuple.__new__
+
+
+def is_left_in_file(tensor: tensor_pb2.TensorProto) -> bool:
+    """Whether ``tensor`` holds ``LEFT_IN_FILE`` in place of its values."""
+    return tensor.tensor_content == LEFT_IN_FILE
 
 
 def _malformed(tensor: str, consumer: str) -> GraphError:

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2, types_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2, tensor_pb2, \
+    tensor_shape_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.errors import GraphError
-from amp_rewrite.core.graph_io import CONTROL, TensorRef, parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, is_left_in_file, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
@@ -390,8 +391,14 @@ def without_nodes(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
 
 
 def _put_rounded(node: node_def_pb2.NodeDef, const: node_def_pb2.NodeDef, dtype: int) -> None:
-    """``node``: the float32 Const ``const`` with its value rounded to ``dtype`` (``node`` may be ``const``)."""
-    value = tf.make_tensor_proto(round_to(tf.make_ndarray(const.attr["value"].tensor), dtype))
+    """``node``: the float32 Const ``const`` with its value rounded to ``dtype`` (``node`` may be
+    ``const``). Values left in the file stay there, rounded as they are written (``calibration/frozen.py``)."""
+    tensor = const.attr["value"].tensor
+    if is_left_in_file(tensor):
+        shape = tensor_shape_pb2.TensorShapeProto(dim=[{"size": dim.size} for dim in tensor.tensor_shape.dim])
+        value = tensor_pb2.TensorProto(dtype=dtype, tensor_shape=shape, tensor_content=LEFT_IN_FILE)
+    else:  # make_tensor_proto's fields: dtype, the shape's sizes, the content
+        value = tf.make_tensor_proto(round_to(tf.make_ndarray(tensor), dtype))
     if node is not const:
         node.CopyFrom(const)  # one float32 value at a time, replaced at once
     node.attr["value"].tensor.CopyFrom(value)
