@@ -7,6 +7,7 @@ several large constants, and reads a chunk of values at a time (``frozen.CHUNK_B
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,16 @@ def test_a_file_cut_inside_a_large_constant_is_one_line_and_nothing_is_written(s
     assert line.startswith(f"amp-rewrite: error: {cut}: not a valid GraphDef (")
     assert line.endswith("); is the file truncated?")
     assert listing(cut.parent) == {"frozen.pb"}
+
+
+def test_a_source_cut_before_its_values_are_copied_is_one_line_and_nothing_is_written(
+        source: Path, tmp_path: Path) -> None:
+    """Rule: values that are no longer in the file when the result is written (something cut
+    it meanwhile) are an error naming the file, never a short constant; nothing is written."""
+    model = savedmodel.read_model(source, constants_in_file=True)
+    source.write_bytes(source.read_bytes()[:model.left_in_file.contents[KERNELS[2]].offset + 10])
+    (tmp_path / "out").mkdir()
+    with pytest.raises(savedmodel.ModelError, match=f"^{re.escape(str(source))}: shorter than when it was read .*; nothing was"
+                                                    " written: convert it again$"):
+        savedmodel.write_model(model, model.graph_def, tmp_path / "out" / "result.pb")
+    assert listing(tmp_path / "out") == set()

@@ -28,6 +28,7 @@ from google.protobuf import message
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_pb2, types_pb2
 
 from amp_rewrite.calibration.bundle import encode_varint
+from amp_rewrite.core.errors import ModelError
 from amp_rewrite.core.graph_io import LEFT_IN_FILE, is_left_in_file
 from amp_rewrite.core.weights import round_to, without_nodes
 
@@ -237,6 +238,9 @@ def _values(source: BinaryIO, content: Content, dtype: int) -> Iterator[bytes]:
     step = CHUNK_BYTES - CHUNK_BYTES % 4
     for at in range(content.offset, content.offset + content.length, step):
         chunk = _read(source, at, min(at + step, content.offset + content.length))
+        if len(chunk) < min(step, content.offset + content.length - at):
+            raise ModelError(f"{source.name}: shorter than when it was read (something wrote to it during the"
+                             " conversion); nothing was written: convert it again")
         if dtype == content.dtype:
             yield chunk
         else:
