@@ -660,6 +660,10 @@ def test_tune_step_refuses_what_it_cannot_time_into(tmp_path):
                                               r" timing_cache path this run can write$"):
         amp_rewrite.tune_step(step, x, timing_cache=tmp_path / "foreign.json")
     assert (tmp_path / "foreign.json").read_text() == "{}"
+    unknown_batch = tf.function(lambda x: chain.serve(x)["y"], input_signature=[tf.TensorSpec([None, 16])])
+    with pytest.raises(AmpRewriteError, match=r"tune_step: the step's input_signature leaves a shape unknown"
+                                              r" \(\(None, 16\)\), and the live rewrite looks timings up by the"):
+        amp_rewrite.tune_step(unknown_batch, x, timing_cache=tmp_path / "timings.json")
     with pytest.raises(AmpRewriteError, match=r"timing budget 0: use a number of seconds above 0"):
         amp_rewrite.tune_step(step, x, timing_cache=tmp_path / "timings.json", budget_s=0)
 

@@ -272,6 +272,12 @@ def tune_step(step: Any, *args: Any, timing_cache: str | os.PathLike | object = 
     if python_function is None:
         raise AmpRewriteError(f"tune_step: {type(step).__name__} is not a tf.function; pass the training step that"
                               " training calls, decorated with @tf.function")
+    unknown = [spec.shape for spec in tf.nest.flatten(step.input_signature or ())
+               if isinstance(spec, tf.TensorSpec) and not spec.shape.is_fully_defined()]
+    if unknown:
+        raise AmpRewriteError(f"tune_step: the step's input_signature leaves a shape unknown ({unknown[0]}), and the"
+                              " live rewrite looks timings up by the shapes a trace has: give the signature the shapes"
+                              " training uses, or drop it")
     cache = open_cache(timing_cache, target)
     if not cache.usable:
         why = cache.problem.split(";")[0] if cache.problem else "no timing cache file (timing_cache=None)"
