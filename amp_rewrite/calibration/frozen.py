@@ -315,7 +315,10 @@ def _split_tensor(tensor: tensor_pb2.TensorProto) -> tuple[bytes, bytes]:
 
 
 def _put(holder: message.Message, described, value) -> None:
-    if described.is_repeated:
+    repeated = getattr(described, "is_repeated", None)  # newer protobuf (6.x); before it (4.25, 5.29) only the label says
+    if repeated is None:
+        repeated = described.label == described.LABEL_REPEATED
+    if repeated:
         getattr(holder, described.name).extend(value)
     elif described.message_type is not None:
         getattr(holder, described.name).CopyFrom(value)
