@@ -209,17 +209,27 @@ def _failed(label: str, found: Run) -> str:
     return f"{label} failed (exit {found.code}): {found.err.strip().splitlines()[-1] if found.err.strip() else ''}"
 
 
+def generate(script: str, source: Path, size: float, width: int, what: str) -> tuple[int, int]:
+    """A model of about ``size`` GB of float32 kernels written at ``source`` by ``script``: (layers, bytes)."""
+    layers = max(1, round(size * GB / (width * width * 4)))
+    generated = python(script, source, layers, width)
+    if generated.code:
+        raise SystemExit(_failed(what, generated))
+    return layers, layers * width * width * 4
+
+
+def inspect_baseline(source: Path) -> Run:
+    """The baseline: TensorFlow imported, the graph read and rewritten, nothing written."""
+    return run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
+               "--float32-weights")
+
+
 def measure_size(directory: Path, size: float, width: int, huge: bool, validate: bool = True) -> tuple[list[str], bool]:
     """Rows for one model size; whether its goals were met (``validate``: also --validate 1)."""
-    layers = max(1, round(size * GB / (width * width * 4)))
-    variables = layers * width * width * 4
     source = directory / f"model-{size:g}GB"
-    generated = python(GENERATE, source, layers, width)
-    if generated.code:
-        raise SystemExit(_failed("generating", generated))
+    layers, variables = generate(GENERATE, source, size, width, "generating")
     try:
-        baseline = run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
-                       "--float32-weights")
+        baseline = inspect_baseline(source)
         ours = convert(source, directory / "out")
         tf_own = None if huge else python(LOAD_SAVE, source, directory / "out")
         shutil.rmtree(directory / "out", ignore_errors=True)
@@ -243,17 +253,11 @@ def measure_size(directory: Path, size: float, width: int, huge: bool, validate:
 
 def measure_frozen(directory: Path, size: float, width: int) -> tuple[str, bool]:
     """The row of one frozen GraphDef; whether its goal was met."""
-    layers = max(1, round(size * GB / (width * width * 4)))
-    constants = layers * width * width * 4
     source, destination = directory / f"frozen-{size:g}GB.pb", directory / "frozen-out.pb"
-    generated = python(FROZEN, source, layers, width)
-    if generated.code:
-        raise SystemExit(_failed("generating the frozen graph", generated))
+    layers, constants = generate(FROZEN, source, size, width, "generating the frozen graph")
     try:
-        baseline = run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
-                       "--float32-weights")
-        ours = run(sys.executable, "-m", "amp_rewrite", "convert", source, destination, "--target", "bfloat16",
-                   "--quiet")
+        baseline = inspect_baseline(source)
+        ours = convert(source, destination)
         destination.unlink(missing_ok=True)
         protobuf = python(PROTOBUF, source, destination)
     finally:
