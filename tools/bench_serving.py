@@ -453,9 +453,9 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
     if smoke:
         lines += [bench.SMOKE_NOTE, ""]
     lines += [
-        f"{machine}. Run {datetime.date.today().isoformat()}, {elapsed_s / 60:.1f} min in all, with `nice -n 10`"
-        " on a machine shared with other jobs: the speed-ups are ratios of calls timed in turn in one process, so"
-        " a change in load falls on every variant alike; the absolute times move more.", "",
+        f"{machine}. Run {datetime.date.today().isoformat()}, {elapsed_s / 60:.1f} min in all, load average"
+        f" {os.getloadavg()[0]:.2f} at the end: the speed-ups are ratios of calls timed in turn in one process,"
+        " so a change in load falls on every variant alike; the absolute times move more.", "",
         f"`tools/bench_serving.py`: ResNet50 {sizes.image_size}x{sizes.image_size}; BERT-base-shaped encoder"
         f" {sizes.bert_layers} layers, hidden {sizes.bert_hidden}, FFN {sizes.bert_ffn}, vocab {sizes.bert_vocab};"
         f" MobileNetV2 {sizes.image_size}x{sizes.image_size} (`keras.applications`, weights=None);"
