@@ -182,9 +182,10 @@ class LowCheckpoint:
     def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int | None = None) -> None:
         self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes or CHUNK_BYTES
         self.dtype = next(weight.dtype for weight in stored.weights if weight.low)
-        self.source = checked_index(model)
         try:
-            self.parts = {key: bundle.parts(self.source, key) for key in sorted(self.low)}
+            with gc_paused():  # an entry or two per key, freed with the checkpoint
+                self.source = checked_index(model)
+                self.parts = {key: bundle.parts(self.source, key) for key in sorted(self.low)}
         except bundle.BundleError as error:
             raise ModelError(f"{bundle.index_path(checkpoint_prefix(model))}: {error}; copy variables/ from the"
                              " original export") from None
@@ -197,6 +198,12 @@ class LowCheckpoint:
         return sum(entry.size // (2 if key in self.low_entries else 1) for key, entry in self.source.entries.items())
 
     def write(self, variables: Path) -> None:
+        """No GC meanwhile: a few small objects per key (its entry, its piece, its rounded values)
+        live until the index is written, and GC runs would only rescan them."""
+        with gc_paused():
+            self._write(variables)
+
+    def _write(self, variables: Path) -> None:
         prefix, shards = variables / "variables", self.source.header.num_shards
         entries = {key: entry for key, entry in self.source.entries.items() if entry.slices and key not in self.low}
         with tempfile.TemporaryDirectory(prefix=".chunks.", dir=variables) as scratch:
@@ -295,6 +302,7 @@ class _Chunks:
         self.scratch, self.entries = scratch, entries
         self.pieces: list[_Piece] = []
         self.values: list[np.ndarray] = []
+        self.held = 0  # the elements of the pieces held
 
     def write(self) -> None:
         checkpoint = self.checkpoint
@@ -304,11 +312,12 @@ class _Chunks:
                 if part.shard_id != self.shard:
                     continue
                 for piece in _pieces(key, dims, part, extents, checkpoint.chunk_bytes):
-                    if self.pieces and (sum(p.elements for p in self.pieces) + piece.elements) * 4 > \
-                            checkpoint.chunk_bytes:
+                    elements = piece.elements
+                    if self.pieces and (self.held + elements) * 4 > checkpoint.chunk_bytes:
                         self._flush()
                     self.values.append(round_to(self._read(piece), checkpoint.dtype))
                     self.pieces.append(piece)
+                    self.held += elements
         self._flush()
 
     def _read(self, piece: _Piece) -> np.ndarray:
@@ -361,7 +370,7 @@ class _Chunks:
         self.checkpoint.progress(data.stat().st_size)
         data.unlink()
         bundle.index_path(prefix).unlink()
-        self.pieces, self.values = [], []
+        self.pieces, self.values, self.held = [], [], 0
 
 
 def check_checkpoint(model: Model) -> None:
