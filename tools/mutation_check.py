@@ -160,6 +160,16 @@ MUTANTS = (
         ("tests/test_weights.py",),
     ),
     Mutant(
+        "writer-resums-chunk",
+        "the low checkpoint's writer sums the sizes its chunk holds again for each key it adds (quadratic in a"
+        " chunk's keys)",
+        "amp_rewrite/cli/weights.py",
+        (("                    if self.pieces and (self.held + elements) * 4 > checkpoint.chunk_bytes:\n",
+          "                    if self.pieces and (sum(p.elements for p in self.pieces) + elements) * 4 > \\\n"
+          "                            checkpoint.chunk_bytes:\n"),),
+        ("tests/test_weights.py",),
+    ),
+    Mutant(
         "fp8-gradient-e4m3",
         "FP8 training quantizes gradients to E4M3 (weights' format) instead of E5M2",
         "amp_rewrite/core/float8_training.py",
