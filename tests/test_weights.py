@@ -668,7 +668,7 @@ def test_the_checkpoint_writer_sizes_each_key_once_however_many_a_chunk_holds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule: writing the low checkpoint is linear in its keys: a chunk's size is kept as it
     fills, not summed again for each key added (a 1,000-block MLP's 8,000 keys, one chunk of
-    about 2,700 each, spent 6 s there)."""
+    about 2,700 each, spent about 4 s there)."""
     from amp_rewrite.cli import weights
 
     tf.saved_model.save(_ManySmall(), str(tmp_path / "src"))
