@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
 from amp_rewrite.training.registration import register_when_keras_loads
-from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.calibrate import Calibration, calibrate

@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.errors import AmpRewriteError
 
 # The features that rest on private names, as the refusal names them.
 LIVE = "the live rewrite (enable_mixed_precision_graph_rewrite, mixed_precision)"
@@ -72,11 +72,18 @@ class Private:
         return None
 
 
-def _tensorflow_version() -> str:
+def tensorflow_release() -> str:
+    """The installed TensorFlow's version string, as messages name it."""
     try:
         return importlib.import_module("tensorflow").__version__
     except (ImportError, AttributeError):
         return "(unknown version)"
+
+
+def tensorflow_version() -> tuple[int, int]:
+    """The installed TensorFlow's (major, minor): the one place a release is compared."""
+    major, minor = importlib.import_module("tensorflow").__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def require(feature: str) -> None:
@@ -86,7 +93,7 @@ def require(feature: str) -> None:
             problem = entry.problem()
             if problem is not None:
                 raise TensorFlowInternalsError(
-                    f"amp_rewrite: {feature} cannot work with TensorFlow {_tensorflow_version()}: its private"
+                    f"amp_rewrite: {feature} cannot work with TensorFlow {tensorflow_release()}: its private"
                     f" {entry.name} {problem}; use a TensorFlow release this amp_rewrite supports"
                     " (pyproject.toml), or report it")
 

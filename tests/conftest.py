@@ -34,7 +34,7 @@ import amp_rewrite
 import recorded_grappler
 from amp_rewrite.core.float8 import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
 from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
-from amp_rewrite.training.tracing import tensorflow_version
+from amp_rewrite._tf import tensorflow_version
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_model_graph
 from amp_rewrite.testing.reference import Agreement, compare_rewrites, count_amp_casts, function_body
 

@@ -118,7 +118,6 @@ def test_calibrated_float16_rewrite_is_finite_and_in_tolerance_on_held_out_input
     5 validation runs; most MatMul/Conv stay converted (the remedy of keeping each
     affected layer wholly float32 would keep at least one per model)."""
     from amp_rewrite.calibration import calibrate
-    from amp_rewrite.calibration.savedmodel import read_model
 
     calibration = save_inputs(name, COUNT, calibration_models.CALIBRATION_SEED, workspace / f"{name}-calib.npz")
     held_out = save_inputs(name, COUNT, HELD_OUT_SEED, workspace / f"{name}-held.npz")

@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.savedmodel import read_model, rewrite_model

@@ -17,7 +17,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from tensorflow.core.protobuf import saved_model_pb2
 import amp_rewrite
 from amp_rewrite.calibration import savedmodel, staging
 from amp_rewrite.cli import command as cli
-from amp_rewrite.core.errors import tensorflow_cause
+from amp_rewrite.errors import tensorflow_cause
 
 from cli_models import (
     ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,

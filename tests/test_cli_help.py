@@ -16,10 +16,10 @@ import pytest
 import amp_rewrite
 from amp_rewrite.calibration import savedmodel
 from amp_rewrite.cli import command as cli
-from amp_rewrite.core.errors import GraphError, closest_names
+from amp_rewrite.errors import GraphError, closest_names
 
 from cli_models import graph_def_with_deny_path, save_module, write_graph_def
-from test_cli import Paths, assert_ok, error_line, listing, run_cli
+from test_cli import assert_ok, error_line, listing, run_cli
 
 COMMANDS = tuple(cli.COMMANDS)
 READ_ONLY = ("calibrate", "inspect", "explain", "dump")  # they write no model

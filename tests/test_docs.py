@@ -25,7 +25,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from docs_worker import PREFIX  # noqa: E402
 
-from amp_rewrite.training.tracing import tensorflow_version  # noqa: E402
+from amp_rewrite._tf import tensorflow_version  # noqa: E402
 
 README = ROOT / "README.md"
 SETUPS = ROOT / "docs" / "setups"

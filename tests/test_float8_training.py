@@ -23,7 +23,7 @@ import amp_rewrite
 from amp_rewrite import AmpRewriteError
 from conftest import NEEDS_FLOAT8, within_points
 from amp_rewrite.testing import digits
-from amp_rewrite.training import live, optimizers
+from amp_rewrite.training import live
 
 pytestmark = [
     NEEDS_FLOAT8,

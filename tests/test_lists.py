@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 import recorded_grappler
-from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core import lists as lists_module
 from amp_rewrite.core.lists import ENV_PREFIX as P
 from amp_rewrite.core.lists import Colour, OpLists, held_float32, load_float8, load_lists
 from amp_rewrite.core.target import TARGETS
+from amp_rewrite.errors import ListsError
 from amp_rewrite.testing.reference import held_float32_ops
 
 ROOT = Path(__file__).resolve().parent.parent

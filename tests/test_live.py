@@ -37,6 +37,7 @@ from tensorflow.python.training.experimental import mixed_precision_global_state
 
 import amp_rewrite
 from amp_rewrite.core.functions import called_functions
+from amp_rewrite import _tf
 from amp_rewrite.training import live, optimizers
 from amp_rewrite.training import session as amp_session
 
@@ -343,7 +344,7 @@ def test_mixed_precision_context_restores_the_enabled_rewrite(matmul_inputs):
 
 
 # Whether the installed TensorFlow's XLA compiles the registered (rewritten) body.
-XLA_REACHED = live.tensorflow_version() >= live.XLA_REWRITE_MIN_TENSORFLOW
+XLA_REACHED = _tf.tensorflow_version() >= live.XLA_REWRITE_MIN_TENSORFLOW
 
 
 @pytest.mark.parametrize("target", TARGETS)

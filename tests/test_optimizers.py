@@ -38,6 +38,7 @@ import tf_keras
 from tensorflow.python.eager import context
 
 import amp_rewrite
+from amp_rewrite import _tf
 from amp_rewrite.training import live, optimizers
 
 INF, NAN = float("inf"), float("nan")
@@ -1167,7 +1168,7 @@ def test_keras_scale_never_drops_below_one_nor_overflows():
 def test_the_default_loss_scale_fits_the_target(target, extra, expected):
     """The README's table: bfloat16 (and float8 on it) has float32's exponent range and needs no
     scale — a fixed 1 that still skips non-finite steps; float16 keeps the dynamic one."""
-    if target == "float8" and live.tensorflow_version() < (2, 18):
+    if target == "float8" and _tf.tensorflow_version() < (2, 18):
         pytest.skip("FP8 training needs TensorFlow 2.18+")
     opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target=target, **extra)
     assert (not opt.fixed, float(opt.initial_scale)) == (expected.dynamic, expected.initial_scale)
@@ -1202,7 +1203,7 @@ def test_resuming_a_wrapper_with_another_target_or_base_precision_is_refused():
     with pytest.raises(ValueError, match=r"was made for target='bfloat16', .* pass target='bfloat16' to resume"):
         amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="float16")
     assert amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target="bfloat16") is opt
-    if live.tensorflow_version() < (2, 18):
+    if _tf.tensorflow_version() < (2, 18):
         return
     live.stop()
     fp8 = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8")

@@ -13,7 +13,7 @@ from tensorflow.core.framework import types_pb2
 
 import amp_rewrite
 import recorded_grappler
-from amp_rewrite import GraphError, rewrite_graph_def
+from amp_rewrite import GraphError, _tf, rewrite_graph_def
 from amp_rewrite.core import typegraph
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.target import BFLOAT16, lookup_target
@@ -419,7 +419,7 @@ def test_float8_target_needs_tensorflow_2_18() -> None:
 
     graph_def = matmul.get_concrete_function(tf.TensorSpec([2, 4])).graph.as_graph_def()
     amax = {("", "x", 0): 1.0}
-    if tuple(int(p) for p in tf.__version__.split(".")[:2]) < float8.MIN_TENSORFLOW:
+    if _tf.tensorflow_version() < float8.MIN_TENSORFLOW:
         with pytest.raises(amp_rewrite.AmpRewriteError, match=r"target 'float8' needs TensorFlow 2\.18 or newer: "
                                                               r"TensorFlow [\d.]+'s XLA drops a round trip"):
             amp_rewrite.rewrite_graph_def(graph_def, target="float8", amax=amax)

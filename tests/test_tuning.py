@@ -23,7 +23,6 @@ from amp_rewrite.calibration import speed
 from amp_rewrite.calibration.savedmodel import read_model
 from amp_rewrite.core.lists import load_lists
 from amp_rewrite.core.rewrite import rewrite_graph_def
-from amp_rewrite.core.target import BFLOAT16
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import MARGIN, Problem, build_problem, plan_keeps
 from amp_rewrite.tuning.shapes import TensorInfo, infer_shapes
@@ -647,7 +646,7 @@ def test_tune_step_times_the_whole_training_step_and_the_live_rewrite_keeps_what
 
 def test_tune_step_refuses_what_it_cannot_time_into(tmp_path):
     import amp_rewrite
-    from amp_rewrite.core.errors import AmpRewriteError
+    from amp_rewrite.errors import AmpRewriteError
 
     chain, x = _Chain(), tf.ones((4, 16))
     step = tf.function(lambda x: chain.serve(x)["y"])

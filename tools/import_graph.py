@@ -1,13 +1,13 @@
 """Print amp_rewrite's module import graph by layer, from the source (no module is imported).
 
-Layers, lowest first: ``core`` (the pass), ``tuning`` (timing ops, on ``core``), then
-``training``, ``calibration`` (models on disk, validation, statistics, calibration, the
-model-level timing) and ``testing``, which build on those two and not on each other, then
-``cli`` (the command, which may use them all), then the package facade
-(``amp_rewrite/__init__.py``, ``__main__.py``). ``_quiet`` needs nothing and may be used by any layer. An import that
-points to a higher layer or to a sibling layer runs upward; the tool lists each one, and
-any import cycle, and exits 1 if there is either. Imports under ``if TYPE_CHECKING:`` and
-inside functions count too.
+Layers, lowest first: the ground floor (``_quiet``, ``_tf``, ``errors``: they import
+nothing of the package, and any layer may use them), ``core`` (the pass), ``tuning``
+(timing ops, on ``core``), then ``training``, ``calibration`` (models on disk, validation,
+statistics, calibration, the model-level timing) and ``testing``, which build on those two
+and not on each other, then ``cli`` (the command, which may use them all), then the package
+facade (``amp_rewrite/__init__.py``, ``__main__.py``). An import that points to a higher
+layer or to a sibling layer runs upward; the tool lists each one, and any import cycle, and
+exits 1 if there is either. Imports under ``if TYPE_CHECKING:`` and inside functions count too.
 
     python tools/import_graph.py [PACKAGE_DIR]
     python tools/import_graph.py --smoke      # the package, as without arguments (no TensorFlow: fast)
@@ -24,8 +24,8 @@ PACKAGE = "amp_rewrite"
 LAYER_RANK = {"base": 0, "core": 1, "tuning": 2, "training": 3, "calibration": 3, "testing": 3, "cli": 4, "facade": 5}
 # The flat layout before sub-packages: where each module would sit.
 FLAT_MODULE_TO_LAYER = {
-    "_quiet": "base",
-    **dict.fromkeys(("errors", "graph_io", "support", "typegraph", "lists", "functions", "colouring", "casts",
+    **dict.fromkeys(("_quiet", "_tf", "errors"), "base"),
+    **dict.fromkeys(("graph_io", "support", "typegraph", "lists", "functions", "colouring", "casts",
                      "boundaries", "report", "rewrite"), "core"),
     **dict.fromkeys(("live", "optimizers"), "training"),
     **dict.fromkeys(("savedmodel", "validate", "dump", "cli"), "cli"),

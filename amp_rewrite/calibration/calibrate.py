@@ -52,13 +52,13 @@ from amp_rewrite.calibration import statistics, validate
 from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model, rewrite_model
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import float8, functions
-from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT16, Target, lookup_target
+from amp_rewrite.errors import AmpRewriteError
 
 # float16's largest finite value is 65504. Below a quarter of it a tensor is safe; between
 # that and the limit it is tried in float16 and kept only if validation needs it.

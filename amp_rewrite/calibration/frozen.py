@@ -28,9 +28,9 @@ from google.protobuf import message
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_pb2, types_pb2
 
 from amp_rewrite.calibration.bundle import encode_varint
-from amp_rewrite.core.errors import ModelError
 from amp_rewrite.core.graph_io import LEFT_IN_FILE, is_left_in_file
 from amp_rewrite.core.weights import round_to, without_nodes
+from amp_rewrite.errors import ModelError
 
 LARGE_BYTES = 1 << 20         # a Const's tensor_content this large is left in the file
 CHUNK_BYTES = 1 << 22         # values copied (and rounded) at a time

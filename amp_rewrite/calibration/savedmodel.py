@@ -23,10 +23,10 @@ from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import colouring, functions, support
-from amp_rewrite.core.errors import GraphError, ModelError, did_you_mean
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.errors import GraphError, ModelError, did_you_mean
 
 SAVED_MODEL_FILES = ("saved_model.pb", "saved_model.pbtxt")
 FINGERPRINT = "fingerprint.pb"

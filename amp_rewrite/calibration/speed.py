@@ -33,14 +33,13 @@ import yaml
 
 from amp_rewrite.calibration import validate
 from amp_rewrite.calibration.calibrate import keep_entries, node_items
-from amp_rewrite.calibration.savedmodel import Model, graph_sinks, plumbing_kinds, read_model, rewrite_model
+from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds, read_model, rewrite_model
 from amp_rewrite.calibration.staging import write_text_atomically
-from amp_rewrite.core.errors import AmpRewriteError, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
-from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.errors import AmpRewriteError, ModelError
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
 from amp_rewrite.tuning.shapes import infer_shapes, traced_inputs

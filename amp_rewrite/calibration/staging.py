@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from amp_rewrite.core.errors import ModelError
+from amp_rewrite.errors import ModelError
 
 STAGING_MARK = "amp-rewrite-partial"  # in the name of the temporary directory beside the destination
 LOCK_FILE = ".lock"                   # held (flock) by the run that writes the staging directory

@@ -35,10 +35,10 @@ from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
 from amp_rewrite.core import functions, graph_io
-from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.typegraph import output_dtypes
+from amp_rewrite.errors import tensorflow_cause
 
 log = logging.getLogger(__name__)
 

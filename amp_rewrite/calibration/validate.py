@@ -24,9 +24,9 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
 from amp_rewrite.calibration.savedmodel import Model, ModelError, output_count
-from amp_rewrite.core.errors import tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
+from amp_rewrite.errors import tensorflow_cause
 
 UNKNOWN_DIM = 2
 RANDOM_INT_HIGH = 10  # random integer inputs are 0..9: ids below every vocabulary or table size we expect

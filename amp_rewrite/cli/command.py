@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 # No TensorFlow in these two: plain Python.
 from amp_rewrite.calibration import staging
-from amp_rewrite.core.errors import AmpRewriteError, ModelError, did_you_mean
+from amp_rewrite.errors import AmpRewriteError, ModelError, did_you_mean
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.savedmodel import Model

@@ -29,11 +29,11 @@ from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackab
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
 from amp_rewrite.calibration import bundle
-from amp_rewrite.core.errors import GraphError, ModelError, tensorflow_cause
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rewrite import RewriteResult, gc_paused
 from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restored_keys, round_to, store_weights
+from amp_rewrite.errors import GraphError, ModelError, tensorflow_cause
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as

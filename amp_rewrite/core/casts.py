@@ -16,9 +16,9 @@ from typing import Iterable
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
 from amp_rewrite.core import graph_io
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.target import Target
 from amp_rewrite.core.typegraph import TypeGraph, Vertex
+from amp_rewrite.errors import GraphError
 
 SUFFIX = "AutoMixedPrecision"
 # Grappler does not count a cast to the target fed by these (nor by a Const).

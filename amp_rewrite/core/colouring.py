@@ -20,12 +20,12 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.target import Target
 from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
+from amp_rewrite.errors import GraphError
 
 log = logging.getLogger(__name__)
 

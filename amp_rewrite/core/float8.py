@@ -40,15 +40,15 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
+from amp_rewrite import _tf
 from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.errors import AmpRewriteError
-from amp_rewrite.core.graph_io import TensorRef, make_node_def, parse_tensor_name
+from amp_rewrite.core.graph_io import TensorRef, data_inputs, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
+from amp_rewrite.errors import AmpRewriteError
 
 TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
 # XLA before TensorFlow 2.18 folds convert(convert(x, float8), wider) into convert(x, wider):
@@ -58,12 +58,10 @@ MIN_TENSORFLOW = (2, 18)
 
 def check_tensorflow() -> None:
     """Refuse the float8 target where XLA would silently undo it."""
-    version = tf.version.VERSION
-    found = tuple(int(part) for part in version.split(".")[:2])
-    if found < MIN_TENSORFLOW:
+    if _tf.tensorflow_version() < MIN_TENSORFLOW:
         raise AmpRewriteError(
             f"target 'float8' needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))} or newer: TensorFlow"
-            f" {version}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
+            f" {_tf.tensorflow_release()}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
             " upgrade TensorFlow, or use target float16")
 Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
 
@@ -151,10 +149,10 @@ def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, s
         body = program.item(function)
         nodes = {node.name: node for node in body.node}
         for node in body.node:
-            data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
-            if node.op not in MATMUL_OPS or len(data_inputs) != MATMUL_OPS[node.op]:
+            operand_tensors = data_inputs(node)
+            if node.op not in MATMUL_OPS or len(operand_tensors) != MATMUL_OPS[node.op]:
                 continue
-            for tensor in data_inputs:
+            for tensor in operand_tensors:
                 ref = parse_tensor_name(tensor)
                 if ref.node in nodes and origin(nodes, ref.node).op not in ("Const", *_VARIABLE_READS):
                     found.add((function, ref.node, ref.port))
@@ -227,15 +225,15 @@ def quantize_matmuls(
         if node.op not in MATMUL_OPS or node.name not in converted:
             continue
         dtype = node.attr["T"].type
-        data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
-        if len(data_inputs) != MATMUL_OPS[node.op] or dtype not in _EXPONENTS:
+        operand_tensors = data_inputs(node)
+        if len(operand_tensors) != MATMUL_OPS[node.op] or dtype not in _EXPONENTS:
             continue  # a one-operand Einsum: no product to quantize
-        operands = [_operand(nodes, tensor, function, amax, dtype) for tensor in data_inputs]
+        operands = [_operand(nodes, tensor, function, amax, dtype) for tensor in operand_tensors]
         kept = _kept(operands, lossy.get(node.name))
         if kept is not None:
             decisions.append(Float8Decision(node.name, node.op, tuple(operands), kept))
             continue
-        for position, (tensor, operand) in enumerate(zip(data_inputs, operands)):
+        for position, (tensor, operand) in enumerate(zip(operand_tensors, operands)):
             node.input[position] = builder.dequantized(tensor, operand, dtype)
         decisions.append(Float8Decision(node.name, node.op, tuple(operands)))
     return output, tuple(decisions)

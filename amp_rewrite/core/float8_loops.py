@@ -38,7 +38,7 @@ from amp_rewrite.core.float8_training import (
     weight_of,
 )
 from amp_rewrite.core.functions import RETVAL_SUFFIX, to_function_def
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
@@ -96,7 +96,7 @@ def _forward_matmuls(program: Program, body: str, converted: frozenset[str], loo
     nodes = {node.name: node for node in program.item(body).node}
     matmuls, sources = {}, {}
     for node in program.item(body).node:
-        inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+        inputs = data_inputs(node)
         if (node.op not in float8.MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
                 or len(inputs) != float8.MATMUL_OPS[node.op]):
             continue

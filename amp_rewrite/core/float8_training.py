@@ -44,7 +44,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, t
 
 from amp_rewrite.core import float8
 from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
@@ -183,18 +183,19 @@ def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> P
     forward: dict[str, Matmul] = {}
     kept: dict[str, str] = {}
     for node in graph_def.node:
-        data_inputs = [tensor for tensor in node.input if not tensor.startswith("^")]
+        operand_tensors = data_inputs(node)
         if (node.op not in float8.MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
-                or len(data_inputs) != float8.MATMUL_OPS[node.op]):
+                or len(operand_tensors) != float8.MATMUL_OPS[node.op]):
             continue
-        constants = [tensor for tensor in data_inputs
+        constants = [tensor for tensor in operand_tensors
                      if float8.origin(nodes, parse_tensor_name(tensor).node).op == "Const"]
         if constants:
             kept[node.name] = (f"stays in the base precision: Const operand {constants[0]!r} is folded before XLA"
                                " sees it, so FP8 would add its error without an FP8 GEMM")
             continue
-        forward[node.name] = Matmul(node.name, node.op, (_canonical(data_inputs[0]), _canonical(data_inputs[1])),
-                                    weight=next((index for index, _ in weight_of(nodes, data_inputs)), None))
+        first, second = map(_canonical, operand_tensors)
+        forward[node.name] = Matmul(node.name, node.op, (first, second),
+                                    weight=next((index for index, _ in weight_of(nodes, operand_tensors)), None))
     backward: dict[str, list[Backward]] = {}
     for node in graph_def.node:
         if node.op in _OPERAND_POSITIONS and in_gradient_scope(node.name):

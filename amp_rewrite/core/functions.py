@@ -15,8 +15,8 @@ from typing import Container, Iterable, Iterator, Mapping, Sequence
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
+from amp_rewrite.errors import GraphError
 
 RETVAL_SUFFIX = "_RetVal"
 # A traced tf.function's name: TensorFlow's prefix, the Python name, then a process-wide

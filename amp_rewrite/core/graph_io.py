@@ -31,7 +31,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, o
     tensor_shape_pb2, types_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.errors import GraphError
+from amp_rewrite.errors import GraphError
 
 CONTROL = -1
 # In a Const's tensor_content: its values were left in the file it was read from
@@ -80,6 +80,11 @@ def is_left_in_file(tensor: tensor_pb2.TensorProto) -> bool:
 def _malformed(tensor: str, consumer: str) -> GraphError:
     where = f"node '{consumer}': " if consumer else ""
     return GraphError(f"{where}malformed input '{tensor}': expected 'name', 'name:port' or '^name'")
+
+
+def data_inputs(node_def: node_def_pb2.NodeDef) -> list[str]:
+    """``node_def``'s data inputs as written: its input list without the ``^name`` control ones."""
+    return [tensor for tensor in node_def.input if not tensor.startswith("^")]
 
 
 def tensor_name(node: str, port: int) -> str:

@@ -73,8 +73,8 @@ from types import MappingProxyType
 import yaml
 
 from amp_rewrite.core import float8, functions
-from amp_rewrite.core.errors import ListsError
 from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
+from amp_rewrite.errors import ListsError
 
 
 class Colour(enum.Enum):

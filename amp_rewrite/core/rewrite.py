@@ -36,12 +36,12 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.core import boundaries, casts, colouring, float8, functions, graph_io, preparation, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
-from amp_rewrite.core.errors import AmpRewriteError, GraphError, did_you_mean
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.core.typegraph import Vertex
+from amp_rewrite.errors import AmpRewriteError, GraphError, did_you_mean
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from tensorflow.core.framework import (
     op_def_pb2,
 )
 from amp_rewrite import _tf
-from amp_rewrite.core.errors import GraphError
+from amp_rewrite.errors import GraphError
 
 _tf.require(_tf.PASS)  # at import: the pass asks these on every node
 _op_def = _tf.OP_DEF_REGISTRY_GET.get()

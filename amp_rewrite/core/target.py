@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from tensorflow.core.framework import types_pb2
 
-from amp_rewrite.core.errors import AmpRewriteError
+from amp_rewrite.errors import AmpRewriteError
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from tensorflow.core.framework import (
 )
 
 from amp_rewrite.core import support
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import WorkingGraph
+from amp_rewrite.errors import GraphError
 
 
 QUANTIZED = frozenset(

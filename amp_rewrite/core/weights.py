@@ -35,11 +35,11 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
-from amp_rewrite.core.errors import GraphError
 from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, is_left_in_file, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.errors import GraphError
 
 Place = tuple[str, str]        # (item, node): MAIN_GRAPH or a function, and a node or argument there
 

@@ -78,9 +78,9 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from amp_rewrite import _tf
 from amp_rewrite.core import functions, lists, support
 from amp_rewrite.core.casts import CAST_NAME, is_amp_cast
-from amp_rewrite.core.errors import AmpRewriteError, GraphError, ListsError
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.target import BFLOAT16, lookup_target
+from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
 
 GPU_NAME = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU_NAME = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -207,7 +207,7 @@ def _bounded_in(graph_def: GraphDef) -> list[str]:
     name_to_node = {node.name: node for node in graph_def.node}
 
     def argument(node, index: int) -> tuple[str, int] | None:
-        data = [tensor for tensor in node.input if not tensor.startswith("^")]
+        data = data_inputs(node)
         if index >= len(data):
             return None
         source, port = parse_tensor_name(data[index])

@@ -35,7 +35,6 @@ MIN_COMPUTE_CAPABILITY = (7, 0)
 FLOAT8 = "float8"  # FP8 training (training/float8.py), on a base precision
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 XLA_REWRITE_MIN_TENSORFLOW = tracing.XLA_REWRITE_MIN_TENSORFLOW
-tensorflow_version = tracing.tensorflow_version
 compat_name = tracing.compat_name
 
 

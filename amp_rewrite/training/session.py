@@ -44,9 +44,9 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
 from amp_rewrite import _tf
-from amp_rewrite.core.errors import AmpRewriteError
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
+from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.training import float8
 
 log = logging.getLogger(__name__)

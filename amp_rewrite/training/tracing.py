@@ -39,12 +39,6 @@ log = logging.getLogger(__name__)
 XLA_REWRITE_MIN_TENSORFLOW = (2, 18)
 
 
-def tensorflow_version() -> tuple[int, int]:
-    """The installed TensorFlow's (major, minor)."""
-    major, minor = tf.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def mixed_keras_policy() -> str | None:
     """The name of a global mixed-precision Keras policy (Keras 3 or tf_keras), if one is set."""
     if _tf.USING_MIXED_PRECISION_POLICY.get()():
@@ -72,7 +66,7 @@ def on_new_function(concrete_function: Any, enablement: Any) -> None:
     # ``in`` first: indexing the map would insert an empty attr into TensorFlow's cached
     # definition, which it copies onto call ops (model.export then fails to bind it).
     jit_compile = "_XlaMustCompile" in function_def.attr and function_def.attr["_XlaMustCompile"].b
-    if jit_compile and tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
+    if jit_compile and _tf.tensorflow_version() < XLA_REWRITE_MIN_TENSORFLOW:
         warnings.warn(
             f"amp_rewrite: TensorFlow {tf.__version__} compiles a jit_compile=True function called on its own from"
             f" the body as traced, so {name} may run in float32; use TensorFlow"

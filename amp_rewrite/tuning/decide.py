@@ -27,7 +27,7 @@ import networkx as nx
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import MEASURED_PREFIX
@@ -175,7 +175,7 @@ def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], co
 
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
                ) -> Candidate:
-    data = [t for t in source.input if not t.startswith("^")]
+    data = data_inputs(source)
     runs: dict[int, Pair | None] = {}
     for batch, found in shapes.items():
         infos = [found.info(item, t) for t in data]
