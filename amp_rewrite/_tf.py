@@ -75,14 +75,14 @@ class Private:
 def tensorflow_release() -> str:
     """The installed TensorFlow's version string, as messages name it."""
     try:
-        return importlib.import_module("tensorflow").__version__
+        return importlib.import_module("tensorflow").version.VERSION
     except (ImportError, AttributeError):
         return "(unknown version)"
 
 
 def tensorflow_version() -> tuple[int, int]:
     """The installed TensorFlow's (major, minor): the one place a release is compared."""
-    major, minor = importlib.import_module("tensorflow").__version__.split(".")[:2]
+    major, minor = tensorflow_release().split(".")[:2]
     return int(major), int(minor)
 
 
