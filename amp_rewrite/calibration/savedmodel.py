@@ -23,7 +23,7 @@ from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import colouring, functions, support
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.errors import GraphError, ModelError, did_you_mean
@@ -155,20 +155,10 @@ def graph_sinks(graph_def: graph_pb2.GraphDef) -> tuple[str, ...]:
 
 
 def output_count(graph_def: graph_pb2.GraphDef, node_def) -> int:
-    """How many output ports ``node_def`` has, from its op definition (or library function)."""
+    """How many output ports ``node_def`` has, from its op definition (or library function);
+    an arg whose count attr is missing adds none."""
     op_def = support.resolve_op_def(node_def, support.library_op_defs(graph_def.library))
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
-    count = 0
-    for arg in op_def.output_arg:
-        if arg.type_list_attr or arg.number_attr:
-            name = arg.type_list_attr or arg.number_attr
-            value = node_def.attr[name] if name in node_def.attr else defaults.get(name)
-            if value is None:
-                continue
-            count += len(value.list.type) if arg.type_list_attr else value.i
-        else:
-            count += 1
-    return count
+    return sum(arg_port_count(node_def, op_def, arg) or 0 for arg in op_def.output_arg)
 
 
 def _check_fetch(path: Path, graph_def: graph_pb2.GraphDef, fetch: str) -> None:

@@ -15,7 +15,7 @@ from typing import Container, Iterable, Iterator, Mapping, Sequence
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.graph_io import CONTROL, parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, arg_port_count, parse_tensor_name
 from amp_rewrite.errors import GraphError
 
 RETVAL_SUFFIX = "_RetVal"
@@ -48,19 +48,11 @@ def _output_args(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef) -> li
         if fixed is not None:
             return list(fixed)
     ports = []
-
-    def attr(name: str):  # the op-def default only where the node lacks it: most nodes have every attr
-        if name in node_def.attr:
-            return node_def.attr[name]
-        return next((a.default_value for a in op_def.attr if a.name == name and a.HasField("default_value")), None)
-
     for arg in op_def.output_arg:
-        if arg.type_list_attr:
-            count = len(attr(arg.type_list_attr).list.type)
-        elif arg.number_attr:
-            count = attr(arg.number_attr).i
-        else:
-            count = 1
+        count = arg_port_count(node_def, op_def, arg)
+        if count is None:
+            raise GraphError(f"node '{node_def.name}' ({node_def.op}): attribute"
+                             f" '{arg.type_list_attr or arg.number_attr}' is missing")
         ports.extend((arg.name, i) for i in range(count))
     return ports
 

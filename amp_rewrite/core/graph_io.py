@@ -17,7 +17,9 @@ position in the consumer's input list,
 * ``tensor``: the input string exactly as written (``"x"``, ``"x:0"``, ``"^x"``),
 
 so that ``to_graph_def(to_networkx(g)) == g`` byte for byte. ``make_node_def`` is the one
-NodeDef builder: attrs typed by the op's definition.
+NodeDef builder: attrs typed by the op's definition. What a node's op definition says of it
+is read here too: an attr or its default (``attr_or_default``), the ports an argument
+expands to (``arg_port_count``).
 """
 from __future__ import annotations
 
@@ -90,6 +92,35 @@ def data_inputs(node_def: node_def_pb2.NodeDef) -> list[str]:
 def tensor_name(node: str, port: int) -> str:
     """The input string that names output ``port`` of ``node`` (``^node`` for control)."""
     return f"^{node}" if port == CONTROL else f"{node}:{port}"
+
+
+# --------------------------------------------------------------------------------------
+# What an op definition says of a node
+
+
+def attr_or_default(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef,
+                    name: str) -> attr_value_pb2.AttrValue | None:
+    """``node_def``'s attr ``name``, or ``op_def``'s default for it where the node lacks it
+    (SavedModels strip default-valued attrs); None where it has neither."""
+    if name in node_def.attr:
+        return node_def.attr[name]
+    return next((attr.default_value for attr in op_def.attr if attr.name == name and attr.HasField("default_value")),
+                None)
+
+
+def arg_port_count(
+    node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, arg: op_def_pb2.OpDef.ArgDef
+) -> int | None:
+    """How many ports ``arg`` of ``op_def`` is on ``node_def``: one per type of its
+    ``type_list_attr``, its ``number_attr``'s value, else one (``attr_or_default``). None
+    where the attr that says is missing and has no default."""
+    counted = arg.type_list_attr or arg.number_attr
+    if not counted:
+        return 1
+    value = attr_or_default(node_def, op_def, counted)
+    if value is None:
+        return None
+    return len(value.list.type) if arg.type_list_attr else value.i
 
 
 class WorkingGraph:

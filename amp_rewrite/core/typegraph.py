@@ -23,7 +23,7 @@ from tensorflow.core.framework import (
 )
 
 from amp_rewrite.core import support
-from amp_rewrite.core.graph_io import WorkingGraph
+from amp_rewrite.core.graph_io import WorkingGraph, arg_port_count
 from amp_rewrite.errors import GraphError
 
 
@@ -87,19 +87,21 @@ class NodeTypes:
         return tuple(map(self._attr_to_slot.__getitem__, self.outputs))
 
 
-def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef) -> list[TypeAttr]:
-    """The type attribute of each port an op-def argument expands to."""
-    attrs = node_def.attr
+def _arg_type_attrs(
+    node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, arg: op_def_pb2.OpDef.ArgDef
+) -> list[TypeAttr]:
+    """The type attribute of each port an op-def argument expands to (``node_def`` holds its
+    defaults: the callers fill them in first)."""
+    count = arg_port_count(node_def, op_def, arg)
     if arg.type_list_attr:
-        if arg.type_list_attr not in attrs:
+        if count is None:
             raise GraphError(
                 f"node '{node_def.name}' ({node_def.op}): attribute '{arg.type_list_attr}' is missing"
             )
-        count = len(attrs[arg.type_list_attr].list.type)
         return [TypeAttr(arg.type_list_attr, i) for i in range(count)]
-    count = attrs[arg.number_attr].i if arg.number_attr in attrs else 1
+    count = 1 if count is None else count  # no number attr: one port, and the port-count checks name the node
     if arg.type_attr:
-        if arg.type_attr not in attrs:
+        if arg.type_attr not in node_def.attr:
             raise GraphError(
                 f"node '{node_def.name}' ({node_def.op}): type attribute '{arg.type_attr}' is missing"
             )
@@ -109,10 +111,10 @@ def _arg_type_attrs(node_def: node_def_pb2.NodeDef, arg: op_def_pb2.OpDef.ArgDef
 
 def node_types(node_def: node_def_pb2.NodeDef, op_def: op_def_pb2.OpDef, num_data_inputs: int) -> NodeTypes:
     """Port → type-attribute maps for a node, validated against its op definition."""
-    inputs = [a for arg in op_def.input_arg for a in _arg_type_attrs(node_def, arg)]
+    inputs = [a for arg in op_def.input_arg for a in _arg_type_attrs(node_def, op_def, arg)]
     if len(inputs) != num_data_inputs:
         raise _port_count_error(node_def, len(inputs))
-    outputs = [a for arg in op_def.output_arg for a in _arg_type_attrs(node_def, arg)]
+    outputs = [a for arg in op_def.output_arg for a in _arg_type_attrs(node_def, op_def, arg)]
     attrs = dict.fromkeys(inputs + outputs)
     attr_defs = {a.name: a for a in op_def.attr}
     for name, value in node_def.attr.items():
@@ -217,7 +219,7 @@ def output_dtypes(node_def: node_def_pb2.NodeDef, functions: Mapping[str, op_def
             filled.attr[name].CopyFrom(value)
         node_def = filled
     try:
-        return [dtype_of(node_def, attr) for arg in op_def.output_arg for attr in _arg_type_attrs(node_def, arg)]
+        return [dtype_of(node_def, attr) for arg in op_def.output_arg for attr in _arg_type_attrs(node_def, op_def, arg)]
     except GraphError:
         return []
 

@@ -27,7 +27,8 @@ import networkx as nx
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import (arg_port_count, attr_or_default, data_inputs, parse_tensor_name,
+                                      tensor_name)
 from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import MEASURED_PREFIX
@@ -83,22 +84,18 @@ class Problem:
 
 def input_dtypes(node_def: node_def_pb2.NodeDef) -> list[int] | None:
     """The dtype of each data input as ``node_def``'s attrs say, an attr it lacks taking its
-    op-def default (None: not a registered op)."""
+    op-def default (None: not a registered op, or one whose attrs do not say)."""
     op_def = support.registered_op_def(node_def.op)
     if op_def is None:
         return None
-    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
-
-    def attr(name: str):
-        return node_def.attr[name] if name in node_def.attr else defaults.get(name)
-
     found: list[int] = []
     for arg in op_def.input_arg:
-        if arg.type_list_attr:
-            found += list(attr(arg.type_list_attr).list.type)
-            continue
-        dtype = arg.type or attr(arg.type_attr).type
-        found += [dtype] * (attr(arg.number_attr).i if arg.number_attr else 1)
+        count = arg_port_count(node_def, op_def, arg)
+        typed_by = arg.type_list_attr or arg.type_attr  # else the arg's own fixed type
+        value = attr_or_default(node_def, op_def, typed_by) if typed_by else None
+        if count is None or typed_by and value is None:
+            return None
+        found += value.list.type if arg.type_list_attr else [value.type if typed_by else arg.type] * count
     return found
 
 
