@@ -94,6 +94,13 @@ def tensor_name(node: str, port: int) -> str:
     return f"^{node}" if port == CONTROL else f"{node}:{port}"
 
 
+def input_node(tensor: str) -> str:
+    """The node (or function argument) an input string reads, in a GraphDef's grammar (``"x"``,
+    ``"x:1"``, ``"^x"``) or a FunctionDef's (``"x:output:0"``): what comes before the first
+    ``:``, as a node name holds none. Unchecked: ``parse_tensor_name`` checks a GraphDef's."""
+    return tensor[1:].partition(":")[0] if tensor[:1] == "^" else tensor.partition(":")[0]
+
+
 # --------------------------------------------------------------------------------------
 # What an op definition says of a node
 

@@ -35,7 +35,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
-from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, is_left_in_file, parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, input_node, is_left_in_file, \
+    parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
@@ -298,8 +299,9 @@ class _Index:
                          " argument or node output")
 
     def source(self, tensor: str) -> str:
-        """The node (or argument) an input string names."""
-        return parse_tensor_name(tensor).node if self.function is None else tensor.lstrip("^").partition(":")[0]
+        """The node (or argument) an input string names: a GraphDef's checked, a FunctionDef's read
+        as written (``node:output_arg:index``)."""
+        return parse_tensor_name(tensor).node if self.function is None else input_node(tensor)
 
 
 @dataclass
