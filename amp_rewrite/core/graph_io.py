@@ -101,6 +101,13 @@ def input_node(tensor: str) -> str:
     return tensor[1:].partition(":")[0] if tensor[:1] == "^" else tensor.partition(":")[0]
 
 
+def copy_graph_def(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
+    """A copy of ``graph_def`` to change, so the caller's is never touched (STYLE §4)."""
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    return copy
+
+
 # --------------------------------------------------------------------------------------
 # What an op definition says of a node
 
@@ -154,8 +161,7 @@ class WorkingGraph:
 def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
     """Copies and indexes ``graph_def`` (the caller's stays untouched); raises ``GraphError``
     on duplicate names, dangling inputs, or a data input after a control one."""
-    working = graph_pb2.GraphDef()
-    working.CopyFrom(graph_def)  # one copy of everything
+    working = copy_graph_def(graph_def)  # one copy of everything
     node_defs: dict[str, node_def_pb2.NodeDef] = {}
     readers: dict[str, list[tuple[str, int]]] = {}
     for node_def in working.node:

@@ -35,8 +35,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
-from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, input_node, is_left_in_file, \
-    parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, copy_graph_def, input_node, \
+    is_left_in_file, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
@@ -336,7 +336,7 @@ class _Edits:
                 else:
                     output.node.add().CopyFrom(node)
         else:
-            output = _copy(program.graph_def)
+            output = copy_graph_def(program.graph_def)
 
         def nodes_of(item: str) -> Sequence[node_def_pb2.NodeDef]:
             return output.node if item == MAIN_GRAPH else output.library.function[program.positions[item]].node_def
@@ -404,12 +404,6 @@ def _put_rounded(node: node_def_pb2.NodeDef, const: node_def_pb2.NodeDef, dtype:
     if node is not const:
         node.CopyFrom(const)  # one float32 value at a time, replaced at once
     node.attr["value"].tensor.CopyFrom(value)
-
-
-def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
-    return copy
 
 
 def _add_casts(index: _Index, nodes: Sequence[node_def_pb2.NodeDef], live: Sequence[node_def_pb2.NodeDef],

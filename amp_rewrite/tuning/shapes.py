@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.core import functions
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
@@ -156,8 +156,7 @@ def _as_handle(node_def, dtype: int, shape: tuple[int, ...] | None) -> None:
 def _function_graph(program: Program, name: str, args: list[_Arg]) -> graph_pb2.GraphDef:
     """The body of function ``name`` as an importable graph: each ``_Arg`` a placeholder (or
     a variable handle) of the call's shape, each ``_Retval`` an Identity."""
-    body = graph_pb2.GraphDef()
-    body.CopyFrom(program.item(name))
+    body = copy_graph_def(program.item(name))
     _add_library(body, program)
     body.versions.CopyFrom(program.graph_def.versions)
     for node_def in body.node:
