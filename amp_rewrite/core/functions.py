@@ -12,10 +12,10 @@ import functools
 import re
 from typing import Container, Iterable, Iterator, Mapping, Sequence
 
-from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, op_def_pb2
 
 from amp_rewrite.core import support
-from amp_rewrite.core.graph_io import CONTROL, arg_port_count, parse_tensor_name
+from amp_rewrite.core.graph_io import CONTROL, arg_port_count, make_node_def, parse_tensor_name
 from amp_rewrite.errors import GraphError
 
 RETVAL_SUFFIX = "_RetVal"
@@ -281,9 +281,9 @@ def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_
     name = function.signature.name
     graph_def = graph_pb2.GraphDef()
     for index, arg in enumerate(function.signature.input_arg):
-        node = graph_def.node.add(name=arg.name, op="_Arg")
-        node.attr["T"].type = arg.type
-        node.attr["index"].i = index
+        node = graph_def.node.add()
+        node.CopyFrom(_boundary_node("_Arg", arg.type, index))
+        node.name = arg.name
     ports: dict[str, str] = {arg.name: arg.name for arg in function.signature.input_arg}
     for node_def in function.node_def:
         op_def = support.resolve_op_def(node_def, library)
@@ -308,11 +308,20 @@ def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_
     for index, arg in enumerate(function.signature.output_arg):
         if arg.name not in function.ret:
             raise GraphError(f"function '{name}': output '{arg.name}' has no value in 'ret'")
-        node = graph_def.node.add(name=arg.name + RETVAL_SUFFIX, op="_Retval")
+        node = graph_def.node.add()
+        node.CopyFrom(_boundary_node("_Retval", arg.type, index))
+        node.name = arg.name + RETVAL_SUFFIX
         node.input.append(local(function.ret[arg.name], node.name))
-        node.attr["T"].type = arg.type
-        node.attr["index"].i = index
     return graph_def
+
+
+@functools.lru_cache(maxsize=None)
+def _boundary_node(op: str, dtype: int, index: int) -> node_def_pb2.NodeDef:
+    """An ``_Arg`` or ``_Retval`` NodeDef but its name and input (``make_node_def``), built once per
+    dtype and index: a body has one per argument and output, and a copy costs a tenth of a build.
+    Copied, never changed. The dtype goes in as an AttrValue: a parametrized function's argument
+    has none (DT_INVALID), which a typed ``type`` attr refuses."""
+    return make_node_def(op, "", T=attr_value_pb2.AttrValue(type=dtype), index=index)
 
 
 def preserved_nodes(function: function_pb2.FunctionDef, body: graph_pb2.GraphDef) -> list[str]:

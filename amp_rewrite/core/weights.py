@@ -36,7 +36,7 @@ from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, copy_graph_def, input_node, \
-    is_left_in_file, parse_tensor_name
+    is_left_in_file, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import Target, lookup_target
@@ -422,10 +422,8 @@ def _add_casts(index: _Index, nodes: Sequence[node_def_pb2.NodeDef], live: Seque
             count += 1
             name = f"{assign.name}/value-StoredAs-{dtype_name(dtype)}_{count}"
         names.add(name)
-        cast = nodes.add(name=name, op="Cast", input=[assign.input[1]], device=assign.device)
-        cast.attr["SrcT"].type = FLOAT32
-        cast.attr["DstT"].type = dtype
-        cast.attr["Truncate"].b = False
+        cast = make_node_def("Cast", name, [assign.input[1]], device=assign.device, into=nodes, SrcT=FLOAT32,
+                             DstT=dtype, Truncate=False)
         assign.input[1] = name if index.function is None else functions.output_names(cast, index.op_defs)[0]
 
 

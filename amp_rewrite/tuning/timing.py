@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
+from amp_rewrite.core.graph_io import make_node_def
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.support import default_attrs, registered_op_def
 from amp_rewrite.tuning.cache import TimingCache
@@ -96,9 +97,7 @@ def cast_pair(shape: tuple[int, ...], low: int) -> Pair:
     """The casts the rewrite adds at a boundary of shape ``shape``: down to ``low``, and back."""
     runs = []
     for src, dst in ((types_pb2.DT_FLOAT, low), (low, types_pb2.DT_FLOAT)):
-        node_def = node_def_pb2.NodeDef(op="Cast")
-        node_def.attr["SrcT"].type, node_def.attr["DstT"].type = src, dst
-        node_def.attr["Truncate"].b = False
+        node_def = make_node_def("Cast", "", SrcT=src, DstT=dst, Truncate=False)
         runs.append(op_run(node_def, [TensorInfo(src, shape)]))
     return Pair(runs[0], runs[1], float(np.prod(shape)))
 
@@ -204,19 +203,8 @@ class _ChunkGraph:
         self.initializers: list[str] = []
 
     def node(self, name: str, op: str, inputs: Sequence[str] = (), **attrs: object) -> str:
-        node_def = self.graph_def.node.add(name=name, op=op, input=list(inputs))
-        for key, value in attrs.items():
-            attr = node_def.attr[key]
-            if isinstance(value, tf.TensorShape):
-                attr.shape.CopyFrom(value.as_proto())
-            elif isinstance(value, np.ndarray):
-                attr.tensor.CopyFrom(tf.make_tensor_proto(value))
-            elif isinstance(value, bool):
-                attr.b = value
-            elif isinstance(value, int):
-                attr.type = value
-            else:
-                attr.s = str(value).encode()
+        """Adds a node (attrs typed by its op's definition: ``make_node_def``); returns its name."""
+        make_node_def(op, name, inputs, into=self.graph_def.node, **attrs)
         return name
 
     def const(self, name: str, value: np.ndarray) -> str:
