@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
+from networkx.utils import UnionFind
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_def_pb2, tensor_pb2, \
     tensor_shape_pb2, types_pb2
 from tensorflow.core.protobuf import saved_object_graph_pb2
@@ -466,42 +467,21 @@ def _where(item: str) -> str:
 # Variables: 1. follow every handle, 2. who reads each value, 3. decide per group, 4. edits
 
 
-class _Sets:
-    """Disjoint sets of places (union-find), which remember the order places were first seen."""
-
-    def __init__(self) -> None:
-        self.parents: dict[Place, Place] = {}
-
-    def add(self, place: Place) -> None:
-        self.parents.setdefault(place, place)
-
-    def find(self, place: Place) -> Place:
-        parents = self.parents
-        parents.setdefault(place, place)
-        while parents[place] != place:
-            parents[place] = parents[parents[place]]  # halve the path
-            place = parents[place]
-        return place
-
-    def union(self, one: Place, other: Place) -> None:
-        root, other_root = self.find(one), self.find(other)
-        if root != other_root:
-            self.parents[other_root] = root
-
-    def groups(self) -> list[list[Place]]:
-        """The sets, each in the order its places were first seen, ordered by their first place:
-        the same groups, in the same order, on every run."""
-        found: dict[Place, list[Place]] = {}
-        for place in list(self.parents):
-            found.setdefault(self.find(place), []).append(place)
-        return list(found.values())
+def _groups(sets: UnionFind) -> list[list[Place]]:
+    """The sets, each in the order its places were first seen, ordered by their first place:
+    the same groups, in the same order, on every run (a ``UnionFind`` iterates its elements
+    in the order first seen)."""
+    found: dict[Place, list[Place]] = {}
+    for place in sets:
+        found.setdefault(sets[place], []).append(place)
+    return list(found.values())
 
 
 @dataclass
 class _Handles:
     """Step 1's findings: the handle groups, the ops on each handle, and what stops one."""
 
-    sets: _Sets = field(default_factory=_Sets)  # one set per variable (with its copies)
+    sets: UnionFind = field(default_factory=UnionFind)  # one set per variable (with its copies)
     accesses: list[tuple[Place, Place]] = field(default_factory=list)   # (handle, read or assign op)
     blockers: dict[Place, list[str]] = field(default_factory=lambda: defaultdict(list))
     keys: dict[Place, set[str]] = field(default_factory=lambda: defaultdict(set))  # handle -> checkpoint keys
@@ -565,12 +545,12 @@ def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: Ob
                 key = objects.object_to_key.get(node_id)
                 if key is not None and arg.type == RESOURCE:
                     found.keys[(function, arg.name)].add(key)
-                    found.sets.add((function, arg.name))
+                    found.sets.union((function, arg.name))  # a set of its own until joined
     return found
 
 
 def _follow(program: Program, item: str, index: _Index, handle: Place, found: _Handles, loop_body: bool) -> None:
-    found.sets.add(handle)
+    found.sets.union(handle)  # a set of its own until joined
     stack, seen = [(handle[1], 0)], set()
     while stack:
         port = stack.pop()
@@ -755,7 +735,7 @@ def _key_groups(handles: _Handles) -> list[list[Place]]:
             if key in by_key:
                 handles.sets.union(by_key[key], handle)
             by_key[key] = handle
-    return handles.sets.groups()
+    return _groups(handles.sets)
 
 
 def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, list[Place]] | None:
