@@ -29,6 +29,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_pb2, types
 
 from amp_rewrite.calibration.bundle import encode_varint
 from amp_rewrite.core.graph_io import LEFT_IN_FILE, is_left_in_file
+from amp_rewrite.core.target import FLOAT_DTYPES
 from amp_rewrite.core.weights import round_to, without_nodes
 from amp_rewrite.errors import ModelError
 
@@ -37,7 +38,6 @@ CHUNK_BYTES = 1 << 22         # values copied (and rounded) at a time
 NODE, ATTR, TENSOR, CONTENT = 1, 5, 8, 4  # GraphDef.node, NodeDef.attr, AttrValue.tensor, TensorProto.tensor_content
 LENGTH = 2                    # the wire type of messages and bytes
 ROUNDED = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}  # what a float32 weight may be stored as
-ITEM_BYTES = {types_pb2.DT_FLOAT: 4, types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2}
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def _values(source: BinaryIO, content: Content, dtype: int) -> Iterator[bytes]:
 def _length(content: Content, dtype: int) -> int:
     if dtype == content.dtype:
         return content.length
-    return content.length // ITEM_BYTES[content.dtype] * ITEM_BYTES[dtype]
+    return content.length // FLOAT_DTYPES[content.dtype].item_bytes * FLOAT_DTYPES[dtype].item_bytes
 
 
 def _filled(node: node_def_pb2.NodeDef, content: Content, source: BinaryIO) -> node_def_pb2.NodeDef:

@@ -10,21 +10,17 @@ from typing import TYPE_CHECKING, NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
+from amp_rewrite.core.target import FLOAT_DTYPES, lookup_target
 
 if TYPE_CHECKING:
     from amp_rewrite.core.rules import Reason
     from amp_rewrite.core.typegraph import Vertex
 
 
-
-_FLOAT_NAMES = {types_pb2.DT_FLOAT: "float32", **{target.dtype: name for name, target in NAME_TO_TARGET.items()}}
-
-
 def dtype_name(dtype: int) -> str:
-    """``DT_HALF`` → ``float16``: the Python names users know."""
-    name = _FLOAT_NAMES.get(dtype)
-    return name if name is not None else types_pb2.DataType.Name(dtype).removeprefix("DT_").lower()
+    """``DT_HALF`` → ``float16``: the Python names users know (``FLOAT_DTYPES``, else TensorFlow's)."""
+    found = FLOAT_DTYPES.get(dtype)
+    return found.name if found is not None else types_pb2.DataType.Name(dtype).removeprefix("DT_").lower()
 
 
 class Decision(NamedTuple):

@@ -1,4 +1,5 @@
-"""The precisions a graph can be rewritten to, each one frozen value holding every fact about it.
+"""The precisions a graph can be rewritten to, each one frozen value holding every fact about it,
+and the float dtypes' names and sizes (``FLOAT_DTYPES``).
 
 A user names a target with a string (``"float16"``); ``lookup_target`` turns it into its
 ``Target`` once, at the edge, and raises the one error for a name that is not a target.
@@ -13,6 +14,22 @@ from types import MappingProxyType
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.errors import AmpRewriteError
+
+
+@dataclass(frozen=True)
+class FloatDtype:
+    """A float dtype a weight is stored in: the name users know, and its size."""
+
+    name: str        # as Python and reports name it, e.g. "bfloat16"
+    item_bytes: int  # bytes per value
+
+
+# float32 and the dtypes a rewrite stores a float32 weight as, by DataType enum: the one table.
+FLOAT_DTYPES: Mapping[int, FloatDtype] = MappingProxyType({
+    types_pb2.DT_FLOAT: FloatDtype("float32", 4),
+    types_pb2.DT_HALF: FloatDtype("float16", 2),
+    types_pb2.DT_BFLOAT16: FloatDtype("bfloat16", 2),
+})
 
 
 @dataclass(frozen=True)

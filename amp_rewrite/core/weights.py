@@ -40,7 +40,7 @@ from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, copy_gra
     is_left_in_file, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
-from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.core.target import FLOAT_DTYPES, Target, lookup_target
 from amp_rewrite.errors import GraphError
 
 Place = tuple[str, str]        # (item, node): MAIN_GRAPH or a function, and a node or argument there
@@ -57,7 +57,6 @@ T_OPS = FORWARD_OPS | SHAPE_OPS                     # the ops of those whose dty
 VALUE_OPS = READ_OPS | FORWARD_OPS                  # what gives a variable's value
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
 MARKED_OPS = frozenset({"VarHandleOp", "_Arg", "Const", "RestoreV2", *LOOP_OPS})  # indexed by op: the walks' starts
-BYTES = {FLOAT32: 4, types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2}
 SHOWN_KEPT = 5  # float32 variables named, one per line, with their reason; the rest counted
 
 
@@ -79,11 +78,11 @@ class Weight:
 
     @property
     def bytes_before(self) -> int:
-        return max(self.elements, 0) * BYTES[FLOAT32]
+        return max(self.elements, 0) * FLOAT_DTYPES[FLOAT32].item_bytes
 
     @property
     def bytes_after(self) -> int:
-        return max(self.elements, 0) * BYTES[self.dtype]
+        return max(self.elements, 0) * FLOAT_DTYPES[self.dtype].item_bytes
 
 
 @dataclass(frozen=True)
