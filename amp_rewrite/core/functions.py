@@ -36,6 +36,24 @@ def stable_name(function: str) -> str:
     return prefix + name + "".join(f"_{part}" for part in counters.split("_")[1:][:kept])
 
 
+# FUNCTION::NAME: a node, tensor or pattern inside library function FUNCTION (an overlay's
+# keep_nodes, amax and lossy keys); NAME alone is one in any item, or in the main graph.
+SCOPE = "::"
+
+
+def scoped_name(function: str, name: str) -> str:
+    """``FUNCTION::name``, or ``name`` alone for the main graph (``function`` "")."""
+    return f"{function}{SCOPE}{name}" if function else name
+
+
+def split_scope(text: str) -> tuple[str | None, str]:
+    """``scoped_name``'s inverse: (FUNCTION, NAME) of ``FUNCTION::NAME``, (None, ``text``)
+    without ``::``. Split at the first ``::``: a function's name holds no ``:``, a NAME may (a
+    regex); either part may be empty, for the caller to refuse."""
+    function, scoped, name = text.partition(SCOPE)
+    return (function, name) if scoped else (None, text)
+
+
 def scope_matches(scope: str, function: str) -> bool:
     """Whether an overlay's ``FUNCTION::`` scope names ``function``: its exact name, or its ``stable_name``."""
     return scope == function or scope == stable_name(function)

@@ -98,7 +98,6 @@ _LIST_TO_ENV_NAMES = {
 _FLOAT8_KEYS = ("amax", "lossy")  # target float8's calibration: load_float8
 _OVERLAY_KEYS = (*_LIST_NAMES, "keep_nodes", *_FLOAT8_KEYS)
 _EDIT_KEYS = ("add", "remove")
-_SCOPE = "::"  # FUNCTION::PATTERN in keep_nodes
 _HELD_SECTION = "float32"  # ops taken off grappler's lists because they run slower converted
 _BUILTIN_KEYS = ("target", "tensorflow", *_LIST_NAMES, _HELD_SECTION)
 _BUILTIN_LIST_KEYS = ("meaning", "ops")
@@ -632,13 +631,11 @@ def _compile_keep_nodes(
         where = f"keep_nodes[{i}]" if indexed else "keep_nodes entry"
         if not isinstance(entry, str) or not entry:
             raise ListsError(f"{shown}: {where} is {type(entry).__name__} {entry!r}, not a non-empty node name or regex")
-        scope, scoped, pattern = entry.partition(_SCOPE)
-        if not scoped:
-            scope, pattern = None, entry
-        elif not scope or not pattern:
+        scope, pattern = functions.split_scope(entry)
+        if scope is not None and (not scope or not pattern):
             raise ListsError(
-                f"{shown}: {where} {entry!r} has nothing {'before' if not scope else 'after'} '{_SCOPE}';"
-                f" write FUNCTION{_SCOPE}PATTERN, or PATTERN alone to match in every function"
+                f"{shown}: {where} {entry!r} has nothing {'before' if not scope else 'after'} '{functions.SCOPE}';"
+                f" write FUNCTION{functions.SCOPE}PATTERN, or PATTERN alone to match in every function"
             )
         try:
             compiled.append((entry, scope, re.compile(pattern)))

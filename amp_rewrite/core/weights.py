@@ -857,7 +857,7 @@ def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int
             edits.types[(item, name)]["dtype"] = dtype
             edits.rounded.add((item, name))
             edits.drop_casts([(item, reader) for reader, _ in readers], dtype, kept)
-            label = f"{item}::{name}" if item != MAIN_GRAPH else name
+            label = functions.scoped_name(item, name)  # the main graph's item name is ""
             elements = math.prod(dim.size for dim in node.attr["value"].tensor.tensor_shape.dim)
             weights.append(Weight(label, "constant", elements, dtype))
     return weights
