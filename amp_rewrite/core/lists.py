@@ -72,7 +72,7 @@ from types import MappingProxyType
 
 import yaml
 
-from amp_rewrite.core import float8, functions
+from amp_rewrite.core import float8, functions, support
 from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
 from amp_rewrite.errors import ListsError
 
@@ -421,9 +421,7 @@ def _read_level(environ: Mapping[str, str], target: Target) -> str:
 def _warn_unregistered(op_to_source: Mapping[str, str]) -> None:
     if not op_to_source:
         return
-    from tensorflow.python.framework import op_def_registry  # loads TensorFlow; only needed here
-
-    unknown = sorted(op for op in op_to_source if op_def_registry.get(op) is None)
+    unknown = sorted(op for op in op_to_source if support.registered_op_def(op) is None)
     if unknown:
         shown = ", ".join(f"{op!r} ({op_to_source[op]})" for op in unknown)
         warnings.warn(
