@@ -73,3 +73,22 @@ def test_the_pass_refuses_in_one_line_where_tensorflows_op_registry_is_gone():
     assert f"TensorFlow {tf.__version__}" in line
     assert "op_def_registry.get is gone" in line
     assert "the graph rewrite" in line
+
+
+def test_importing_the_session_path_looks_up_no_private_name():
+    """The Session path reaches ``BaseSession`` only once enabling patches it, after
+    ``_tf.require(SESSION)``: a release without it refuses in one line when the feature
+    starts, and importing the module (which ``amp_rewrite``'s training path does) still works."""
+    script = (
+        "from tensorflow.python.client import session\n"
+        "del session.BaseSession\n"
+        "import amp_rewrite.training.session as mirrored\n"
+        "from amp_rewrite import _tf\n"
+        "try:\n"
+        "    mirrored.patch_session_init(lambda: None)\n"
+        "except _tf.TensorFlowInternalsError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    line = _refusal(script)
+    assert "session.BaseSession is gone" in line
+    assert _tf.SESSION in line

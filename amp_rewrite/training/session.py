@@ -181,10 +181,12 @@ class _Fetch:
         return value if self.user_dtype is None else value.astype(self.user_dtype)  # a NumPy scalar stays one
 
 
-class MirroredSession(_tf.BASE_SESSION.get()):
+class MirroredSession:
     """What a Session created while the rewrite is on runs instead of ``BaseSession``'s lowest
     layer (mixed in before its own class): every call that would reach the user's C session
-    reaches the mirror's, with outputs and operations mapped by name."""
+    reaches the mirror's, with outputs and operations mapped by name. A mixin, not a subclass
+    of ``BaseSession``: importing this module looks up no private name; ``patch_session_init``
+    does, after ``_tf.require`` has checked them."""
 
     _amp_rewrite_settings: Any
     _amp_rewrite_show_once: Callable[[str], bool]
