@@ -127,7 +127,7 @@ def called_functions(node_def: node_def_pb2.NodeDef) -> Iterator[str]:
     callee that reads one through a placeholder is parametrized, which grappler leaves
     alone. Callers keep the names their library holds (the op is yielded whatever it is).
     The attrs of a registered op whose definition has no func attr are not read (most
-    nodes: reading them would cost a third of the pass on a large graph); only a private
+    nodes: reading them all is a large share of the pass on a big graph); only a private
     ``_`` attr could name a function there, and TensorFlow writes none that does.
     """
     yield node_def.op
@@ -336,7 +336,8 @@ def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_
 @functools.lru_cache(maxsize=None)
 def _boundary_node(op: str, dtype: int, index: int) -> node_def_pb2.NodeDef:
     """An ``_Arg`` or ``_Retval`` NodeDef but its name and input (``make_node_def``), built once per
-    dtype and index: a body has one per argument and output, and a copy costs a tenth of a build.
+    dtype and index: a body has one per argument and output, and copying one is far cheaper
+    than building it (its attrs typed by the op's definition).
     Copied, never changed. The dtype goes in as an AttrValue: a parametrized function's argument
     has none (DT_INVALID), which a typed ``type`` attr refuses."""
     return make_node_def(op, "", T=attr_value_pb2.AttrValue(type=dtype), index=index)

@@ -6,7 +6,8 @@ inputs first, ``CONTROL`` for ``^name``) and, per node, the (consumer, input pos
 every data input that names it. ``take_graph_def`` hands the working GraphDef back without
 copying a node; change edges only through ``insert_node``, which keeps NodeDef inputs and
 indexes in step (it is the only way to add a node). Plain dicts and lists: a networkx
-graph of the same cost the pass a fifth of its time (``tools/compare_pass_speed.py``).
+graph of the same is slower to build and to walk, for every node of every item
+(``tools/compare_pass_speed.py`` measures the two).
 ``to_networkx`` gives the networkx view for analyses: a ``MultiDiGraph`` keyed by node
 name, in GraphDef order, each node carrying its ``NodeDef``, each edge, keyed by its
 position in the consumer's input list,
@@ -177,7 +178,7 @@ def working_copy(graph_def: graph_pb2.GraphDef) -> WorkingGraph:
     for name, node_def in node_defs.items():
         refs = inputs[name] = []
         seen_control = False
-        for position, tensor in enumerate(node_def.input[:]):  # a slice iterates twice as fast
+        for position, tensor in enumerate(node_def.input[:]):  # a slice (a list) iterates faster than the field
             # Most inputs are "name", "name:port" or "^name": only the others go through the parser.
             if ":" not in tensor and tensor[:1] not in ("^", ""):
                 producer, port = tensor, 0

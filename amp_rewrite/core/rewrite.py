@@ -64,8 +64,8 @@ class RewriteResult:
 @contextlib.contextmanager
 def gc_paused():
     """No cyclic GC inside: a pass over a graph allocates a few small objects per node and
-    frees none until it returns, so GC runs would only rescan them (a third of the time on a
-    7k-node graph; the weights step's, ``cli/weights.py``, too)."""
+    frees none until it returns, so GC runs would only rescan them, more often the larger the
+    graph (the weights step's, ``cli/weights.py``, too)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
