@@ -44,6 +44,7 @@ from amp_rewrite.core.target import FLOAT_DTYPES, Target, lookup_target
 from amp_rewrite.errors import GraphError
 
 Place = tuple[str, str]        # (item, node): MAIN_GRAPH or a function, and a node or argument there
+_Restored = tuple[Place, int, list[Place]]  # an assign's value: (RestoreV2, its port, the Identity ops between)
 
 RESOURCE = types_pb2.DT_RESOURCE
 FLOAT32 = types_pb2.DT_FLOAT
@@ -168,16 +169,15 @@ def store_weights(
     ``blocked_keys``: checkpoint key -> why it must stay float32 (another MetaGraphDef restores it).
     """
     target = lookup_target(target, quantized=True)  # float8 reads its weights as float16
-    kept = dict(kept or {})
     program = program_of(graph_def)
-    indexes = {name: _index(program, name) for name in program.names}
+    model = _Model(program, {name: _index(program, name) for name in program.names}, target.dtype, dict(kept or {}))
     edits = _Edits()
     weights: list[Weight] = []
     if variables:
-        weights += _store_variables(program, indexes, target.dtype, kept, objects, dict(blocked_keys or {}), edits)
+        weights += _store_variables(model, objects, dict(blocked_keys or {}), edits)
     if constants:
-        weights += _store_constants(program, indexes, target.dtype, kept, edits)
-    return StoredWeights(edits.apply(program, indexes), dtype_name(target.dtype), tuple(weights))
+        weights += _store_constants(model, edits)
+    return StoredWeights(edits.apply(program, model.indexes), dtype_name(target.dtype), tuple(weights))
 
 
 def _index(program: Program, item: str) -> _Index:
@@ -302,6 +302,17 @@ class _Index:
         """The node (or argument) an input string names: a GraphDef's checked, a FunctionDef's read
         as written (``node:output_arg:index``)."""
         return parse_tensor_name(tensor).node if self.function is None else input_node(tensor)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What every step reads, built once: the items, each read once, the dtype weights are
+    stored as, and the nodes whose dtypes must not change."""
+
+    program: Program
+    indexes: Mapping[str, _Index]  # item -> its index
+    dtype: int                     # the target's
+    kept: Mapping[Place, str]      # (item, node) -> why its dtypes stay
 
 
 @dataclass
@@ -527,14 +538,14 @@ def _calls(node: node_def_pb2.NodeDef, program: Program) -> tuple[list[str], int
     return (names, first) if all(name in library for name in names) else None
 
 
-def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: ObjectGraph | None) -> _Handles:
+def _follow_handles(model: _Model, objects: ObjectGraph | None) -> _Handles:
     """Step 1: from every ``VarHandleOp`` and resource ``_Arg``, every op its handle reaches."""
-    found = _Handles()
+    program, indexes, found = model.program, model.indexes, _Handles()
     loop_bodies = {index.node(name).attr["body"].func.name for index in indexes.values() for op in LOOP_OPS
                    for name in index.marked.get(op, ())}
     for item, index in indexes.items():
         for name in index.handles():
-            _follow(program, item, index, (item, name), found, item in loop_bodies)
+            _follow(_HandleWalk(program, item, index, (item, name), item in loop_bodies), found)
     if objects is not None:  # a function the object graph binds a variable to reads it through that argument
         for function, saved in objects.proto.concrete_functions.items():
             if function not in program.library or not saved.bound_inputs:
@@ -548,38 +559,58 @@ def _follow_handles(program: Program, indexes: Mapping[str, _Index], objects: Ob
     return found
 
 
-def _follow(program: Program, item: str, index: _Index, handle: Place, found: _Handles, loop_body: bool) -> None:
-    found.sets.union(handle)  # a set of its own until joined
-    stack, seen = [(handle[1], 0)], set()
+@dataclass(frozen=True)
+class _HandleWalk:
+    """Step 1 from one handle: where it starts, in which item."""
+
+    program: Program
+    item: str
+    index: _Index
+    handle: Place
+    loop_body: bool  # the item is a loop's body: a handle it returns goes to the next iteration
+
+
+def _follow(walk: _HandleWalk, found: _Handles) -> None:
+    """Every op the handle reaches in its item, through ops that forward it (``_reach``)."""
+    found.sets.union(walk.handle)  # a set of its own until joined
+    stack, seen = [(walk.handle[1], 0)], set()
     while stack:
         port = stack.pop()
         if port in seen:
             continue
         seen.add(port)
-        for reader, position in index.readers_of(*port):
-            op = index.ops[reader]
-            if op in FORWARD_OPS:
-                stack.append((reader, 0))
-            elif op == "IdentityN":
-                stack.append((reader, position))
-            elif op in READ_OPS or op == ASSIGN_OP and position == 0:
-                found.accesses.append((handle, (item, reader)))
-            elif op in HANDLE_ONLY_OPS:
-                continue
-            elif op == "_Retval":
-                if loop_body:  # the loop hands the handle to its next iteration
-                    found.sets.union(handle, (item, found.arg_name(program, item, index.returns[reader])))
-                else:
-                    found.blockers[handle].append(f"its handle goes to _Retval '{reader}'{_where(item)}")
-            else:
-                callees = found.callees(program, item, index, reader, position)
-                if callees is None:
-                    found.blockers[handle].append(f"its handle goes to {op} '{reader}'{_where(item)}")
-                    continue
-                for callee in callees:
-                    found.sets.union(handle, callee)
-                if op in LOOP_OPS:
-                    stack.append((reader, position))
+        for reader, position in walk.index.readers_of(*port):
+            stack += _reach(walk, found, reader, position)
+
+
+def _reach(walk: _HandleWalk, found: _Handles, reader: str, position: int) -> list[tuple[str, int]]:
+    """What ``reader`` does with the handle at its input ``position``, noted in ``found``: an
+    access, a join, or what blocks it. Returns the outputs the handle goes on through."""
+    op = walk.index.ops[reader]
+    if op in FORWARD_OPS:
+        return [(reader, 0)]
+    if op == "IdentityN":
+        return [(reader, position)]
+    if op in READ_OPS or op == ASSIGN_OP and position == 0:
+        found.accesses.append((walk.handle, (walk.item, reader)))
+    elif op == "_Retval" and walk.loop_body:  # the loop hands the handle to its next iteration
+        found.sets.union(walk.handle, (walk.item, found.arg_name(walk.program, walk.item, walk.index.returns[reader])))
+    elif op not in HANDLE_ONLY_OPS:
+        return _into_calls(walk, found, reader, position)
+    return []
+
+
+def _into_calls(walk: _HandleWalk, found: _Handles, reader: str, position: int) -> list[tuple[str, int]]:
+    """A handle given to a call joins the callee's argument (a loop's output is the handle
+    again, followed); given to any other op, or returned by a function, it is blocked."""
+    op = walk.index.ops[reader]
+    callees = None if op == "_Retval" else found.callees(walk.program, walk.item, walk.index, reader, position)
+    if callees is None:
+        found.blockers[walk.handle].append(f"its handle goes to {op} '{reader}'{_where(walk.item)}")
+        return []
+    for callee in callees:
+        found.sets.union(walk.handle, callee)
+    return [(reader, position)] if op in LOOP_OPS else []
 
 
 @dataclass
@@ -608,30 +639,41 @@ class _LeftAlone:
         return function in self.names
 
 
-def _read_values(item: str, index: _Index, node: str, dtype: int, kept: Mapping[Place, str], reads: _Reads,
-                 copies: list[tuple[Place, Place]], handle: Place, left_alone: _LeftAlone) -> None:
-    """Step 2 for one read (``node``'s output 0) and what forwards it. ``left_alone``: the
-    functions the rewrite did not convert (their readers read float32, said so)."""
-    if (item, node) in kept:
-        reads.float32.append(f"its read '{node}'{_where(item)} keeps its dtype: {kept[(item, node)]}")
+@dataclass(frozen=True)
+class _ValueWalk:
+    """Step 2 from one read of one handle: where it is, and where its findings go."""
+
+    item: str
+    handle: Place
+    reads: _Reads                      # the handle's findings, filled in
+    copies: list[tuple[Place, Place]]  # (handle, AssignVariableOp writing its value into another variable)
+    left_alone: _LeftAlone             # the functions the rewrite did not convert (their readers read float32)
+
+
+def _read_values(model: _Model, walk: _ValueWalk, node: str) -> None:
+    """Step 2 for one read (``node``'s output 0) and what forwards it."""
+    item, index, reads = walk.item, model.indexes[walk.item], walk.reads
+    if (item, node) in model.kept:
+        reads.float32.append(f"its read '{node}'{_where(item)} keeps its dtype: {model.kept[(item, node)]}")
     for reader, position in index.readers_of(node):
         op = index.ops[reader]
         place = (item, reader)
         if op in FORWARD_OPS:
             reads.forwards.add(place)
-            _read_values(item, index, reader, dtype, kept, reads, copies, handle, left_alone)
-        elif op == "Cast" and _casts_to(index.node(reader), dtype):
+            _read_values(model, walk, reader)
+        elif op == "Cast" and _casts_to(index.node(reader), model.dtype):
             reads.casts.add(place)
         elif op == "SaveV2" and position >= 3:
             reads.saves.add((place, position - 3))
         elif op == ASSIGN_OP and position == 1:
-            copies.append((handle, place))  # a copy of this variable: decided with it
+            walk.copies.append((walk.handle, place))  # a copy of this variable: decided with it
         elif op in SHAPE_OPS:
             reads.shapes.add(place)
         elif op == "_Retval":
             reads.float32.append(f"returned as float32 by function {item}")
         else:
-            alone = ", a function this rewrite leaves float32 (no signature calls it)" if item in left_alone else ""
+            alone = ", a function this rewrite leaves float32 (no signature calls it)" if item in walk.left_alone \
+                else ""
             reads.float32.append(f"read as float32 by {op} '{reader}'{_where(item)}{alone}")
 
 
@@ -665,22 +707,42 @@ def _elements(node: node_def_pb2.NodeDef) -> int:
     return math.prod(dim.size for dim in shape.dim)
 
 
-def _store_variables(
-    program: Program, indexes: Mapping[str, _Index], dtype: int, kept: Mapping[Place, str],
-    objects: ObjectGraph | None, blocked_keys: Mapping[str, str], edits: _Edits,
-) -> list[Weight]:
+def _store_variables(model: _Model, objects: ObjectGraph | None, blocked_keys: Mapping[str, str],
+                     edits: _Edits) -> list[Weight]:
+    """Resource variables every reader reads through a cast to the target: stored as it (the
+    module doc's four steps)."""
     # 1. Every op each handle reaches; handles passed into calls join the callee's argument.
-    handles = _follow_handles(program, indexes, objects)
+    handles = _follow_handles(model, objects)
     # 2. Who reads each value; a value assigned to another variable makes the two one group.
+    handle_reads, restores = _find_reads(model, handles)
+    _saved_keys(model, handles, handle_reads)
+    # 3. Decide per group; 4. the edits of a group stored low.
+    handle_accesses: dict[Place, list[Place]] = defaultdict(list)
+    for handle, access in handles.accesses:
+        handle_accesses[handle].append(access)
+    key_to_objects, names = _object_names(objects)
+    facts = _Facts(model, handles, handle_reads, handle_accesses, restores, blocked_keys, key_to_objects, names)
+    weights = []
+    for places in _key_groups(handles):
+        weight = _decide(places, facts, edits)
+        if weight is not None:
+            weights.append(weight)
+    return weights
+
+
+def _find_reads(model: _Model, handles: _Handles) -> tuple[dict[Place, _Reads], dict[Place, _Restored | None]]:
+    """Step 2: who reads each handle's values, and where each assign's value comes from (a
+    RestoreV2 output, or None). A value assigned to another variable joins the two; a
+    restored one gives its variable's checkpoint key."""
     access_handle = {access: handle for handle, access in handles.accesses}
     handle_reads: dict[Place, _Reads] = defaultdict(_Reads)
     copies: list[tuple[Place, Place]] = []
-    restores: dict[Place, tuple[Place, int, list[Place]] | None] = {}  # assign -> (RestoreV2, port, forwards)
-    left_alone = _LeftAlone(program)
+    restores: dict[Place, _Restored | None] = {}
+    left_alone = _LeftAlone(model.program)
     for handle, (item, node) in handles.accesses:
-        index = indexes[item]
+        index = model.indexes[item]
         if index.op(node) in READ_OPS:
-            _read_values(item, index, node, dtype, kept, handle_reads[handle], copies, handle, left_alone)
+            _read_values(model, _ValueWalk(item, handle, handle_reads[handle], copies, left_alone), node)
         else:
             restores[(item, node)] = _restored_value(index, item, node)
     for handle, assign in copies:
@@ -688,41 +750,57 @@ def _store_variables(
     for assign, restored in restores.items():
         if restored is not None:
             (item, restore), port, _ = restored
-            key = _string_at(indexes[item], item, restore, 1, port)
+            key = _string_at(model.indexes[item], item, restore, 1, port)
             if key is not None:
                 handles.keys[access_handle[assign]].add(key)
-    sliced: set[str] = set()  # keys saved in slices: SaveV2 of the whole checkpoint would join them
+    return handle_reads, restores
+
+
+def _saved_keys(model: _Model, handles: _Handles, handle_reads: Mapping[Place, _Reads]) -> None:
+    """Each handle's checkpoint keys from the SaveV2 ops that read it. A key computed at run
+    time blocks its variable; keys saved in slices block every one (SaveV2 of the whole
+    checkpoint would join them)."""
+    sliced: set[str] = set()
     for handle, reads in handle_reads.items():
         for (item, save), tensor in reads.saves:
-            key = _string_at(indexes[item], item, save, 1, tensor)
+            key = _string_at(model.indexes[item], item, save, 1, tensor)
             if key is None:
                 handles.blockers[handle].append(f"its checkpoint key in SaveV2 '{save}'{_where(item)} is computed"
                                                 " at run time")
             else:
                 handles.keys[handle].add(key)
-            if _string_at(indexes[item], item, save, 2, tensor):
+            if _string_at(model.indexes[item], item, save, 2, tensor):
                 sliced.add(key if key is not None else save)
-    # 3. Decide per group; 4. the edits of a group stored low.
-    weights = []
-    key_to_objects: dict[str, list[int]] = defaultdict(list)
-    for node_id, key in (objects.object_to_key.items() if objects else ()):
-        key_to_objects[key].append(node_id)
-    names = {node_id: objects.proto.nodes[node_id].variable.name for node_id in objects.object_to_key
-             if node_id < len(objects.proto.nodes)} if objects else {}
     if sliced:
         why = (f"the checkpoint holds variables saved in slices ({', '.join(sorted(sliced))}), which amp-rewrite"
                " does not rewrite")
         for handle in list(handles.keys):
             handles.blockers[handle].append(why)
-    handle_accesses: dict[Place, list[Place]] = defaultdict(list)
-    for handle, access in handles.accesses:
-        handle_accesses[handle].append(access)
-    for places in _key_groups(handles):
-        weight = _decide(places, indexes, handles, handle_reads, handle_accesses, restores, dtype, kept, blocked_keys,
-                         key_to_objects, names, edits)
-        if weight is not None:
-            weights.append(weight)
-    return weights
+
+
+def _object_names(objects: ObjectGraph | None) -> tuple[dict[str, list[int]], dict[int, str]]:
+    """From the object graph: checkpoint key -> its SavedVariable node ids, and node id -> the
+    variable's name."""
+    key_to_objects: dict[str, list[int]] = defaultdict(list)
+    for node_id, key in (objects.object_to_key.items() if objects else ()):
+        key_to_objects[key].append(node_id)
+    names = {node_id: objects.proto.nodes[node_id].variable.name for node_id in objects.object_to_key
+             if node_id < len(objects.proto.nodes)} if objects else {}
+    return key_to_objects, names
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What steps 3-4 read for every group, gathered once by steps 1-2, passed whole."""
+
+    model: _Model
+    handles: _Handles
+    handle_reads: Mapping[Place, _Reads]
+    handle_accesses: Mapping[Place, list[Place]]  # handle -> its read and assign ops
+    restores: Mapping[Place, _Restored | None]    # assign -> where its value comes from, if restored
+    blocked_keys: Mapping[str, str]               # checkpoint key -> why it must stay float32
+    key_to_objects: Mapping[str, list[int]]       # checkpoint key -> its SavedVariable node ids
+    names: Mapping[int, str]                      # SavedVariable node id -> the variable's name
 
 
 def _key_groups(handles: _Handles) -> list[list[Place]]:
@@ -737,7 +815,7 @@ def _key_groups(handles: _Handles) -> list[list[Place]]:
     return _groups(handles.sets)
 
 
-def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, list[Place]] | None:
+def _restored_value(index: _Index, item: str, assign: str) -> _Restored | None:
     """Where an AssignVariableOp's value comes from, if it is a RestoreV2 output (through
     Identity ops nothing else reads): (RestoreV2, port, the Identity ops between)."""
     ref = index.input_ref(assign, 1)
@@ -750,26 +828,47 @@ def _restored_value(index: _Index, item: str, assign: str) -> tuple[Place, int, 
     return None
 
 
-def _decide(
-    places: list[Place], indexes: Mapping[str, _Index], handles: _Handles, handle_reads: Mapping[Place, _Reads],
-    handle_accesses: Mapping[Place, list[Place]], restores: Mapping[Place, tuple[Place, int, list[Place]] | None],
-    dtype: int, kept: Mapping[Place, str], blocked_keys: Mapping[str, str],
-    key_to_objects: Mapping[str, list[int]], names: Mapping[int, str], edits: _Edits,
-) -> Weight | None:
+def _decide(places: list[Place], facts: _Facts, edits: _Edits) -> Weight | None:
     """Steps 3-4 for one group: its Weight (None if it is no float32 variable) and, when it
     is stored low, its edits."""
+    indexes = facts.model.indexes
     variables = sorted((p for p in places if indexes[p[0]].ops.get(p[1]) == "VarHandleOp"),
                        key=lambda p: (p[0] != MAIN_GRAPH, p[0], indexes[p[0]].position[p[1]]))
-    accesses = [access for place in places for access in handle_accesses.get(place, ())]
+    accesses = [access for place in places for access in facts.handle_accesses.get(place, ())]
     node_dtypes = {place: indexes[place[0]].node(place[1]).attr["dtype"].type for place in [*variables, *accesses]}
     if len(set(node_dtypes.values())) > 1:
         raise GraphError(_disagreement(node_dtypes, indexes))
     if set(node_dtypes.values()) != {FLOAT32}:
         return None  # not a float32 variable (or nothing says what it holds)
-    keys = sorted({key for place in places if place in handles.keys for key in handles.keys[place]})
-    reads, reasons = _Reads(), []
+    keys = sorted({key for place in places if place in facts.handles.keys for key in facts.handles.keys[place]})
+    reads = _group_reads(places, facts.handle_reads)
+    reasons = [why for place in places for why in facts.handles.blockers.get(place, ())]
+    reasons += reads.float32
+    reasons += [f"its checkpoint key '{key}' {facts.blocked_keys[key]}" for key in keys if key in facts.blocked_keys]
+    if not keys:
+        if not reads.casts:
+            return None  # a handle nothing saves and no converted op reads: no weight
+        reasons.append("it is not in the checkpoint")
+    if not reads.casts and not reasons:
+        reasons.append("no converted op reads it")
+    objects = tuple(sorted(node_id for key in keys for node_id in facts.key_to_objects.get(key, ())))
+    name = variables[0][1] if variables else places[0][1]
+    if objects and facts.names.get(objects[0]):
+        name = facts.names[objects[0]]  # the name the model gave it, as tf.saved_model.load shows it
+    elements = _elements(indexes[variables[0][0]].node(variables[0][1])) if variables else -1
+    elements = elements * max(len(keys), 1) if elements >= 0 else -1
+    if reasons:
+        reasons = list(dict.fromkeys(reasons))
+        more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        return Weight(name, "variable", elements, FLOAT32, reasons[0] + more, tuple(keys), objects)
+    _edit_low(variables, accesses, reads, facts, edits)
+    return Weight(name, "variable", elements, facts.model.dtype, "", tuple(keys), objects)
+
+
+def _group_reads(places: list[Place], handle_reads: Mapping[Place, _Reads]) -> _Reads:
+    """A group's reads: its handles', together, in the group's order."""
+    reads = _Reads()
     for place in places:
-        reasons += handles.blockers.get(place, ())
         found = handle_reads.get(place)
         if found is not None:
             reads.casts |= found.casts
@@ -777,44 +876,24 @@ def _decide(
             reads.shapes |= found.shapes
             reads.saves |= found.saves
             reads.float32 += found.float32
-    reasons += reads.float32
-    reasons += [f"its checkpoint key '{key}' {blocked_keys[key]}" for key in keys if key in blocked_keys]
-    if not keys:
-        if not reads.casts:
-            return None  # a handle nothing saves and no converted op reads: no weight
-        reasons.append("it is not in the checkpoint")
-    if not reads.casts and not reasons:
-        reasons.append("no converted op reads it")
-    objects = tuple(sorted(node_id for key in keys for node_id in key_to_objects.get(key, ())))
-    name = variables[0][1] if variables else places[0][1]
-    if objects and names.get(objects[0]):
-        name = names[objects[0]]  # the name the model gave it, as tf.saved_model.load shows it
-    elements = _elements(indexes[variables[0][0]].node(variables[0][1])) if variables else -1
-    elements = elements * max(len(keys), 1) if elements >= 0 else -1
-    if reasons:
-        reasons = list(dict.fromkeys(reasons))
-        more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
-        return Weight(name, "variable", elements, FLOAT32, reasons[0] + more, tuple(keys), objects)
-    _edit_low(variables, accesses, reads, restores, indexes, dtype, kept, edits)
-    return Weight(name, "variable", elements, dtype, "", tuple(keys), objects)
+    return reads
 
 
-def _edit_low(variables: list[Place], accesses: list[Place], reads: _Reads,
-              restores: Mapping[Place, tuple[Place, int, list[Place]] | None], indexes: Mapping[str, _Index],
-              dtype: int, kept: Mapping[Place, str], edits: _Edits) -> None:
+def _edit_low(variables: list[Place], accesses: list[Place], reads: _Reads, facts: _Facts, edits: _Edits) -> None:
     """Step 4 for a group stored low: every op on it, its savers' entries, its restores and
-    initializers take ``dtype``; the casts that read it go."""
+    initializers take the target dtype; the casts that read it go."""
+    indexes, dtype = facts.model.indexes, facts.model.dtype
     for item, node in [*variables, *accesses, *reads.forwards, *reads.shapes]:
         attr = "T" if indexes[item].op(node) in T_OPS else "dtype"
         edits.types[(item, node)][attr] = dtype
     for (item, save), tensor in reads.saves:
         edits.list_types[(item, save)][("dtypes", tensor)] = dtype
-    edits.drop_casts(reads.casts, dtype, kept)
+    edits.drop_casts(reads.casts, dtype, facts.model.kept)
     values = {*accesses, *reads.forwards}  # what a copy reads: this variable's own value
     for assign in accesses:
         if indexes[assign[0]].op(assign[1]) != ASSIGN_OP:
             continue
-        restored = restores.get(assign)
+        restored = facts.restores.get(assign)
         if restored is not None:
             (item, restore), port, between = restored
             edits.list_types[(item, restore)][("dtypes", port)] = dtype
@@ -841,11 +920,11 @@ def _disagreement(node_dtypes: Mapping[Place, int], indexes: Mapping[str, _Index
 # Constants
 
 
-def _store_constants(program: Program, indexes: Mapping[str, _Index], dtype: int, kept: Mapping[Place, str],
-                     edits: _Edits) -> list[Weight]:
-    """float32 ``Const`` nodes read only through casts to ``dtype``: ``dtype`` constants."""
+def _store_constants(model: _Model, edits: _Edits) -> list[Weight]:
+    """float32 ``Const`` nodes read only through casts to the target dtype: constants of it."""
+    dtype, kept = model.dtype, model.kept
     weights = []
-    for item, index in indexes.items():
+    for item, index in model.indexes.items():
         for name in index.marked.get("Const", ()):
             node = index.node(name)
             if node.attr["dtype"].type != FLOAT32:
