@@ -115,7 +115,6 @@ def rewrite_graph_def(
     """
     target = lookup_target(target, quantized=True)  # the one check of the user's string
     _check_amax(target, amax, lossy)
-    colouring_target = lookup_target(target.colouring)
     # 1-2. The lists (float8's are float16's).
     op_lists = load_lists(target, lists)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
@@ -129,9 +128,11 @@ def rewrite_graph_def(
         names = functions.reachable_functions(graph_def, program.library)
         links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
                  else boundaries.Links(()))
-        output, stats, decisions = _rewrite_items(program, colouring_target, fetch_nodes, op_lists, names, links,
-                                                  progress or (lambda done, total: None), amax, lossy or {},
-                                                  preserved or {}, _frozen_painting(frozen))
+        rewrite = _Rewrite(program=program, target=lookup_target(target.colouring), op_lists=op_lists,
+                           names=tuple(names), links=links, fetch_nodes=fetch_nodes,
+                           progress=progress or (lambda done, total: None), amax=amax, lossy=lossy or {},
+                           preserved=_by_item(preserved or {}), frozen=_frozen_painting(frozen))
+        output, stats, decisions = _rewrite_items(rewrite)
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
@@ -157,29 +158,52 @@ def _frozen_painting(frozen: RewriteResult | None) -> tuple[frozenset[str], froz
     return frozenset(node.name for node in frozen.graph_def.node), frozenset(itertools.chain.from_iterable(converted))
 
 
+@dataclass(frozen=True)
+class _Rewrite:
+    """What every item's steps read, built once per rewrite: the graph's items, steps 1-2's
+    lists, the colouring target, the functions to rewrite and how they link, and the caller's
+    options."""
+
+    program: Program
+    target: Target                     # the colouring target (float16's for float8)
+    op_lists: OpLists
+    names: tuple[str, ...]             # the functions rewritten, in library order
+    links: boundaries.Links            # cross-function slot groups (none unless cross_function)
+    fetch_nodes: tuple[str, ...]       # main-graph nodes whose outputs keep their dtypes
+    progress: Callable[[int, int], None]
+    amax: Mapping[tuple[str, str, int], float] | None  # float8 only (resolved)
+    lossy: Mapping[tuple[str, str], str]               # float8 only (resolved)
+    preserved: Mapping[str, Mapping[str, str]]         # item -> node -> why it keeps its dtypes
+    frozen: tuple[frozenset[str], frozenset[Vertex]]   # an earlier result's main-graph nodes and converted vertices
+
+    def reasons(self, item: str) -> Mapping[str, str]:
+        """Node -> why, for the nodes of ``item`` the caller preserved."""
+        return self.preserved.get(item, {})
+
+
+def _by_item(preserved: Mapping[tuple[str, str], str]) -> dict[str, dict[str, str]]:
+    """``preserved``'s (item, node) -> why as item -> node -> why."""
+    item_to_reasons: dict[str, dict[str, str]] = {}
+    for (function, node), why in preserved.items():
+        item_to_reasons.setdefault(function, {})[node] = why
+    return item_to_reasons
+
+
 def _rewrite_items(
-    program: Program, target: Target, fetch_nodes: tuple[str, ...], op_lists: OpLists,
-    names: list[str], links: boundaries.Links, progress: Callable[[int, int], None],
-    amax: Mapping[tuple[str, str, int], float] | None = None, lossy: Mapping[tuple[str, str], str] | None = None,
-    preserved: Mapping[tuple[str, str], str] | None = None,
-    frozen: tuple[frozenset[str], frozenset[Vertex]] = (frozenset(), frozenset()),
+    rewrite: _Rewrite,
 ) -> tuple[graph_pb2.GraphDef, tuple[ItemStats, ...], tuple[PendingDecisions, ...]]:
     """Steps 3-10 (module doc) on every item: the main graph, then each function body."""
+    program, names, links = rewrite.program, rewrite.names, rewrite.links
     total = 2 * (len(names) + 1)
-    item_to_reasons: dict[str, dict[str, str]] = {}
-    for (function, node), why in (preserved or {}).items():
-        item_to_reasons.setdefault(function, {})[node] = why
-    reasons = item_to_reasons.get(MAIN_GRAPH, {})
-    items = {MAIN_GRAPH: _prepare(program.graph_def, target, (*fetch_nodes, *reasons), op_lists, links, MAIN_GRAPH,
-                                  program, reasons, frozen)}
-    progress(1, total)
+    items = {MAIN_GRAPH: _prepare(rewrite, MAIN_GRAPH, program.graph_def,
+                                  (*rewrite.fetch_nodes, *rewrite.reasons(MAIN_GRAPH)))}
+    rewrite.progress(1, total)
     for name in names:
         with _naming(name):
             body = program.item(name)
-            reasons = item_to_reasons.get(name, {})
-            kept = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name) | set(reasons)
-            items[name] = _prepare(body, target, tuple(kept), op_lists, links, name, program, reasons)
-        progress(len(items), total)
+            kept = set(functions.preserved_nodes(program.library[name], body)) - links.nodes(name)
+            items[name] = _prepare(rewrite, name, body, tuple(kept | set(rewrite.reasons(name))))
+        rewrite.progress(len(items), total)
     # 7. Colouring: each item alone (grappler), or linked across function boundaries.
     log.debug("step 7 colouring: %d item(s)%s", len(items), ", linked" if links.groups else "")
     if links.groups:
@@ -191,9 +215,10 @@ def _rewrite_items(
     for name, item in items.items():
         with _naming(name):
             graph, item_stats, item_decisions = _finish(item, paintings[name], name)
-            if amax is not None:
-                item_lossy = {node: why for (function, node), why in (lossy or {}).items() if function == name}
-                graph, item_stats, item_decisions = _quantize(graph, item_stats, item_decisions, name, amax, item_lossy)
+            if rewrite.amax is not None:
+                item_lossy = {node: why for (function, node), why in rewrite.lossy.items() if function == name}
+                graph, item_stats, item_decisions = _quantize(graph, item_stats, item_decisions, name, rewrite.amax,
+                                                              item_lossy)
                 if item_stats.float8_matmuls and name != MAIN_GRAPH:
                     compiled.append(name)
         if name == MAIN_GRAPH:
@@ -204,7 +229,7 @@ def _rewrite_items(
             program.put(output, name, graph)
         stats.append(item_stats)
         decisions.append(item_decisions)
-        progress(len(items) + len(stats), total)
+        rewrite.progress(len(items) + len(stats), total)
     float8.mark_xla_must_compile(output, compiled)
     return output, tuple(stats), tuple(decisions)
 
@@ -242,12 +267,10 @@ class _Item:
     skipped: dict[str, str]
 
 
-def _prepare(
-    graph_def: graph_pb2.GraphDef, target: Target, fetches: tuple[str, ...], op_lists: OpLists,
-    links: boundaries.Links, function: str, program: Program, reasons: Mapping[str, str] | None = None,
-    frozen: tuple[frozenset[str], frozenset[Vertex]] = (frozenset(), frozenset()),
-) -> _Item:
-    """Steps 3-6 (module doc) on one item."""
+def _prepare(rewrite: _Rewrite, function: str, graph_def: graph_pb2.GraphDef, fetches: tuple[str, ...]) -> _Item:
+    """Steps 3-6 (module doc) on one item; ``fetches``: its nodes that keep their dtypes."""
+    target, links = rewrite.target, rewrite.links
+    frozen = rewrite.frozen if function == MAIN_GRAPH else (frozenset(), frozenset())
     # 3. The working copy as a node graph; every fetch must exist.
     nodes = graph_io.working_copy(graph_def)
     missing = [f for f in fetches if f not in nodes.node_defs]
@@ -257,7 +280,8 @@ def _prepare(
                          " the names of its nodes")
     log.debug("%s: step 3 working copy: %d nodes", function or "main graph", len(nodes.node_defs))
     # 4. Which nodes may be painted.
-    processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, op_lists, function, reasons)
+    processed, skipped, kept = preparation.find_processed_nodes(nodes, target, fetches, rewrite.op_lists, function,
+                                                                rewrite.reasons(function))
     log.debug("%s: step 4 processed nodes: %d, skipped %d (kept %d)", function or "main graph", len(processed),
               len(skipped), len(kept))
     # 5. FusedBatchNorm(Grad) → V2 on processed nodes, before anything else.
@@ -265,10 +289,10 @@ def _prepare(
     log.debug("%s: step 5 batch-norm upgrade: %d nodes", function or "main graph", upgraded)
     # 6. The (node, type attribute) vertex graph, what colouring reads besides, and the
     # TensorList clusters with their implicit element edges (spec §2.1 steps 6-7).
-    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, program.op_defs)
+    types = typegraph.build_type_graph(nodes, PAINTED_DTYPES, rewrite.program.op_defs)
     linked = frozenset(v for v in links.vertices(function) if v in types.succ)
     handles = frozenset(v for v in linked if types.dtype(v) == types_pb2.DT_VARIANT)
-    ctx = PaintContext(types, op_lists, target, frozenset(processed), processed, linked - handles,
+    ctx = PaintContext(types, rewrite.op_lists, target, frozenset(processed), processed, linked - handles,
                        pinned=frozenset(boundaries.loop_values(types)) - linked, list_links=handles, kept=kept,
                        frozen_nodes=frozen[0], frozen_allow=frozen[1])
     tensor_lists = colouring.find_tensor_lists(ctx)
