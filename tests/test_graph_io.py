@@ -58,8 +58,8 @@ def test_take_graph_def_hands_back_the_working_copy_with_added_nodes_appended():
     last, each on its device, each reader reading them; the caller's graph is untouched."""
     graph_def = _graph_with_control_edges()
     graph = working_copy(graph_def)
-    first = insert_node(graph, _IDENTITY, "a2", "/device:CPU:0", "split", 0, [("cat", 0), ("cat", 2)])
-    insert_node(graph, _IDENTITY, "b2", "", "split", 1, [("y", 0)])
+    first = insert_node(graph, _IDENTITY, "a2", "split", 0, [("cat", 0), ("cat", 2)], device="/device:CPU:0")
+    insert_node(graph, _IDENTITY, "b2", "split", 1, [("y", 0)])
     taken = take_graph_def(graph)
     assert taken is graph.graph_def and taken.node[-2] == first and first.device == "/device:CPU:0"
     assert [n.name for n in taken.node][-2:] == ["a2", "b2"] and list(taken.node[-2].input) == ["split:0"]
@@ -72,11 +72,11 @@ def test_insert_node_moves_inputs_and_indexes_together():
     """After an insert, the working copy's indexes read as those of a fresh working copy of
     its GraphDef: same inputs, same ports, same readers in the same order."""
     graph = working_copy(_graph_with_control_edges())
-    insert_node(graph, _IDENTITY, "s1", "", "split", 1, [("y", 0)])
+    insert_node(graph, _IDENTITY, "s1", "split", 1, [("y", 0)])
     assert graph.data_readers("split", 1) == [("s1", 0)] and graph.data_readers("s1", 0) == [("y", 0)]
     assert list(graph.node_defs["s1"].input) == ["split:1"] and list(graph.node_defs["y"].input) == ["s1", "^gate"]
     assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
-    insert_node(graph, _IDENTITY, "s0", "", "split", 0, [("cat", 2)])  # one of two readers of split:0
+    insert_node(graph, _IDENTITY, "s0", "split", 0, [("cat", 2)])  # one of two readers of split:0
     assert graph.data_readers("split", 0) == [("cat", 0), ("s0", 0)]
     assert {name: (graph.inputs[name], graph.readers[name]) for name in graph.node_defs} == _fresh(graph.graph_def)
 

@@ -173,7 +173,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     shapes = {size: infer_shapes(model.graph_def, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
     problem, timings, plan = plan_rewrite(model.graph_def, base, target, shapes, cache,
-                                          Budget(budget.left() * OP_SHARE), weights_low)
+                                          Budget(budget.left() * OP_SHARE), weights_low=weights_low)
     keep = keep_entries(plan.keep, node_items(model.graph_def)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \

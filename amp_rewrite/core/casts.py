@@ -118,7 +118,7 @@ def _insert_casts(types: TypeGraph, target: Target, allow: frozenset[Vertex]) ->
             kind = to_target_kind if to_target else CAST_TO_FLOAT32
             src_dtype, dst_dtype = (types_pb2.DT_FLOAT, target_dtype) if to_target else (target_dtype, types_pb2.DT_FLOAT)
             graph_io.insert_node(nodes, _cast_template(src_dtype, dst_dtype), _cast_name(nodes, name, port, kind),
-                                 node_defs[name].device, name, port, moved)
+                                 name, port, moved, device=node_defs[name].device)
             added += 1
             if to_target and ops[name] != "Const" and ops[name] not in VARIABLE_OPS and not types.reads_ref_variable(name):
                 to_target_counted += 1

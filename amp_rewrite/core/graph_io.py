@@ -214,8 +214,8 @@ def take_graph_def(graph: WorkingGraph) -> graph_pb2.GraphDef:
 
 
 def insert_node(
-    graph: WorkingGraph, template: node_def_pb2.NodeDef, name: str, device: str, producer: str, port: int,
-    consumers: Sequence[tuple[str, int]],
+    graph: WorkingGraph, template: node_def_pb2.NodeDef, name: str, producer: str, port: int,
+    consumers: Sequence[tuple[str, int]], *, device: str = "",
 ) -> node_def_pb2.NodeDef:
     """Adds a node ``name`` on ``device``, a copy of ``template`` (op and attrs, from
     ``make_node_def``), fed by ``producer:port``, and moves each (consumer, input position)

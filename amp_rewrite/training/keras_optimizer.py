@@ -80,7 +80,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     """
 
     def __init__(self, inner_optimizer, initial_scale=DEFAULT_INITIAL_SCALE,
-                 dynamic_growth_steps=DEFAULT_GROWTH_STEPS, fixed=False, float8_amax_history_length=None,
+                 dynamic_growth_steps=DEFAULT_GROWTH_STEPS, *, fixed=False, float8_amax_history_length=None,
                  target=None, base_precision=None, name=None, **kwargs):
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps, name=name, **kwargs)

@@ -327,7 +327,7 @@ def default_loss_scale(settings: LiveRewrite | None) -> str | None:
     return "dynamic" if settings is not None and settings.target == "float16" else None
 
 
-def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None,
+def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None, *,
                                          cross_function: bool = False,
                                          amax_history_length: int | None = None,
                                          base_precision: str = "bfloat16", timing_cache: Any = None) -> Any:
@@ -355,8 +355,9 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     _require(target)
     resumed = optimizers.resumable(opt)
     if resumed is not None:
-        return _resume(opt, resumed, loss_scale, target, cross_function, amax_history_length, base_precision,
-                       timing_cache)
+        return _resume(opt, resumed, loss_scale, target, cross_function=cross_function,
+                       amax_history_length=amax_history_length, base_precision=base_precision,
+                       timing_cache=timing_cache)
     settings = plan_settings(target, cross_function=cross_function, amax_history_length=amax_history_length,
                              base_precision=base_precision, timing_cache=timing_cache)
     training = settings.float8 if settings is not None else None
@@ -373,7 +374,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     return _enable(wrapped, settings)
 
 
-def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any, cross_function: bool,
+def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any, *, cross_function: bool,
             amax_history_length: Any, base_precision: Any, timing_cache: Any) -> Any:
     """Enable again for a wrapper of ours (``optimizers.resumable``), with its own state and loss scale."""
     if loss_scale is not DEFAULT_LOSS_SCALE:

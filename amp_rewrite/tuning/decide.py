@@ -395,7 +395,7 @@ def _estimated(costs: _Costs, node: Node) -> str:
             " and so it is taken to")
 
 
-def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, converted: set[Node], batch: int,
+def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, converted: set[Node], batch: int, *,
               count: int = 3) -> str:
     """The op types of ``converted`` whose target time exceeds float32's most at ``batch``
     (summed over their nodes), and the casts between them and float32, as one phrase."""
@@ -413,9 +413,10 @@ def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, c
 
 
 def plan_rewrite(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
-                 cache: TimingCache, budget: Budget, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
+                 cache: TimingCache, budget: Budget, *, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
     """What a rewrite ``base`` of ``graph_def`` converted, timed (the cache first, then
-    measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan."""
+    measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan.
+    ``weights_low``: weights are stored in the target, so reading one costs no cast."""
     nodes: dict[str, set[str]] = {}
     for decision in base.report.decisions:
         if decision.converted:
