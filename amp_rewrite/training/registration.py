@@ -20,8 +20,6 @@ KERAS_OPTIMIZER = "amp_rewrite.training.keras_optimizer"
 
 
 def _register() -> None:
-    import importlib
-
     importlib.import_module(KERAS_OPTIMIZER)  # its class decorator registers it
 
 

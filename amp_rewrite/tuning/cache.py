@@ -53,7 +53,7 @@ def _cpu() -> tuple[str, list[str]]:
 
 def machine_description(gpu: str = "") -> dict[str, object]:
     """What a timing depends on besides the op: shown in the file for people, hashed into its key."""
-    import tensorflow as tf
+    import tensorflow as tf  # only here: the cache file is read and written without TensorFlow
 
     model, flags = _cpu()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
