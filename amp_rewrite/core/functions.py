@@ -42,7 +42,7 @@ SCOPE = "::"
 
 
 def scoped_name(function: str, name: str) -> str:
-    """``FUNCTION::name``, or ``name`` alone for the main graph (``function`` "")."""
+    """``FUNCTION::name``, or ``name`` alone for the main graph (``function`` "", ``MAIN_GRAPH``)."""
     return f"{function}{SCOPE}{name}" if function else name
 
 
@@ -335,11 +335,10 @@ def body_graph_def(function: function_pb2.FunctionDef, library: Mapping[str, op_
 
 @functools.lru_cache(maxsize=None)
 def _boundary_node(op: str, dtype: int, index: int) -> node_def_pb2.NodeDef:
-    """An ``_Arg`` or ``_Retval`` NodeDef but its name and input (``make_node_def``), built once per
-    dtype and index: a body has one per argument and output, and copying one is far cheaper
-    than building it (its attrs typed by the op's definition).
-    Copied, never changed. The dtype goes in as an AttrValue: a parametrized function's argument
-    has none (DT_INVALID), which a typed ``type`` attr refuses."""
+    """An ``_Arg`` or ``_Retval`` NodeDef but its name and input, built by ``make_node_def`` once per
+    dtype and index (a body has one per argument and output, and copying one is far cheaper than
+    building it); copied, never changed. Its dtype goes in as an AttrValue: a parametrized
+    function's argument has none (DT_INVALID), which a typed ``type`` attr refuses."""
     return make_node_def(op, "", T=attr_value_pb2.AttrValue(type=dtype), index=index)
 
 
