@@ -22,6 +22,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 
 from amp_rewrite import _tf
 from amp_rewrite.core import functions
+from amp_rewrite.core.graph_io import make_node_def
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
@@ -95,16 +96,12 @@ def _call_graph(function: function_pb2.FunctionDef, library: function_pb2.Functi
     graph_def.library.CopyFrom(library)
     if function.signature.name not in {f.signature.name for f in library.function}:
         graph_def.library.function.add().CopyFrom(function)
-    call = graph_def.node.add(name="call", op="StatefulPartitionedCall")
-    for index, arg in enumerate(function.signature.input_arg):
-        placeholder = graph_def.node.add(name=_input_name(index), op="Placeholder")
-        placeholder.attr["dtype"].type = arg.type
-        call.input.append(placeholder.name)
-    call.attr["f"].func.name = function.signature.name
-    call.attr["Tin"].list.type.extend(a.type for a in function.signature.input_arg)
-    call.attr["Tout"].list.type.extend(a.type for a in function.signature.output_arg)
-    for name in ("config", "config_proto", "executor_type"):
-        call.attr[name].s = b""
+    signature = function.signature
+    make_node_def("StatefulPartitionedCall", "call", [_input_name(index) for index in range(len(signature.input_arg))],
+                  into=graph_def.node, f=signature.name, Tin=[arg.type for arg in signature.input_arg],
+                  Tout=[arg.type for arg in signature.output_arg], config="", config_proto="", executor_type="")
+    for index, arg in enumerate(signature.input_arg):
+        make_node_def("Placeholder", _input_name(index), into=graph_def.node, dtype=arg.type)
     return graph_def
 
 
