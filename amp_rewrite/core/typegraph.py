@@ -219,7 +219,8 @@ def output_dtypes(node_def: node_def_pb2.NodeDef, functions: Mapping[str, op_def
             filled.attr[name].CopyFrom(value)
         node_def = filled
     try:
-        return [dtype_of(node_def, attr) for arg in op_def.output_arg for attr in _arg_type_attrs(node_def, op_def, arg)]
+        return [dtype_of(node_def, attr)
+                for arg in op_def.output_arg for attr in _arg_type_attrs(node_def, op_def, arg)]
     except GraphError:
         return []
 
