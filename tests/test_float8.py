@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import AmpRewriteError, rewrite_graph_def
-from amp_rewrite.core import float8
+from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT8, lookup_target
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type

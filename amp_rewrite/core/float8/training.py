@@ -42,7 +42,7 @@ from typing import Any
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
-from amp_rewrite.core import float8
+from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
-from amp_rewrite.core import float8
-from amp_rewrite.core.float8_training import (
+from amp_rewrite.core.float8 import inference as float8
+from amp_rewrite.core.float8.training import (
     _BACKWARD_OPS, _EXPONENTS, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul, Plan, State,
     Workers, _canonical, _TrainingBuilder, forward_names, in_gradient_scope, quantize_training_step, variable_handle,
     weight_of,
