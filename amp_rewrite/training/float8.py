@@ -46,7 +46,7 @@ from tensorflow.core.protobuf import config_pb2
 from amp_rewrite import _tf
 from amp_rewrite.core import functions
 from amp_rewrite.core.float8 import loops as float8_loops, training as float8_training
-from amp_rewrite.core.float8.inference import MATMUL_OPS
+from amp_rewrite.core.float8.formats import MATMUL_OPS
 from amp_rewrite.core.float8.training import HISTORY, SCALE, STATE_SCOPE, Plan, State, in_gradient_scope
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists

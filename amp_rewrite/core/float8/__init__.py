@@ -6,5 +6,7 @@
   ones on E5M2 gradients, with delayed scaling.
 * ``loops`` — FP8 training inside a step's while loops, and the rewrite of one step with them.
 
-This package imports none of them, so that importing one step does not import the others.
+``formats`` holds the facts they read (the formats, the matmul ops, the powers of two each
+dtype holds exactly) and ``nodes`` how they read and add an item's nodes. This package
+imports none of them, so that importing one step does not import the others.
 """
