@@ -405,7 +405,7 @@ def quantize(source: graph_pb2.GraphDef, result: RewriteResult, function: str, s
     plan, loops = _planned(program_of(source), function, result.report)
     graph_def, report = float8_loops.training_step_rewritten(
         result.graph_def, result.report, function, plan.with_bases(step.bases), step.state,
-        training.amax_history_length, step.workers, tuple(loop.with_bases(step.bases) for loop in loops))
+        training.amax_history_length, workers=step.workers, loops=tuple(loop.with_bases(step.bases) for loop in loops))
     return RewriteResult(graph_def, report)
 
 

@@ -127,17 +127,32 @@ def _step_handle(nodes: Mapping[str, node_def_pb2.NodeDef], step_nodes: Mapping[
     return found[0][1] if found else variable_handle(step_nodes, outer)  # or the variable itself
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """Another ``While`` of the step that may take ``loop``'s gradient, and the nodes that pairing
+    their matmuls reads: the candidate's body, the forward body and the step."""
+
+    program: Program
+    loop: Loop
+    gradient: node_def_pb2.NodeDef
+    body_nodes: Mapping[str, node_def_pb2.NodeDef]
+    forward_nodes: Mapping[str, node_def_pb2.NodeDef]
+    step_nodes: Mapping[str, node_def_pb2.NodeDef]
+
+
 def _with_gradient(program: Program, loop: Loop, others: list[node_def_pb2.NodeDef],
                    step_nodes: Mapping[str, node_def_pb2.NodeDef], converted: Callable[[str], frozenset[str]]) -> Loop:
     """``loop`` with the backward matmuls of the first other loop whose body computes its gradient."""
     forward = {matmul.node: matmul for matmul in loop.matmuls}
+    forward_nodes = {node.name: node for node in program.item(loop.body).node}
     for other in others:
         body = other.attr["body"].func.name
         backward: dict[str, list[Backward]] = {}
-        body_nodes = {node.name: node for node in program.item(body).node}
+        candidate = _Candidate(program, loop, other, {node.name: node for node in program.item(body).node},
+                               forward_nodes, step_nodes)
         for node in program.item(body).node:
             if node.op in OPERAND_POSITIONS and in_gradient_scope(node.name) and node.name in converted(body):
-                found = _backward_of(program, loop, other, body_nodes, step_nodes, node, forward)
+                found = _backward_of(candidate, node, forward)
                 if found is not None:
                     backward.setdefault(found[0], []).append(found[1])
         if backward:
@@ -147,10 +162,9 @@ def _with_gradient(program: Program, loop: Loop, others: list[node_def_pb2.NodeD
     return loop
 
 
-def _backward_of(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef,
-                 body_nodes: Mapping[str, node_def_pb2.NodeDef], step_nodes: Mapping[str, node_def_pb2.NodeDef],
-                 node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
-    """The forward matmul whose gradient the gradient body's ``node`` computes (by name scope) and
+def _backward_of(candidate: _Candidate, node: node_def_pb2.NodeDef,
+                 forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
+    """The forward matmul whose gradient the candidate body's ``node`` computes (by name scope) and
     how it reads it: which operand it pops from the forward body's accumulator of which input."""
     positions = OPERAND_POSITIONS[node.op]
     if len(node.input) <= max(positions):
@@ -159,7 +173,7 @@ def _backward_of(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef,
     if name is None:
         return None
     for index, position in enumerate(positions):
-        pushed = _pushed(program, loop, gradient, body_nodes, step_nodes, node.input[position])
+        pushed = _pushed(candidate, node.input[position])
         if pushed in forward[name].inputs:
             return name, Backward(node.name, position, forward[name].inputs.index(pushed), positions[1 - index])
     return None
@@ -171,24 +185,23 @@ def _forward_name(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> 
                  if name in forward and node.op in BACKWARD_OPS[forward[name].op]), None)
 
 
-def _pushed(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef, body_nodes: Mapping[str, node_def_pb2.NodeDef],
-            step_nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
-    """The forward body's tensor that the gradient body's ``tensor`` pops (``TensorListPopBack`` of
-    an accumulator argument ← the gradient loop's input ← the forward loop's output ← the forward
+def _pushed(candidate: _Candidate, tensor: str) -> str | None:
+    """The forward body's tensor that the candidate body's ``tensor`` pops (``TensorListPopBack`` of
+    an accumulator argument ← the candidate loop's input ← the forward loop's output ← the forward
     body's ``TensorListPushBack``), or None where it pops none."""
-    pop = origin(body_nodes, parse_tensor_name(tensor).node)
+    pop = origin(candidate.body_nodes, parse_tensor_name(tensor).node)
     if pop.op != "TensorListPopBack":
         return None
-    argument = origin(body_nodes, parse_tensor_name(pop.input[0]).node)
+    argument = origin(candidate.body_nodes, parse_tensor_name(pop.input[0]).node)
     if argument.op != "_Arg":
         return None
-    outer = parse_tensor_name(gradient.input[argument.attr["index"].i])
-    outer = parse_tensor_name(f"{origin(step_nodes, outer.node).name}:{outer.port}")
-    if outer.node != loop.node:
+    outer = parse_tensor_name(candidate.gradient.input[argument.attr["index"].i])
+    if origin(candidate.step_nodes, outer.node).name != candidate.loop.node:
         return None
-    forward_nodes = {node.name: node for node in program.item(loop.body).node}
-    retval = forward_nodes.get(f"{program.library[loop.body].signature.output_arg[outer.port].name}{RETVAL_SUFFIX}")
-    push = origin(forward_nodes, parse_tensor_name(retval.input[0]).node) if retval is not None else None
+    body = candidate.loop.body
+    output = candidate.program.library[body].signature.output_arg[outer.port].name
+    retval = candidate.forward_nodes.get(f"{output}{RETVAL_SUFFIX}")
+    push = origin(candidate.forward_nodes, parse_tensor_name(retval.input[0]).node) if retval is not None else None
     if push is None or push.op != "TensorListPushBack":
         return None
     return tensor_name(*parse_tensor_name(push.input[1]))
@@ -219,6 +232,20 @@ class Threaded:
     reasons: dict[str, dict[str, Reason]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _LoopToThread:
+    """One ``While`` node of the step to thread, with its body and cond: the keys its body
+    quantizes (with their formats), those whose amax its outputs carry to the step's update
+    (``record``), and how its body quantizes (``quantize``: builder, key -> given scale -> reasons)."""
+
+    node: str
+    body: str
+    cond: str
+    keys: Mapping[str, Format]
+    record: frozenset[str]
+    quantize: Callable[[ChainBuilder, Mapping[str, str]], dict[str, Reason]]
+
+
 def thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, ...], state: Mapping[str, State],
                  history_length: int) -> Threaded:
     """The loops of ``step`` (an item after the base rewrite, not modified) with their matmuls on
@@ -229,13 +256,14 @@ def thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, 
     step_writer = ChainBuilder(output, {node.name: node for node in output.node}, history_length)
     for loop in loops:
         forward_keys = _keys(loop.matmuls, backward=False)
-        _thread(program, step_writer, threaded, loop.node, loop.body, loop.cond, forward_keys, state,
-                lambda builder, args: _quantize_forward(builder, args, loop), record=set(forward_keys))
+        _thread(program, step_writer, threaded, state, _LoopToThread(
+            loop.node, loop.body, loop.cond, forward_keys, frozenset(forward_keys),
+            lambda builder, scales: _quantize_forward(builder, scales, loop)))
         if loop.gradient is not None:
-            keys = {**_keys(loop.matmuls, backward=True), **forward_keys}
-            gradient_keys = set(_keys(loop.matmuls, backward=True))
-            _thread(program, step_writer, threaded, loop.gradient, loop.gradient_body, loop.gradient_cond, keys,
-                    state, lambda builder, args: _quantize_backward(builder, args, loop), record=gradient_keys)
+            gradient_keys = _keys(loop.matmuls, backward=True)
+            _thread(program, step_writer, threaded, state, _LoopToThread(
+                loop.gradient, loop.gradient_body, loop.gradient_cond, {**gradient_keys, **forward_keys},
+                frozenset(gradient_keys), lambda builder, scales: _quantize_backward(builder, scales, loop)))
     return threaded
 
 
@@ -246,12 +274,12 @@ def _keys(matmuls: tuple[Matmul, ...], backward: bool) -> dict[str, Format]:
     return {m.key(index): E4M3 for m in matmuls for index in (0, 1)}
 
 
-def _thread(program: Program, step_writer: ChainBuilder, threaded: Threaded, node_name: str, body: str,
-            cond: str, keys: Mapping[str, Format], state: Mapping[str, State],
-            quantize: Callable[[ChainBuilder, Mapping[str, str]], dict[str, Reason]], record: set[str]) -> None:
-    """Loop ``node_name`` gains a given scale and an amax per key with a state; its body quantizes
-    with them (``quantize``); the amax outputs of the keys to ``record`` go to the step's update."""
-    keys = {key: fmt for key, fmt in keys.items() if key in state}
+def _thread(program: Program, step_writer: ChainBuilder, threaded: Threaded, state: Mapping[str, State],
+            loop: _LoopToThread) -> None:
+    """``loop``'s node gains a given scale and an amax per key with a state; its body quantizes
+    with them (``loop.quantize``); the amax outputs of the keys to ``loop.record`` go to the step's update."""
+    keys = [key for key in loop.keys if key in state]
+    node_name, body, cond, record = loop.node, loop.body, loop.cond, loop.record
     loop_node = step_writer.nodes[node_name]
     first = len(loop_node.attr["T"].list.type)
     device = loop_node.device
@@ -263,7 +291,7 @@ def _thread(program: Program, step_writer: ChainBuilder, threaded: Threaded, nod
     body_graph = _copy(program.item(body))
     arguments = _add_arguments(body_graph, first, [name for key in keys for name in (f"{key}:scale", f"{key}:amax")])
     builder = ChainBuilder(body_graph, {node.name: node for node in body_graph.node}, 1)
-    threaded.reasons[body] = quantize(builder, {key: arguments[f"{key}:scale"] for key in keys})
+    threaded.reasons[body] = loop.quantize(builder, {key: arguments[f"{key}:scale"] for key in keys})
     outputs = []
     for key in keys:
         outputs.append(arguments[f"{key}:scale"])
@@ -375,7 +403,7 @@ def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
 
 
 def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
-                            state: Mapping[str, State], history_length: int, workers: Workers | None = None,
+                            state: Mapping[str, State], history_length: int, *, workers: Workers | None = None,
                             loops: tuple[Loop, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
     """``training.quantize_training_step`` on one item of a rewrite's output (``function``: a
     library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``thread_loops``),
@@ -386,8 +414,8 @@ def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report
         threaded = thread_loops(program, step, loops, state, history_length)
         step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
                                                       threaded.amaxes)
-    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers,
-                                                            function != MAIN_GRAPH, loop_amaxes)
+    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers=workers,
+                                                            in_function=function != MAIN_GRAPH, loop_amaxes=loop_amaxes)
     item_reasons[function] = reasons
     output = graph_pb2.GraphDef()
     output.CopyFrom(result_graph_def)

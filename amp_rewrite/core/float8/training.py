@@ -262,7 +262,7 @@ def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str
 
 
 def quantize_training_step(
-    graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
+    graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int, *,
     workers: Workers | None = None, in_function: bool = False, loop_amaxes: Mapping[str, Sequence[Any]] = {},
 ) -> tuple[graph_pb2.GraphDef, dict[str, Reason], list[str]]:
     """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
