@@ -343,7 +343,7 @@ class _Builder(NodeWriter):
         return scale, unscale
 
 
-PROBE = "Float8Probe"  # in the names of add_probes' nodes
+_PROBE = "Float8Probe"  # in the names of add_probes' nodes
 
 
 def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[graph_pb2.GraphDef, dict[str, str]]:
@@ -360,10 +360,10 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
         node = nodes[name]
         reference = output.node.add()
         reference.CopyFrom(node)
-        reference.name = f"{name}-{PROBE}/float16"
+        reference.name = f"{name}-{_PROBE}/float16"
         reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
                               for tensor in node.input]
-        difference = make_node_def("Sub", f"{name}-{PROBE}/error", [name, reference.name], device=node.device,
+        difference = make_node_def("Sub", f"{name}-{_PROBE}/error", [name, reference.name], device=node.device,
                                    into=output.node, T=node.attr["T"].type)
         probes[name] = (reference.name, difference.name)
     return output, probes

@@ -221,8 +221,8 @@ class LoopAmax:
 
 
 @dataclass
-class Threaded:
-    """What ``thread_loops`` changed: the step's new body, the loop functions' new bodies and
+class _Threaded:
+    """What ``_thread_loops`` changed: the step's new body, the loop functions' new bodies and
     FunctionDefs (by name), each key's loop amaxes, and the reasons of the matmuls it quantized
     (by item)."""
 
@@ -246,13 +246,13 @@ class _LoopToThread:
     quantize: Callable[[ChainBuilder, Mapping[str, str]], dict[str, Reason]]
 
 
-def thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, ...], state: Mapping[str, State],
-                 history_length: int) -> Threaded:
+def _thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, ...], state: Mapping[str, State],
+                  history_length: int) -> _Threaded:
     """The loops of ``step`` (an item after the base rewrite, not modified) with their matmuls on
     float8 (the module doc). ``program``: the rewrite's output, whose library holds the bodies."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(step)
-    threaded = Threaded(output)
+    threaded = _Threaded(output)
     step_writer = ChainBuilder(output, {node.name: node for node in output.node}, history_length)
     for loop in loops:
         forward_keys = _keys(loop.matmuls, backward=False)
@@ -274,7 +274,7 @@ def _keys(matmuls: tuple[Matmul, ...], backward: bool) -> dict[str, Format]:
     return {m.key(index): E4M3 for m in matmuls for index in (0, 1)}
 
 
-def _thread(program: Program, step_writer: ChainBuilder, threaded: Threaded, state: Mapping[str, State],
+def _thread(program: Program, step_writer: ChainBuilder, threaded: _Threaded, state: Mapping[str, State],
             loop: _LoopToThread) -> None:
     """``loop``'s node gains a given scale and an amax per key with a state; its body quantizes
     with them (``loop.quantize``); the amax outputs of the keys to ``loop.record`` go to the step's update."""
@@ -406,12 +406,12 @@ def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report
                             state: Mapping[str, State], history_length: int, *, workers: Workers | None = None,
                             loops: tuple[Loop, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
     """``training.quantize_training_step`` on one item of a rewrite's output (``function``: a
-    library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``thread_loops``),
+    library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``_thread_loops``),
     with the report's reasons and counts for each item."""
     program = program_of(result_graph_def)
     step, functions, item_reasons, loop_amaxes = program.item(function), {}, {}, {}
     if loops and function != MAIN_GRAPH:
-        threaded = thread_loops(program, step, loops, state, history_length)
+        threaded = _thread_loops(program, step, loops, state, history_length)
         step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
                                                       threaded.amaxes)
     body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers=workers,
