@@ -165,7 +165,7 @@ IMPORT_GRAPH_DEF_INTERNAL = Private(SESSION, "tensorflow.python.framework.import
 # The process's default ConfigProto, which a Session without a config runs with.
 SESSION_EAGER_CONTEXT = Private(SESSION, "tensorflow.python.eager.context", "context")
 
-# --- FP8 training (training/float8.py, core/float8_training.py) -------------------------------
+# --- FP8 training (training/float8.py, core/float8/training.py) -------------------------------
 # Whether a FuncGraph is compiled by XLA, including from an outer function's jit_compile.
 CONTROL_FLOW_UTIL = Private(FLOAT8_TRAINING, "tensorflow.python.ops.control_flow_util",
                             "GraphOrParentsInXlaContext", ("graph",))

@@ -32,7 +32,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 import recorded_grappler
-from amp_rewrite.core.float8 import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
+from amp_rewrite.core.float8.inference import MIN_TENSORFLOW as FLOAT8_MIN_TENSORFLOW
 from amp_rewrite.core.target import NAME_TO_TARGET, TARGETS
 from amp_rewrite._tf import tensorflow_version
 from amp_rewrite.testing.models import LEARNING_RATE, GraphRun, ModelGraph, run_model_graph
@@ -49,7 +49,7 @@ def within_points(accuracy: float, other: float, points: float) -> bool:
     return abs(accuracy - other) <= points / 100 + 1e-6
 
 
-# The float8 target and FP8 training need TensorFlow 2.18+ (amp_rewrite.core.float8.MIN_TENSORFLOW).
+# The float8 target and FP8 training need TensorFlow 2.18+ (amp_rewrite.core.float8.inference.MIN_TENSORFLOW).
 FLOAT8_SUPPORTED = tensorflow_version() >= FLOAT8_MIN_TENSORFLOW
 NEEDS_FLOAT8 = pytest.mark.skipif(not FLOAT8_SUPPORTED, reason=f"float8 needs TensorFlow 2.18+ (XLA before it drops a"
                                                                f" float8 round trip); this is {tf.version.VERSION}")

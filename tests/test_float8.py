@@ -22,7 +22,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import AmpRewriteError, rewrite_graph_def
-from amp_rewrite.core import float8
+from amp_rewrite.core.float8 import inference as float8
+from amp_rewrite.core.float8.formats import E4M3, MATMUL_OPS
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT8, lookup_target
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
@@ -101,7 +102,7 @@ def test_a_matmul_computes_the_product_of_its_fake_quantized_operands():
     float16 = rewrite_graph_def(graph_def, target="float16", fetches=["out"])
     added = {n.name: n.op for n in result.graph_def.node} .items() - {n.name: n.op for n in float16.graph_def.node}.items()
     assert sorted(op for _, op in added).count("Cast") == 2 * 2 + 3  # to E4M3 and back per operand; w: amax to float32, scales to float16
-    quantized = [n for n in result.graph_def.node if n.op == "Cast" and n.attr["DstT"].type == float8.FLOAT8]
+    quantized = [n for n in result.graph_def.node if n.op == "Cast" and n.attr["DstT"].type == E4M3.dtype]
     assert sorted(n.name for n in quantized) == ["w_read-0-Float8-0/quantized", "x-0-Float8-0/quantized"]
 
     (out,) = _xla_function(result.graph_def, ["x:0"], ["out"], variables)(tf.constant(held_out))
@@ -117,7 +118,7 @@ def test_an_activation_without_amax_keeps_the_matmul_float16_and_says_why():
     decision = result.report.decision("allow1")
     assert decision.rule == Rule.FLOAT8_NO_AMAX.value and decision.after == "float16"
     assert "no calibration amax for 'x:0'" in decision.reason
-    assert not any(n.op == "Cast" and n.attr["DstT"].type == float8.FLOAT8 for n in result.graph_def.node)
+    assert not any(n.op == "Cast" and n.attr["DstT"].type == E4M3.dtype for n in result.graph_def.node)
     assert result.report.float8_matmuls == 0
     float16 = rewrite_graph_def(graph_def, target="float16", fetches=["out"])
     assert result.graph_def == float16.graph_def  # exactly the float16 rewrite
@@ -247,7 +248,7 @@ def rewritten(request):
 def test_every_converted_matmul_of_the_models_is_float8(rewritten):
     """Rule: with amax for every activation, every matmul the float16 rewrite converted is float8."""
     model, result = rewritten
-    matmuls = [d for d in result.report.decisions if d.op in float8.MATMUL_OPS]
+    matmuls = [d for d in result.report.decisions if d.op in MATMUL_OPS]
     assert matmuls and all(d.rule == Rule.FLOAT8_MATMUL.value for d in matmuls)
     assert result.report.float8_matmuls == len(matmuls)
     assert "matmul(s) on float8_e4m3fn operands" in result.report.summary()

@@ -144,6 +144,7 @@ def test_an_overlay_holds_float8s_amax_and_lossy_matmuls(tmp_path):
     assert load_lists("float8", path, environ={}).keep_nodes == ("head",)
     assert load_float8(write(tmp_path, "keep_nodes: [head]\n", "plain.yaml")) is None
     for text, message in [('amax: {"x": 1.0}', "amax key 'x' is not FUNCTION::node:port or node:port"),
+                          ('amax: {"^x:0": 1.0}', "amax key '^x:0' is not FUNCTION::node:port or node:port"),
                           ('amax: {"x:0": -1}', "amax 'x:0' is -1, not the largest"),
                           ('amax: {"x:0": .nan}', "amax 'x:0' is nan"),
                           ('lossy: {"m": "why"}', "'lossy' without 'amax'"),

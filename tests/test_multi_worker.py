@@ -87,7 +87,7 @@ _WORKER = textwrap.dedent(
                        "iterations": int(opt.iterations.numpy()), "scale": float(opt.loss_scale.numpy()),
                        "good_in_a_row": int(opt.step_counter.numpy())}
     amp_rewrite.disable_mixed_precision_graph_rewrite()
-    from amp_rewrite.core import float8 as core_float8
+    from amp_rewrite.core.float8 import inference as core_float8
     from amp_rewrite._tf import tensorflow_version
     if tensorflow_version() < core_float8.MIN_TENSORFLOW:
         print("RESULT " + json.dumps(report))  # FP8 training needs TensorFlow 2.18+

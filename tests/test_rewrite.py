@@ -411,7 +411,7 @@ def test_a_kernel_label_decides_alone_like_grappler(target):
 def test_float8_target_needs_tensorflow_2_18() -> None:
     """XLA before TensorFlow 2.18 drops a round trip through float8: there the float8 target
     is refused with one line saying why; from 2.18 on the same call rewrites."""
-    from amp_rewrite.core import float8
+    from amp_rewrite.core.float8 import inference as float8
 
     @tf.function
     def matmul(x: tf.Tensor) -> tf.Tensor:

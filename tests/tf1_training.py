@@ -426,8 +426,8 @@ def digits_graph(target: str) -> tuple[tf.Graph, dict]:
 
 
 def float8_supported() -> bool:
-    """FP8 training needs TensorFlow 2.18+ (``amp_rewrite.core.float8.MIN_TENSORFLOW``)."""
-    from amp_rewrite.core import float8
+    """FP8 training needs TensorFlow 2.18+ (``amp_rewrite.core.float8.inference.MIN_TENSORFLOW``)."""
+    from amp_rewrite.core.float8 import inference as float8
     from amp_rewrite._tf import tensorflow_version
 
     return tensorflow_version() >= float8.MIN_TENSORFLOW

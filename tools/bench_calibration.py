@@ -204,7 +204,7 @@ def measure(name: str, targets: list[str], workdir: Path) -> list[str]:
 
 def _smoke_target() -> str:
     """float8, where this TensorFlow has it (2.18+); float16 before."""
-    from amp_rewrite.core import float8
+    from amp_rewrite.core.float8 import inference as float8
     from amp_rewrite.errors import AmpRewriteError
 
     try:

@@ -45,7 +45,7 @@ import tensorflow as tf  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from amp_rewrite.core import float8  # noqa: E402
+from amp_rewrite.core.float8 import inference as float8  # noqa: E402
 
 MIN_CAPABILITY = (8, 9)
 VARIANTS = ("float32", "float16", "float8")

@@ -29,7 +29,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from amp_rewrite.core.float8 import MIN_TENSORFLOW  # noqa: E402
+from amp_rewrite.core.float8.inference import MIN_TENSORFLOW  # noqa: E402
 from amp_rewrite.testing import digits  # noqa: E402
 from plots import Series, line_chart  # noqa: E402  (tools/, this script's folder)
 

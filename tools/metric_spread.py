@@ -25,7 +25,7 @@ import trained_models  # noqa: E402  tests/ is not a package
 
 from amp_rewrite.calibration import statistics, validate  # noqa: E402
 from amp_rewrite.calibration.savedmodel import read_model, rewrite_model  # noqa: E402
-from amp_rewrite.core import float8  # noqa: E402
+from amp_rewrite.core.float8 import inference as float8  # noqa: E402
 from amp_rewrite.core.lists import load_lists  # noqa: E402
 
 SUBSETS, SIZE = 200, 64

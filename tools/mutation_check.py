@@ -172,9 +172,9 @@ MUTANTS = (
     Mutant(
         "fp8-gradient-e4m3",
         "FP8 training quantizes gradients to E4M3 (weights' format) instead of E5M2",
-        "amp_rewrite/core/float8_training.py",
+        "amp_rewrite/core/float8/formats.py",
         (('E5M2 = Format("float8_e5m2", types_pb2.DT_FLOAT8_E5M2, 57344.0)',
-          'E5M2 = Format("float8_e4m3fn", types_pb2.DT_FLOAT8_E4M3FN, float8.FLOAT8_MAX)'),),
+          'E5M2 = Format("float8_e4m3fn", types_pb2.DT_FLOAT8_E4M3FN, 448.0)'),),
         ("tests/test_float8_training.py",),
     ),
     Mutant(

@@ -51,7 +51,8 @@ from tensorflow.core.framework import graph_pb2
 from amp_rewrite.calibration import statistics, validate
 from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model, rewrite_model
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
-from amp_rewrite.core import float8, functions
+from amp_rewrite.core import functions
+from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of

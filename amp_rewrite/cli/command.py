@@ -437,7 +437,7 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
     """The --lists and --keep entries (keep_nodes, and float8's amax and lossy) that name
     nothing in the model: all of them is an error (the overlay is another model's, or an
     export whose names differ), some a warning with the count."""
-    from amp_rewrite.core import float8
+    from amp_rewrite.core.float8 import inference as float8
 
     entries = len(lists.keep_nodes) + (len(found.amax) + len(found.lossy) if found is not None else 0)
     unmatched = lists.unmatched_keep_nodes(model.graph_def)
@@ -507,7 +507,7 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     float16 path until calibration measures them). Other targets: nothing. Checks the
     overlay's entries against the model first (``_check_overlay``); an overlay whose amax
     names nothing in the model gives no amax."""
-    from amp_rewrite.core import float8
+    from amp_rewrite.core.float8 import inference as float8
     from amp_rewrite.core.lists import load_float8
 
     found = load_float8(args.lists) if args.lists and args.target == "float8" else None

@@ -40,7 +40,7 @@ Sources, applied in this order (spec §2.1, §4), then checked: no op may be in 
 
    Names are literal (no regex); ``FUNCTION::`` names a library function's tensor or node
    (its exact or stable name, as in keep_nodes); a name without it, a node of that name in
-   any item (``float8.lookup``).
+   any item (``float8.inference.resolve``).
 3. TensorFlow's variables, with TensorFlow's semantics, read here and nowhere else:
    ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_<LIST>_ADD`` then ``..._REMOVE`` for LIST in
    ALLOWLIST, INFERLIST, DENYLIST, CLEARLIST, then the legacy WHITELIST, GRAYLIST,
@@ -72,7 +72,8 @@ from types import MappingProxyType
 
 import yaml
 
-from amp_rewrite.core import float8, functions, support
+from amp_rewrite.core import functions, support
+from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.target import BFLOAT16, FLOAT16, Target, lookup_target
 from amp_rewrite.errors import ListsError
 

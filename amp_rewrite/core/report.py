@@ -151,7 +151,7 @@ class Report:
         )
         if painted != self.target:
             line += f"; {self._total('float8_matmuls', function)} matmul(s) on float8_e4m3fn operands"
-        elif self._total("float8_matmuls", function):  # FP8 training (core/float8_training.py)
+        elif self._total("float8_matmuls", function):  # FP8 training (core/float8/training.py)
             line += (f"; {self._total('float8_matmuls', function)} matmul(s) on float8 operands"
                      " (E4M3, gradients E5M2)")
         return line

@@ -34,8 +34,9 @@ from typing import Callable, Iterable
 
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core import boundaries, casts, colouring, float8, functions, graph_io, preparation, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
+from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
@@ -92,7 +93,7 @@ def rewrite_graph_def(
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
     ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``;
-    ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8.py).
+    ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8/inference.py).
     ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32
     tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
     activation operand missing from it stays float16.

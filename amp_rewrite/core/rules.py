@@ -28,7 +28,7 @@ class Rule(enum.Enum):
     INFER_AFTER_ALLOW = "infer-after-allow", "infer op fed directly by an allow op"
     CLEAR_PROPAGATION = "clear-propagation", "clear op connected to an allow op through clear ops"
     EXISTING_CAST = "existing-cast", "a Cast already in the graph whose consumers are all converted"
-    # ... and, target float8 only, what the float8 step did to a converted matmul (core/float8.py) ...
+    # ... and, target float8 only, what the float8 step did to a converted matmul (core/float8/inference.py) ...
     FLOAT8_MATMUL = "float8-matmul", "matmul whose operands are quantized to float8_e4m3fn with per-tensor scales"
     FLOAT8_NO_AMAX = (
         "float8-no-amax", "allowed matmul kept float16: no calibration amax for an activation operand"
@@ -37,7 +37,7 @@ class Rule(enum.Enum):
     FLOAT8_CONST_OPERAND = (
         "float8-const-operand", "allowed matmul kept float16: a Const operand is folded to float16 before XLA, so no FP8 GEMM"
     )
-    # ... and, FP8 training (core/float8_training.py), a converted matmul of a training step ...
+    # ... and, FP8 training (core/float8/training.py), a converted matmul of a training step ...
     FLOAT8_TRAINING = (
         "float8-training", "matmul on float8 operands with delayed scaling: E4M3 inputs, an E5M2 incoming gradient"
     )

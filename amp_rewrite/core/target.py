@@ -50,7 +50,7 @@ FLOAT16 = Target("float16", types_pb2.DT_HALF, "GPU", "CastToFp16", 1e-2, "auto_
 BFLOAT16 = Target("bfloat16", types_pb2.DT_BFLOAT16, "CPU", "CastToBf16", 5e-2, "auto_mixed_precision_onednn_bfloat16",
                   "bfloat16")
 # float8: the float16 rewrite, then the matmuls it converted take float8_e4m3fn operands with
-# per-tensor scales (core/float8.py). Everything it paints is float16, so dtype, device, casts
+# per-tensor scales (core/float8/inference.py). Everything it paints is float16, so dtype, device, casts
 # and grappler reference are float16's. Tolerance: E4M3 keeps 3 mantissa bits, so one rounding
 # moves a value by up to 2**-4 = 6.25%; the worst output error measured under XLA on 20 held-out
 # batches each of the built-in MLP, CNN and Transformer encoder was 7.2e-2 (median 3-6e-2;

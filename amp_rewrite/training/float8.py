@@ -7,7 +7,7 @@ variables a training step reads must be captured before it exists. Three moments
    records, for the FuncGraph being traced, which variables it updates (``record_apply``).
 2. ``prepare_trace`` (a ``FUNC_GRAPH_TRANSFORMS`` hook, after the Python function is traced,
    before its FunctionDef): the base rewrite's decisions on the FuncGraph's GraphDef say
-   which matmuls it converts; ``core.float8_training.find_matmuls`` pairs them with their
+   which matmuls it converts; ``core.float8.training.find_matmuls`` pairs them with their
    backward matmuls. Each forward matmul's weight operand (``ReadVariableOp`` ← captured
    resource ← variable) names the wrapper that updates that variable: the matmul's state is
    made (or found, for a retrace) in *that* wrapper's ``Float8State``, under a key that
@@ -17,7 +17,7 @@ variables a training step reads must be captured before it exists. Three moments
    without gradients (``evaluate``, ``predict``, an export) gets no state: it scales each
    operand by its own amax in each call.
 3. ``quantize`` (from the trace callback, after the base rewrite of the FunctionDef):
-   ``core.float8_training`` adds the chains and the updates, reading and writing the state
+   ``core.float8.training`` adds the chains and the updates, reading and writing the state
    through those reads' captured handles.
 
 Where FP8 does not happen in a training step — no matmul, a matmul without a paired
@@ -44,9 +44,10 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2
 
 from amp_rewrite import _tf
-from amp_rewrite.core import float8_loops, float8_training, functions
-from amp_rewrite.core.float8 import MATMUL_OPS
-from amp_rewrite.core.float8_training import HISTORY, SCALE, STATE_SCOPE, Plan, State, in_gradient_scope
+from amp_rewrite.core import functions
+from amp_rewrite.core.float8 import loops as float8_loops, training as float8_training
+from amp_rewrite.core.float8.formats import MATMUL_OPS
+from amp_rewrite.core.float8.training import HISTORY, SCALE, STATE_SCOPE, Plan, State, in_gradient_scope
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -160,7 +161,7 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
     ``func_graph``. ``states``: the active enablements' states, newest last. Loop bodies and
     branches of ``tf.cond``/``tf.while_loop`` are left alone (their captures are fixed when the
     transform runs): the matmuls of a step's loops are planned here, with the step's
-    (``core.float8_loops``), and their state read in the step."""
+    (``core.float8.loops``), and their state read in the step."""
     if isinstance(func_graph, _tf.CONTROL_FLOW_FUNC_GRAPH.get()):
         return
     applied = TRACES.applied(func_graph)
@@ -377,7 +378,7 @@ def _live(graph_def: graph_pb2.GraphDef, sinks: Iterable[str]) -> set[str]:
 
 def _loop_note(graph_def: graph_pb2.GraphDef, loops: tuple[float8_loops.Loop, ...] = ()) -> str:
     """The matmuls in the step's control-flow bodies that FP8 training does not reach (branches of a
-    ``tf.cond``, loops within loops: ``core.float8_loops`` quantizes the step's own loops), as a
+    ``tf.cond``, loops within loops: ``core.float8.loops`` quantizes the step's own loops), as a
     clause (or "")."""
     reached = {loop.body for loop in loops} | {loop.gradient_body for loop in loops}
     bodies = {name for node in graph_def.node if node.op in _CONTROL_FLOW
@@ -404,7 +405,7 @@ def quantize(source: graph_pb2.GraphDef, result: RewriteResult, function: str, s
     plan, loops = _planned(program_of(source), function, result.report)
     graph_def, report = float8_loops.training_step_rewritten(
         result.graph_def, result.report, function, plan.with_bases(step.bases), step.state,
-        training.amax_history_length, step.workers, tuple(loop.with_bases(step.bases) for loop in loops))
+        training.amax_history_length, workers=step.workers, loops=tuple(loop.with_bases(step.bases) for loop in loops))
     return RewriteResult(graph_def, report)
 
 

@@ -116,7 +116,7 @@ class Float8State(tf.Module):
 
     def _make(self, name: str, value: Any) -> None:
         # use_resource: a resource variable in a TF1 graph too (disable_v2_behavior), which FP8 training's reads
-        # and updates take (core.float8_training).
+        # and updates take (core.float8.training).
         self.by_name[name] = tf.compat.v1.Variable(np.asarray(value, np.float32), trainable=False, name=name,
                                                    dtype=tf.float32, use_resource=True,
                                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 
 from amp_rewrite import _tf
-from amp_rewrite.core import float8 as core_float8
+from amp_rewrite.core.float8 import inference as core_float8
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.training import float8, optimizers, session, tracing

@@ -45,10 +45,12 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from amp_rewrite import _tf
 from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.graph_io import TensorRef, data_inputs, make_node_def, parse_tensor_name
+from amp_rewrite.core.float8.formats import E4M3, EXACT_POWERS, MATMUL_OPS
+from amp_rewrite.core.float8.nodes import NodeWriter, origin
+from amp_rewrite.core.graph_io import TensorRef, data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
-from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.errors import AmpRewriteError, GraphError
 
 TARGET_NAME = "float8"  # target.FLOAT8's name: the rewrite runs this step for it
 # XLA before TensorFlow 2.18 folds convert(convert(x, float8), wider) into convert(x, wider):
@@ -63,17 +65,13 @@ def check_tensorflow() -> None:
             f"target 'float8' needs TensorFlow {'.'.join(map(str, MIN_TENSORFLOW))} or newer: TensorFlow"
             f" {_tf.tensorflow_release()}'s XLA drops a round trip through float8 (no float8 numbers, no FP8 GEMM);"
             " upgrade TensorFlow, or use target float16")
+
+
 Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x| (calibration)
 
-FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
-FLOAT8_MAX = 448.0  # E4M3FN's largest finite value
-# The matmuls whose two operands are quantized: op -> number of data inputs it must have.
-MATMUL_OPS = {"MatMul": 2, "BatchMatMul": 2, "BatchMatMulV2": 2, "Einsum": 2, "Conv2D": 2}
-# Scale exponents such that 2**e and 2**-e are exact in the matmul's dtype.
-_EXPONENTS = {types_pb2.DT_HALF: (-24, 15), types_pb2.DT_FLOAT: (-126, 126)}
+# The matmul dtypes this step quantizes: the float16 rewrite's, and float32.
+_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_FLOAT})
 _VARIABLE_READS = frozenset({"ReadVariableOp"})
-# Ops whose output holds exactly their first input's values: a weight seen through them is still a weight.
-_SAME_VALUES = frozenset({"Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"})
 XLA_MUST_COMPILE = "_XlaMustCompile"  # what tf.function(jit_compile=True) puts on the function and its calls
 _SCOPE = "::"  # FUNCTION::node in an overlay's amax and lossy keys, as in keep_nodes
 
@@ -82,8 +80,8 @@ _SCOPE = "::"  # FUNCTION::node in an overlay's amax and lossy keys, as in keep_
 class Float8Calibration:
     """What calibration hands the float8 step, as an overlay's ``amax`` and ``lossy`` hold it."""
 
-    amax: Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest finite |x|
-    lossy: Mapping[tuple[str, str], str]         # (function, node) -> the FP8 error measured there
+    amax: Amax                            # (function, node, port) -> largest finite |x|
+    lossy: Mapping[tuple[str, str], str]  # (function, node) -> the FP8 error measured there
 
 
 def resolve(calibration: Float8Calibration, graph_def: graph_pb2.GraphDef) -> tuple[Float8Calibration, list[str]]:
@@ -134,10 +132,13 @@ def parse_key(text: str, *, port: bool) -> tuple:
         if ":" in name:
             raise ValueError(f"{text!r} is not {form} (a node name has no ':')")
         return function, name
-    node, _, number = name.rpartition(":")
-    if not node or not number.isdigit():
+    try:
+        ref = parse_tensor_name(name)
+    except GraphError:
+        ref = None
+    if ref is None or ref.is_control or ":" not in name:  # a port written out, no "^"
         raise ValueError(f"{text!r} is not {form}")
-    return function, node, int(number)
+    return function, ref.node, ref.port
 
 
 def activation_operands(graph_def: graph_pb2.GraphDef) -> frozenset[tuple[str, str, int]]:
@@ -198,11 +199,11 @@ class Float8Decision:
 def power_of_two_scale(amax: float, dtype: int = types_pb2.DT_HALF) -> float:
     """``448 / amax`` rounded down to a power of two, within what ``dtype`` holds exactly
     with its reciprocal; the largest such scale for ``amax == 0``."""
-    low, high = _EXPONENTS[dtype]
+    low, high = EXACT_POWERS[dtype]  # scale and 1/scale are both constants of dtype
     if amax <= 0.0:
         return 2.0 ** high
-    exponent = math.floor(math.log2(FLOAT8_MAX / amax))
-    if 2.0 ** exponent * amax > FLOAT8_MAX:  # log2's rounding just below a power of two
+    exponent = math.floor(math.log2(E4M3.max / amax))
+    if 2.0 ** exponent * amax > E4M3.max:  # log2's rounding just below a power of two
         exponent -= 1
     return 2.0 ** min(max(exponent, low), high)
 
@@ -226,7 +227,7 @@ def quantize_matmuls(
             continue
         dtype = node.attr["T"].type
         operand_tensors = data_inputs(node)
-        if len(operand_tensors) != MATMUL_OPS[node.op] or dtype not in _EXPONENTS:
+        if len(operand_tensors) != MATMUL_OPS[node.op] or dtype not in _DTYPES:
             continue  # a one-operand Einsum: no product to quantize
         operands = [_operand(nodes, tensor, function, amax, dtype) for tensor in operand_tensors]
         kept = _kept(operands, lossy.get(node.name))
@@ -263,7 +264,7 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
     then, through ops that only move values (Identity, Reshape, ...), a Const, a variable
     read or neither."""
     ref = amp_source(nodes, tensor)
-    source = f"{ref.node}:{ref.port}"
+    source = tensor_name(*ref)
     found_origin = origin(nodes, ref.node)
     if found_origin.op == "Const":
         return Operand(source, "constant", None, None)
@@ -282,63 +283,12 @@ def _operand(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str, function: s
 
 
 def amp_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> TensorRef:
-    """The tensor behind the rewrite's own casts that ``tensor`` is (itself if it is no such cast)."""
+    """The tensor behind the rewrite's own casts that ``tensor`` is (itself if it is no such cast);
+    a node not in ``nodes`` ends the walk."""
     ref = parse_tensor_name(tensor)
-    while is_amp_cast(nodes[ref.node]):
+    while ref.node in nodes and is_amp_cast(nodes[ref.node]):
         ref = parse_tensor_name(nodes[ref.node].input[0])
     return ref
-
-
-def origin(nodes: Mapping[str, node_def_pb2.NodeDef], name: str) -> node_def_pb2.NodeDef:
-    """The node whose values ``name`` passes on, through ops that only move values and the rewrite's casts."""
-    found = nodes[name]
-    while found.op in _SAME_VALUES or is_amp_cast(found):
-        found = nodes[parse_tensor_name(found.input[0]).node]
-    return found
-
-
-class NodeWriter:
-    """Adds nodes to one item of the rewrite's output (its GraphDef and a name -> node map of it):
-    what the float8 steps build their quantize/dequantize and scale nodes with."""
-
-    def __init__(self, graph_def: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef]) -> None:
-        self.graph_def, self.nodes = graph_def, nodes
-
-    def add(self, name: str, op: str, inputs: list[str], device: str, attrs: Mapping[str, object]) -> str:
-        """A node ``name``, its attrs typed by the op's definition (``graph_io.make_node_def``)."""
-        self.nodes[name] = make_node_def(op, name, inputs, device=device, into=self.graph_def.node, **attrs)
-        return name
-
-    def const(self, name: str, value: float | list[int] | np.ndarray, dtype: int, device: str) -> str:
-        numpy_dtype = {types_pb2.DT_HALF: np.float16, types_pb2.DT_FLOAT: np.float32,
-                       types_pb2.DT_INT32: np.int32}[dtype]
-        return self.add(name, "Const", [], device, {"dtype": dtype, "value": np.asarray(value, numpy_dtype)})
-
-    def amax(self, base: str, tensor: str, dtype: int, device: str) -> str:
-        """``Max(Abs(tensor))`` over all its elements, as a float32 scalar (``dtype``: the tensor's)."""
-        f32 = types_pb2.DT_FLOAT
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
-        magnitude = add("abs", "Abs", [tensor], T=dtype)
-        flat = add("flat", "Reshape", [magnitude, self.const(f"{base}/flat_shape", [-1], types_pb2.DT_INT32, device)],
-                   T=dtype, Tshape=types_pb2.DT_INT32)
-        amax = add("amax", "Max", [flat, self.const(f"{base}/axis", 0, types_pb2.DT_INT32, device)],
-                   T=dtype, Tidx=types_pb2.DT_INT32, keep_dims=False)
-        if dtype != f32:
-            amax = add("amax_float32", "Cast", [amax], SrcT=dtype, DstT=f32, Truncate=False)
-        return amax
-
-    def exponent(self, base: str, amax: str, format_max: float, exponents: tuple[int, int], device: str) -> str:
-        """``floor(log2(format_max / amax))`` clipped to ``exponents``, in float32 (``amax``: a float32
-        scalar): the exponent of ``power_of_two_scale``, in the graph (the top of the range for 0)."""
-        f32 = types_pb2.DT_FLOAT
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
-        low, high = exponents
-        ratio = add("ratio", "RealDiv", [self.const(f"{base}/float8_max", format_max, f32, device), amax], T=f32)
-        log2 = add("log2", "Mul", [add("log", "Log", [ratio], T=f32),
-                                   self.const(f"{base}/inverse_ln2", 1.0 / math.log(2.0), f32, device)], T=f32)
-        return add("exponent", "ClipByValue", [add("floor", "Floor", [log2], T=f32),
-                                               self.const(f"{base}/exponent_min", low, f32, device),
-                                               self.const(f"{base}/exponent_max", high, f32, device)], T=f32)
 
 
 class _Builder(NodeWriter):
@@ -351,11 +301,10 @@ class _Builder(NodeWriter):
         self.chains: dict[tuple[str, int], str] = {}
 
     def dequantized(self, tensor: str, operand: Operand, dtype: int) -> str:
-        ref = parse_tensor_name(tensor)
-        key = (f"{ref.node}:{ref.port}", dtype)
-        if key not in self.chains:
-            self.chains[key] = self._chain(f"{ref.node}:{ref.port}", operand, dtype)
-        return self.chains[key]
+        tensor = tensor_name(*parse_tensor_name(tensor))
+        if (tensor, dtype) not in self.chains:
+            self.chains[(tensor, dtype)] = self._chain(tensor, operand, dtype)
+        return self.chains[(tensor, dtype)]
 
     def _chain(self, tensor: str, operand: Operand, dtype: int) -> str:
         source = parse_tensor_name(operand.tensor)  # named after the float32 tensor, not the rewrite's cast
@@ -364,27 +313,27 @@ class _Builder(NodeWriter):
             index += 1
         base = f"{source.node}-{source.port}-Float8-{index}"
         device = self.nodes[parse_tensor_name(tensor).node].device
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        add = self.under(base, device)
         if operand.scale is not None:
             scale = self.const(f"{base}/scale", operand.scale, dtype, device)
             unscale = self.const(f"{base}/unscale", 1.0 / operand.scale, dtype, device)
         else:
             scale, unscale = self._scales_in_graph(base, tensor, dtype, device)
         scaled = add("scaled", "Mul", [tensor, scale], T=dtype)
-        low = self.const(f"{base}/min", -FLOAT8_MAX, dtype, device)
-        high = self.const(f"{base}/max", FLOAT8_MAX, dtype, device)
+        low = self.const(f"{base}/min", -E4M3.max, dtype, device)
+        high = self.const(f"{base}/max", E4M3.max, dtype, device)
         clipped = add("clipped", "ClipByValue", [scaled, low, high], T=dtype)
-        quantized = add("quantized", "Cast", [clipped], SrcT=dtype, DstT=FLOAT8, Truncate=False)
-        dequantized = add("dequantized", "Cast", [quantized], SrcT=FLOAT8, DstT=dtype, Truncate=False)
+        quantized = add("quantized", "Cast", [clipped], SrcT=dtype, DstT=E4M3.dtype, Truncate=False)
+        dequantized = add("dequantized", "Cast", [quantized], SrcT=E4M3.dtype, DstT=dtype, Truncate=False)
         return add("unscaled", "Mul", [dequantized, unscale], T=dtype)
 
     def _scales_in_graph(self, base: str, tensor: str, dtype: int, device: str) -> tuple[str, str]:
         """``2**e`` and ``2**-e`` with ``e = floor(log2(448 / max|w|))`` clipped to ``dtype``'s
         exact range, computed in float32 on every call (a variable's weights)."""
         f32 = types_pb2.DT_FLOAT
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        add = self.under(base, device)
         amax = self.amax(base, tensor, dtype, device)
-        exponent = self.exponent(base, amax, FLOAT8_MAX, _EXPONENTS[dtype], device)
+        exponent = self.exponent(base, amax, E4M3.max, EXACT_POWERS[dtype], device)
         two = self.const(f"{base}/two", 2.0, f32, device)
         scale = add("scale_float32", "Pow", [two, exponent], T=f32)
         unscale = add("unscale_float32", "Pow", [two, add("negated", "Neg", [exponent], T=f32)], T=f32)
@@ -394,7 +343,7 @@ class _Builder(NodeWriter):
         return scale, unscale
 
 
-PROBE = "Float8Probe"  # in the names of add_probes' nodes
+_PROBE = "Float8Probe"  # in the names of add_probes' nodes
 
 
 def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[graph_pb2.GraphDef, dict[str, str]]:
@@ -411,10 +360,10 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
         node = nodes[name]
         reference = output.node.add()
         reference.CopyFrom(node)
-        reference.name = f"{name}-{PROBE}/float16"
+        reference.name = f"{name}-{_PROBE}/float16"
         reference.input[:] = [tensor if tensor.startswith("^") else _chain_source(nodes, tensor)
                               for tensor in node.input]
-        difference = make_node_def("Sub", f"{name}-{PROBE}/error", [name, reference.name], device=node.device,
+        difference = make_node_def("Sub", f"{name}-{_PROBE}/error", [name, reference.name], device=node.device,
                                    into=output.node, T=node.attr["T"].type)
         probes[name] = (reference.name, difference.name)
     return output, probes

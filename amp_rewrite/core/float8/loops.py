@@ -4,7 +4,7 @@ and the rewrite of one training step with its loops (``training_step_rewritten``
 A recurrent layer (Keras' LSTM/GRU on the TensorFlow backend, ``tf.while_loop``, ``tf.scan``)
 traces its step as a ``While`` whose body holds the forward matmuls; the gradient is another
 ``While`` of the same step whose body holds the backward ones. The state of a loop matmul's
-operands lives, as every state does, in the step (``float8_training.State``); the loops get it
+operands lives, as every state does, in the step (``training.State``); the loops get it
 as loop variables of their own, added here to each ``While`` node, its body and its cond:
 
 * per key a float32 *given scale* (the delayed scale, or 0 while the history is empty: then
@@ -12,7 +12,7 @@ as loop variables of their own, added here to each ``While`` node, its body and 
 * per recorded key a float32 *amax*, 0 on entry, the largest |x| of every iteration's chains
   on exit (+Inf where one was not finite).
 
-The body's chains quantize with the given scale (``float8_training._TrainingBuilder.chain``);
+The body's chains quantize with the given scale (``training.ChainBuilder.chain``);
 the step's update of the key records the ``While``'s amax output beside the amax of the key's
 chains in the step itself (Keras' LSTM runs its first time step outside the loop, with the same
 weights): one history per matmul across iterations, its amax the largest over iterations.
@@ -31,14 +31,14 @@ from dataclasses import dataclass, field, replace
 
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
-from amp_rewrite.core import float8
-from amp_rewrite.core.float8_training import (
-    _BACKWARD_OPS, _EXPONENTS, _OPERAND_POSITIONS, E4M3, E5M2, STATE_SCOPE, Backward, Format, Matmul, Plan, State,
-    Workers, _canonical, _TrainingBuilder, forward_names, in_gradient_scope, quantize_training_step, variable_handle,
-    weight_of,
+from amp_rewrite.core.float8.formats import E4M3, E5M2, MATMUL_OPS, Format
+from amp_rewrite.core.float8.nodes import origin
+from amp_rewrite.core.float8.training import (
+    BACKWARD_OPS, BASE_DTYPES, OPERAND_POSITIONS, STATE_SCOPE, Backward, ChainBuilder, Matmul, Plan, State, Workers,
+    forward_names, in_gradient_scope, quantize_training_step, variable_handle, weight_of,
 )
 from amp_rewrite.core.functions import RETVAL_SUFFIX, to_function_def
-from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
+from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
@@ -62,7 +62,8 @@ class Loop:
     gradient_cond: str | None = None
 
     def name(self, matmul: Matmul) -> str:
-        """``matmul``'s name in the step's key bases (a body's names may repeat the step's)."""
+        """``matmul``'s name in the step's key bases (a body's names may repeat the step's):
+        ``BODY::node``, with the scope separator of ``inference.key_text`` and lists' keep_nodes."""
         return f"{self.body}::{matmul.node}"
 
     def with_bases(self, node_to_base: Mapping[str, str]) -> Loop:
@@ -97,14 +98,14 @@ def _forward_matmuls(program: Program, body: str, converted: frozenset[str], loo
     matmuls, sources = {}, {}
     for node in program.item(body).node:
         inputs = data_inputs(node)
-        if (node.op not in float8.MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
-                or len(inputs) != float8.MATMUL_OPS[node.op]):
+        if (node.op not in MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
+                or len(inputs) != MATMUL_OPS[node.op]):
             continue
-        if any(float8.origin(nodes, parse_tensor_name(t).node).op == "Const" for t in inputs):
+        if any(origin(nodes, parse_tensor_name(t).node).op == "Const" for t in inputs):
             continue
         found = [(index, _step_handle(nodes, step_nodes, loop, tensor)) for index, tensor in enumerate(inputs)]
         weight = next(((index, source) for index, source in found if source is not None), None)
-        matmuls[node.name] = Matmul(node.name, node.op, (_canonical(inputs[0]), _canonical(inputs[1])),
+        matmuls[node.name] = Matmul(node.name, node.op, tuple(tensor_name(*parse_tensor_name(t)) for t in inputs),
                                     weight=weight[0] if weight else None)
         if weight:
             sources[node.name] = weight[1]
@@ -116,9 +117,9 @@ def _step_handle(nodes: Mapping[str, node_def_pb2.NodeDef], step_nodes: Mapping[
     """The step's node a body operand's variable handle comes from: the body reads the variable
     (``ReadVariableOp`` of a resource argument) or takes its value (a float argument read in
     the step); either argument is the loop's input of that index."""
-    source = float8.origin(nodes, parse_tensor_name(tensor).node)
+    source = origin(nodes, parse_tensor_name(tensor).node)
     if source.op == "ReadVariableOp":
-        source = float8.origin(nodes, parse_tensor_name(source.input[0]).node)
+        source = origin(nodes, parse_tensor_name(source.input[0]).node)
     if source.op != "_Arg":
         return None
     outer = loop.input[source.attr["index"].i]
@@ -126,17 +127,32 @@ def _step_handle(nodes: Mapping[str, node_def_pb2.NodeDef], step_nodes: Mapping[
     return found[0][1] if found else variable_handle(step_nodes, outer)  # or the variable itself
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """Another ``While`` of the step that may take ``loop``'s gradient, and the nodes that pairing
+    their matmuls reads: the candidate's body, the forward body and the step."""
+
+    program: Program
+    loop: Loop
+    gradient: node_def_pb2.NodeDef
+    body_nodes: Mapping[str, node_def_pb2.NodeDef]
+    forward_nodes: Mapping[str, node_def_pb2.NodeDef]
+    step_nodes: Mapping[str, node_def_pb2.NodeDef]
+
+
 def _with_gradient(program: Program, loop: Loop, others: list[node_def_pb2.NodeDef],
                    step_nodes: Mapping[str, node_def_pb2.NodeDef], converted: Callable[[str], frozenset[str]]) -> Loop:
     """``loop`` with the backward matmuls of the first other loop whose body computes its gradient."""
     forward = {matmul.node: matmul for matmul in loop.matmuls}
+    forward_nodes = {node.name: node for node in program.item(loop.body).node}
     for other in others:
         body = other.attr["body"].func.name
         backward: dict[str, list[Backward]] = {}
-        body_nodes = {node.name: node for node in program.item(body).node}
+        candidate = _Candidate(program, loop, other, {node.name: node for node in program.item(body).node},
+                               forward_nodes, step_nodes)
         for node in program.item(body).node:
-            if node.op in _OPERAND_POSITIONS and in_gradient_scope(node.name) and node.name in converted(body):
-                found = _backward_of(program, loop, other, body_nodes, step_nodes, node, forward)
+            if node.op in OPERAND_POSITIONS and in_gradient_scope(node.name) and node.name in converted(body):
+                found = _backward_of(candidate, node, forward)
                 if found is not None:
                     backward.setdefault(found[0], []).append(found[1])
         if backward:
@@ -146,19 +162,18 @@ def _with_gradient(program: Program, loop: Loop, others: list[node_def_pb2.NodeD
     return loop
 
 
-def _backward_of(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef,
-                 body_nodes: Mapping[str, node_def_pb2.NodeDef], step_nodes: Mapping[str, node_def_pb2.NodeDef],
-                 node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
-    """The forward matmul whose gradient the gradient body's ``node`` computes (by name scope) and
+def _backward_of(candidate: _Candidate, node: node_def_pb2.NodeDef,
+                 forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
+    """The forward matmul whose gradient the candidate body's ``node`` computes (by name scope) and
     how it reads it: which operand it pops from the forward body's accumulator of which input."""
-    positions = _OPERAND_POSITIONS[node.op]
+    positions = OPERAND_POSITIONS[node.op]
     if len(node.input) <= max(positions):
         return None
     name = _forward_name(node, forward)
     if name is None:
         return None
     for index, position in enumerate(positions):
-        pushed = _pushed(program, loop, gradient, body_nodes, step_nodes, node.input[position])
+        pushed = _pushed(candidate, node.input[position])
         if pushed in forward[name].inputs:
             return name, Backward(node.name, position, forward[name].inputs.index(pushed), positions[1 - index])
     return None
@@ -167,28 +182,29 @@ def _backward_of(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef,
 def _forward_name(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> str | None:
     """The forward matmul named by the gradient scope ``node`` sits in (``…/<forward>_grad/…``)."""
     return next((name for name in forward_names(node.name)
-                 if name in forward and node.op in _BACKWARD_OPS[forward[name].op]), None)
+                 if name in forward and node.op in BACKWARD_OPS[forward[name].op]), None)
 
 
-def _pushed(program: Program, loop: Loop, gradient: node_def_pb2.NodeDef, body_nodes: Mapping[str, node_def_pb2.NodeDef],
-            step_nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
-    """The forward body's tensor that the gradient body's ``tensor`` pops (``TensorListPopBack`` of
-    an accumulator argument ← the gradient loop's input ← the forward loop's output ← the forward
+def _pushed(candidate: _Candidate, tensor: str) -> str | None:
+    """The forward body's tensor that the candidate body's ``tensor`` pops (``TensorListPopBack`` of
+    an accumulator argument ← the candidate loop's input ← the forward loop's output ← the forward
     body's ``TensorListPushBack``), or None where it pops none."""
-    pop = float8.origin(body_nodes, parse_tensor_name(tensor).node)
+    pop = origin(candidate.body_nodes, parse_tensor_name(tensor).node)
     if pop.op != "TensorListPopBack":
         return None
-    argument = float8.origin(body_nodes, parse_tensor_name(pop.input[0]).node)
+    argument = origin(candidate.body_nodes, parse_tensor_name(pop.input[0]).node)
     if argument.op != "_Arg":
         return None
-    outer = parse_tensor_name(gradient.input[argument.attr["index"].i])
-    outer = parse_tensor_name(f"{float8.origin(step_nodes, outer.node).name}:{outer.port}")
-    if outer.node != loop.node:
+    outer = parse_tensor_name(candidate.gradient.input[argument.attr["index"].i])
+    if origin(candidate.step_nodes, outer.node).name != candidate.loop.node:
         return None
-    forward_nodes = {node.name: node for node in program.item(loop.body).node}
-    retval = forward_nodes.get(f"{program.library[loop.body].signature.output_arg[outer.port].name}{RETVAL_SUFFIX}")
-    push = float8.origin(forward_nodes, parse_tensor_name(retval.input[0]).node) if retval is not None else None
-    return _canonical(push.input[1]) if push is not None and push.op == "TensorListPushBack" else None
+    body = candidate.loop.body
+    output = candidate.program.library[body].signature.output_arg[outer.port].name
+    retval = candidate.forward_nodes.get(f"{output}{RETVAL_SUFFIX}")
+    push = origin(candidate.forward_nodes, parse_tensor_name(retval.input[0]).node) if retval is not None else None
+    if push is None or push.op != "TensorListPushBack":
+        return None
+    return tensor_name(*parse_tensor_name(push.input[1]))
 
 
 # --- threading the state through the loops --------------------------------------------------
@@ -205,8 +221,8 @@ class LoopAmax:
 
 
 @dataclass
-class Threaded:
-    """What ``thread_loops`` changed: the step's new body, the loop functions' new bodies and
+class _Threaded:
+    """What ``_thread_loops`` changed: the step's new body, the loop functions' new bodies and
     FunctionDefs (by name), each key's loop amaxes, and the reasons of the matmuls it quantized
     (by item)."""
 
@@ -216,23 +232,38 @@ class Threaded:
     reasons: dict[str, dict[str, Reason]] = field(default_factory=dict)
 
 
-def thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, ...], state: Mapping[str, State],
-                 history_length: int) -> Threaded:
+@dataclass(frozen=True)
+class _LoopToThread:
+    """One ``While`` node of the step to thread, with its body and cond: the keys its body
+    quantizes (with their formats), those whose amax its outputs carry to the step's update
+    (``record``), and how its body quantizes (``quantize``: builder, key -> given scale -> reasons)."""
+
+    node: str
+    body: str
+    cond: str
+    keys: Mapping[str, Format]
+    record: frozenset[str]
+    quantize: Callable[[ChainBuilder, Mapping[str, str]], dict[str, Reason]]
+
+
+def _thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop, ...], state: Mapping[str, State],
+                  history_length: int) -> _Threaded:
     """The loops of ``step`` (an item after the base rewrite, not modified) with their matmuls on
     float8 (the module doc). ``program``: the rewrite's output, whose library holds the bodies."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(step)
-    threaded = Threaded(output)
-    step_writer = _TrainingBuilder(output, {node.name: node for node in output.node}, history_length)
+    threaded = _Threaded(output)
+    step_writer = ChainBuilder(output, {node.name: node for node in output.node}, history_length)
     for loop in loops:
         forward_keys = _keys(loop.matmuls, backward=False)
-        _thread(program, step_writer, threaded, loop.node, loop.body, loop.cond, forward_keys, state,
-                lambda builder, args: _quantize_forward(builder, args, loop), record=set(forward_keys))
+        _thread(program, step_writer, threaded, state, _LoopToThread(
+            loop.node, loop.body, loop.cond, forward_keys, frozenset(forward_keys),
+            lambda builder, scales: _quantize_forward(builder, scales, loop)))
         if loop.gradient is not None:
-            keys = {**_keys(loop.matmuls, backward=True), **forward_keys}
-            gradient_keys = set(_keys(loop.matmuls, backward=True))
-            _thread(program, step_writer, threaded, loop.gradient, loop.gradient_body, loop.gradient_cond, keys,
-                    state, lambda builder, args: _quantize_backward(builder, args, loop), record=gradient_keys)
+            gradient_keys = _keys(loop.matmuls, backward=True)
+            _thread(program, step_writer, threaded, state, _LoopToThread(
+                loop.gradient, loop.gradient_body, loop.gradient_cond, {**gradient_keys, **forward_keys},
+                frozenset(gradient_keys), lambda builder, scales: _quantize_backward(builder, scales, loop)))
     return threaded
 
 
@@ -243,12 +274,12 @@ def _keys(matmuls: tuple[Matmul, ...], backward: bool) -> dict[str, Format]:
     return {m.key(index): E4M3 for m in matmuls for index in (0, 1)}
 
 
-def _thread(program: Program, step_writer: _TrainingBuilder, threaded: Threaded, node_name: str, body: str,
-            cond: str, keys: Mapping[str, Format], state: Mapping[str, State],
-            quantize: Callable[[_TrainingBuilder, Mapping[str, str]], dict[str, Reason]], record: set[str]) -> None:
-    """Loop ``node_name`` gains a given scale and an amax per key with a state; its body quantizes
-    with them (``quantize``); the amax outputs of the keys to ``record`` go to the step's update."""
-    keys = {key: fmt for key, fmt in keys.items() if key in state}
+def _thread(program: Program, step_writer: ChainBuilder, threaded: _Threaded, state: Mapping[str, State],
+            loop: _LoopToThread) -> None:
+    """``loop``'s node gains a given scale and an amax per key with a state; its body quantizes
+    with them (``loop.quantize``); the amax outputs of the keys to ``loop.record`` go to the step's update."""
+    keys = [key for key in loop.keys if key in state]
+    node_name, body, cond, record = loop.node, loop.body, loop.cond, loop.record
     loop_node = step_writer.nodes[node_name]
     first = len(loop_node.attr["T"].list.type)
     device = loop_node.device
@@ -259,8 +290,8 @@ def _thread(program: Program, step_writer: _TrainingBuilder, threaded: Threaded,
     _add_loop_variables(loop_node, 2 * len(keys))
     body_graph = _copy(program.item(body))
     arguments = _add_arguments(body_graph, first, [name for key in keys for name in (f"{key}:scale", f"{key}:amax")])
-    builder = _TrainingBuilder(body_graph, {node.name: node for node in body_graph.node}, 1)
-    threaded.reasons[body] = quantize(builder, {key: arguments[f"{key}:scale"] for key in keys})
+    builder = ChainBuilder(body_graph, {node.name: node for node in body_graph.node}, 1)
+    threaded.reasons[body] = loop.quantize(builder, {key: arguments[f"{key}:scale"] for key in keys})
     outputs = []
     for key in keys:
         outputs.append(arguments[f"{key}:scale"])
@@ -278,12 +309,12 @@ def _thread(program: Program, step_writer: _TrainingBuilder, threaded: Threaded,
                                                                 device))
 
 
-def _quantize_forward(builder: _TrainingBuilder, scales: Mapping[str, str], loop: Loop) -> dict[str, Reason]:
+def _quantize_forward(builder: ChainBuilder, scales: Mapping[str, str], loop: Loop) -> dict[str, Reason]:
     reasons = {}
     for matmul in loop.matmuls:
         node = builder.nodes.get(matmul.node)
         dtype = node.attr["T"].type if node is not None else None
-        if dtype not in _EXPONENTS:
+        if dtype not in BASE_DTYPES:
             continue
         for index in (0, 1):
             node.input[index] = builder.chain(matmul.key(index), E4M3, node.input[index], dtype, None,
@@ -294,13 +325,13 @@ def _quantize_forward(builder: _TrainingBuilder, scales: Mapping[str, str], loop
     return reasons
 
 
-def _quantize_backward(builder: _TrainingBuilder, scales: Mapping[str, str], loop: Loop) -> dict[str, Reason]:
+def _quantize_backward(builder: ChainBuilder, scales: Mapping[str, str], loop: Loop) -> dict[str, Reason]:
     reasons = {}
     for matmul in loop.matmuls:
         for backward in matmul.backward:
             node = builder.nodes[backward.node]
             dtype = node.attr["T"].type
-            if dtype not in _EXPONENTS:
+            if dtype not in BASE_DTYPES:
                 continue
             forward_key, gradient_key = matmul.key(backward.forward_input), matmul.key(None)
             node.input[backward.operand_position] = builder.chain(
@@ -313,7 +344,7 @@ def _quantize_backward(builder: _TrainingBuilder, scales: Mapping[str, str], loo
     return reasons
 
 
-def _iteration_amax(builder: _TrainingBuilder, key: str, entering: str) -> str:
+def _iteration_amax(builder: ChainBuilder, key: str, entering: str) -> str:
     """The largest of ``entering`` (the loop variable) and this iteration's amax of ``key``; a
     non-finite amax as +Inf, so that the step's update does not record it."""
     f32 = types_pb2.DT_FLOAT
@@ -337,20 +368,16 @@ def _add_loop_variables(loop_node: node_def_pb2.NodeDef, count: int) -> None:
 
 def _add_arguments(body: graph_pb2.GraphDef, first: int, names: list[str]) -> dict[str, str]:
     """``_Arg`` nodes ``first``, ``first + 1``, … (float32) for ``names``; returns name -> node."""
-    nodes = {}
-    for offset, name in enumerate(names):
-        node = body.node.add(name=f"amp_float8_arg_{first + offset}", op="_Arg")
-        node.attr["T"].type = types_pb2.DT_FLOAT
-        node.attr["index"].i = first + offset
-        nodes[name] = node.name
-    return nodes
+    return {name: make_node_def("_Arg", f"amp_float8_arg_{index}", into=body.node, T=types_pb2.DT_FLOAT,
+                                index=index).name
+            for index, name in enumerate(names, start=first)}
 
 
 def _add_outputs(body: graph_pb2.GraphDef, first: int, tensors: list[str]) -> None:
-    for offset, tensor in enumerate(tensors):
-        node = body.node.add(name=f"amp_float8_out_{first + offset}{RETVAL_SUFFIX}", op="_Retval", input=[tensor])
-        node.attr["T"].type = types_pb2.DT_FLOAT
-        node.attr["index"].i = first + offset
+    """``_Retval`` nodes ``first``, ``first + 1``, … (float32) returning ``tensors``."""
+    for index, tensor in enumerate(tensors, start=first):
+        make_node_def("_Retval", f"amp_float8_out_{index}{RETVAL_SUFFIX}", [tensor], into=body.node,
+                      T=types_pb2.DT_FLOAT, index=index)
 
 
 def _function(program: Program, name: str, body: graph_pb2.GraphDef, count: int,
@@ -376,19 +403,19 @@ def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
 
 
 def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report, function: str, plan: Plan,
-                            state: Mapping[str, State], history_length: int, workers: Workers | None = None,
+                            state: Mapping[str, State], history_length: int, *, workers: Workers | None = None,
                             loops: tuple[Loop, ...] = ()) -> tuple[graph_pb2.GraphDef, Report]:
-    """``float8_training.quantize_training_step`` on one item of a rewrite's output (``function``: a
-    library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``thread_loops``),
+    """``training.quantize_training_step`` on one item of a rewrite's output (``function``: a
+    library function's name, or ``MAIN_GRAPH``) and, in a function, its ``loops`` (``_thread_loops``),
     with the report's reasons and counts for each item."""
     program = program_of(result_graph_def)
     step, functions, item_reasons, loop_amaxes = program.item(function), {}, {}, {}
     if loops and function != MAIN_GRAPH:
-        threaded = thread_loops(program, step, loops, state, history_length)
+        threaded = _thread_loops(program, step, loops, state, history_length)
         step, functions, item_reasons, loop_amaxes = (threaded.step, threaded.functions, threaded.reasons,
                                                       threaded.amaxes)
-    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers,
-                                                            function != MAIN_GRAPH, loop_amaxes)
+    body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers=workers,
+                                                            in_function=function != MAIN_GRAPH, loop_amaxes=loop_amaxes)
     item_reasons[function] = reasons
     output = graph_pb2.GraphDef()
     output.CopyFrom(result_graph_def)

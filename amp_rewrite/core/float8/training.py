@@ -42,41 +42,28 @@ from typing import Any
 
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
-from amp_rewrite.core import float8
 from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
+from amp_rewrite.core.float8.formats import E4M3, E5M2, EXACT_POWERS, MATMUL_OPS, Format
+from amp_rewrite.core.float8.nodes import NodeWriter, origin
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
 
 
-@dataclass(frozen=True)
-class Format:
-    """One float8 format: its name, DataType and largest finite value."""
-
-    name: str
-    dtype: int
-    max: float
-
-
-E4M3 = Format("float8_e4m3fn", types_pb2.DT_FLOAT8_E4M3FN, float8.FLOAT8_MAX)  # weights and activations
-E5M2 = Format("float8_e5m2", types_pb2.DT_FLOAT8_E5M2, 57344.0)  # gradients: 5 exponent bits, Inf exists
-
 STATE_SCOPE = "amp_rewrite_float8"  # the state's read nodes and every node of the chains live under it
 HISTORY, SCALE = "amax_history", "scale"
-# Exponents e such that 1/scale = 2**-e is exact in the matmul's dtype (the scale itself is
-# applied in float32): float16 holds 2**-24 (subnormal) to 2**15, bfloat16 float32's normal range.
-_EXPONENTS = {types_pb2.DT_HALF: (-15, 24), types_pb2.DT_BFLOAT16: (-126, 126)}
+BASE_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})  # the base rewrite's: what is quantized
 # The backward ops of each forward op, and which of their inputs are the two matmul operands.
-_BACKWARD_OPS = {
+BACKWARD_OPS = {
     "MatMul": frozenset({"MatMul"}),
     "BatchMatMul": frozenset({"BatchMatMul", "BatchMatMulV2", "MatMul"}),
     "BatchMatMulV2": frozenset({"BatchMatMul", "BatchMatMulV2", "MatMul"}),
     "Einsum": frozenset({"Einsum"}),
     "Conv2D": frozenset({"Conv2DBackpropInput", "Conv2DBackpropFilter"}),
 }
-_OPERAND_POSITIONS = {"MatMul": (0, 1), "BatchMatMul": (0, 1), "BatchMatMulV2": (0, 1), "Einsum": (0, 1),
-                      "Conv2DBackpropInput": (1, 2), "Conv2DBackpropFilter": (0, 2)}
+OPERAND_POSITIONS = {"MatMul": (0, 1), "BatchMatMul": (0, 1), "BatchMatMulV2": (0, 1), "Einsum": (0, 1),
+                     "Conv2DBackpropInput": (1, 2), "Conv2DBackpropFilter": (0, 2)}
 # The name scope TensorFlow opens for an op's gradient: GradientTape's, tf.gradients' (and its _N).
 _GRADIENT_ROOT = re.compile(r"(?:^|/)(?:gradient_tape|gradients(?:_\d+)?)/")
 _UNIQUIFIED = re.compile(r"_\d+$")  # the suffix TensorFlow gives a name taken in its scope
@@ -184,21 +171,21 @@ def find_matmuls(graph_def: graph_pb2.GraphDef, converted: Collection[str]) -> P
     kept: dict[str, str] = {}
     for node in graph_def.node:
         operand_tensors = data_inputs(node)
-        if (node.op not in float8.MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
-                or len(operand_tensors) != float8.MATMUL_OPS[node.op]):
+        if (node.op not in MATMUL_OPS or node.name not in converted or in_gradient_scope(node.name)
+                or len(operand_tensors) != MATMUL_OPS[node.op]):
             continue
         constants = [tensor for tensor in operand_tensors
-                     if float8.origin(nodes, parse_tensor_name(tensor).node).op == "Const"]
+                     if origin(nodes, parse_tensor_name(tensor).node).op == "Const"]
         if constants:
             kept[node.name] = (f"stays in the base precision: Const operand {constants[0]!r} is folded before XLA"
                                " sees it, so FP8 would add its error without an FP8 GEMM")
             continue
-        first, second = map(_canonical, operand_tensors)
+        first, second = (tensor_name(*parse_tensor_name(tensor)) for tensor in operand_tensors)
         forward[node.name] = Matmul(node.name, node.op, (first, second),
                                     weight=next((index for index, _ in weight_of(nodes, operand_tensors)), None))
     backward: dict[str, list[Backward]] = {}
     for node in graph_def.node:
-        if node.op in _OPERAND_POSITIONS and in_gradient_scope(node.name):
+        if node.op in OPERAND_POSITIONS and in_gradient_scope(node.name):
             found = _forward_of(node, forward)
             if found is not None:
                 backward.setdefault(found[0], []).append(found[1])
@@ -212,7 +199,7 @@ def weight_of(nodes: Mapping[str, node_def_pb2.NodeDef], inputs: Iterable[str]) 
     variable's handle comes from: ``variable_handle``)."""
     found = []
     for index, tensor in enumerate(inputs):
-        source = float8.origin(nodes, parse_tensor_name(tensor).node)
+        source = origin(nodes, parse_tensor_name(tensor).node)
         if source.op == "ReadVariableOp":
             handle = variable_handle(nodes, source.input[0])
         else:
@@ -225,7 +212,7 @@ def weight_of(nodes: Mapping[str, node_def_pb2.NodeDef], inputs: Iterable[str]) 
 def variable_handle(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> str | None:
     """The node resource ``tensor`` comes from, through ops that only move values, if it is a
     variable's: ``VarHandleOp`` (a TF1 graph), or a function's resource input (a captured variable)."""
-    source = float8.origin(nodes, parse_tensor_name(tensor).node)
+    source = origin(nodes, parse_tensor_name(tensor).node)
     if source.op in _VARIABLE_HANDLES and (source.op not in ("Placeholder", "_Arg") or _is_resource(source)):
         return source.name
     return None
@@ -236,20 +223,15 @@ def _is_resource(node: node_def_pb2.NodeDef) -> bool:
     return any(name in node.attr and node.attr[name].type == types_pb2.DT_RESOURCE for name in ("dtype", "T"))
 
 
-def _canonical(tensor: str) -> str:
-    ref = parse_tensor_name(tensor)
-    return f"{ref.node}:{ref.port}"
-
-
 def _forward_of(node: node_def_pb2.NodeDef, forward: Mapping[str, Matmul]) -> tuple[str, Backward] | None:
     """The forward matmul whose gradient ``node`` computes, and how it reads it; None if none."""
-    positions = _OPERAND_POSITIONS[node.op]
+    positions = OPERAND_POSITIONS[node.op]
     if len(node.input) <= max(positions):
         return None
-    operands = [_canonical(node.input[position]) for position in positions]
+    operands = [tensor_name(*parse_tensor_name(node.input[position])) for position in positions]
     for name in forward_names(node.name):
         matmul = forward.get(name)
-        if matmul is None or node.op not in _BACKWARD_OPS[matmul.op]:
+        if matmul is None or node.op not in BACKWARD_OPS[matmul.op]:
             continue
         shared = [(index, matmul.inputs.index(tensor)) for index, tensor in enumerate(operands)
                   if tensor in matmul.inputs]
@@ -280,7 +262,7 @@ def converted_nodes(report: Report, function: str = MAIN_GRAPH) -> frozenset[str
 
 
 def quantize_training_step(
-    graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int,
+    graph_def: graph_pb2.GraphDef, plan: Plan, state: Mapping[str, State], history_length: int, *,
     workers: Workers | None = None, in_function: bool = False, loop_amaxes: Mapping[str, Sequence[Any]] = {},
 ) -> tuple[graph_pb2.GraphDef, dict[str, Reason], list[str]]:
     """One item after the base rewrite, with the chains of ``plan``'s matmuls (the module doc).
@@ -297,11 +279,11 @@ def quantize_training_step(
     trains. Returns the new GraphDef, the reason of each quantized matmul and those updates;
     ``graph_def`` is not modified. ``workers``: the amaxes are the largest of every worker's
     (``Workers``). ``loop_amaxes``: key -> the loops' outputs holding its amax over their
-    iterations (``float8_loops.LoopAmax``), recorded with the key's chains here."""
+    iterations (``loops.LoopAmax``), recorded with the key's chains here."""
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
-    builder = _TrainingBuilder(output, nodes, history_length)
+    builder = ChainBuilder(output, nodes, history_length)
     reasons: dict[str, Reason] = {}
     consumers: list[tuple[list[node_def_pb2.NodeDef], list[str]]] = []
     for matmul in plan.matmuls:  # every chain first: an update takes the amax of all chains of its key
@@ -325,14 +307,14 @@ def quantize_training_step(
     return output, reasons, control_outputs
 
 
-def _quantize_matmul(builder: _TrainingBuilder, nodes: dict[str, node_def_pb2.NodeDef], matmul: Matmul,
+def _quantize_matmul(builder: ChainBuilder, nodes: dict[str, node_def_pb2.NodeDef], matmul: Matmul,
                      state: Mapping[str, State],
                      reasons: dict[str, Reason]) -> tuple[list[node_def_pb2.NodeDef], list[str]] | None:
     """The chains of one forward matmul and its backward ones; returns the nodes its updates must
     precede and the keys it records, or None where the base rewrite left it alone."""
     node = nodes.get(matmul.node)
     dtype = node.attr["T"].type if node is not None else None
-    if dtype not in _EXPONENTS:
+    if dtype not in BASE_DTYPES:
         return None
     chains = [builder.chain(matmul.key(index), E4M3, node.input[index], dtype, state.get(matmul.key(index)))
               for index in (0, 1)]
@@ -359,7 +341,7 @@ def _quantize_matmul(builder: _TrainingBuilder, nodes: dict[str, node_def_pb2.No
     return quantized_backward or [node], keys
 
 
-class _TrainingBuilder(float8.NodeWriter):
+class ChainBuilder(NodeWriter):
     """The chains and updates of one item, named under ``STATE_SCOPE/<key>``: one chain per
     (key, tensor), shared by every matmul that reads it with that key; one update per key."""
 
@@ -378,8 +360,8 @@ class _TrainingBuilder(float8.NodeWriter):
         """The dequantized ``tensor`` (an input of a matmul of ``dtype``), quantized with ``key``'s
         scale: the state's once its history has seen an amax, else (or without a state) one from
         the tensor's own amax. ``given``: instead of a state, a float32 scalar holding the scale
-        where it is > 0 (a loop body's, ``float8_loops``)."""
-        tensor = _canonical(tensor)
+        where it is > 0 (a loop body's, ``loops``)."""
+        tensor = tensor_name(*parse_tensor_name(tensor))
         if (key, tensor) in self.chains:
             return self.chains[(key, tensor)]
         amaxes = self.amaxes.setdefault(key, [])
@@ -387,7 +369,7 @@ class _TrainingBuilder(float8.NodeWriter):
         device = self.nodes[parse_tensor_name(tensor).node].device
         self.formats[key] = (fmt, dtype, device)
         f32 = types_pb2.DT_FLOAT
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        add = self.under(base, device)
         source = _float32_source(self.nodes, tensor)
         if source is None:
             source = add("float32", "Cast", [tensor], SrcT=dtype, DstT=f32, Truncate=False)
@@ -424,14 +406,16 @@ class _TrainingBuilder(float8.NodeWriter):
         return base
 
     def _power_of_two(self, base: str, amax: str, fmt: Format, dtype: int, device: str) -> str:
-        """``2**floor(log2(fmt.max / amax))`` within ``_EXPONENTS[dtype]``, a float32 scalar."""
+        """``2**floor(log2(fmt.max / amax))``, a float32 scalar, within the exponents whose
+        ``1/scale`` is exact in ``dtype`` (the chain applies the scale itself in float32)."""
         f32 = types_pb2.DT_FLOAT
-        exponent = self.exponent(base, amax, fmt.max, _EXPONENTS[dtype], device)
+        lowest, highest = EXACT_POWERS[dtype]  # 1/scale = 2**-e
+        exponent = self.exponent(base, amax, fmt.max, (-highest, -lowest), device)
         return self.add(f"{base}/scale", "Pow", [self.const(f"{base}/two", 2.0, f32, device), exponent], device,
                         {"T": f32})
 
     def _unscale(self, base: str, scale: str, dtype: int, device: str) -> str:
-        """``base/unscale``: ``1/scale`` in ``dtype`` (exact: a power of two within ``_EXPONENTS``)."""
+        """``base/unscale``: ``1/scale`` in ``dtype`` (exact: ``_power_of_two`` keeps it in ``EXACT_POWERS``)."""
         name = f"{base}/unscale"
         if name not in self.nodes:
             f32 = types_pb2.DT_FLOAT
@@ -457,7 +441,7 @@ class _TrainingBuilder(float8.NodeWriter):
         f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
         device = self.formats[keys[0]][2]
         base = f"{STATE_SCOPE}/workers"
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        add = self.under(base, device)
         infinity = self.const(f"{base}/infinity", float("inf"), f32, device)
         finite = []
         for index, key in enumerate(keys):
@@ -485,7 +469,7 @@ class _TrainingBuilder(float8.NodeWriter):
         fmt, dtype, device = self.formats[key]
         f32, i32 = types_pb2.DT_FLOAT, types_pb2.DT_INT32
         base = f"{STATE_SCOPE}/{key}/update"
-        add = lambda step, op, inputs, **attrs: self.add(f"{base}/{step}", op, inputs, device, attrs)
+        add = self.under(base, device)
         amax = self.reduced.get(key) or self.local_amax(key)
         history = f"{state.history}:0"
         entry = add("entry", "Reshape", [amax, self.const(f"{base}/entry_shape", [1], i32, device)], T=f32, Tshape=i32)
@@ -521,7 +505,7 @@ def _float32_source(nodes: Mapping[str, node_def_pb2.NodeDef], tensor: str) -> s
     node = nodes[ref.node]
     if not is_amp_cast(node) or node.attr["SrcT"].type != types_pb2.DT_FLOAT:
         return None
-    return _canonical(node.input[0])
+    return tensor_name(*parse_tensor_name(node.input[0]))
 
 
 def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]], history_length: int,
@@ -533,7 +517,7 @@ def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]],
     output = graph_pb2.GraphDef()
     output.CopyFrom(graph_def)
     nodes = {node.name: node for node in output.node}
-    writer = float8.NodeWriter(output, nodes)
+    writer = NodeWriter(output, nodes)
     f32 = types_pb2.DT_FLOAT
     state, initializers = {}, []
     for key, _ in keys:
