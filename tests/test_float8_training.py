@@ -297,7 +297,7 @@ def test_history_length_without_float8_is_refused():
 
 
 def test_refused_before_tensorflow_2_18(monkeypatch):
-    X
+    monkeypatch.setattr(tf.version, "VERSION", "2.17.1")  # what _tf.tensorflow_version reads
     with pytest.raises(AmpRewriteError, match=r"needs TensorFlow 2\.18 or newer: TensorFlow 2\.17\.1") as caught:
         amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.1), target="float8")
     assert "\n" not in str(caught.value)
