@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -42,14 +42,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
             return EXIT_VALIDATION
     tuning, result, lists = tune(args, model, lists, result, progress)
     written_model, result, stored = store_weights(args, model, result)
-    feeds = None
-    if args.validate or args.inputs:
-        if model.kind == "graphdef" and not validate.compared_outputs(model):
-            raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
-                                  " name them with --fetch NAME[:PORT]")
-        feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
-        validate.check_fits(model, _weights_bytes(model))
-        say(args, *[f"Note: {note}" for note in notes])
+    feeds = _validation_feeds(args, model)
     for leftover in staging.remove_leftovers(args.dst):
         say(args, f"Removed {leftover}, left by an interrupted run")
     if model.is_tf_keras:
@@ -58,46 +51,69 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
               " tf.saved_model.load or serve it", file=sys.stderr)
     if args.dump:
         write_model_dump(args, progress, args.dump, model, result, lists, notes=weights_lines(stored))
-    failures: list[int] = []  # outputs over tolerance, once validated
-
-    def accept(staged: Path) -> bool:
-        progress("validating")
-        failures.append(_validate(args, model, result, staged, feeds))
-        progress.done()
-        return not failures[0] or args.keep_failed
-
+    acceptance = _Acceptance(args=args, model=model, result=result, feeds=feeds, tuning=tuning, progress=progress)
     progress("writing")
     with _checkpoint(args, model, stored) as variables:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
-                              accept=_speed_checked(args, tuning, progress, accept if feeds is not None else None),
-                              variables=variables)
+                              accept=acceptance if acceptance.checks else None, variables=variables)
     progress.done()
     say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
     if written:
         say(args, f"Wrote {args.dst}")
-    if failures and failures[0]:
+    if acceptance.failed:
         what = (f"{args.dst} was written anyway (--keep-failed)" if written
                 else f"nothing was written to {args.dst} (--keep-failed writes it anyway)")
-        print(f"amp-rewrite: validation failed for {failures[0]} output(s); see above; {what}", file=sys.stderr)
+        print(f"amp-rewrite: validation failed for {acceptance.failed} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
 
 
-def _speed_checked(args: argparse.Namespace, tuning: speed.Tuning | None, progress: Progress,
-                   accept: Callable[[Path], bool] | None) -> Callable[[Path], bool] | None:
-    """``accept`` (validation), then with --tune the speed check of what it accepted."""
-    if tuning is None:
-        return accept
+def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:
+    """The inputs --validate (random) or --inputs (the file's) feeds to SRC and the result,
+    once the model is known to fit in memory twice; None without either option."""
+    if not (args.validate or args.inputs):
+        return None
+    if model.kind == "graphdef" and not validate.compared_outputs(model):
+        raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
+                              " name them with --fetch NAME[:PORT]")
+    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+    validate.check_fits(model, _weights_bytes(model))
+    say(args, *[f"Note: {note}" for note in notes])
+    return feeds
 
-    def checked(staged: Path) -> bool:
-        if accept is not None and not accept(staged):
-            return False
-        _check_speed(args, tuning, staged, progress)
+
+@dataclass(kw_only=True)
+class _Acceptance:
+    """What ``write_model`` asks of the staged copy before it moves into place: validation
+    (where there are feeds), then with --tune the speed check. It keeps how many outputs
+    validation found over tolerance, for the run's last line."""
+
+    args: argparse.Namespace
+    model: Model
+    result: RewriteResult
+    feeds: validate.Feeds | None  # None: no validation
+    tuning: speed.Tuning | None   # None: no --tune
+    progress: Progress
+    failed: int = 0  # outputs over tolerance, once validated
+
+    @property
+    def checks(self) -> bool:
+        return self.feeds is not None or self.tuning is not None
+
+    def __call__(self, staged: Path) -> bool:
+        if self.feeds is not None:
+            self.progress("validating")
+            self.failed = _validate(self.args, self.model, self.result, staged, self.feeds)
+            self.progress.done()
+            if self.failed and not self.args.keep_failed:
+                return False
+        if self.tuning is not None:
+            _check_speed(self.args, self.tuning, staged, self.progress)
         return True
-    return checked
 
 
-def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path, feeds: Any) -> int:
+def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path,
+              feeds: validate.Feeds) -> int:
     """Compare the source with the staged copy and print each output's error; returns how
     many outputs are over tolerance."""
     random = args.inputs is None
