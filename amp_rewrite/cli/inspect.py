@@ -10,8 +10,8 @@ from typing import Any
 from amp_rewrite.calibration.savedmodel import plumbing_kinds
 from amp_rewrite.cli.options import EXIT_OK, Progress
 from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, headline, read_and_rewrite, store_weights, weights_lines
-from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.float8 import amp_source
+from amp_rewrite.core.graph_io import data_inputs
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rewrite import RewriteResult
@@ -112,29 +112,18 @@ def tensor_core_hints(result: RewriteResult) -> list[str]:
     for item in sorted({function for function, _ in converted}):
         graph_def = program.item(item)
         shapes = _static_shapes(graph_def, None if item == MAIN_GRAPH else program.library[item])
+        nodes = {node.name: node for node in graph_def.node}
         for node in graph_def.node:
             if node.op not in TENSOR_CORE_OPS or (item, node.name) not in converted:
                 continue
             dims = []
-            for tensor in node.input[:2]:
-                source = _through_casts(graph_def, tensor)
-                producer, _, port = source.partition(":")
-                output_shapes = shapes.get(producer, [])
-                index = int(port) if port.isdigit() else 0
-                if index < len(output_shapes) and output_shapes[index]:
-                    dims.append(output_shapes[index][-1])  # channels / features / inner dim
+            for tensor in data_inputs(node)[:2]:
+                source = amp_source(nodes, tensor)
+                output_shapes = shapes.get(source.node, [])
+                if source.port < len(output_shapes) and output_shapes[source.port]:
+                    dims.append(output_shapes[source.port][-1])  # channels / features / inner dim
             odd = [d for d in dims if d > 0 and d % 8]
             if odd:
                 where = f"{item}: " if item else ""
                 hints.append(f"{where}{node.name} ({node.op}): dims {odd} are not multiples of 8")
     return hints
-
-
-def _through_casts(graph_def: Any, tensor: str) -> str:
-    """The tensor behind the rewrite's own casts that ``tensor`` names (itself where it is none)."""
-    nodes = {n.name: n for n in graph_def.node}
-    name = parse_tensor_name(tensor).node
-    while name in nodes and is_amp_cast(nodes[name]):
-        tensor = nodes[name].input[0]
-        name = parse_tensor_name(tensor).node
-    return tensor
