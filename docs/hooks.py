@@ -63,7 +63,7 @@ def _option_row(action: argparse.Action) -> tuple[str, ...]:
 
 def cli_options(_arg: str = "") -> str:
     """Every subcommand of ``amp-rewrite`` with its usage line and a row per option."""
-    from amp_rewrite.cli.command import build_parser
+    from amp_rewrite.cli.options import build_parser
 
     parser = build_parser()
     parts = []
@@ -89,7 +89,7 @@ def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
 
 def exit_codes(_arg: str = "") -> str:
     """The ``exit codes:`` section of ``amp-rewrite --help`` (and each command's), as a table."""
-    from amp_rewrite.cli.command import EXIT_CODES
+    from amp_rewrite.cli.options import EXIT_CODES
 
     section = EXIT_CODES.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]
     rows = [tuple(line.strip().split(None, 1)) for line in section.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from amp_rewrite.cli import command as cli
+from amp_rewrite import cli
 
 import calibration_models
 from calibration_models import HELD_OUT_SEED, MODEL_NAMES, inputs, save_inputs, save_model

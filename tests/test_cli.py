@@ -30,8 +30,9 @@ from tensorflow.core.framework import function_pb2, graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 import amp_rewrite
+from amp_rewrite import cli
 from amp_rewrite.calibration import savedmodel, staging
-from amp_rewrite.cli import command as cli
+from amp_rewrite.cli import options
 from amp_rewrite.errors import tensorflow_cause
 
 from cli_models import (
@@ -1228,7 +1229,7 @@ def test_parser_targets_are_the_targets() -> None:
     float8 (built on float16's colouring) included."""
     from amp_rewrite.core.target import NAME_TO_QUANTIZED_TARGET
 
-    assert cli.TARGET_NAMES == (*amp_rewrite.TARGETS, *NAME_TO_QUANTIZED_TARGET)
+    assert options.TARGET_NAMES == (*amp_rewrite.TARGETS, *NAME_TO_QUANTIZED_TARGET)
 
 
 @pytest.mark.parametrize("args, mention", [

@@ -15,13 +15,13 @@ import pytest
 
 import amp_rewrite
 from amp_rewrite.calibration import savedmodel
-from amp_rewrite.cli import command as cli
+from amp_rewrite.cli import options, steps
 from amp_rewrite.errors import GraphError, closest_names
 
 from cli_models import graph_def_with_deny_path, save_module, write_graph_def
 from test_cli import assert_ok, error_line, listing, run_cli
 
-COMMANDS = tuple(cli.COMMANDS)
+COMMANDS = options.COMMANDS
 READ_ONLY = ("calibrate", "inspect", "explain", "dump")  # they write no model
 
 
@@ -51,7 +51,7 @@ def test_each_command_has_a_one_line_description_and_examples_of_itself(command:
     examples = examples_of(text)
     assert any(line.startswith(f"amp-rewrite {command} ") for line in examples), examples
     for line in examples:
-        cli.build_parser().parse_args(shlex.split(line)[1:])  # a usage error exits 2: the test fails
+        options.build_parser().parse_args(shlex.split(line)[1:])  # a usage error exits 2: the test fails
     listed = " ".join(help_of().split())
     assert " ".join(description.rstrip(".").split()).lower() in listed.lower()
 
@@ -63,7 +63,7 @@ def test_convert_help_is_about_convert() -> None:
     commands = [line.strip() for line in text.splitlines() if line.startswith("  amp-rewrite ")]
     assert commands and all(line.startswith("amp-rewrite convert ") for line in commands), commands
     assert text.count("examples:") == 1, text
-    assert cli.DESCRIPTION not in text and "weights:" in text and "exit codes:" in text
+    assert options.DESCRIPTION not in text and "weights:" in text and "exit codes:" in text
     assert "--float32-weights" in text and "--calibrate" in text
 
 
@@ -99,14 +99,14 @@ def test_calibrate_before_the_paths_says_it_took_the_model_for_its_value(tmp_pat
 
 
 @pytest.mark.parametrize("argv, value", [
-    (["--calibrate", "random"], cli.RANDOM_INPUTS),
-    (["--calibrate"], cli.RANDOM_INPUTS),                       # as before: nothing follows
-    (["--calibrate", "--quiet"], cli.RANDOM_INPUTS),            # as before: an option follows
+    (["--calibrate", "random"], options.RANDOM_INPUTS),
+    (["--calibrate"], options.RANDOM_INPUTS),                   # as before: nothing follows
+    (["--calibrate", "--quiet"], options.RANDOM_INPUTS),        # as before: an option follows
     (["--calibrate", "calib.npz"], Path("calib.npz")),
     (["--calibrate=calib.npz"], Path("calib.npz")),
 ], ids=["random", "bare-last", "bare-before-option", "file", "file-with-equals"])
 def test_calibrate_value_forms(argv: list[str], value: Path) -> None:
-    args = cli.build_parser().parse_args(cli._with_calibrate_value(["convert", "src", "dst", *argv]))
+    args = options.build_parser().parse_args(options.with_calibrate_value(["convert", "src", "dst", *argv]))
     assert (args.src, args.dst, args.calibrate) == (Path("src"), Path("dst"), value)
 
 
@@ -245,4 +245,4 @@ def test_float16_on_a_bfloat16_model_is_refused_saying_what_to_do(tmp_path: Path
 
 def test_a_float32_model_is_not_already_mixed(module_model: Path) -> None:
     graph_def = savedmodel.read_model(module_model).graph_def
-    assert cli.already_low(graph_def, amp_rewrite.load_lists("float16")) == {}
+    assert steps.already_low(graph_def, amp_rewrite.load_lists("float16")) == {}

@@ -274,7 +274,7 @@ def test_cli_reference_has_every_subcommand_and_option() -> None:
     """Each option string of each subcommand's parser (but --help) appears in the generated reference."""
     import argparse
 
-    from amp_rewrite.cli.command import build_parser
+    from amp_rewrite.cli.options import build_parser
 
     hooks = _hooks()
     page = hooks.cli_options()
@@ -291,7 +291,7 @@ def test_cli_reference_has_every_subcommand_and_option() -> None:
 
 def test_exit_codes_page_is_the_help_text() -> None:
     """Every code the command's help lists is one row, with its meaning."""
-    from amp_rewrite.cli.command import EXIT_CODES
+    from amp_rewrite.cli.options import EXIT_CODES
 
     table = _hooks().exit_codes()
     section = EXIT_CODES.split("exit codes:\n", 1)[1].split("\n\n", 1)[0]

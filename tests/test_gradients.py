@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
-from amp_rewrite.cli import command
+from amp_rewrite import cli
 from amp_rewrite.calibration.savedmodel import custom_gradient_nodes
 
 from conftest import TARGET_TO_TOLERANCE, TARGETS
@@ -109,7 +109,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def convert(source: Path, destination: Path, *args: str) -> None:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = command.main(["convert", str(source), str(destination), *args])
+        code = cli.main(["convert", str(source), str(destination), *args])
     assert code == 0, err.getvalue()
 
 

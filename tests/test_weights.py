@@ -814,19 +814,20 @@ def test_a_big_checkpoint_shows_a_progress_bar_on_a_terminal_and_none_with_quiet
     """Rule: on a terminal, writing a large checkpoint shows a bar over its bytes; --quiet shows none."""
     import io
 
-    from amp_rewrite.cli import command
+    from amp_rewrite import cli
+    from amp_rewrite.cli import convert
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+    monkeypatch.setattr(convert, "PROGRESS_BYTES", 1)
     for name, flags in (("shown", ()), ("quiet", ("--quiet",))):
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
-        code = command.main(["convert", str(streamed), str(tmp_path / name), "--target", "bfloat16", *flags])
+        code = cli.main(["convert", str(streamed), str(tmp_path / name), "--target", "bfloat16", *flags])
         monkeypatch.undo()
-        monkeypatch.setattr(command, "PROGRESS_BYTES", 1)
+        monkeypatch.setattr(convert, "PROGRESS_BYTES", 1)
         assert code == 0
         bar = [part for part in terminal.getvalue().split("\r") if "writing the checkpoint" in part]
         if flags:

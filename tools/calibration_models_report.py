@@ -51,7 +51,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite import _tf
-from amp_rewrite.cli import command as cli
+from amp_rewrite import cli
 from amp_rewrite.core.target import NAME_TO_TARGET
 from amp_rewrite.testing.models import captured_variables
 

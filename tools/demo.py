@@ -19,7 +19,7 @@ silence_native_stderr()
 
 import keras  # noqa: E402
 
-from amp_rewrite.cli import command as cli  # noqa: E402
+from amp_rewrite import cli  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "out" / "demo"
 

@@ -69,7 +69,7 @@ def _exit(signum: int) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: the exit code still says it
             sys.stdout.flush()
         with contextlib.suppress(OSError, ValueError):
-            newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (command._Steps)
+            newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (cli.options.Progress)
             sys.stderr.write(f"{newline}{line}\n")
             sys.stderr.flush()
     finally:

@@ -1,5 +1,6 @@
-"""Write what a rewrite did to a directory, for people: GraphDefs before and after, the
-effective lists, Graphviz drawings, one self-contained HTML report and a TensorBoard log.
+"""``amp-rewrite dump`` (and ``convert --dump``): write what a rewrite did to a directory, for
+people: GraphDefs before and after, the effective lists, Graphviz drawings, one
+self-contained HTML report and a TensorBoard log.
 
 What a dump shows is built once (``build_dump``: one ``DumpItem`` per rewritten item, with
 its decisions, counts and node classes) and rendered from it: pbtxt and DOT text, the HTML
@@ -9,6 +10,7 @@ can be diffed.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 import hashlib
@@ -30,7 +32,11 @@ from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2, node_def_pb2, op_def_pb2
 from tensorflow.core.util import event_pb2
 
+from amp_rewrite.calibration import staging
+from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds
 from amp_rewrite.cli import graph_view
+from amp_rewrite.cli.options import EXIT_OK, Progress, say
+from amp_rewrite.cli.steps import read_and_rewrite, store_weights, summary_lines, weights_lines
 from amp_rewrite.core import casts, graph_io, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -200,6 +206,29 @@ def write_dump(
     written.append(_write(root / "report.html", render_report(dump, stem_to_drawing, stem_to_view)))
     written.append(_write_events(root / "tb" / EVENTS_FILE, dump.graph_def))
     return written
+
+
+def run(args: argparse.Namespace, progress: Progress) -> int:
+    """The command: SRC rewritten (weights stored as convert stores them), summed up, dumped to DIR."""
+    model, result, lists = read_and_rewrite(args, progress)
+    _, result, stored = store_weights(args, model, result)
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
+    write_model_dump(args, progress, args.dir, model, result, lists, notes=weights_lines(stored))
+    return EXIT_OK
+
+
+def write_model_dump(args: argparse.Namespace, progress: Progress, directory: Path, model: Model,
+                     result: RewriteResult, lists: OpLists, *, notes: Sequence[str] = ()) -> None:
+    """``write_dump`` of a command's model, its report's path said; a directory the run made
+    is removed again if it is interrupted."""
+    progress(f"writing the dump to {directory}")
+    existed = directory.exists()  # an interrupt removes a new one; an earlier dump there cannot be put back
+    undo = (lambda: None) if existed else (lambda: shutil.rmtree(directory, ignore_errors=True))
+    with staging.undone_if_interrupted(undo, leaves=f"{directory} holds part of a dump" if existed else ""):
+        write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
+                   plumbing=plumbing_kinds(model), notes=notes)
+    progress.done()
+    say(args, f"Report: {directory.resolve() / 'report.html'}")
 
 
 def _draw(dump: Dump, item: DumpItem, directory: Path, dot_binary: str | None, written: list[Path]) -> Drawing:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import tensorflow as tf
 from google.protobuf import message
 from tensorflow.core.framework import variable_pb2
 from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackable_object_graph_pb2
@@ -46,9 +47,7 @@ def checkpoint_prefix(model: Model) -> Path:
     return model.path / "variables" / "variables"
 
 
-def _reader(model: Model):
-    import tensorflow as tf
-
+def _reader(model: Model) -> Any:
     try:
         return tf.train.load_checkpoint(str(checkpoint_prefix(model)))
     except (tf.errors.OpError, ValueError) as error:
@@ -110,8 +109,6 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
     proto = model.meta_graph.object_graph_def
     if not proto.nodes or not reader.has_tensor(OBJECT_GRAPH_KEY):
         return None, {}  # a TF1 SavedModel: its graph's savers are all there is
-    import tensorflow as tf
-
     try:
         trackable = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor(OBJECT_GRAPH_KEY))
     except (tf.errors.OpError, ValueError, IndexError, message.DecodeError) as error:  # IndexError: bytes missing
@@ -322,8 +319,6 @@ class _Chunks:
 
     def _read(self, piece: _Piece) -> np.ndarray:
         """A whole part through TensorFlow's reader (its crc32c checked), a slice of one from the shard."""
-        import tensorflow as tf
-
         if piece.whole_part:
             try:
                 if not piece.spec:
@@ -343,8 +338,6 @@ class _Chunks:
 
     def _flush(self) -> None:
         """The chunk held: written by ``SaveV2``, its shard appended to ours, its entries moved there."""
-        import tensorflow as tf
-
         if not self.pieces:
             return
         prefix = self.scratch / "chunk"

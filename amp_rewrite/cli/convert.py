@@ -1,0 +1,168 @@
+"""``amp-rewrite convert``: a mixed-precision copy of SRC written to DST. The steps, in order:
+rewrite, calibrate (--calibrate), tune (--tune speed), store the weights in the target dtype,
+plan the validation, write the dump (--dump), then write DST, its staged copy accepted only
+once validated and timed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from amp_rewrite.calibration import speed, staging, validate
+from amp_rewrite.calibration.savedmodel import Model, write_model
+from amp_rewrite.cli.calibrate import calibrate_model
+from amp_rewrite.cli.dump import write_model_dump
+from amp_rewrite.cli.options import EXIT_OK, EXIT_VALIDATION, Progress, say
+from amp_rewrite.cli.steps import read_and_rewrite, store_weights, summary_lines, tune, weights_lines
+from amp_rewrite.cli.weights import LowCheckpoint
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.target import lookup_target
+from amp_rewrite.core.weights import StoredWeights
+from amp_rewrite.errors import AmpRewriteError
+
+PROGRESS_BYTES = 1 << 30  # a checkpoint this large shows a progress bar over the bytes written
+
+
+def run(args: argparse.Namespace, progress: Progress) -> int:
+    """DST written (exit 0); exit 1, nothing written unless --keep-failed, where calibration
+    or validation leaves outputs over tolerance."""
+    model, result, lists = read_and_rewrite(args, progress)
+    if args.calibrate is not None:
+        calibration = calibrate_model(args, model, lists, args.calibrate)
+        result, lists = calibration.result, calibration.lists
+        if calibration.compared and not calibration.ok and not args.keep_failed:
+            print(f"amp-rewrite: calibration left outputs over tolerance; nothing was written to {args.dst}"
+                  " (--keep-failed writes it anyway)", file=sys.stderr)
+            return EXIT_VALIDATION
+    tuning, result, lists = tune(args, model, lists, result, progress)
+    written_model, result, stored = store_weights(args, model, result)
+    feeds = _validation_feeds(args, model)
+    for leftover in staging.remove_leftovers(args.dst):
+        say(args, f"Removed {leftover}, left by an interrupted run")
+    if model.is_tf_keras:
+        print("amp-rewrite: warning: this SavedModel was saved by tf_keras; tf_keras.models.load_model rebuilds its"
+              " float32 layers from keras_metadata.pb and ignores the rewrite; load the result with"
+              " tf.saved_model.load or serve it", file=sys.stderr)
+    if args.dump:
+        write_model_dump(args, progress, args.dump, model, result, lists, notes=weights_lines(stored))
+    acceptance = _Acceptance(args=args, model=model, result=result, feeds=feeds, tuning=tuning, progress=progress)
+    progress("writing")
+    with _checkpoint(args, model, stored) as variables:
+        written = write_model(written_model, result.graph_def, args.dst, force=args.force,
+                              accept=acceptance if acceptance.checks else None, variables=variables)
+    progress.done()
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
+    if written:
+        say(args, f"Wrote {args.dst}")
+    if acceptance.failed:
+        what = (f"{args.dst} was written anyway (--keep-failed)" if written
+                else f"nothing was written to {args.dst} (--keep-failed writes it anyway)")
+        print(f"amp-rewrite: validation failed for {acceptance.failed} output(s); see above; {what}", file=sys.stderr)
+        return EXIT_VALIDATION
+    return EXIT_OK
+
+
+def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:
+    """The inputs --validate (random) or --inputs (the file's) feeds to SRC and the result,
+    once the model is known to fit in memory twice; None without either option."""
+    if not (args.validate or args.inputs):
+        return None
+    if model.kind == "graphdef" and not validate.compared_outputs(model):
+        raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
+                              " name them with --fetch NAME[:PORT]")
+    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+    validate.check_fits(model, _weights_bytes(model))
+    say(args, *[f"Note: {note}" for note in notes])
+    return feeds
+
+
+@dataclass(kw_only=True)
+class _Acceptance:
+    """What ``write_model`` asks of the staged copy before it moves into place: validation
+    (where there are feeds), then with --tune the speed check. It keeps how many outputs
+    validation found over tolerance, for the run's last line."""
+
+    args: argparse.Namespace
+    model: Model
+    result: RewriteResult
+    feeds: validate.Feeds | None  # None: no validation
+    tuning: speed.Tuning | None   # None: no --tune
+    progress: Progress
+    failed: int = 0  # outputs over tolerance, once validated
+
+    @property
+    def checks(self) -> bool:
+        return self.feeds is not None or self.tuning is not None
+
+    def __call__(self, staged: Path) -> bool:
+        if self.feeds is not None:
+            self.progress("validating")
+            self.failed = _validate(self.args, self.model, self.result, staged, self.feeds)
+            self.progress.done()
+            if self.failed and not self.args.keep_failed:
+                return False
+        if self.tuning is not None:
+            _check_speed(self.args, self.tuning, staged, self.progress)
+        return True
+
+
+def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path,
+              feeds: validate.Feeds) -> int:
+    """Compare the source with the staged copy and print each output's error; returns how
+    many outputs are over tolerance."""
+    random = args.inputs is None
+    if model.kind == "savedmodel":
+        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric,
+                                                tf1=not model.meta_graph.object_graph_def.nodes)
+    else:
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
+    target = lookup_target(args.target, quantized=True)
+    runs = 1 if args.inputs else args.validate
+    failed = [e for e in errors if not e.ok(target)]
+    inputs = (f"{runs} run(s) of random inputs, which are not the model's data: a pass or a failure here says"
+              " little about real inputs (pass them with --inputs FILE.npz)" if random else f"{args.inputs}")
+    say(args, f"Validation ({inputs}; {args.metric}, tolerance {target.tolerance:g}):")
+    say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
+                f"max abs {e.max_abs:.3g}, {validate.shown(e.metric)} {e.error:.3g}" for e in errors])
+    return len(failed)
+
+
+def _check_speed(args: argparse.Namespace, tuning: speed.Tuning, staged: Path, progress: Progress) -> None:
+    """The written result against the source at each batch size, in what the budget has left."""
+    progress("timing the result against the source")
+    checks = speed.check_speed(tuning, staged)
+    progress.done()
+    lines = speed.speed_lines(tuning, checks)
+    say(args, lines[0])
+    for line in lines[1:]:  # slower than the source: said even with --quiet
+        print(f"amp-rewrite: warning: {line}", file=sys.stderr)
+
+
+def _weights_bytes(model: Model) -> int:
+    """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
+    if model.kind == "graphdef":
+        return model.graph_def.ByteSize() + (model.left_in_file.size if model.left_in_file is not None else 0)
+    return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
+
+
+@contextlib.contextmanager
+def _checkpoint(args: argparse.Namespace, model: Model, stored: StoredWeights | None) -> Iterator[LowCheckpoint | None]:
+    """The checkpoint ``convert`` writes in place of the source's (None: the source's is copied),
+    with a progress bar over its bytes on a terminal for a model of a GB or more, unless --quiet."""
+    if model.kind != "savedmodel" or stored is None or not stored.low_keys:
+        yield None
+        return
+    checkpoint = LowCheckpoint(model, stored)
+    shown = not args.quiet and sys.stderr.isatty() and checkpoint.size >= PROGRESS_BYTES
+    if shown:
+        print(file=sys.stderr)  # the bar below the open "writing …" line
+    with tqdm(total=checkpoint.size, unit="B", unit_scale=True, desc="amp-rewrite: writing the checkpoint",
+              disable=not shown, file=sys.stderr) as bar:
+        checkpoint.progress = bar.update
+        yield checkpoint

@@ -1,0 +1,249 @@
+"""The steps several commands share: read SRC and rewrite it (refusing an overlay that names
+nothing of it, a model mixed in another dtype, float8 without amax), tune it (--tune speed),
+store its weights in the target dtype, and the lines that sum up what the rewrite did.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from amp_rewrite.calibration import speed
+from amp_rewrite.calibration.savedmodel import (
+    Model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
+)
+from amp_rewrite.cli import weights
+from amp_rewrite.cli.options import Progress, say
+from amp_rewrite.core.float8 import inference as float8
+from amp_rewrite.core.functions import split_scope
+from amp_rewrite.core.lists import OpLists, load_float8
+from amp_rewrite.core.report import Report, dtype_name
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
+from amp_rewrite.core.weights import StoredWeights
+from amp_rewrite.errors import AmpRewriteError, ModelError, did_you_mean
+
+MAIN_GRAPH_LABEL = "(main graph)"  # how tables name the main graph; explain --function accepts it too
+# What a model already mixed computes in: the colouring targets' dtypes (float16, bfloat16).
+_LOW_DTYPES = frozenset(target.dtype for target in NAME_TO_TARGET.values())
+
+
+def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Model, RewriteResult, OpLists]:
+    """SRC read and rewritten as the options say, the lists that made it, and, but for convert
+    (which calibrates first), tuned with --tune speed."""
+    untuned = [flag for flag, value in (("--batch-sizes", "batch_sizes"), ("--tune-budget", "tune_budget"),
+                                        ("--tune-cache", "tune_cache")) if getattr(args, value, None) is not None]
+    args.tune = getattr(args, "tune", None)
+    if untuned and not args.tune:
+        raise AmpRewriteError(f"{', '.join(untuned)}: timing options; add --tune speed, or drop them")
+    if args.tune:
+        speed.check_target(lookup_target(args.target, quantized=True))
+    progress(f"reading {args.src}")
+    lists = effective_lists(args.target, args.lists, args.keep)
+    model = read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args))
+    _check_not_mixed_otherwise(args, model, lists)
+    quantized = _float8_calibration(args, model, lists)
+    progress("rewriting")
+    try:
+        result = rewrite_model(model, target=args.target, lists=lists, cross_function=args.cross_function,
+                               **quantized)
+    except AmpRewriteError as error:
+        raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
+    progress.done()
+    if args.command != "convert":  # convert tunes after calibrating
+        _, result, lists = tune(args, model, lists, result, progress)
+    say(args, *_model_lines(model))
+    return model, result, lists
+
+
+def _constants_in_file(args: argparse.Namespace) -> bool:
+    """Whether a frozen graph's large constants may stay in its file (``calibration/frozen.py``):
+    the run rewrites the graph and writes it as a .pb, or reports on it; validating,
+    calibrating, timing, a dump and a .pbtxt need the values themselves."""
+    if args.command not in ("convert", "inspect", "explain"):
+        return False
+    needs_values = ("validate", "inputs", "calibrate", "tune", "dump")
+    return not any(getattr(args, name, None) for name in needs_values) and (
+        args.command != "convert" or args.dst.suffix != ".pbtxt")
+
+
+def tune(args: argparse.Namespace, model: Model, lists: OpLists, result: RewriteResult,
+         progress: Progress) -> tuple[speed.Tuning | None, RewriteResult, OpLists]:
+    """``--tune speed``: the converted ops timed here; ``result`` with those that do not pay
+    kept float32, and the lists that make it (calibration/speed.py); without it, as they
+    were. Cache problems are one warning line each."""
+    if not args.tune:
+        return None, result, lists
+    target = lookup_target(args.target, quantized=True)
+    feeds, notes = speed.batch_feeds(model, args.inputs, args.batch_sizes)
+    say(args, *[f"Note: {note}" for note in notes])
+    cache = speed.open_cache(speed.DEFAULT if args.tune_cache is None else args.tune_cache, target)
+    if cache.problem:
+        print(f"amp-rewrite: warning: {cache.problem}", file=sys.stderr)
+    progress(f"timing ops at batch size(s) {', '.join(map(str, feeds))}")
+    tuning = speed.tune_model(model, feeds, target=target, lists=lists, cross_function=args.cross_function,
+                              budget_s=args.tune_budget or speed.DEFAULT_BUDGET_S, cache=cache, base=result,
+                              weights_low=not getattr(args, "float32_weights", False))
+    progress.done()
+    problem = speed.save_cache(cache)
+    if problem:
+        print(f"amp-rewrite: warning: {problem}", file=sys.stderr)
+    say(args, tuning.summary(), *[f"Note: {note}" for note in tuning.notes])
+    return tuning, tuning.result, tuning.lists
+
+
+def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found: Any) -> None:
+    """The --lists and --keep entries (keep_nodes, and float8's amax and lossy) that name
+    nothing in the model: all of them is an error (the overlay is another model's, or an
+    export whose names differ), some a warning with the count."""
+    entries = len(lists.keep_nodes) + (len(found.amax) + len(found.lossy) if found is not None else 0)
+    unmatched = lists.unmatched_keep_nodes(model.graph_def)
+    if found is not None:
+        unmatched += float8.resolve(found, model.graph_def)[1]
+    if not entries or not unmatched:
+        return
+    where = " and ".join(part for part in (str(args.lists or ""), "--keep" if args.keep else "") if part)
+    example = f"e.g. {unmatched[0]!r}{_close_to_entry(unmatched[0], model.graph_def)}"
+    if len(unmatched) == entries:
+        raise AmpRewriteError(f"{where}: none of its {entries} entries names a node of {args.src} ({example}); it"
+                              " was written for another model, or an export whose node names differ: calibrate"
+                              f" {args.src} again")
+    print(f"amp-rewrite: warning: {where}: {len(unmatched)} of {entries} entries name no node of {args.src}"
+          f" ({example}); they are ignored", file=sys.stderr)
+
+
+def _every_node(graph_def: Any) -> Iterator[Any]:
+    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
+    yield from graph_def.node
+    for function in graph_def.library.function:
+        yield from function.node_def
+
+
+def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
+    """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
+    in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
+    Keras mixed policy. The rewrite paints float32 only, so it leaves them as they are."""
+    found = collections.defaultdict(list)
+    for node in _every_node(graph_def):
+        dtypes = ({dtype_name(value.type) for value in node.attr.values() if value.type in _LOW_DTYPES}
+                  if node.op in lists.allow else ())
+        for dtype in dtypes:
+            found[dtype].append(node.name)
+    return dict(found)
+
+
+def _check_not_mixed_otherwise(args: argparse.Namespace, model: Model, lists: OpLists) -> None:
+    """A model already mixed in another low precision than the target's is refused: the rewrite
+    would paint its float32 rest and leave the rest as it is, a model in both dtypes, and
+    converting those nodes again would start from weights already rounded to the other one."""
+    painted = lookup_target(args.target, quantized=True).colouring
+    other = {dtype: names for dtype, names in already_low(model.graph_def, lists).items() if dtype != painted}
+    if other:
+        dtype, names = next(iter(other.items()))
+        raise ModelError(f"{args.src} is already mixed precision: {len(names)} node(s) compute in {dtype} (e.g."
+                         f" {names[0]!r}), which --target {args.target} would leave {dtype}; convert the float32"
+                         f" original with --target {args.target}, or pass --target {dtype}")
+
+
+def _close_to_entry(entry: str, graph_def: Any) -> str:
+    """", did you mean 'a'?" for an overlay entry that is a plain node name (not a regex)."""
+    name = split_scope(entry)[1]
+    if re.escape(name) != name:
+        return ""
+    close = did_you_mean(name, (node.name for node in _every_node(graph_def))).strip()
+    return f", {close}" if close else ""
+
+
+def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) -> dict[str, Any]:
+    """Target float8: ``amax`` and ``lossy`` for the rewrite, from the --lists overlay (as
+    ``calibrate --target float8`` writes it), or none yet in a run that calibrates (the
+    float16 path until calibration measures them). Other targets: nothing. Checks the
+    overlay's entries against the model first (``_check_overlay``); an overlay whose amax
+    names nothing in the model gives no amax."""
+    found = load_float8(args.lists) if args.lists and args.target == "float8" else None
+    calibrating = args.command == "calibrate" or getattr(args, "calibrate", None) is not None
+    usable = found is not None and bool(float8.resolve(found, model.graph_def)[0].amax)
+    if args.target == "float8" and not calibrating and not usable:
+        what = (f"{args.lists} has no amax" if found is None else f"no amax in {args.lists} names a tensor of"
+                f" {args.src}") if args.lists else "--target float8 needs the amax of each matmul input"
+        calibrate = "pass --calibrate DATA.npz (calibration inputs, as --inputs takes), or " \
+            if args.command == "convert" else "pass "
+        raise AmpRewriteError(f"{what}; {calibrate}--lists OVERLAY.yaml written by amp-rewrite calibrate {args.src}"
+                              " --target float8 --inputs DATA.npz --out OVERLAY.yaml")
+    _check_overlay(args, model, lists, found)
+    if args.target != "float8":
+        return {}
+    return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
+
+
+def _model_lines(model: Model) -> list[str]:
+    """What the run took as the model: the MetaGraphDef converted and those left alone, or a
+    GraphDef's outputs when no --fetch named them."""
+    if model.kind == "graphdef":
+        if model.fetches_are_sinks:
+            return [f"Outputs (no --fetch; the nodes nothing reads keep their dtypes): {', '.join(model.fetches)}"]
+        return []
+    others = model.other_tag_sets
+    if not others:
+        return []
+    left = ", ".join(repr(tag_set_text(tags)) for tags in others)
+    return [f"MetaGraphDef {tag_set_text(model.tags)!r}: converted; {left}: left as it was"
+            f" (convert another with --tag-set TAGS)"]
+
+
+def headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
+    """The model's total (a SavedModel's own functions, without ``kinds``, its plumbing), or
+    "already bfloat16" where the model computes in the target's dtype and nothing is left to convert."""
+    items = [item for item in report.items if item.function not in kinds]
+    low = already_low(model.graph_def, lists).get(report.painted, [])
+    if low and not any(item.vertices_converted for item in items):
+        return f"Model: already {report.painted}: 0 nodes to convert ({len(low)} node(s) compute in {report.painted})"
+    return _model_headline(report, items) if kinds else report.summary()
+
+
+def _model_headline(report: Report, items: Sequence[Any]) -> str:
+    """The summary line's counts over the model's own items (not TensorFlow's plumbing)."""
+    converted = sum(item.vertices_converted for item in items)
+    nodes = sum(item.nodes_before for item in items)
+    casts = sum(item.casts_to_target for item in items)
+    line = (f"Model: converted {converted}/{nodes} nodes to {report.painted} using {casts} cast(s) to"
+            f" {report.painted} (excluding Const and Variable casts)")
+    if report.painted != report.target:
+        line += f"; {sum(item.float8_matmuls for item in items)} matmul(s) on float8_e4m3fn operands"
+    return line
+
+
+def summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
+    """One total for the model (the SavedModel's own functions, or the GraphDef), "already
+    bfloat16" where it has nothing left to convert, and why its nodes stayed float32; then a
+    SavedModel's library total, TensorFlow's plumbing included, as grappler's log counts it."""
+    kinds = plumbing_kinds(model)
+    lines = [headline(model, report, lists, kinds)]
+    kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
+    if kept:
+        where = " (model)" if kinds else ""
+        lines.append(f"Stayed float32{where}: " + ", ".join(f"{rule} {count}" for rule, count in kept.most_common()))
+    if kinds:
+        lines.append(f"Library total, TensorFlow's plumbing included (as grappler's log counts): converted"
+                     f" {report.vertices_converted}/{report.nodes_before} nodes")
+    return lines
+
+
+def store_weights(args: argparse.Namespace, model: Model,
+                  result: RewriteResult) -> tuple[Model, RewriteResult, StoredWeights | None]:
+    """The weights in the target dtype, unless --float32-weights: the model to write (its
+    object graph's variable dtypes), the graph, and what was stored (None: nothing changed)."""
+    if args.float32_weights:
+        weights.check_checkpoint(model)
+        return model, result, None
+    stored = weights.stored_weights(model, result, args.target)
+    return weights.with_weights(model, stored), dataclasses.replace(result, graph_def=stored.graph_def), stored
+
+
+def weights_lines(stored: StoredWeights | None, every: bool = False) -> list[str]:
+    """What happened to the weights; ``every`` float32 one named (inspect --all), else the first few."""
+    return ["Weights: kept float32 (--float32-weights)"] if stored is None else stored.summary(every=every)
