@@ -8,6 +8,7 @@ source's) and moved into place whole, or not at all.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from amp_rewrite.calibration.staging import check_destination, check_room, stage
 from amp_rewrite.core import colouring, functions, support
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.errors import GraphError, ModelError, did_you_mean
 
@@ -55,6 +57,12 @@ class Model:
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
         return self.saved_model.meta_graphs[self.meta_graph_index]
+
+    @functools.cached_property
+    def program(self) -> Program:
+        """The graph's items (the main graph, each library function's body built on first
+        use) and the library's op definitions."""
+        return program_of(self.graph_def)
 
     @property
     def tags(self) -> tuple[str, ...]:
