@@ -152,17 +152,17 @@ def test_no_kept_matmul_could_be_converted_alone(trained: Trained, name: str, ov
     model = read_model(source)
     held_out, _ = trained_models.data(name, "held_out")
     feeds, _ = validate.plan_feeds(model, held_out, 1)
-    reference = statistics.collect(model, model.graph_def, feeds, [], 0.0).outputs["serving_default"][0]
+    reference = statistics.collect(model, model.program, feeds, [], 0.0).outputs["serving_default"][0]
     tolerance = lookup_target("float16").tolerance
 
     def error(lists) -> float:
         rewritten = rewrite_model(model, target="float16", lists=lists)
-        outputs = statistics.collect(model, rewritten.graph_def, feeds, [], 0.0).outputs["serving_default"][0]
+        outputs = statistics.collect(model, rewritten.program, feeds, [], 0.0).outputs["serving_default"][0]
         return max(validate.measure(validate.p99_rel, [(reference[k], outputs[k])], k)[0] for k in reference)
 
     assert error(result.lists) <= tolerance
     plain = validate.measure(validate.p99_rel, [(reference["output_0"], statistics.collect(
-        model, rewrite_model(model, target="float16", lists=load_lists("float16")).graph_def, feeds, [],
+        model, rewrite_model(model, target="float16", lists=load_lists("float16")).program, feeds, [],
         0.0).outputs["serving_default"][0]["output_0"])], "output_0")[0]
     assert np.isfinite(plain) != overflows
     ops = {(d.function, d.node): d.op for d in result.result.report.decisions}

@@ -54,7 +54,7 @@ from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import float8, functions
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT16, Target, lookup_target
@@ -216,7 +216,7 @@ class Calibration:
         keep.update(self.keep)
         data["keep_nodes"] = keep
         if self.float8 is not None:
-            where = node_items(self.result.graph_def)
+            where = node_items(self.result.program)
             data["amax"] = dict(sorted(overlay_keys(self.float8.amax, where).items()))
             data["lossy"] = dict(sorted(overlay_keys(self.float8.lossy, where).items()))
         source = self.source or "calibration data"
@@ -234,11 +234,10 @@ class Calibration:
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def node_items(graph_def) -> dict[str, set[str]]:
+def node_items(program: Program) -> dict[str, set[str]]:
     """Node name → the items the rewrite meets it in (the main graph, reachable functions)."""
-    program = program_of(graph_def)
     where: dict[str, set[str]] = {}
-    for item in [MAIN_GRAPH, *functions.reachable_functions(graph_def, program.library)]:
+    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library)]:
         for node_def in program.item(item).node:
             where.setdefault(node_def.name, set()).add(item)
     return where
@@ -299,9 +298,8 @@ def converted_nodes(result: RewriteResult) -> set[tuple[str, str]]:
 Touching = Mapping[tuple[str, str], Sequence[TensorKey]]  # (function, node) → the tensors it reads and writes
 
 
-def tensors_of(graph_def, keys: set[TensorKey]) -> Touching:
+def tensors_of(program: Program, keys: set[TensorKey]) -> Touching:
     """(function, node) → the float tensors it reads and writes, among ``keys``."""
-    program = program_of(graph_def)
     items = sorted({k[0] for k in keys})
     touching: dict[tuple[str, str], list[TensorKey]] = {}
     for item in items:
@@ -501,10 +499,10 @@ class _Context:
     def goal(self) -> float:
         return GOAL_SHARE * self.target.tolerance
 
-    def validate(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey] = ()
+    def validate(self, program: Program, keys: Sequence[TensorKey] = ()
                  ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
         """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
-        low = self.runner.collect(graph_def, keys, self.thresholds.smallest_normal)
+        low = self.runner.collect(program, keys, self.thresholds.smallest_normal)
         return low, _checks(self.high, low, self.measure)
 
     def summary(self, checks: Sequence[OutputCheck]) -> str:
@@ -574,7 +572,7 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     thresholds = thresholds or Thresholds.for_target(target)
     keys, high = _measure_float32(model, runner, thresholds, say, source)  # 1. statistics
     c = _Repairing(model, runner, target, lists, cross_function, thresholds, max_rounds, say, metric_name, measure, high,
-                   keys=keys, touching=tensors_of(model.graph_def, set(high.stats)), where=node_items(model.graph_def))
+                   keys=keys, touching=tensors_of(model.program, set(high.stats)), where=node_items(model.program))
     result, kept, tried = _keep_out_of_range(c)  # 2. range rules
     range_kept = len(kept)
     repair = _repair(c, result, kept, tried)  # 3. repair by validation: the best run stands
@@ -598,7 +596,7 @@ def _measure_float32(model: Model, runner: statistics.Runner, thresholds: Thresh
     keys = statistics.model_tensors(model)
     say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
     described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
-    return keys, runner.collect(model.graph_def, keys, thresholds.smallest_normal, described)
+    return keys, runner.collect(model.program, keys, thresholds.smallest_normal, described)
 
 
 def _keep_out_of_range(c: _Repairing) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
@@ -627,7 +625,7 @@ def _repair(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], st
     repair = _Repair(result, set(kept))
     while True:
         instrumented = tried or bool(c.rounds)  # a first run on a model with nothing tried: outputs only
-        low, checks = c.validate(result.graph_def, c.keys if instrumented else [])
+        low, checks = c.validate(result.program, c.keys if instrumented else [])
         needed, note = _judge(c, repair, result, kept, low if instrumented else None, checks)
         round_ = Round(checks, {})
         if (not needed and all(check.within(c.goal) for check in checks)) or len(c.rounds) + 1 >= c.max_rounds \
@@ -637,7 +635,7 @@ def _repair(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], st
             c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note}{stop}")
             return repair
         if not needed and not instrumented:  # the outputs-only run failed: measure every tensor
-            low, _ = c.validate(result.graph_def, c.keys)
+            low, _ = c.validate(result.program, c.keys)
         added = needed or blame(result, c.touching, c.high.stats, low.stats, kept)
         c.rounds.append(replace(round_, kept=added))
         c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note};"
@@ -680,7 +678,7 @@ def _give_back(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str],
             break
         trial = {k: v for k, v in kept.items() if k != node}
         candidate = c.rewrite(trial)
-        _, checks = c.validate(candidate.graph_def)
+        _, checks = c.validate(candidate.program)
         fine = all(check.within(c.goal) for check in checks)
         c.rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
         c.say(f"calibration: validation run {len(c.rounds)}: {node[1]} converted alone: {c.summary(checks)};"
@@ -822,7 +820,7 @@ def _float8_run(c: _Context, search: _Float8Search, result: RewriteResult, quant
     quantized matmul's own FP8 error (``_with_probes``) and ranks them by it in ``search``.
     Returns each output's error and the run's line."""
     first = not c.rounds
-    probed, probes = _with_probes(result.graph_def, quantized) if first else (result.graph_def, {})
+    probed, probes = _with_probes(result.program, quantized) if first else (result.program, {})
     low, checks = c.validate(probed, [key for pair in probes.values() for key in pair])
     for matmul, (reference, difference) in probes.items():
         if reference in low.stats and difference in low.stats:
@@ -883,13 +881,12 @@ def _float8_count(ranked: Sequence[tuple[str, str]], errors: Mapping[tuple[str, 
     return max(next_count, count + 1)
 
 
-def _with_probes(graph_def: graph_pb2.GraphDef, quantized: Sequence[tuple[str, str]]
-                 ) -> tuple[graph_pb2.GraphDef, dict[tuple[str, str], tuple[TensorKey, TensorKey]]]:
-    """``graph_def`` (a float8 rewrite) with ``float8.add_probes`` in every item that holds
+def _with_probes(program: Program, quantized: Sequence[tuple[str, str]]
+                 ) -> tuple[Program, dict[tuple[str, str], tuple[TensorKey, TensorKey]]]:
+    """``program`` (a float8 rewrite's) with ``float8.add_probes`` in every item that holds
     ``quantized`` matmuls: matmul → (its float16 copy's tensor, the difference's tensor)."""
-    program = program_of(graph_def)
     output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output.CopyFrom(program.graph_def)
     by_item: dict[str, list[str]] = {}
     for function, node in quantized:
         by_item.setdefault(function, []).append(node)
@@ -898,5 +895,5 @@ def _with_probes(graph_def: graph_pb2.GraphDef, quantized: Sequence[tuple[str, s
         body, found = float8.add_probes(program.item(item), names)
         program.put(output, item, body)
         for node, (reference, difference) in found.items():
-            probes[(item, node)] = ((item, reference, 0), (item, difference, 0))
-    return output, probes
+            probes[(item, node)] = (TensorKey(item, reference, 0), TensorKey(item, difference, 0))
+    return program_of(output), probes

@@ -175,7 +175,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     shapes = {size: infer_shapes(model.program, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low)
-    keep = keep_entries(plan.keep, node_items(model.graph_def)) if plan.keep else {}
+    keep = keep_entries(plan.keep, node_items(model.program)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
         else base
@@ -343,7 +343,7 @@ def _loaded(model: Model, path: Path) -> Callable[[validate.Feeds], Callable[[],
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
     session = tf.compat.v1.Session(graph=graph)
-    fetches = [tensor_name(*parse_tensor_name(name)) for name in validate.compared_outputs(model)]
+    fetches = [tensor_name(*parse_tensor_name(name)) for name in model.compared_outputs]
 
     def bind_graph(feeds: validate.Feeds) -> Callable[[], None]:
         fed = {f"{name}:0": value for name, value in feeds[validate.GRAPH][0].items()}

@@ -33,11 +33,11 @@ from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, n
 from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 
 from amp_rewrite.calibration import staging
-from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
-from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
+from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError, Signature, plumbing_kinds
+from amp_rewrite.calibration.validate import Feeds
 from amp_rewrite.core import functions, graph_io
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.typegraph import output_dtypes
 from amp_rewrite.errors import tensorflow_cause
 
@@ -115,14 +115,14 @@ class Run:
     outputs: Mapping[str, Sequence[Mapping[str, np.ndarray]]]
 
 
-def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
+def float_tensors(program: Program, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
     """Every float output the pass may convert: in the main graph and in each function
     the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``, and
     but the unread outputs of a node whose other outputs are read (a batch norm's reserve
     spaces): nothing they hold reaches anything."""
-    program = program_of(graph_def)
     skip = set(skip_functions)
-    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(graph_def, program.library) if n not in skip]
+    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(program.graph_def, program.library)
+                            if n not in skip]
     keys = []
     for name in names:
         body = program.item(name)
@@ -142,10 +142,8 @@ def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] =
     return keys
 
 
-def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
-                   small_below: float) -> dict[TensorKey, TensorStats]:
+def constant_stats(program: Program, keys: Iterable[TensorKey], small_below: float) -> dict[TensorKey, TensorStats]:
     """Statistics of the keys that are float constants, from their values."""
-    program = program_of(graph_def)
     by_item: dict[str, list[TensorKey]] = {}
     for key in map(TensorKey._make, keys):
         by_item.setdefault(key.function, []).append(key)
@@ -300,10 +298,10 @@ def _static_shape(node_def, port: int) -> list[int] | None:
     return [d.size for d in shapes[port].dim]
 
 
-def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+def instrument(program: Program, keys: Sequence[TensorKey], small_below: float,
                main_groups: Sequence[Collection[str]] = (), prefix: str = PREFIX,
                ) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
-    """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
+    """A copy of ``program``'s graph that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
     names: what one run computes, e.g. a signature's ancestors; a key in none is left out,
@@ -311,12 +309,11 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     Returns the copy, per group the main graph's node a run must ask for, and per key
     index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
     share: one per run of a ``Runner``."""
-    program = program_of(graph_def)
     by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
     for index, key in enumerate(map(TensorKey._make, keys)):
         by_item.setdefault(key.function, []).append((index, key))
     output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output.CopyFrom(program.graph_def)
     main_calls: list[str] = []
     strides: dict[int, int] = {}
     for item, entries in by_item.items():
@@ -454,17 +451,6 @@ def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str
     return seen
 
 
-def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
-    """Per signature (a GraphDef file's is ``GRAPH``): its inputs and outputs, name → tensor."""
-    if model.kind == "graphdef":
-        placeholders = [n.name for n in model.graph_def.node if n.op == "Placeholder"]
-        return {GRAPH: ({name: f"{name}:0" for name in placeholders},
-                        {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)})}
-    return {key: ({name: info.name for name, info in signature.inputs.items()},
-                  {name: info.name for name, info in signature.outputs.items()})
-            for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
-
-
 RANDOM_INPUTS = "random inputs"
 
 
@@ -475,10 +461,10 @@ class _Computations:
     input name; a node that reads no signature input by its own name (every signature
     shares it)."""
 
-    def __init__(self, graph_def: graph_pb2.GraphDef) -> None:
-        self.graph_def = graph_def
-        self.nodes = {node.name: node for node in graph_def.node}
-        self.bodies = {f.signature.name: f for f in graph_def.library.function}
+    def __init__(self, program: Program) -> None:
+        self.graph_def = program.graph_def
+        self.nodes = {node.name: node for node in program.graph_def.node}
+        self.bodies = program.library
         self._body_keys: dict[str, bytes] = {}
 
     def body_key(self, name: str) -> bytes:
@@ -540,12 +526,11 @@ def _same_feeds(feeds: Feeds, a: str, b: str) -> bool:
         x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
 
 
-def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
-                    feeds: Feeds) -> dict[str, str]:
+def same_signatures(program: Program, signatures: Mapping[str, Signature], feeds: Feeds) -> dict[str, str]:
     """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
     main-graph computation (``_Computations``: a Keras export's ``serve`` and
     ``serving_default`` call two wrappers that differ only in name and argument labels)."""
-    computations = _Computations(graph_def)
+    computations = _Computations(program)
     seen: dict[tuple, str] = {}
     same: dict[str, str] = {}
     for key, (inputs, outputs) in signatures.items():
@@ -560,11 +545,11 @@ def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tupl
     return same
 
 
-def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
+def collect(model: Model, program: Program, feeds: Feeds, keys: Sequence[TensorKey],
             small_below: float, described: str = "the calibration inputs") -> Run:
     """One ``Runner.collect`` in a session of its own."""
     with Runner(model, feeds) as runner:
-        return runner.collect(graph_def, keys, small_below, described)
+        return runner.collect(program, keys, small_below, described)
 
 
 @dataclass
@@ -606,20 +591,20 @@ class Runner:
         if loaded is not None:
             loaded.closing.close()
 
-    def collect(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+    def collect(self, program: Program, keys: Sequence[TensorKey], small_below: float,
                 described: str = "the calibration inputs") -> Run:
-        """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed,
+        """Run ``program``'s graph (the model's own, or a rewrite of it) on every feed,
         folding ``keys``; returns the statistics and the outputs. ``described`` names the
         feeds in the error a model that fails on them gets (``RANDOM_INPUTS``: made from
         the signatures)."""
-        constants = constant_stats(graph_def, keys, small_below)
+        constants = constant_stats(program, keys, small_below)
         run_keys = [k for k in keys if k not in constants]
-        signatures = signatures_of(self.model)
-        same = same_signatures(graph_def, signatures, self.feeds)
+        signatures = self.model.signatures
+        same = same_signatures(program, signatures, self.feeds)
         run = {key: entry for key, entry in signatures.items() if key not in same}
-        groups = [_ancestors(graph_def, outputs.values()) for _, outputs in run.values()]
+        groups = [_ancestors(program.graph_def, outputs.values()) for _, outputs in run.values()]
         prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
-        instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups, prefix)
+        instrumented, main_calls, strides = instrument(program, run_keys, small_below, groups, prefix)
         scope = self._take(instrumented)
         self.runs += 1
 
@@ -824,5 +809,5 @@ def model_tensors(model: Model) -> list[TensorKey]:
     """``float_tensors`` of the model's graph, without TensorFlow's save/restore functions
     (they run before the statistics exist, when the loader restores variables)."""
     skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
-    return float_tensors(model.graph_def, skip)
+    return float_tensors(model.program, skip)
 

@@ -592,7 +592,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.validate or args.inputs:
         from amp_rewrite.calibration import validate
 
-        if model.kind == "graphdef" and not validate.compared_outputs(model):
+        if model.kind == "graphdef" and not model.compared_outputs:
             raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                                   " name them with --fetch NAME[:PORT]")
         feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
@@ -716,7 +716,7 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
     from amp_rewrite.core.target import lookup_target
 
     random = data is None or data == RANDOM_INPUTS
-    if model.kind == "graphdef" and not validate.compared_outputs(model):
+    if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
     feeds, notes = validate.plan_feeds(model, None if random else data, calibrate.RANDOM_FEEDS)
@@ -772,8 +772,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
 
     random = args.inputs is None
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric,
-                                                tf1=not model.meta_graph.object_graph_def.nodes)
+        errors = validate.validate_saved_models(model, staged, feeds, random, args.metric)
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)
