@@ -212,8 +212,8 @@ def test_values_between_the_safe_magnitude_and_the_limit_are_tried_and_kept_only
     graph_def = mlp_graph_def(scale=1000.0)
     model = _graph_model(graph_def)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    tried = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
-                                      say=lines.append)
+    tried = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=amp_rewrite.load_lists("float16"), say=lines.append))
     assert tried.keep == {} and tried.ok and tried.validation_runs == 1
     assert "3 node(s) over the safe magnitude 1.64e+04 are tried in float16" in "\n".join(lines)
     plain = amp_rewrite.rewrite_graph_def(graph_def, fetches=graph_sinks(graph_def))
@@ -265,8 +265,9 @@ def test_the_cap_on_runs_is_reported() -> None:
     lines: list[str] = []
     model = _graph_model(graph_def)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    result = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
-                                       max_rounds=1, thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=amp_rewrite.load_lists("float16"), max_rounds=1,
+        thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append))
     assert not result.ok and result.validation_runs == 1
     assert "the cap of 1 validation run(s) (--max-rounds) was reached" in lines[-1]
 
@@ -286,8 +287,8 @@ def test_repair_is_monotonic_a_worse_run_never_stands() -> None:
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
     lines: list[str] = []
     lists = amp_rewrite.load_lists("float16")
-    result = calibrate.run_calibration(model, feeds, target="float16", lists=lists, metric=scripted,
-                                       say=lines.append)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=lists, metric=scripted, say=lines.append))
     runs = [line for line in lines if line.startswith("calibration: validation run")]
     assert len(runs) == 3 and "keeping" in runs[0], "\n".join(lines)
     assert all("(no better than run 1: its decisions stand)" in line for line in runs[1:]), "\n".join(runs)
@@ -535,7 +536,8 @@ def test_a_model_without_a_numeric_output_has_nothing_to_compare(text_model: Pat
     lines: list[str] = []
     model = read_model(text_model)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    found = calibrate.run_calibration(model, feeds, target=target, lists=load_lists("float16"), say=lines.append)
+    found = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target(target, quantized=True), lists=load_lists("float16"), say=lines.append))
     assert not found.compared and not found.ok and not found.reached_goal, "\n".join(lines)
     assert math.isnan(found.rounds[found.best].score(1.0))
     assert "calibration: validation run 1: nothing to compare (no output of the model is a number)" in lines
@@ -598,6 +600,7 @@ def test_the_caller_stays_eager_between_runs() -> None:
     caller's code between runs (``say``, here) runs as eagerly as it was called."""
     eager: list[bool] = []
     model = _graph_model(mlp_graph_def(scale=5000.0))
-    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, target="float16", lists=load_lists("float16"),
-                              say=lambda line: eager.append(tf.executing_eagerly()))
+    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, calibrate.Options(
+        target=lookup_target("float16"), lists=load_lists("float16"),
+        say=lambda line: eager.append(tf.executing_eagerly())))
     assert len(eager) >= 3 and all(eager), eager

@@ -17,7 +17,7 @@ import gc
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -89,15 +89,22 @@ def shown(metric: str) -> str:
     return _SHOWN.get(metric, metric)
 
 
-def lookup_metric(metric: str | Metric) -> tuple[str, Metric]:
-    """(name, function) of a metric named in ``METRICS``, or a callable(reference, candidate)
-    -> float of the user's (named after it)."""
+class NamedMetric(NamedTuple):
+    """A metric, and the name messages give it."""
+
+    name: str
+    function: Metric
+
+
+def lookup_metric(metric: str | Metric) -> NamedMetric:
+    """A metric named in ``METRICS``, or a callable(reference, candidate) -> float of the
+    user's (named after it)."""
     if callable(metric):
-        return getattr(metric, "__name__", "metric"), metric
+        return NamedMetric(getattr(metric, "__name__", "metric"), metric)
     if metric not in METRICS:
         raise ModelError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}, or pass a function"
                          " (reference, candidate) -> float")
-    return metric, METRICS[metric]
+    return NamedMetric(metric, METRICS[metric])
 
 
 def measure(metric: Metric, pairs: Sequence[tuple[np.ndarray, np.ndarray]], where: str) -> tuple[float, float] | None:

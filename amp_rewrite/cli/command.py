@@ -726,11 +726,10 @@ def _calibrate(args: argparse.Namespace, model: Model, lists: OpLists, data: Pat
               " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target, quantized=True), args.max_magnitude,
                                                  args.small_share)
-    result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists,
-                                       cross_function=args.cross_function, max_rounds=args.max_rounds,
-                                       thresholds=thresholds,
-                                       say=lambda line: _say(args, line),
-                                       source=statistics.RANDOM_INPUTS if random else str(data), metric=args.metric)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target(args.target, quantized=True), lists=lists, cross_function=args.cross_function,
+        max_rounds=args.max_rounds, thresholds=thresholds, metric=args.metric,
+        source=statistics.RANDOM_INPUTS if random else str(data), say=lambda line: _say(args, line)))
     kept = len(result.kept)
     _say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
                f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")
