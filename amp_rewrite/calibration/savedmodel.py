@@ -44,8 +44,8 @@ Signature = tuple[dict[str, str], dict[str, str]]  # a signature's inputs and ou
 @dataclass(frozen=True)
 class Model:
     """A model read from disk: a SavedModel (one meta graph rewritten) or a GraphDef file.
-    What calibration, validation and tuning read of it is read once, here (``program``,
-    ``signatures``, ``compared_outputs``), whatever the steps that read it."""
+    What calibration, validation and tuning read of it (``program``, ``signatures``,
+    ``compared_outputs``) is read once, on first use, and shared by all their steps."""
 
     path: Path
     kind: str  # "savedmodel" | "graphdef"
