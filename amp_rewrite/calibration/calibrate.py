@@ -268,9 +268,8 @@ def keep_entries(kept: Mapping[tuple[str, str], str], where: Mapping[str, set[st
         if set(functions_kept) >= where.get(node, set()):
             entries[re.escape(node)] = max(functions_kept.values(), key=len)  # one reason: the copies measure alike
             continue
-        for function, why in sorted(functions_kept.items()):
-            scoped = re.escape(node) if function == MAIN_GRAPH else f"{_scope(function, where)}::{re.escape(node)}"
-            entries[scoped] = why
+        for function, why in sorted(functions_kept.items()):  # _scope(MAIN_GRAPH) is MAIN_GRAPH: the plain name
+            entries[functions.scoped_name(_scope(function, where), re.escape(node))] = why
     return entries
 
 
