@@ -33,6 +33,7 @@ import amp_rewrite
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model
 from amp_rewrite.core.lists import load_lists
+from amp_rewrite.core.program import program_of
 from amp_rewrite.core.target import lookup_target
 
 from conftest import NEEDS_FLOAT8
@@ -81,8 +82,8 @@ def test_statistics_equal_numpy_for_every_main_graph_tensor() -> None:
     graph_def = mlp_graph_def()
     model = _graph_model(graph_def)
     feeds = {validate.GRAPH: [inputs(0), inputs(1, rows=3)]}
-    keys = statistics.float_tensors(graph_def)
-    run = statistics.collect(model, graph_def, feeds, keys, TINY)
+    keys = statistics.float_tensors(model.program)
+    run = statistics.collect(model, model.program, feeds, keys, TINY)
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
@@ -119,8 +120,9 @@ def test_statistics_reach_function_bodies_and_every_loop_iteration() -> None:
 
     graph_def = model.get_concrete_function(tf.TensorSpec([2, 4], tf.float32)).graph.as_graph_def()
     x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3.0
-    keys = statistics.float_tensors(graph_def)
-    run = statistics.collect(_graph_model(graph_def), graph_def, {validate.GRAPH: [{"x": x}]}, keys, TINY)
+    model = _graph_model(graph_def)
+    keys = statistics.float_tensors(model.program)
+    run = statistics.collect(model, model.program, {validate.GRAPH: [{"x": x}]}, keys, TINY)
     by_node = {(k[1]): (k, s) for k, s in run.stats.items() if k[0]}
     (doubled_key, doubled), (tripled_key, tripled_stats) = by_node["while/doubled"], by_node["tripled"]
     assert doubled_key[0] != tripled_key[0]  # two different function bodies
@@ -143,11 +145,11 @@ def test_large_tensors_are_bucketed_on_a_sample_and_their_largest_value_is_exact
     x[1, 7, 300] = 10.0  # flat index 36140: 36140 % 32 == 12, off the sampled grid
     key = ("", "double", 0)
     model = _graph_model(graph_def)
-    stats = statistics.collect(model, graph_def, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
+    stats = statistics.collect(model, model.program, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
     assert stats.max_abs == 20.0 and stats.nonfinite == 0 and stats.count == x.size
     assert stats.rms == pytest.approx(float(np.sqrt(np.mean(np.square(2.0 * x.astype(np.float64))))), rel=0.02)
     x[2, 3, 5] = np.nan  # flat index 67077, off the grid too
-    broken = statistics.collect(model, graph_def, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
+    broken = statistics.collect(model, model.program, {validate.GRAPH: [{"x": x}]}, [key], TINY).stats[key]
     assert broken.nonfinite >= 1
 
 
@@ -210,8 +212,8 @@ def test_values_between_the_safe_magnitude_and_the_limit_are_tried_and_kept_only
     graph_def = mlp_graph_def(scale=1000.0)
     model = _graph_model(graph_def)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    tried = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
-                                      say=lines.append)
+    tried = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=amp_rewrite.load_lists("float16"), say=lines.append))
     assert tried.keep == {} and tried.ok and tried.validation_runs == 1
     assert "3 node(s) over the safe magnitude 1.64e+04 are tried in float16" in "\n".join(lines)
     plain = amp_rewrite.rewrite_graph_def(graph_def, fetches=graph_sinks(graph_def))
@@ -263,8 +265,9 @@ def test_the_cap_on_runs_is_reported() -> None:
     lines: list[str] = []
     model = _graph_model(graph_def)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    result = calibrate.run_calibration(model, feeds, target="float16", lists=amp_rewrite.load_lists("float16"),
-                                       max_rounds=1, thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=amp_rewrite.load_lists("float16"), max_rounds=1,
+        thresholds=calibrate.Thresholds(math.inf, TINY), say=lines.append))
     assert not result.ok and result.validation_runs == 1
     assert "the cap of 1 validation run(s) (--max-rounds) was reached" in lines[-1]
 
@@ -284,8 +287,8 @@ def test_repair_is_monotonic_a_worse_run_never_stands() -> None:
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
     lines: list[str] = []
     lists = amp_rewrite.load_lists("float16")
-    result = calibrate.run_calibration(model, feeds, target="float16", lists=lists, metric=scripted,
-                                       say=lines.append)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float16"), lists=lists, metric=scripted, say=lines.append))
     runs = [line for line in lines if line.startswith("calibration: validation run")]
     assert len(runs) == 3 and "keeping" in runs[0], "\n".join(lines)
     assert all("(no better than run 1: its decisions stand)" in line for line in runs[1:]), "\n".join(runs)
@@ -475,7 +478,7 @@ def test_an_overlay_names_a_traced_function_by_its_stable_name() -> None:
     decisions = amp_rewrite.rewrite_graph_def(graph_def, lists=lists).report.decisions
     kept = {(d.function, d.node) for d in decisions if d.rule == "keep-nodes"}
     assert kept == {(traced["inner"], "matmul")}, kept
-    where = calibrate.node_items(graph_def)
+    where = calibrate.node_items(program_of(graph_def))
     assert calibrate.keep_entries({(traced["inner"], "matmul"): ""}, where) == {"__inference_inner::matmul": ""}
 
 
@@ -533,7 +536,8 @@ def test_a_model_without_a_numeric_output_has_nothing_to_compare(text_model: Pat
     lines: list[str] = []
     model = read_model(text_model)
     feeds, _ = validate.plan_feeds(model, inputs(0), 1)
-    found = calibrate.run_calibration(model, feeds, target=target, lists=load_lists("float16"), say=lines.append)
+    found = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target(target, quantized=True), lists=load_lists("float16"), say=lines.append))
     assert not found.compared and not found.ok and not found.reached_goal, "\n".join(lines)
     assert math.isnan(found.rounds[found.best].score(1.0))
     assert "calibration: validation run 1: nothing to compare (no output of the model is a number)" in lines
@@ -558,12 +562,11 @@ def test_cli_nothing_to_compare_is_a_warning_and_the_result_is_written(tmp_path:
     assert "over tolerance" not in converted.err + converted.out
 
 
-def _collect_twice(model: Model, graph_def: graph_pb2.GraphDef, feeds: validate.Feeds
-                   ) -> dict[statistics.TensorKey, statistics.TensorStats]:
-    keys = statistics.float_tensors(graph_def)
+def _collect_twice(model: Model, feeds: validate.Feeds) -> dict[statistics.TensorKey, statistics.TensorStats]:
+    keys = statistics.float_tensors(model.program)
     with statistics.Runner(model, feeds) as runner:
-        runner.collect(graph_def, keys, TINY)
-        return runner.collect(graph_def, keys, TINY).stats  # added to the loaded session, where it can be
+        runner.collect(model.program, keys, TINY)
+        return runner.collect(model.program, keys, TINY).stats  # added to the loaded session, where it can be
 
 
 def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch: pytest.MonkeyPatch,
@@ -573,14 +576,14 @@ def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch:
     says why, and its statistics are the same; any other error is not hidden."""
     graph_def = mlp_graph_def()
     model, feeds = _graph_model(graph_def), {validate.GRAPH: [inputs(0)]}
-    expected = _collect_twice(model, graph_def, feeds)
+    expected = _collect_twice(model, feeds)
 
     def refuse(*args: object) -> None:
         raise ValueError("Node 'x' is refused")
 
     monkeypatch.setattr(statistics, "_add", refuse)
     with caplog.at_level(logging.WARNING, logger=statistics.__name__):
-        assert _collect_twice(model, graph_def, feeds) == expected
+        assert _collect_twice(model, feeds) == expected
     assert "calibration: run 2 cannot be added to the loaded session (Node 'x' is refused); the model is loaded" \
            " afresh for it" in caplog.text
 
@@ -589,7 +592,7 @@ def test_a_run_the_session_cannot_take_in_is_loaded_afresh_and_said(monkeypatch:
 
     monkeypatch.setattr(statistics, "_add", broken)
     with pytest.raises(TypeError, match="a bug"):
-        _collect_twice(model, graph_def, feeds)
+        _collect_twice(model, feeds)
 
 
 def test_the_caller_stays_eager_between_runs() -> None:
@@ -597,6 +600,7 @@ def test_the_caller_stays_eager_between_runs() -> None:
     caller's code between runs (``say``, here) runs as eagerly as it was called."""
     eager: list[bool] = []
     model = _graph_model(mlp_graph_def(scale=5000.0))
-    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, target="float16", lists=load_lists("float16"),
-                              say=lambda line: eager.append(tf.executing_eagerly()))
+    calibrate.run_calibration(model, {validate.GRAPH: [inputs(0)]}, calibrate.Options(
+        target=lookup_target("float16"), lists=load_lists("float16"),
+        say=lambda line: eager.append(tf.executing_eagerly())))
     assert len(eager) >= 3 and all(eager), eager

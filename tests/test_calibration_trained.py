@@ -152,17 +152,17 @@ def test_no_kept_matmul_could_be_converted_alone(trained: Trained, name: str, ov
     model = read_model(source)
     held_out, _ = trained_models.data(name, "held_out")
     feeds, _ = validate.plan_feeds(model, held_out, 1)
-    reference = statistics.collect(model, model.graph_def, feeds, [], 0.0).outputs["serving_default"][0]
+    reference = statistics.collect(model, model.program, feeds, [], 0.0).outputs["serving_default"][0]
     tolerance = lookup_target("float16").tolerance
 
     def error(lists) -> float:
         rewritten = rewrite_model(model, target="float16", lists=lists)
-        outputs = statistics.collect(model, rewritten.graph_def, feeds, [], 0.0).outputs["serving_default"][0]
+        outputs = statistics.collect(model, rewritten.program, feeds, [], 0.0).outputs["serving_default"][0]
         return max(validate.measure(validate.p99_rel, [(reference[k], outputs[k])], k)[0] for k in reference)
 
     assert error(result.lists) <= tolerance
     plain = validate.measure(validate.p99_rel, [(reference["output_0"], statistics.collect(
-        model, rewrite_model(model, target="float16", lists=load_lists("float16")).graph_def, feeds, [],
+        model, rewrite_model(model, target="float16", lists=load_lists("float16")).program, feeds, [],
         0.0).outputs["serving_default"][0]["output_0"])], "output_0")[0]
     assert np.isfinite(plain) != overflows
     ops = {(d.function, d.node): d.op for d in result.result.report.decisions}
@@ -188,8 +188,9 @@ def test_float8_repair_on_the_trained_mobilenet_meets_the_goal_in_two_runs(train
     model = read_model(trained.export("digits_mobilenet"))
     inputs, _ = trained_models.data("digits_mobilenet", "calibration")
     feeds, _ = validate.plan_feeds(model, inputs, 1)
-    result = calibrate.run_calibration(model, feeds, target="float8", lists=load_lists("float16"),
-                                       say=lines.append, metric="max-rel", max_rounds=2)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float8", quantized=True), lists=load_lists("float16"), say=lines.append,
+        metric="max-rel", max_rounds=2))
     assert sum(line.startswith("calibration: validation run") for line in lines) == 1, "\n".join(lines)
     runs = [line for line in lines if line.startswith("calibration: float8 validation run")]
     assert len(runs) == 2 < calibrate.DEFAULT_MAX_ROUNDS, "\n".join(lines)
@@ -337,7 +338,8 @@ def test_one_session_at_a_time_holds_the_variables(trained: Trained, monkeypatch
     monkeypatch.setattr(tf.compat.v1.Session, "__init__", counting)
     model = read_model(trained.export("digits_cnn"))
     feeds, _ = validate.plan_feeds(model, trained_models.data("digits_cnn", "calibration")[0], 1)
-    result = calibrate.run_calibration(model, feeds, target="float8", lists=load_lists("float16"))
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target("float8", quantized=True), lists=load_lists("float16")))
     assert len(result.rounds) >= 3 and len(sessions) >= 2, (len(result.rounds), len(sessions))
     assert alive_at_load == [0] * len(sessions)
     gc.collect()

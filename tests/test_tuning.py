@@ -51,8 +51,9 @@ def _chain() -> graph_pb2.GraphDef:
 def _problem(graph_def: graph_pb2.GraphDef, batch_sizes=(4,)) -> Problem:
     base = rewrite_graph_def(graph_def, target="bfloat16", fetches=["out"])
     nodes = {"": {d.node for d in base.report.decisions if d.converted}}
-    shapes = {b: infer_shapes(graph_def, {"x": (b, 16)}) for b in batch_sizes}
-    return build_problem(program_of(graph_def), base.program, nodes, shapes)
+    program = program_of(graph_def)
+    shapes = {b: infer_shapes(program, {"x": (b, 16)}) for b in batch_sizes}
+    return build_problem(program, base.program, nodes, shapes)
 
 
 def _timings(problem: Problem, ops, cast: float) -> Timings:
@@ -197,7 +198,8 @@ def test_what_is_not_timed_follows_its_neighbours():
     graph_def = _two_branches()
     base = rewrite_graph_def(graph_def, target="bfloat16", fetches=["out", "outA"])
     nodes = {"": {d.node for d in base.report.decisions if d.converted}}
-    problem = build_problem(program_of(graph_def), base.program, nodes, {4: infer_shapes(graph_def, {"x": (4, 16)})})
+    program = program_of(graph_def)
+    problem = build_problem(program, base.program, nodes, {4: infer_shapes(program, {"x": (4, 16)})})
     timings = _timings(problem, lambda n, b: (1e-3, 1e-4) if n == "allowA" else (1e-4, 1e-3), cast=1e-6)
     for pair in problem.candidates[("", "clr1")].runs.values():
         del timings.seconds[pair.second.key]
@@ -259,7 +261,7 @@ def test_shapes_reach_a_function_body_and_its_variables(tmp_path):
     there come from the feed (batch 3) and the variable's handle (16, 8)."""
     model = read_model(_save_dense(tmp_path / "dense"))
     feeds, _ = speed.batch_feeds(model, None, (3,))
-    shapes = infer_shapes(model.graph_def, speed._feed_shapes(model, feeds[3]))
+    shapes = infer_shapes(model.program, speed._feed_shapes(model, feeds[3]))
     program = program_of(model.graph_def)
     found = [(item, n) for item in shapes.graphs if item for n in program.item(item).node if n.op == "MatMul"]
     assert len(found) == 1

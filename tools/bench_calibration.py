@@ -143,6 +143,7 @@ def _calibrate(path: Path, target: str) -> dict:
     from amp_rewrite.calibration import calibrate, statistics, validate
     from amp_rewrite.calibration.savedmodel import read_model
     from amp_rewrite.core.lists import load_lists
+    from amp_rewrite.core.target import lookup_target
 
     imported = _rss_mb()
     spent: dict[str, float] = collections.defaultdict(float)
@@ -155,7 +156,8 @@ def _calibrate(path: Path, target: str) -> dict:
     started = time.perf_counter()
     source = read_model(path)
     feeds, _ = validate.plan_feeds(source, data, 1)
-    result = calibrate.run_calibration(source, feeds, target=target, lists=load_lists("float16"))
+    options = calibrate.Options(target=lookup_target(target, quantized=True), lists=load_lists("float16"))
+    result = calibrate.run_calibration(source, feeds, options)
     seconds = time.perf_counter() - started
     spent.pop("_inside", None)
     phases = {phase: value for phase, value in spent.items() if not phase.endswith(" calls")}

@@ -56,14 +56,14 @@ def measure(name: str, workdir: Path, targets: tuple[str, ...] = TARGETS) -> lis
     calibration, _ = trained_models.data(name, "calibration")
     held_out, labels = trained_models.data(name, "held_out")
     held_feeds, _ = validate.plan_feeds(model, held_out, 1)
-    reference = statistics.collect(model, model.graph_def, held_feeds, [], 0.0).outputs["serving_default"][0]
+    reference = statistics.collect(model, model.program, held_feeds, [], 0.0).outputs["serving_default"][0]
     (output,) = reference
     rows = [f"| {name} | float32 | | | {_score(name, reference[output], labels):.4f} | |"]
     for target in targets:
         started = time.perf_counter()
         result = calibrate.calibrate(source, calibration, target=target)
         seconds = time.perf_counter() - started
-        ours = statistics.collect(model, result.result.graph_def, held_feeds, [], 0.0).outputs["serving_default"][0]
+        ours = statistics.collect(model, result.result.program, held_feeds, [], 0.0).outputs["serving_default"][0]
         matmuls = (f"{result.result.report.float8_matmuls} matmul(s) float8, {len(result.float8.lossy)} float16"
                    if result.float8 is not None else f"{len(result.kept)} node(s) kept float32")
         rows.append(f"| {name} | ours, {target} calibrated | {_errors(reference[output], ours[output])} | "

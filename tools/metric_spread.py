@@ -51,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.target == "float8":
             feeds, _ = validate.plan_feeds(model, splits[0], 1)
             keys = sorted(float8.activation_operands(model.graph_def))
-            stats = statistics.collect(model, model.graph_def, feeds, keys, 0.0).stats
+            stats = statistics.collect(model, model.program, feeds, keys, 0.0).stats
             extra["amax"] = {key: s.max_abs for key, s in stats.items()}
         rewritten = rewrite_model(model, target=args.target, lists=lists, **extra)
         feeds, _ = validate.plan_feeds(model, inputs, 1)
-        (reference,), (candidate,) = (statistics.collect(model, graph_def, feeds, [], 0.0).outputs["serving_default"][0]
-                                      .values() for graph_def in (model.graph_def, rewritten.graph_def))
+        (reference,), (candidate,) = (statistics.collect(model, program, feeds, [], 0.0).outputs["serving_default"][0]
+                                      .values() for program in (model.program, rewritten.program))
     rng = np.random.default_rng(0)
     subsets = [rng.choice(len(reference), SIZE, replace=False) for _ in range(subset_count)]
     print(f"{args.model}, {args.target} ({rewritten.report.float8_matmuls} matmul(s) on float8):"

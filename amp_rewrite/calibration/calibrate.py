@@ -23,7 +23,7 @@ held-out data of the same distribution; an output's error is a metric chosen by 
    is the best run's (lowest error), never a later, worse one, and it stops after
    ``_STALE_RUNS`` runs in a row no better than the best. A kept MatMul or Conv2D that
    the run shows converting alone is fine is given back (``_give_back``).
-4. **float8** (``calibrate_float8``): the float16 calibration, then amax from the float32
+4. **float8** (``_calibrate_float8``): the float16 calibration, then amax from the float32
    statistics, then float8 runs in which every quantized matmul also runs in float16 on
    the same inputs (``float8.add_probes``): the element-wise difference is its own FP8
    error. While the outputs are over the goal, the worst matmuls move back to float16,
@@ -55,7 +55,7 @@ from amp_rewrite.core import functions
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import FLOAT16, Target, lookup_target
@@ -217,7 +217,7 @@ class Calibration:
         keep.update(self.keep)
         data["keep_nodes"] = keep
         if self.float8 is not None:
-            where = node_items(self.result.graph_def)
+            where = node_items(self.result.program)
             data["amax"] = dict(sorted(overlay_keys(self.float8.amax, where).items()))
             data["lossy"] = dict(sorted(overlay_keys(self.float8.lossy, where).items()))
         source = self.source or "calibration data"
@@ -235,11 +235,10 @@ class Calibration:
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def node_items(graph_def) -> dict[str, set[str]]:
+def node_items(program: Program) -> dict[str, set[str]]:
     """Node name → the items the rewrite meets it in (the main graph, reachable functions)."""
-    program = program_of(graph_def)
     where: dict[str, set[str]] = {}
-    for item in [MAIN_GRAPH, *functions.reachable_functions(graph_def, program.library)]:
+    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library)]:
         for node_def in program.item(item).node:
             where.setdefault(node_def.name, set()).add(item)
     return where
@@ -270,9 +269,8 @@ def keep_entries(kept: Mapping[tuple[str, str], str], where: Mapping[str, set[st
         if set(functions_kept) >= where.get(node, set()):
             entries[re.escape(node)] = max(functions_kept.values(), key=len)  # one reason: the copies measure alike
             continue
-        for function, why in sorted(functions_kept.items()):
-            scoped = re.escape(node) if function == MAIN_GRAPH else f"{_scope(function, where)}::{re.escape(node)}"
-            entries[scoped] = why
+        for function, why in sorted(functions_kept.items()):  # _scope(MAIN_GRAPH) is MAIN_GRAPH: the plain name
+            entries[functions.scoped_name(_scope(function, where), re.escape(node))] = why
     return entries
 
 
@@ -300,9 +298,8 @@ def converted_nodes(result: RewriteResult) -> set[tuple[str, str]]:
 Touching = Mapping[tuple[str, str], Sequence[TensorKey]]  # (function, node) → the tensors it reads and writes
 
 
-def tensors_of(graph_def, keys: set[TensorKey]) -> Touching:
+def tensors_of(program: Program, keys: set[TensorKey]) -> Touching:
     """(function, node) → the float tensors it reads and writes, among ``keys``."""
-    program = program_of(graph_def)
     items = sorted({k[0] for k in keys})
     touching: dict[tuple[str, str], list[TensorKey]] = {}
     for item in items:
@@ -471,8 +468,9 @@ def calibrate(
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
     shown = (statistics.RANDOM_INPUTS if inputs is None
              else str(data) if isinstance(data, Path) else "the arrays given")
-    return run_calibration(model, feeds, target=target, lists=load_lists(target, lists), cross_function=cross_function,
-                           max_rounds=max_rounds, thresholds=thresholds, source=shown, metric=metric)
+    return run_calibration(model, feeds, Options(target=target, lists=load_lists(target, lists),
+                                                 cross_function=cross_function, max_rounds=max_rounds,
+                                                 thresholds=thresholds, metric=metric, source=shown))
 
 
 def check_max_rounds(max_rounds: int) -> None:
@@ -480,102 +478,111 @@ def check_max_rounds(max_rounds: int) -> None:
         raise AmpRewriteError(f"--max-rounds {max_rounds}: use 1 to {MAX_ROUNDS_LIMIT}")
 
 
-@dataclass
+def _silent(line: str) -> None:
+    """The default ``Options.say``: no lines."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """How one calibration runs, as its caller (``calibrate``, the command) chose: the
+    target (whose tolerance is the error accepted) and lists, the cap on validation runs,
+    the range rules' thresholds (None: the target's), how an output's error is measured (a
+    name of ``validate.METRICS`` or a function), what the inputs were (the overlay's header;
+    ``statistics.RANDOM_INPUTS``: random ones) and where each step's line goes."""
+
+    target: Target
+    lists: OpLists
+    cross_function: bool = False
+    max_rounds: int = DEFAULT_MAX_ROUNDS
+    thresholds: Thresholds | None = None
+    metric: str | validate.Metric = validate.DEFAULT_METRIC
+    source: str = ""
+    say: Callable[[str], None] = _silent
+
+
+@dataclass(frozen=True)
 class _Context:
-    """What every step of one calibration reads: the model, the session its runs share, the
-    target, how an output's error is measured, the float32 run, and the rounds so far."""
+    """What every step of one calibration reads, settled before its first validation run
+    and passed whole: the model, the session its runs share, the options (thresholds
+    settled), the metric, the float32 run, and for repair the tensors it measured, which
+    nodes touch them, and where each node is met (for ``keep_entries``)."""
 
     model: Model
     runner: statistics.Runner
-    target: Target
-    lists: OpLists
-    cross_function: bool
-    thresholds: Thresholds
-    max_rounds: int
-    say: Callable[[str], None]
-    metric_name: str
-    measure: validate.Metric
+    options: Options
+    metric: validate.NamedMetric
     high: statistics.Run
-    rounds: list[Round] = field(default_factory=list)
+    keys: Sequence[TensorKey] = ()
+    touching: Touching = field(default_factory=dict)
+    where: Mapping[str, set[str]] = field(default_factory=dict)
+
+    @property
+    def target(self) -> Target:
+        return self.options.target
 
     @property
     def goal(self) -> float:
         return GOAL_SHARE * self.target.tolerance
 
-    def validate(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey] = ()
+    def say(self, line: str) -> None:
+        self.options.say(line)
+
+    def validate(self, program: Program, keys: Sequence[TensorKey] = ()
                  ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
         """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
-        low = self.runner.collect(graph_def, keys, self.thresholds.smallest_normal)
-        return low, _checks(self.high, low, self.measure)
+        low = self.runner.collect(program, keys, self.options.thresholds.smallest_normal)
+        return low, _checks(self.high, low, self.metric.function)
 
     def summary(self, checks: Sequence[OutputCheck]) -> str:
-        return _summary(checks, self.target, self.metric_name)
-
-
-@dataclass
-class _Repairing(_Context):
-    """A float16 or bfloat16 calibration's context: also the tensors measured, which nodes
-    touch them, and where each node is met (for ``keep_entries``)."""
-
-    keys: Sequence[TensorKey] = ()
-    touching: Touching = field(default_factory=dict)
-    where: Mapping[str, set[str]] = field(default_factory=dict)
+        return _summary(checks, self.target, self.metric.name)
 
     def rewrite(self, keeping: Mapping[tuple[str, str], str]) -> RewriteResult:
         """The rewrite with ``keeping`` float32."""
-        return rewrite_model(self.model, target=self.target.name, lists=self.lists.keeping(
-            keep_entries(keeping, self.where)), cross_function=self.cross_function)
+        return rewrite_model(self.model, target=self.target.name, lists=self.options.lists.keeping(
+            keep_entries(keeping, self.where)), cross_function=self.options.cross_function)
 
 
 @dataclass
 class _Repair:
-    """Where repair stands: the best run so far (its score, round, result and decisions),
-    the last rewrite validated, the nodes kept by a measured range (never given back), and
-    how many runs in a row were no better than the best."""
+    """Where repair stands: its validation runs so far, the best run (its score, round,
+    result and decisions), the last rewrite validated, the nodes kept by a measured range
+    (never given back), and how many runs in a row were no better than the best."""
 
     last: RewriteResult
     measured: set[tuple[str, str]]
+    rounds: list[Round] = field(default_factory=list)
     score: float = math.inf
     round: int = -1
     result: RewriteResult | None = None
     kept: dict[tuple[str, str], str] = field(default_factory=dict)
     stale: int = 0
 
-    def offer(self, score: float, round_: int, result: RewriteResult, kept: Mapping[tuple[str, str], str]) -> bool:
+    def offer(self, score: float, result: RewriteResult, kept: Mapping[tuple[str, str], str]) -> bool:
+        """Whether the run just made (``rounds`` holds those before it) is the best so far; it is recorded if so."""
         if score < self.score or self.result is None:
-            self.score, self.round, self.result, self.kept = score, round_, result, dict(kept)
+            self.score, self.round, self.result, self.kept = score, len(self.rounds), result, dict(kept)
             return True
         return False
 
 
-def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target, lists: OpLists,
-                    cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
-                    thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
-                    source: str = "", metric: str | validate.Metric = validate.DEFAULT_METRIC,
-                    tolerance: float | None = None, runner: statistics.Runner | None = None) -> Calibration:
+def run_calibration(model: Model, feeds: validate.Feeds, options: Options) -> Calibration:
     """Statistics, range rules and repair (module doc) for ``model`` on ``feeds``
-    (``validate.plan_feeds``); ``say`` gets one line per step and run. ``tolerance``: the
-    error accepted, default the target's. ``runner``: the session to run in (one of its
-    own by default). Target float8: this for float16 against float8's tolerance
-    (repairing float16's rounding below what FP8 adds buys nothing), then ``calibrate_float8``."""
-    target = lookup_target(target, quantized=True)
-    if runner is None:
-        with statistics.Runner(model, feeds) as runner:
-            return run_calibration(model, feeds, target=target, lists=lists, cross_function=cross_function,
-                                   max_rounds=max_rounds, thresholds=thresholds, say=say, source=source,
-                                   metric=metric, tolerance=tolerance, runner=runner)
-    metric_name, measure = validate.lookup_metric(metric)
-    if target.colouring != target.name:
-        return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
-                                max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric,
-                                runner=runner)
-    if tolerance is not None:
-        target = replace(target, tolerance=tolerance)
-    check_max_rounds(max_rounds)
-    thresholds = thresholds or Thresholds.for_target(target)
-    keys, high = _measure_float32(model, runner, thresholds, say, source)  # 1. statistics
-    c = _Repairing(model, runner, target, lists, cross_function, thresholds, max_rounds, say, metric_name, measure, high,
-                   keys=keys, touching=tensors_of(model.graph_def, set(high.stats)), where=node_items(model.graph_def))
+    (``validate.plan_feeds``), every run in one session; ``options.say`` gets one line per
+    step and run. Target float8: this for float16 against float8's tolerance (repairing
+    float16's rounding below what FP8 adds buys nothing), then the float8 runs (``_calibrate_float8``)."""
+    metric = validate.lookup_metric(options.metric)  # an unknown metric fails before any run
+    with statistics.Runner(model, feeds) as runner:  # the session every run of this calibration shares
+        if options.target.colouring != options.target.name:
+            return _calibrate_float8(model, runner, options, metric)
+        return _calibrate_repairing(model, runner, options, metric)
+
+
+def _calibrate_repairing(model: Model, runner: statistics.Runner, options: Options,
+                         metric: validate.NamedMetric) -> Calibration:
+    """Steps 1-3 (module doc): a float16 or bfloat16 calibration."""
+    check_max_rounds(options.max_rounds)
+    options = replace(options, thresholds=options.thresholds or Thresholds.for_target(options.target))
+    c = _measure_float32(model, runner, options, metric)  # 1. statistics
     result, kept, tried = _keep_out_of_range(c)  # 2. range rules
     range_kept = len(kept)
     repair = _repair(c, result, kept, tried)  # 3. repair by validation: the best run stands
@@ -583,65 +590,71 @@ def run_calibration(model: Model, feeds: validate.Feeds, *, target: str | Target
     if repair.result is not None:
         result, kept = repair.result, repair.kept
         if repair.score <= GOAL_SHARE:  # then each matmul repair kept, tried converted alone
-            result, kept, best_round = _give_back(c, result, kept, repair.measured, best_round)
+            result, kept, best_round = _give_back(c, repair)
     keep = keep_entries(kept, c.where)
-    calibration = Calibration(target.name, c.high.stats, keep, kept, range_kept, tuple(c.rounds),
-                              lists.keeping(keep), result, thresholds, source, metric=metric_name, best=best_round,
-                              tolerance=target.tolerance, outputs=c.high.outputs)
+    calibration = Calibration(
+        target=c.target.name, stats=c.high.stats, keep=keep, kept=kept, range_kept=range_kept,
+        rounds=tuple(repair.rounds), lists=options.lists.keeping(keep), result=result,
+        thresholds=options.thresholds, source=options.source, metric=c.metric.name, best=best_round,
+        tolerance=c.target.tolerance, outputs=c.high.outputs)
     _report_repair(c, calibration, repair.stale)
     return calibration
 
 
-def _measure_float32(model: Model, runner: statistics.Runner, thresholds: Thresholds, say: Callable[[str], None],
-                     source: str) -> tuple[list[TensorKey], statistics.Run]:
+def _measure_float32(model: Model, runner: statistics.Runner, options: Options,
+                     metric: validate.NamedMetric) -> _Context:
     """1. Statistics: the float32 model on the calibration inputs, every float tensor
-    measured. Returns the tensors and the run."""
+    measured. Returns the calibration's context, with the run and what it measured."""
     keys = statistics.model_tensors(model)
-    say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
-    described = statistics.RANDOM_INPUTS if source == statistics.RANDOM_INPUTS else "the calibration inputs"
-    return keys, runner.collect(model.graph_def, keys, thresholds.smallest_normal, described)
+    options.say(f"calibration: running the float32 model on the calibration inputs ({len(keys)} tensors instrumented)")
+    described = statistics.RANDOM_INPUTS if options.source == statistics.RANDOM_INPUTS else "the calibration inputs"
+    high = runner.collect(model.program, keys, options.thresholds.smallest_normal, described)
+    return _Context(model=model, runner=runner, options=options, metric=metric, high=high, keys=keys,
+                    touching=tensors_of(model.program, set(high.stats)), where=node_items(model.program))
 
 
-def _keep_out_of_range(c: _Repairing) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
+def _keep_out_of_range(c: _Context) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
     """2. Range rules: keep float32 the converted nodes touching an out-of-range tensor, until
     none does. Returns the rewrite, the nodes kept, and whether any node is tried (touches a
     tensor between the safe magnitude and the limit)."""
-    result = rewrite_model(c.model, target=c.target.name, lists=c.lists, cross_function=c.cross_function)
+    thresholds = c.options.thresholds
+    result = rewrite_model(c.model, target=c.target.name, lists=c.options.lists,
+                           cross_function=c.options.cross_function)
     kept: dict[tuple[str, str], str] = {}
-    while added := {k: v for k, v in range_keeps(result, c.touching, c.high.stats, c.thresholds).items()
+    while added := {k: v for k, v in range_keeps(result, c.touching, c.high.stats, thresholds).items()
                     if k not in kept}:
         kept.update(added)
         result = c.rewrite(kept)
-    tried = {key for key, s in c.high.stats.items() if c.thresholds.tried(s)}
+    tried = {key for key, s in c.high.stats.items() if thresholds.tried(s)}
     tried_nodes = _touching_violations(result, c.touching, c.high.stats, dict.fromkeys(tried, ""), "") if tried else {}
     c.say(f"calibration: range rules keep {len(kept)} node(s) float32"
-          + (f"; {len(tried_nodes)} node(s) over the safe magnitude {c.thresholds.max_magnitude:.3g} are tried in"
+          + (f"; {len(tried_nodes)} node(s) over the safe magnitude {thresholds.max_magnitude:.3g} are tried in"
              f" {c.target.name}" if tried_nodes else ""))
     return result, kept, bool(tried_nodes)
 
 
-def _repair(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], str], tried: bool) -> _Repair:
+def _repair(c: _Context, result: RewriteResult, kept: dict[tuple[str, str], str], tried: bool) -> _Repair:
     """3. Repair by validation: run the rewrite; while an output is over the goal, keep
     float32 the nodes a run needs for headroom, else the ones it blames, and run again, up
     to ``max_rounds`` runs or ``_STALE_RUNS`` in a row no better than the best. ``kept``
     grows in place; the best run is in the result."""
     repair = _Repair(result, set(kept))
     while True:
-        instrumented = tried or bool(c.rounds)  # a first run on a model with nothing tried: outputs only
-        low, checks = c.validate(result.graph_def, c.keys if instrumented else [])
+        instrumented = tried or bool(repair.rounds)  # a first run on a model with nothing tried: outputs only
+        low, checks = c.validate(result.program, c.keys if instrumented else [])
         needed, note = _judge(c, repair, result, kept, low if instrumented else None, checks)
         round_ = Round(checks, {})
-        if (not needed and all(check.within(c.goal) for check in checks)) or len(c.rounds) + 1 >= c.max_rounds \
-                or repair.stale >= _STALE_RUNS:
-            c.rounds.append(round_)
+        if (not needed and all(check.within(c.goal) for check in checks)) \
+                or len(repair.rounds) + 1 >= c.options.max_rounds or repair.stale >= _STALE_RUNS:
+            repair.rounds.append(round_)
             stop = f"; {repair.stale} run(s) in a row no better: repair stops" if repair.stale >= _STALE_RUNS else ""
-            c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note}{stop}")
+            c.say(f"calibration: validation run {len(repair.rounds)}: {c.summary(checks)}{note}{stop}")
             return repair
         if not needed and not instrumented:  # the outputs-only run failed: measure every tensor
-            low, _ = c.validate(result.graph_def, c.keys)
+            low, _ = c.validate(result.program, c.keys)
         added = needed or blame(result, c.touching, c.high.stats, low.stats, kept)
-        c.rounds.append(replace(round_, kept=added))
-        c.say(f"calibration: validation run {len(c.rounds)}: {c.summary(checks)}{note};"
+        repair.rounds.append(replace(round_, kept=added))
+        c.say(f"calibration: validation run {len(repair.rounds)}: {c.summary(checks)}{note};"
               f" keeping {len(added)} more node(s) float32")
         if not added:
             return repair
@@ -650,61 +663,63 @@ def _repair(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], st
         result = repair.last = c.rewrite(kept)
 
 
-def _judge(c: _Repairing, repair: _Repair, result: RewriteResult, kept: Mapping[tuple[str, str], str],
+def _judge(c: _Context, repair: _Repair, result: RewriteResult, kept: Mapping[tuple[str, str], str],
            low: statistics.Run | None, checks: Sequence[OutputCheck]) -> tuple[dict[tuple[str, str], str], str]:
     """A validation run's verdict: the nodes it needs kept for headroom (none from an
     outputs-only run, ``low`` None), and the note its line gets; a run that needs none is
     offered to ``repair`` as the best, and counted stale when it is no better."""
     score = Round(checks, {}).score(c.target.tolerance)
-    needed = headroom_keeps(result, c.touching, c.high.stats, low.stats, c.thresholds) if low is not None else {}
+    needed = (headroom_keeps(result, c.touching, c.high.stats, low.stats, c.options.thresholds)
+              if low is not None else {})
     needed = {k: v for k, v in needed.items() if k not in kept}
     # a run that needs more headroom is no candidate: held-out data would overflow it
-    improved = not needed and repair.offer(score, len(c.rounds), result, kept)
+    improved = not needed and repair.offer(score, result, kept)
     note = "" if improved or needed else f" (no better than run {repair.round + 1}: its decisions stand)"
     # still non-finite is not stale: repair cannot see its progress in the error yet
     repair.stale = 0 if improved or needed or not math.isfinite(score) else repair.stale + 1
     return needed, note
 
 
-def _give_back(c: _Repairing, result: RewriteResult, kept: dict[tuple[str, str], str],
-               measured: Collection[tuple[str, str]], best_round: int
-               ) -> tuple[RewriteResult, dict[tuple[str, str], str], int]:
+def _give_back(c: _Context, repair: _Repair) -> tuple[RewriteResult, dict[tuple[str, str], str], int]:
     """Repair keeps every node within ``_BLAME_SHARE`` of the worst, so a MatMul or Conv2D
     can be kept along with the one that needed it. Each such matmul that repair kept (not
     one ``measured`` out of range: past the format's limit, or within the headroom of it)
     is tried converted alone, in the runs left, and given back when the outputs stay
-    within the goal. Returns the result, its kept nodes and the round it was measured in."""
+    within the goal. Returns the result, its kept nodes and the round it was measured in,
+    from the best run's."""
+    result, kept, best_round = repair.result, repair.kept, repair.round
     ops = {(d.function, d.node): d.op for d in result.report.decisions}
-    candidates = [node for node in kept if node not in measured and ops.get(node) in _GIVE_BACK_OPS]
+    candidates = [node for node in kept if node not in repair.measured and ops.get(node) in _GIVE_BACK_OPS]
     for node in candidates:
-        if len(c.rounds) >= c.max_rounds:
+        if len(repair.rounds) >= c.options.max_rounds:
             break
         trial = {k: v for k, v in kept.items() if k != node}
         candidate = c.rewrite(trial)
-        _, checks = c.validate(candidate.graph_def)
+        _, checks = c.validate(candidate.program)
         fine = all(check.within(c.goal) for check in checks)
-        c.rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
-        c.say(f"calibration: validation run {len(c.rounds)}: {node[1]} converted alone: {c.summary(checks)};"
+        repair.rounds.append(Round(checks, {} if fine else {node: kept[node]}, "give-back"))
+        c.say(f"calibration: validation run {len(repair.rounds)}: {node[1]} converted alone: {c.summary(checks)};"
               f" {'given back to ' + c.target.name if fine else 'kept float32'}")
         if fine:
-            kept, result, best_round = trial, candidate, len(c.rounds) - 1
+            kept, result, best_round = trial, candidate, len(repair.rounds) - 1
     return result, kept, best_round
 
 
-def _report_repair(c: _Repairing, calibration: Calibration, stale: int) -> None:
+def _report_repair(c: _Context, calibration: Calibration, stale: int) -> None:
     """The last line of a calibration that did not meet the goal: why, and what to do
     (nothing compared: its run's line said so)."""
     if not calibration.compared:
         return
+    runs = calibration.validation_runs
     if not calibration.ok:
-        why = (f"the cap of {c.max_rounds} validation run(s) (--max-rounds) was reached"
-               if len(c.rounds) >= c.max_rounds
+        why = (f"the cap of {c.options.max_rounds} validation run(s) (--max-rounds) was reached"
+               if runs >= c.options.max_rounds
                else "keeping more nodes float32 made it no better" if stale >= _STALE_RUNS
                else "no converted node drifts from float32 enough to blame")
-        c.say(f"calibration: outputs still over tolerance after {len(c.rounds)} validation run(s): {why}; keep more"
+        c.say(f"calibration: outputs still over tolerance after {runs} validation run(s): {why}; keep more"
               f" nodes float32 with --keep REGEX, or allow up to {MAX_ROUNDS_LIMIT} runs with --max-rounds")
     elif not calibration.reached_goal:
-        c.say(f"calibration: within tolerance but over the goal {c.goal:g} after {len(c.rounds)} validation run(s);"
+        c.say(f"calibration: within tolerance but over the goal {c.goal:g} after {runs} validation run(s);"
               " held-out data may exceed the tolerance")
 
 
@@ -712,7 +727,8 @@ def _report_repair(c: _Repairing, calibration: Calibration, stale: int) -> None:
 class _Float8Search:
     """The float8 runs' search for how many of the worst matmuls to keep float16: the
     quantized matmuls ranked by their own FP8 error (the first run's probes), the largest
-    count that failed the goal and the smallest that met it, and each count's run."""
+    count that failed the goal and the smallest that met it, each count's run, and the
+    float8 validation runs so far."""
 
     amax: Mapping[TensorKey, float]
     ranked: list[tuple[str, str]] = field(default_factory=list)   # worst own FP8 error first
@@ -720,6 +736,7 @@ class _Float8Search:
     failed: int = 0
     met: int | None = None
     tried: dict[int, tuple[float, RewriteResult, dict[tuple[str, str], str]]] = field(default_factory=dict)
+    rounds: list[Round] = field(default_factory=list)
 
     def record(self, count: int, score: float, result: RewriteResult, lossy: dict[tuple[str, str], str]) -> None:
         self.tried[count] = (score, result, lossy)
@@ -743,11 +760,8 @@ class _Float8Search:
         return self.met if self.met is not None else min(self.tried, key=lambda k: self.tried[k][0])
 
 
-def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lists: OpLists,
-                     cross_function: bool = False, max_rounds: int = DEFAULT_MAX_ROUNDS,
-                     thresholds: Thresholds | None = None, say: Callable[[str], None] = lambda line: None,
-                     source: str = "", metric: str | validate.Metric = validate.DEFAULT_METRIC,
-                     runner: statistics.Runner | None = None) -> Calibration:
+def _calibrate_float8(model: Model, runner: statistics.Runner, options: Options,
+                      metric: validate.NamedMetric) -> Calibration:
     """Target float8: calibration for float16 (the colouring float8 builds on), then the
     float8 step with amax from the float32 statistics, then up to ``max_rounds`` float8 runs.
 
@@ -758,19 +772,13 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
     the errors predicts (``_float8_count``); the runs after that halve the interval between
     the largest k that failed and the smallest that met the goal. The result is the run
     that met the goal with the most matmuls on float8, else the lowest error."""
-    if runner is None:
-        with statistics.Runner(model, feeds) as runner:
-            return calibrate_float8(model, feeds, target=target, lists=lists, cross_function=cross_function,
-                                    max_rounds=max_rounds, thresholds=thresholds, say=say, source=source,
-                                    metric=metric, runner=runner)
-    metric_name, measure = validate.lookup_metric(metric)
-    base = run_calibration(model, feeds, target=target.colouring, lists=lists, cross_function=cross_function,
-                           max_rounds=max_rounds, thresholds=thresholds, say=say, source=source, metric=metric,
-                           tolerance=target.tolerance, runner=runner)
+    target = options.target
+    colouring = replace(lookup_target(target.colouring, quantized=True), tolerance=target.tolerance)
+    base = _calibrate_repairing(model, runner, replace(options, target=colouring), metric)
     wanted = float8.activation_operands(model.graph_def)
     search = _Float8Search({key: s.max_abs for key, s in base.stats.items() if key in wanted})
-    c = _Context(model, runner, target, base.lists, cross_function, base.thresholds, max_rounds, say, metric_name,
-                 measure, statistics.Run(base.stats, base.outputs))
+    c = _Context(model=model, runner=runner, options=replace(options, lists=base.lists, thresholds=base.thresholds),
+                 metric=metric, high=statistics.Run(base.stats, base.outputs))
     result = _float8_runs(c, search)
     best_count = search.best()
     if best_count is None:  # nothing quantized: the float8 rewrite is the float16 one, with its reasons
@@ -778,25 +786,24 @@ def calibrate_float8(model: Model, feeds: validate.Feeds, *, target: Target, lis
                               tolerance=target.tolerance)
     else:
         _, result, lossy = search.tried[best_count]
-        calibration = replace(base, target=target.name, rounds=base.rounds + tuple(c.rounds), result=result,
+        calibration = replace(base, target=target.name, rounds=base.rounds + tuple(search.rounds), result=result,
                               float8=float8.Float8Calibration(search.amax, lossy), tolerance=target.tolerance,
                               best=len(base.rounds) + list(search.tried).index(best_count))
-    _report_float8(c, calibration)
+    _report_float8(c, search, calibration)
     return calibration
 
 
 def _float8_runs(c: _Context, search: _Float8Search) -> RewriteResult:
-    """4. The float8 runs (``calibrate_float8``), each recorded in ``search``, until the
+    """4. The float8 runs (``_calibrate_float8``), each recorded in ``search``, until the
     search is over or the runs are spent. Returns the last rewrite."""
     count = 0
     while True:
-        lossy = {m: _lossy_reason(m, search.errors, count, len(search.ranked), c.rounds, c.metric_name, c.target)
-                 for m in search.ranked[:count]}
-        result = rewrite_model(c.model, target=c.target.name, lists=c.lists, cross_function=c.cross_function,
-                               amax=search.amax, lossy=lossy)
+        lossy = {m: _lossy_reason(c, search, m, count) for m in search.ranked[:count]}
+        result = rewrite_model(c.model, target=c.target.name, lists=c.options.lists,
+                               cross_function=c.options.cross_function, amax=search.amax, lossy=lossy)
         quantized = sorted({(d.function, d.node) for d in result.report.decisions
                             if d.rule == Rule.FLOAT8_MATMUL.value})
-        if not c.rounds and not quantized:  # the float16 rewrite, validated already
+        if not search.rounds and not quantized:  # the float16 rewrite, validated already
             why = collections.Counter(d.rule for d in result.report.decisions if d.rule.startswith("float8-"))
             found = ", ".join(f"{rule} {n}" for rule, n in why.most_common()) or "no converted matmul"
             c.say(f"calibration: float8: no matmul quantized ({found}); no float8 run needed")
@@ -805,15 +812,15 @@ def _float8_runs(c: _Context, search: _Float8Search) -> RewriteResult:
         score = Round(checks, {}).score(c.target.tolerance)
         search.record(count, score, result, lossy)
         next_count = search.next_count(count, score) if checks else None  # nothing to compare: nothing to search
-        if next_count is None or len(c.rounds) + 1 >= c.max_rounds:
-            c.rounds.append(Round(checks, {}, "float8"))
-            c.say(f"calibration: float8 validation run {len(c.rounds)}: {summary}")
+        if next_count is None or len(search.rounds) + 1 >= c.options.max_rounds:
+            search.rounds.append(Round(checks, {}, "float8"))
+            c.say(f"calibration: float8 validation run {len(search.rounds)}: {summary}")
             return result
         moved = {m: "" for m in search.ranked[count:next_count]} if next_count > count else {}
-        c.rounds.append(Round(checks, moved, "float8"))
+        search.rounds.append(Round(checks, moved, "float8"))
         action = (f"keeping the {next_count} worst float16" if next_count > count
                   else f"giving {count - next_count} back to float8: the {next_count} worst stay float16")
-        c.say(f"calibration: float8 validation run {len(c.rounds)}: {summary}; {action}")
+        c.say(f"calibration: float8 validation run {len(search.rounds)}: {summary}; {action}")
         count = next_count
 
 
@@ -822,8 +829,8 @@ def _float8_run(c: _Context, search: _Float8Search, result: RewriteResult, quant
     """One float8 run of ``result`` on the calibration inputs; the first also measures each
     quantized matmul's own FP8 error (``_with_probes``) and ranks them by it in ``search``.
     Returns each output's error and the run's line."""
-    first = not c.rounds
-    probed, probes = _with_probes(result.graph_def, quantized) if first else (result.graph_def, {})
+    first = not search.rounds
+    probed, probes = _with_probes(result.program, quantized) if first else (result.program, {})
     low, checks = c.validate(probed, [key for pair in probes.values() for key in pair])
     for matmul, (reference, difference) in probes.items():
         if reference in low.stats and difference in low.stats:
@@ -836,15 +843,15 @@ def _float8_run(c: _Context, search: _Float8Search, result: RewriteResult, quant
     return checks, summary
 
 
-def _report_float8(c: _Context, calibration: Calibration) -> None:
+def _report_float8(c: _Context, search: _Float8Search, calibration: Calibration) -> None:
     """The last line of a float8 calibration that did not meet the goal: why, and what to do
     (nothing compared: its runs' lines said so)."""
     if not calibration.compared:
         return
     if not calibration.ok:
-        c.say(f"calibration: float8 outputs still over tolerance {c.target.tolerance:g} after {len(c.rounds)} float8"
-              f" validation run(s) (--max-rounds {c.max_rounds}); use --max-rounds up to {MAX_ROUNDS_LIMIT}, or"
-              f" target {c.target.colouring} for this model")
+        c.say(f"calibration: float8 outputs still over tolerance {c.target.tolerance:g} after {len(search.rounds)}"
+              f" float8 validation run(s) (--max-rounds {c.options.max_rounds}); use --max-rounds up to"
+              f" {MAX_ROUNDS_LIMIT}, or target {c.target.colouring} for this model")
     elif not calibration.reached_goal:
         c.say(f"calibration: float8 within tolerance but over the goal {c.goal:g};"
               " held-out data may exceed the tolerance")
@@ -859,12 +866,13 @@ def _relative_rms(difference: TensorStats, reference: TensorStats) -> float:
     return 0.0 if difference.rms == 0 else math.inf
 
 
-def _lossy_reason(matmul: tuple[str, str], errors: Mapping[tuple[str, str], float], count: int, total: int,
-                  rounds: Sequence[Round], metric_name: str, target: Target) -> str:
-    first = max((c.error for c in rounds[0].checks), default=0.0) if rounds else 0.0
-    return (f"calibration: own float8 error {errors.get(matmul, 0.0):.3g} of its output's RMS, among the"
-            f" {count} worst of {total} quantized matmul(s); all on float8, the model's {metric_name} was"
-            f" {first:.3g} (goal {GOAL_SHARE * target.tolerance:g})")
+def _lossy_reason(c: _Context, search: _Float8Search, matmul: tuple[str, str], count: int) -> str:
+    """Why ``matmul`` stays float16 in a run that keeps the ``count`` worst so: its own error, and the first run's."""
+    rounds = search.rounds
+    first = max((check.error for check in rounds[0].checks), default=0.0) if rounds else 0.0
+    return (f"calibration: own float8 error {search.errors.get(matmul, 0.0):.3g} of its output's RMS, among the"
+            f" {count} worst of {len(search.ranked)} quantized matmul(s); all on float8, the model's {c.metric.name}"
+            f" was {first:.3g} (goal {GOAL_SHARE * c.target.tolerance:g})")
 
 
 def _float8_count(ranked: Sequence[tuple[str, str]], errors: Mapping[tuple[str, str], float], count: int,
@@ -884,13 +892,12 @@ def _float8_count(ranked: Sequence[tuple[str, str]], errors: Mapping[tuple[str, 
     return max(next_count, count + 1)
 
 
-def _with_probes(graph_def: graph_pb2.GraphDef, quantized: Sequence[tuple[str, str]]
-                 ) -> tuple[graph_pb2.GraphDef, dict[tuple[str, str], tuple[TensorKey, TensorKey]]]:
-    """``graph_def`` (a float8 rewrite) with ``float8.add_probes`` in every item that holds
+def _with_probes(program: Program, quantized: Sequence[tuple[str, str]]
+                 ) -> tuple[Program, dict[tuple[str, str], tuple[TensorKey, TensorKey]]]:
+    """``program`` (a float8 rewrite's) with ``float8.add_probes`` in every item that holds
     ``quantized`` matmuls: matmul → (its float16 copy's tensor, the difference's tensor)."""
-    program = program_of(graph_def)
     output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output.CopyFrom(program.graph_def)
     by_item: dict[str, list[str]] = {}
     for function, node in quantized:
         by_item.setdefault(function, []).append(node)
@@ -899,5 +906,5 @@ def _with_probes(graph_def: graph_pb2.GraphDef, quantized: Sequence[tuple[str, s
         body, found = float8.add_probes(program.item(item), names)
         program.put(output, item, body)
         for node, (reference, difference) in found.items():
-            probes[(item, node)] = ((item, reference, 0), (item, difference, 0))
-    return output, probes
+            probes[(item, node)] = (TensorKey(item, reference, 0), TensorKey(item, difference, 0))
+    return program_of(output), probes

@@ -8,6 +8,7 @@ source's) and moved into place whole, or not at all.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -23,8 +24,9 @@ from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import colouring, functions, support
-from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name
+from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.errors import GraphError, ModelError, did_you_mean
 
@@ -34,11 +36,16 @@ PROTOBUF_LIMIT = 2**31 - 1   # the largest message protobuf parses
 DEFAULT_TAG_SET = "serve"
 KERAS_FILES = (".keras", ".h5", ".hdf5")
 TF_KERAS_METADATA = "keras_metadata.pb"   # written by tf_keras' model.save(dir), read by tf_keras.models.load_model
+GRAPH = "graph"  # the "signature" of a GraphDef file's placeholders and outputs
+
+Signature = tuple[dict[str, str], dict[str, str]]  # a signature's inputs and outputs, name -> tensor
 
 
 @dataclass(frozen=True)
 class Model:
-    """A model read from disk: a SavedModel (one meta graph rewritten) or a GraphDef file."""
+    """A model read from disk: a SavedModel (one meta graph rewritten) or a GraphDef file.
+    What calibration, validation and tuning read of it (``program``, ``signatures``,
+    ``compared_outputs``) is read once, on first use, and shared by all their steps."""
 
     path: Path
     kind: str  # "savedmodel" | "graphdef"
@@ -55,6 +62,33 @@ class Model:
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
         return self.saved_model.meta_graphs[self.meta_graph_index]
+
+    @functools.cached_property
+    def program(self) -> Program:
+        """The graph's items (the main graph, each library function's body built on first
+        use) and the library's op definitions."""
+        return program_of(self.graph_def)
+
+    @functools.cached_property
+    def compared_outputs(self) -> tuple[str, ...]:
+        """A GraphDef's tensors to compare: the ``--fetch`` tensors, or every output of its sinks."""
+        if not self.fetches_are_sinks:
+            return self.fetches
+        nodes = {node.name: node for node in self.graph_def.node}
+        return tuple(tensor_name(name, port) for name in self.fetches
+                     for port in range(output_count(self.graph_def, nodes[name])))
+
+    @functools.cached_property
+    def signatures(self) -> Mapping[str, Signature]:
+        """Per signature (a GraphDef file's is ``GRAPH``: its placeholders and
+        ``compared_outputs``), its inputs and outputs, name -> tensor."""
+        if self.kind == "graphdef":
+            placeholders = [n.name for n in self.graph_def.node if n.op == "Placeholder"]
+            return {GRAPH: ({name: f"{name}:0" for name in placeholders},
+                            {name: tensor_name(*parse_tensor_name(name)) for name in self.compared_outputs})}
+        return {key: ({name: info.name for name, info in signature.inputs.items()},
+                      {name: info.name for name, info in signature.outputs.items()})
+                for key, signature in sorted(self.meta_graph.signature_def.items()) if not key.startswith("__")}
 
     @property
     def tags(self) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds, read_model
 from amp_rewrite.calibration.staging import write_text_atomically
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.errors import AmpRewriteError, ModelError
@@ -171,10 +172,10 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     cache = cache or timing_cache.load_cache(None, timing_cache.gpu_name(target.device_type))
     base = base or rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
-    shapes = {size: infer_shapes(model.graph_def, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
-    problem, timings, plan = plan_rewrite(model.graph_def, base, target, shapes, cache,
+    shapes = {size: infer_shapes(model.program, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
+    problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low)
-    keep = keep_entries(plan.keep, node_items(model.graph_def)) if plan.keep else {}
+    keep = keep_entries(plan.keep, node_items(model.program)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
         else base
@@ -293,10 +294,11 @@ def tune_step(step: Any, *args: Any, timing_cache: str | os.PathLike | object = 
     handles = {graph.inputs[index].op.name: variable for index, variable in variables.items()}
     base = rewrite_graph_def(graph_def, target=target.name, fetches=[t.op.name for t in graph.outputs],
                              lists=load_lists(target, lists))
-    shapes = infer_shapes(graph_def, feeds, handles=handles)
+    program = program_of(graph_def)
+    shapes = infer_shapes(program, feeds, handles=handles)
     batch = next((shape[0] for shape in feeds.values() if shape), 1)
     budget = Budget(budget_s)  # counts the timing, not the trace and the rewrite before it
-    problem, timings, plan = plan_rewrite(graph_def, base, target, {batch: shapes}, cache, budget)
+    problem, timings, plan = plan_rewrite(program, base, target, {batch: shapes}, cache, budget)
     budget.pause()
     problem_line = save_cache(cache)
     if problem_line:
@@ -341,7 +343,7 @@ def _loaded(model: Model, path: Path) -> Callable[[validate.Feeds], Callable[[],
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
     session = tf.compat.v1.Session(graph=graph)
-    fetches = [tensor_name(*parse_tensor_name(name)) for name in validate.compared_outputs(model)]
+    fetches = [tensor_name(*parse_tensor_name(name)) for name in model.compared_outputs]
 
     def bind_graph(feeds: validate.Feeds) -> Callable[[], None]:
         fed = {f"{name}:0": value for name, value in feeds[validate.GRAPH][0].items()}

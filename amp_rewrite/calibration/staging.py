@@ -37,94 +37,113 @@ LOCK_FILE = ".lock"                   # held (flock) by the run that writes the 
 INTERRUPTED = "amp-rewrite: interrupted; nothing was written"
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-_key = itertools.count()
-_undo: dict[int, tuple[Callable[[], None], str]] = {}  # what to undo on an interrupt, and what it cannot undo
-_holding = 0                                           # depth of ``held`` blocks
-_held: list[int] = []                                  # signals that came while holding
-_written: list[Path] = []                              # destinations this run has moved into place
+class _Interrupts:
+    """What a signal must undo, and the handlers that undo it: one object for the process
+    (signal handlers are process-wide). ``undo``: what to undo on an interrupt, and what it
+    cannot undo; ``holding``: the depth of ``held`` blocks; ``pending``: the signals that
+    came while holding; ``written``: the destinations this run has moved into place.
+    ``install`` puts its handler in place and puts the replaced ones back exactly."""
+
+    def __init__(self) -> None:
+        self._keys = itertools.count()
+        self.undo: dict[int, tuple[Callable[[], None], str]] = {}
+        self.holding = 0
+        self.pending: list[int] = []
+        self.written: list[Path] = []
+
+    def line(self) -> str:
+        if self.written:
+            return f"amp-rewrite: interrupted; {', '.join(map(str, self.written))} had been written in full"
+        left = [note for _, note in self.undo.values() if note]
+        return f"amp-rewrite: interrupted; {'; '.join(left)}" if left else INTERRUPTED
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.holding or self.written:
+            self.pending.append(signum)
+            return
+        self.exit(signum)
+
+    def exit(self, signum: int) -> None:
+        """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``
+        (whatever an undo raises: the process ends here)."""
+        try:
+            line = self.line()
+            for key in sorted(self.undo, reverse=True):
+                with contextlib.suppress(OSError):  # one path that cannot be removed does not stop the other undos
+                    self.undo[key][0]()
+            with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: the exit code still says it
+                sys.stdout.flush()
+            with contextlib.suppress(OSError, ValueError):
+                newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (cli.options.Progress)
+                sys.stderr.write(f"{newline}{line}\n")
+                sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    @contextlib.contextmanager
+    def install(self) -> Iterator[None]:
+        """``on_interrupt``: the handler in place for the block, the replaced ones back after it."""
+        if signal.getsignal(signal.SIGINT) == self.handle:  # a nested block: the outer one handles it
+            yield
+            return
+        self.pending.clear()
+        self.written.clear()
+        try:
+            previous = {signum: signal.signal(signum, self.handle) for signum in SIGNALS}
+        except ValueError:  # not the main thread
+            yield
+            return
+        try:
+            yield
+            if self.pending:  # came after a destination was in place: the run finished, then says it was interrupted
+                print(self.line(), file=sys.stderr)
+                raise SystemExit(128 + self.pending[0])
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self.pending.clear()
+            self.written.clear()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``held``: a signal that comes during the block is handled when it ends."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if not self.holding and self.pending and not self.written:
+                self.exit(self.pending[0])
+
+    @contextlib.contextmanager
+    def undone(self, undo: Callable[[], None], leaves: str) -> Iterator[None]:
+        """``undone_if_interrupted``: ``undo`` registered while the block runs."""
+        key = next(self._keys)
+        self.undo[key] = (undo, leaves)
+        try:
+            yield
+        finally:
+            del self.undo[key]
 
 
-def _interrupted_line() -> str:
-    if _written:
-        return f"amp-rewrite: interrupted; {', '.join(map(str, _written))} had been written in full"
-    left = [note for _, note in _undo.values() if note]
-    return f"amp-rewrite: interrupted; {'; '.join(left)}" if left else INTERRUPTED
+_INTERRUPTS = _Interrupts()  # the one owner: its handler is installed once per process at most
 
 
-def _handle(signum: int, frame: object) -> None:
-    if _holding or _written:
-        _held.append(signum)
-        return
-    _exit(signum)
-
-
-def _exit(signum: int) -> None:
-    """Undo everything registered, newest first, say so in one line and exit 128 + ``signum``
-    (whatever an undo raises: the process ends here)."""
-    try:
-        line = _interrupted_line()
-        for key in sorted(_undo, reverse=True):
-            with contextlib.suppress(OSError):  # one path that cannot be removed does not stop the other undos
-                _undo[key][0]()
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: the exit code still says it
-            sys.stdout.flush()
-        with contextlib.suppress(OSError, ValueError):
-            newline = "\n" if sys.stderr.isatty() else ""  # after a progress line left open (cli.options.Progress)
-            sys.stderr.write(f"{newline}{line}\n")
-            sys.stderr.flush()
-    finally:
-        os._exit(128 + signum)
-
-
-@contextlib.contextmanager
-def on_interrupt() -> Iterator[None]:
+def on_interrupt() -> contextlib.AbstractContextManager[None]:
     """SIGINT and SIGTERM, while the block runs, undo the run's writes and exit (module doc);
     the replaced handlers come back after it. Nested blocks install nothing more. Outside the
     main thread (a program running the command in a thread), signals are left alone."""
-    if signal.getsignal(signal.SIGINT) is _handle:
-        yield
-        return
-    _held.clear()
-    _written.clear()
-    try:
-        previous = {signum: signal.signal(signum, _handle) for signum in SIGNALS}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-        if _held:  # came after a destination was in place: the run finished, then says it was interrupted
-            print(_interrupted_line(), file=sys.stderr)
-            raise SystemExit(128 + _held[0])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _held.clear()
-        _written.clear()
+    return _INTERRUPTS.install()
 
 
-@contextlib.contextmanager
-def held() -> Iterator[None]:
+def held() -> contextlib.AbstractContextManager[None]:
     """A signal that comes during the block is handled when it ends."""
-    global _holding
-    _holding += 1
-    try:
-        yield
-    finally:
-        _holding -= 1
-        if not _holding and _held and not _written:
-            _exit(_held[0])
+    return _INTERRUPTS.held()
 
 
-@contextlib.contextmanager
-def undone_if_interrupted(undo: Callable[[], None], leaves: str = "") -> Iterator[None]:
+def undone_if_interrupted(undo: Callable[[], None], leaves: str = "") -> contextlib.AbstractContextManager[None]:
     """``undo`` runs if a signal interrupts the block; ``leaves``: what it cannot undo, for the exit line."""
-    key = next(_key)
-    _undo[key] = (undo, leaves)
-    try:
-        yield
-    finally:
-        del _undo[key]
+    return _INTERRUPTS.undone(undo, leaves)
 
 
 @contextlib.contextmanager
@@ -170,7 +189,7 @@ def write_text_atomically(path: Path, text: str) -> None:
                 file.write(text)
             with held():
                 os.replace(staged_name, path)
-                _written.append(path)
+                _INTERRUPTS.written.append(path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(staged_name)
@@ -296,4 +315,4 @@ def _publish(target: Path, destination: Path, old: Path, force: bool) -> None:
         if old.exists() and not destination.exists():
             os.replace(old, destination)
         raise
-    _written.append(destination)
+    _INTERRUPTS.written.append(destination)

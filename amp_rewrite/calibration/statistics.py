@@ -25,24 +25,35 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, op_def_pb2, types_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
 
 from amp_rewrite.calibration import staging
-from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
-from amp_rewrite.calibration.validate import GRAPH, Feeds, compared_outputs
+from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError, Signature, plumbing_kinds
+from amp_rewrite.calibration.validate import Feeds
 from amp_rewrite.core import functions, graph_io
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.typegraph import output_dtypes
 from amp_rewrite.errors import tensorflow_cause
 
 log = logging.getLogger(__name__)
 
-TensorKey = tuple[str, str, int]  # (function, "" for the main graph; node; output port)
+
+
+class TensorKey(NamedTuple):
+    """A tensor of a model: an output ``port`` of ``node`` in ``function`` (``MAIN_GRAPH``,
+    "", for the main graph). Equal to the plain tuple of its fields, as the rewrite's
+    ``amax`` keys are."""
+
+    function: str
+    node: str
+    port: int
+
 
 PREFIX = "amp_rewrite_statistics"
 _MAXIMA, _SUMS, _PEAKS = "maxima", "sums", "peaks"  # the variables, shared by name as PREFIX_<name>
@@ -104,14 +115,14 @@ class Run:
     outputs: Mapping[str, Sequence[Mapping[str, np.ndarray]]]
 
 
-def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
+def float_tensors(program: Program, skip_functions: Iterable[str] = ()) -> list[TensorKey]:
     """Every float output the pass may convert: in the main graph and in each function
     the rewrite reaches (``functions.reachable_functions``), but ``skip_functions``, and
     but the unread outputs of a node whose other outputs are read (a batch norm's reserve
     spaces): nothing they hold reaches anything."""
-    program = program_of(graph_def)
     skip = set(skip_functions)
-    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(graph_def, program.library) if n not in skip]
+    names = [MAIN_GRAPH] + [n for n in functions.reachable_functions(program.graph_def, program.library)
+                            if n not in skip]
     keys = []
     for name in names:
         body = program.item(name)
@@ -127,23 +138,21 @@ def float_tensors(graph_def: graph_pb2.GraphDef, skip_functions: Iterable[str] =
             ports = read.get(node_def.name)
             for port, dtype in enumerate(output_dtypes(node_def, program.op_defs)):
                 if dtype == types_pb2.DT_FLOAT and (ports is None or port in ports):
-                    keys.append((name, node_def.name, port))
+                    keys.append(TensorKey(name, node_def.name, port))
     return keys
 
 
-def constant_stats(graph_def: graph_pb2.GraphDef, keys: Iterable[TensorKey],
-                   small_below: float) -> dict[TensorKey, TensorStats]:
+def constant_stats(program: Program, keys: Iterable[TensorKey], small_below: float) -> dict[TensorKey, TensorStats]:
     """Statistics of the keys that are float constants, from their values."""
-    program = program_of(graph_def)
     by_item: dict[str, list[TensorKey]] = {}
-    for key in keys:
-        by_item.setdefault(key[0], []).append(key)
+    for key in map(TensorKey._make, keys):
+        by_item.setdefault(key.function, []).append(key)
     found = {}
     for item, item_keys in by_item.items():
         nodes = {n.name: n for n in program.item(item).node}
         for key in item_keys:
-            node_def = nodes.get(key[1])
-            if node_def is not None and node_def.op == "Const" and key[2] == 0:
+            node_def = nodes.get(key.node)
+            if node_def is not None and node_def.op == "Const" and key.port == 0:
                 found[key] = _stats_of(tf.make_ndarray(node_def.attr["value"].tensor), small_below)
     return found
 
@@ -179,10 +188,22 @@ _F32, _F64, _I32 = types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_INT32
 _SMALLEST_POSITIVE = float(np.finfo(np.float32).tiny)  # below it, |x| counts as 0: TensorFlow flushes subnormals
 
 
-def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[tuple[int, str, int, int]], size: int,
+class _Fold(NamedTuple):
+    """A tensor ``instrument`` folds into the statistics variables: its index there (its
+    position in the keys), its name in the body, its dtype, its ``sampling_stride``, and its
+    node (which main-graph run computes it)."""
+
+    index: int
+    tensor: str
+    dtype: int
+    stride: int
+    node: str
+
+
+def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[_Fold], size: int,
                small_below: float, prefix: str = PREFIX) -> list[str]:
-    """Nodes in ``body`` that reduce each (index, tensor, dtype, stride) of ``found`` and
-    fold it into the statistics variables at its index; returns the stateful nodes, which
+    """Nodes in ``body`` that reduce each tensor of ``found`` and fold it into the
+    statistics variables at its index; returns the stateful nodes, which
     a run (or a body's control outputs) must reach. Plain nodes, no function: TensorFlow
     instantiates nothing new, and each tensor is reduced as soon as it exists, so no more
     of it is kept alive.
@@ -200,7 +221,7 @@ def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[tuple[int, 
     start, infinity = axis, b.const("infinity", np.array(np.inf, np.float32))
     boundaries = [_SMALLEST_POSITIVE, max(small_below, _SMALLEST_POSITIVE), math.inf]
     rows, maxima, peaks, peaked = [], [], [], []
-    for index, tensor, dtype, stride in found:
+    for index, tensor, dtype, stride, _ in found:
         n = f"t{index}"
         if dtype != _F32:  # Bucketize takes no half or bfloat16
             tensor = b.node(f"{n}/float32", "Cast", [tensor], SrcT=dtype, DstT=_F32, Truncate=False)
@@ -233,7 +254,7 @@ def _add_folds(body: graph_pb2.GraphDef, scope: str, found: Sequence[tuple[int, 
         at = b.const(f"{name}/indices", np.array(indices, np.int32))
         return b.node(f"fold_{name}", op, [variable, at, updates], dtype=dtype, Tindices=_I32)
 
-    indices = [f[0] for f in found]
+    indices = [f.index for f in found]
     folds = [fold("ResourceScatterMax", _MAXIMA, indices, maxima, _F32, [_BUCKETS]),
              fold("ResourceScatterAdd", _SUMS, indices, rows, _F64, [_BUCKETS, _MOMENTS])]
     if peaks:
@@ -277,10 +298,10 @@ def _static_shape(node_def, port: int) -> list[int] | None:
     return [d.size for d in shapes[port].dim]
 
 
-def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+def instrument(program: Program, keys: Sequence[TensorKey], small_below: float,
                main_groups: Sequence[Collection[str]] = (), prefix: str = PREFIX,
                ) -> tuple[graph_pb2.GraphDef, list[str], dict[int, int]]:
-    """A copy of ``graph_def`` that folds each of ``keys`` (float tensors; others are left
+    """A copy of ``program``'s graph that folds each of ``keys`` (float tensors; others are left
     out) into the statistics variables, at its position in ``keys``: in each function body
     (its control outputs), and in the main graph once per group of ``main_groups`` (node
     names: what one run computes, e.g. a signature's ancestors; a key in none is left out,
@@ -288,50 +309,60 @@ def instrument(graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_b
     Returns the copy, per group the main graph's node a run must ask for, and per key
     index its ``sampling_stride``. ``prefix`` names the nodes added and the variables they
     share: one per run of a ``Runner``."""
-    program = program_of(graph_def)
-    strides: dict[int, int] = {}
     by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
-    for index, key in enumerate(keys):
-        by_item.setdefault(key[0], []).append((index, key))
+    for index, key in enumerate(map(TensorKey._make, keys)):
+        by_item.setdefault(key.function, []).append((index, key))
     output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output.CopyFrom(program.graph_def)
     main_calls: list[str] = []
+    strides: dict[int, int] = {}
     for item, entries in by_item.items():
         body = graph_pb2.GraphDef()
         body.CopyFrom(program.item(item))
-        nodes = {n.name: n for n in body.node}
-        looped = _in_loop_frames(body) if item == MAIN_GRAPH else set()
-        found = []  # (index, tensor, dtype)
-        for index, key in entries:
-            node_def = nodes.get(key[1]) if key[1] not in looped else None
-            dtypes = output_dtypes(node_def, program.op_defs) if node_def is not None else []
-            if key[2] < len(dtypes) and dtypes[key[2]] in FLOAT_DTYPES:
-                strides[index] = sampling_stride(_static_shape(node_def, key[2]))
-                found.append((index, tensor_name(key[1], key[2]), dtypes[key[2]], strides[index], key[1]))
+        found = _folds(body, entries, program.op_defs, _in_loop_frames(body) if item == MAIN_GRAPH else set())
+        strides.update((fold.index, fold.stride) for fold in found)
         if item == MAIN_GRAPH:
-            taken: set[int] = set()
-            for group_number, group in enumerate(main_groups):
-                chosen = [f[:4] for f in found if f[4] in group and f[0] not in taken]
-                taken.update(f[0] for f in chosen)
-                name = f"{prefix}/main_{group_number}"
-                folds = _add_folds(body, name, chosen, len(keys), small_below, prefix) if chosen else []
-                body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
-                main_calls.append(name)
-            if keys:
-                _add_access(body, len(keys), prefix)
-            del output.node[:]
-            output.node.extend(body.node)
-            continue
-        if not found:
-            continue
-        folds = _add_folds(body, prefix, [f[:4] for f in found], len(keys), small_below, prefix)
-        function_def = functions.to_function_def(body, program.library[item], program.op_defs)
-        for fold in folds:
-            function_def.signature.control_output.append(fold)
-            function_def.control_ret[fold] = fold
-        output.library.function[program.positions[item]].CopyFrom(function_def)
+            main_calls = _fold_main_graph(body, found, main_groups, len(keys), small_below, prefix)
+            program.put(output, item, body)
+        elif found:
+            folds = _add_folds(body, prefix, found, len(keys), small_below, prefix)
+            program.put(output, item, body, control_outputs=folds)  # nothing reads them: TensorFlow runs them
     _make_stateful(output)
     return output, main_calls, strides
+
+
+def _folds(body: graph_pb2.GraphDef, entries: Sequence[tuple[int, TensorKey]], op_defs: Mapping[str, op_def_pb2.OpDef],
+           looped: Collection[str]) -> list[_Fold]:
+    """The tensors of ``entries`` (index, key) in one item's ``body`` that are floats of
+    any width, but those ``looped`` nodes output."""
+    nodes = {n.name: n for n in body.node}
+    found = []
+    for index, key in entries:
+        node_def = nodes.get(key.node) if key.node not in looped else None
+        dtypes = output_dtypes(node_def, op_defs) if node_def is not None else []
+        if key.port < len(dtypes) and dtypes[key.port] in FLOAT_DTYPES:
+            stride = sampling_stride(_static_shape(node_def, key.port))
+            found.append(_Fold(index, tensor_name(key.node, key.port), dtypes[key.port], stride, key.node))
+    return found
+
+
+def _fold_main_graph(body: graph_pb2.GraphDef, found: Sequence[_Fold], groups: Sequence[Collection[str]], size: int,
+                     small_below: float, prefix: str) -> list[str]:
+    """The main graph's folds, once per group of ``groups`` (a tensor in the first group
+    that computes it), each group's under a NoOp a run asks for, and the nodes that zero
+    and read the variables (where there are any). Returns the NoOps."""
+    taken: set[int] = set()
+    calls = []
+    for number, group in enumerate(groups):
+        chosen = [fold for fold in found if fold.node in group and fold.index not in taken]
+        taken.update(fold.index for fold in chosen)
+        name = f"{prefix}/main_{number}"
+        folds = _add_folds(body, name, chosen, size, small_below, prefix) if chosen else []
+        body.node.add(name=name, op="NoOp", input=[f"^{fold}" for fold in folds])
+        calls.append(name)
+    if size:
+        _add_access(body, size, prefix)
+    return calls
 
 
 def _in_loop_frames(graph_def: graph_pb2.GraphDef) -> set[str]:
@@ -420,17 +451,6 @@ def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str
     return seen
 
 
-def signatures_of(model: Model) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
-    """Per signature (a GraphDef file's is ``GRAPH``): its inputs and outputs, name → tensor."""
-    if model.kind == "graphdef":
-        placeholders = [n.name for n in model.graph_def.node if n.op == "Placeholder"]
-        return {GRAPH: ({name: f"{name}:0" for name in placeholders},
-                        {name: tensor_name(*parse_tensor_name(name)) for name in compared_outputs(model)})}
-    return {key: ({name: info.name for name, info in signature.inputs.items()},
-                  {name: info.name for name, info in signature.outputs.items()})
-            for key, signature in sorted(model.meta_graph.signature_def.items()) if not key.startswith("__")}
-
-
 RANDOM_INPUTS = "random inputs"
 
 
@@ -441,10 +461,10 @@ class _Computations:
     input name; a node that reads no signature input by its own name (every signature
     shares it)."""
 
-    def __init__(self, graph_def: graph_pb2.GraphDef) -> None:
-        self.graph_def = graph_def
-        self.nodes = {node.name: node for node in graph_def.node}
-        self.bodies = {f.signature.name: f for f in graph_def.library.function}
+    def __init__(self, program: Program) -> None:
+        self.graph_def = program.graph_def
+        self.nodes = {node.name: node for node in program.graph_def.node}
+        self.bodies = program.library
         self._body_keys: dict[str, bytes] = {}
 
     def body_key(self, name: str) -> bytes:
@@ -506,12 +526,11 @@ def _same_feeds(feeds: Feeds, a: str, b: str) -> bool:
         x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(first, second))
 
 
-def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tuple[dict[str, str], dict[str, str]]],
-                    feeds: Feeds) -> dict[str, str]:
+def same_signatures(program: Program, signatures: Mapping[str, Signature], feeds: Feeds) -> dict[str, str]:
     """Signature → an earlier one whose run gives its outputs: the same feeds, and the same
     main-graph computation (``_Computations``: a Keras export's ``serve`` and
     ``serving_default`` call two wrappers that differ only in name and argument labels)."""
-    computations = _Computations(graph_def)
+    computations = _Computations(program)
     seen: dict[tuple, str] = {}
     same: dict[str, str] = {}
     for key, (inputs, outputs) in signatures.items():
@@ -526,11 +545,11 @@ def same_signatures(graph_def: graph_pb2.GraphDef, signatures: Mapping[str, tupl
     return same
 
 
-def collect(model: Model, graph_def: graph_pb2.GraphDef, feeds: Feeds, keys: Sequence[TensorKey],
+def collect(model: Model, program: Program, feeds: Feeds, keys: Sequence[TensorKey],
             small_below: float, described: str = "the calibration inputs") -> Run:
     """One ``Runner.collect`` in a session of its own."""
     with Runner(model, feeds) as runner:
-        return runner.collect(graph_def, keys, small_below, described)
+        return runner.collect(program, keys, small_below, described)
 
 
 @dataclass
@@ -572,20 +591,20 @@ class Runner:
         if loaded is not None:
             loaded.closing.close()
 
-    def collect(self, graph_def: graph_pb2.GraphDef, keys: Sequence[TensorKey], small_below: float,
+    def collect(self, program: Program, keys: Sequence[TensorKey], small_below: float,
                 described: str = "the calibration inputs") -> Run:
-        """Run ``graph_def`` (the model's own graph, or a rewrite of it) on every feed,
+        """Run ``program``'s graph (the model's own, or a rewrite of it) on every feed,
         folding ``keys``; returns the statistics and the outputs. ``described`` names the
         feeds in the error a model that fails on them gets (``RANDOM_INPUTS``: made from
         the signatures)."""
-        constants = constant_stats(graph_def, keys, small_below)
+        constants = constant_stats(program, keys, small_below)
         run_keys = [k for k in keys if k not in constants]
-        signatures = signatures_of(self.model)
-        same = same_signatures(graph_def, signatures, self.feeds)
+        signatures = self.model.signatures
+        same = same_signatures(program, signatures, self.feeds)
         run = {key: entry for key, entry in signatures.items() if key not in same}
-        groups = [_ancestors(graph_def, outputs.values()) for _, outputs in run.values()]
+        groups = [_ancestors(program.graph_def, outputs.values()) for _, outputs in run.values()]
         prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
-        instrumented, main_calls, strides = instrument(graph_def, run_keys, small_below, groups, prefix)
+        instrumented, main_calls, strides = instrument(program, run_keys, small_below, groups, prefix)
         scope = self._take(instrumented)
         self.runs += 1
 
@@ -790,5 +809,5 @@ def model_tensors(model: Model) -> list[TensorKey]:
     """``float_tensors`` of the model's graph, without TensorFlow's save/restore functions
     (they run before the statistics exist, when the loader restores variables)."""
     skip = [name for name, kind in plumbing_kinds(model).items() if kind == "save/restore"]
-    return float_tensors(model.graph_def, skip)
+    return float_tensors(model.program, skip)
 

@@ -17,20 +17,19 @@ import gc
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
-from amp_rewrite.calibration.savedmodel import Model, ModelError, output_count
+from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
 from amp_rewrite.errors import tensorflow_cause
 
 UNKNOWN_DIM = 2
 RANDOM_INT_HIGH = 10  # random integer inputs are 0..9: ids below every vocabulary or table size we expect
-GRAPH = "graph"       # the "signature" of a GraphDef file's placeholders and outputs
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,22 @@ def shown(metric: str) -> str:
     return _SHOWN.get(metric, metric)
 
 
-def lookup_metric(metric: str | Metric) -> tuple[str, Metric]:
-    """(name, function) of a metric named in ``METRICS``, or a callable(reference, candidate)
-    -> float of the user's (named after it)."""
+class NamedMetric(NamedTuple):
+    """A metric, and the name messages give it."""
+
+    name: str
+    function: Metric
+
+
+def lookup_metric(metric: str | Metric) -> NamedMetric:
+    """A metric named in ``METRICS``, or a callable(reference, candidate) -> float of the
+    user's (named after it)."""
     if callable(metric):
-        return getattr(metric, "__name__", "metric"), metric
+        return NamedMetric(getattr(metric, "__name__", "metric"), metric)
     if metric not in METRICS:
         raise ModelError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}, or pass a function"
                          " (reference, candidate) -> float")
-    return metric, METRICS[metric]
+    return NamedMetric(metric, METRICS[metric])
 
 
 def measure(metric: Metric, pairs: Sequence[tuple[np.ndarray, np.ndarray]], where: str) -> tuple[float, float] | None:
@@ -163,15 +169,6 @@ def input_specs(model: Model) -> list[InputSpec]:
     return [InputSpec(GRAPH, node.name, tf.as_dtype(node.attr["dtype"].type),
                       _shape(node.attr["shape"].shape) if "shape" in node.attr else None)
             for node in model.graph_def.node if node.op == "Placeholder"]
-
-
-def compared_outputs(model: Model) -> tuple[str, ...]:
-    """A GraphDef's tensors to compare: the ``--fetch`` tensors, or every output of its sinks."""
-    if not model.fetches_are_sinks:
-        return model.fetches
-    nodes = {node.name: node for node in model.graph_def.node}
-    return tuple(tensor_name(name, port) for name in model.fetches
-                 for port in range(output_count(model.graph_def, nodes[name])))
 
 
 def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
@@ -317,20 +314,19 @@ def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
     return ModelError(f"{where}: the source model fails on {how} ({tensorflow_cause(error)})")
 
 
-def validate_saved_models(
-    source: Path, destination: Path, tags: Sequence[str], feeds: Feeds, random: bool,
-    metric: str | Metric = DEFAULT_METRIC, tf1: bool = False,
-) -> list[OutputError]:
-    """The error of each (signature, output) over ``feeds`` (from ``plan_feeds``). The source
-    runs every feed and is let go before the result is loaded: one model in memory at a time.
-    ``tf1``: a SavedModel without an object graph, run in a Session by TensorFlow's v1 loader,
+def validate_saved_models(model: Model, destination: Path, feeds: Feeds, random: bool,
+                          metric: str | Metric = DEFAULT_METRIC) -> list[OutputError]:
+    """The error of each (signature, output) of ``model`` (a SavedModel) against its
+    rewrite written at ``destination``, over ``feeds`` (from ``plan_feeds``). The source runs
+    every feed and is let go before the result is loaded: one model in memory at a time.
+    A SavedModel without an object graph (TF1) runs in a Session by TensorFlow's v1 loader,
     which restores each variable in place (``tf.saved_model.load`` restores them all before
     assigning them: 1.6x the variables at once)."""
-    outputs = _session_outputs if tf1 else _outputs
-    old_outputs = outputs(source, tags, feeds, lambda key, error: _fails_on_inputs(
-        f"{source}: signature '{key}'", error, random))
+    outputs = _outputs if model.meta_graph.object_graph_def.nodes else _session_outputs
+    old_outputs = outputs(model.path, model.tags, feeds, lambda key, error: _fails_on_inputs(
+        f"{model.path}: signature '{key}'", error, random))
     gc.collect()
-    new_outputs = outputs(destination, tags, feeds, None)
+    new_outputs = outputs(destination, model.tags, feeds, None)
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for (key, name), runs in old_outputs.items():
         pairs[(key, name)] = list(zip(runs, new_outputs[(key, name)]))
@@ -419,8 +415,8 @@ def check_fits(model: Model, largest: int) -> None:
 
 def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool,
                         metric: str | Metric = DEFAULT_METRIC) -> list[OutputError]:
-    """The same for a GraphDef file: placeholders fed, ``compared_outputs`` compared."""
-    outputs = compared_outputs(model)
+    """The same for a GraphDef file: placeholders fed, the model's ``compared_outputs`` compared."""
+    outputs = model.compared_outputs
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for feed in feeds.get(GRAPH, [{}]):
         fed = {f"{name}:0": value for name, value in feed.items()}

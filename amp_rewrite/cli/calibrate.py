@@ -37,7 +37,7 @@ def calibrate_model(args: argparse.Namespace, model: Model, lists: OpLists,
                     data: Path | None) -> calibrate.Calibration:
     """Calibration of ``model`` on ``data`` (None or RANDOM_INPUTS: random inputs), each round printed."""
     random = data is None or data == RANDOM_INPUTS
-    if model.kind == "graphdef" and not validate.compared_outputs(model):
+    if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
     feeds, notes = validate.plan_feeds(model, None if random else data, calibrate.RANDOM_FEEDS)
@@ -47,11 +47,10 @@ def calibrate_model(args: argparse.Namespace, model: Model, lists: OpLists,
               " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target, quantized=True), args.max_magnitude,
                                                  args.small_share)
-    result = calibrate.run_calibration(model, feeds, target=args.target, lists=lists,
-                                       cross_function=args.cross_function, max_rounds=args.max_rounds,
-                                       thresholds=thresholds,
-                                       say=lambda line: say(args, line),
-                                       source=statistics.RANDOM_INPUTS if random else str(data), metric=args.metric)
+    result = calibrate.run_calibration(model, feeds, calibrate.Options(
+        target=lookup_target(args.target, quantized=True), lists=lists, cross_function=args.cross_function,
+        max_rounds=args.max_rounds, thresholds=thresholds, metric=args.metric,
+        source=statistics.RANDOM_INPUTS if random else str(data), say=lambda line: say(args, line)))
     kept = len(result.kept)
     say(args, f"Calibration: {kept} node(s) kept float32 ({result.range_kept} by range rules,"
               f" {kept - result.range_kept} by repair), {result.validation_runs} validation run(s)")

@@ -73,7 +73,7 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds 
     once the model is known to fit in memory twice; None without either option."""
     if not (args.validate or args.inputs):
         return None
-    if model.kind == "graphdef" and not validate.compared_outputs(model):
+    if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
     feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
@@ -118,8 +118,7 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     many outputs are over tolerance."""
     random = args.inputs is None
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model.path, staged, model.tags, feeds, random, args.metric,
-                                                tf1=not model.meta_graph.object_graph_def.nodes)
+        errors = validate.validate_saved_models(model, staged, feeds, random, args.metric)
     else:
         errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
     target = lookup_target(args.target, quantized=True)

@@ -8,7 +8,7 @@ the dump, the command, the loop tools and the oracle each build an item at most 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -45,14 +45,22 @@ class Program:
             body = self._bodies[name] = functions.body_graph_def(self.library[name], self.op_defs)
         return body
 
-    def put(self, output: graph_pb2.GraphDef, name: str, body: graph_pb2.GraphDef) -> None:
+    def put(self, output: graph_pb2.GraphDef, name: str, body: graph_pb2.GraphDef, *,
+            control_outputs: Sequence[str] = ()) -> None:
         """Write item ``name``'s new ``body`` into ``output`` (a copy of ``graph_def``): the
-        main graph's nodes, or the function's FunctionDef rebuilt at its place in the library."""
+        main graph's nodes, or the function's FunctionDef rebuilt at its place in the library.
+        ``control_outputs``: more of a function's nodes that run whenever it does, though
+        nothing reads them (a main graph has none: a run names what it runs)."""
         if name == MAIN_GRAPH:
+            if control_outputs:
+                raise ValueError("the main graph has no control outputs; a run names the nodes it runs")
             del output.node[:]
             output.node.extend(body.node)
         else:
             rewritten = functions.to_function_def(body, self.library[name], self.op_defs)
+            for node in control_outputs:
+                rewritten.signature.control_output.append(node)
+                rewritten.control_ret[node] = node
             output.library.function[self.positions[name]].CopyFrom(rewritten)
 
 

@@ -412,16 +412,16 @@ def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, c
     return ", ".join(parts + [f"casts {casts * 1e3:.2f} ms" + ("" if parts else "; no converted op is slower alone")])
 
 
-def plan_rewrite(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
+def plan_rewrite(program: Program, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
                  cache: TimingCache, budget: Budget, *, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
-    """What a rewrite ``base`` of ``graph_def`` converted, timed (the cache first, then
+    """What a rewrite ``base`` of ``program``'s graph converted, timed (the cache first, then
     measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan.
     ``weights_low``: weights are stored in the target, so reading one costs no cast."""
     nodes: dict[str, set[str]] = {}
     for decision in base.report.decisions:
         if decision.converted:
             nodes.setdefault(decision.function, set()).add(decision.node)
-    problem = build_problem(program_of(graph_def), base.program, nodes, shapes)
+    problem = build_problem(program, base.program, nodes, shapes)
     timings = time_pairs(problem.pairs(target.dtype, weights_low), cache, budget)
     return problem, timings, plan_keeps(problem, timings, target.name, target.dtype, weights_low)
 
@@ -433,6 +433,7 @@ def cached_keeps(graph_def: graph_pb2.GraphDef, base: RewriteResult, target: Tar
     must not time ops on a training step's path. ``feed_shapes``: placeholder -> shape;
     ``handles``: variable placeholder -> (dtype, shape) (``infer_shapes``). What the cache
     does not hold counts as no faster nor slower (its neighbours decide)."""
-    shapes = infer_shapes(graph_def, feed_shapes, handles=handles)
+    program = program_of(graph_def)
+    shapes = infer_shapes(program, feed_shapes, handles=handles)
     batch = next((shape[0] for shape in feed_shapes.values() if shape), 1)
-    return dict(plan_rewrite(graph_def, base, target, {batch: shapes}, cache, Budget(0.0))[2].keep)
+    return dict(plan_rewrite(program, base, target, {batch: shapes}, cache, Budget(0.0))[2].keep)

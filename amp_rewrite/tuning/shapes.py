@@ -20,7 +20,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.core import functions
 from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program
 
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # Non-float inputs whose value is kept (they change what an op computes, hence its speed);
@@ -71,15 +71,14 @@ class Shapes:
         return TensorInfo(dtype, shape, None if static is None else np.asarray(static))
 
 
-def infer_shapes(graph_def: graph_pb2.GraphDef, feed_shapes: Mapping[str, tuple[int, ...]],
+def infer_shapes(program: Program, feed_shapes: Mapping[str, tuple[int, ...]],
                  skip: Collection[str] = (), handles: Mapping[str, tuple[int, tuple[int, ...]]] | None = None
                  ) -> Shapes:
-    """Shapes of ``graph_def``'s main graph with placeholder ``name`` of shape
+    """Shapes of ``program``'s main graph with placeholder ``name`` of shape
     ``feed_shapes[name]``, and of every function its calls reach (breadth first) but those
     in ``skip`` (a SavedModel's save and restore functions: no op there is timed).
     ``handles``: resource placeholders that hold a variable -> its (dtype, shape) (a
     ``tf.function``'s captured variables), so the reads know their shapes."""
-    program = program_of(graph_def)
     shapes = Shapes()
     pending: list[tuple[str, list[_Arg]]] = [(MAIN_GRAPH, [])]
     seen = {MAIN_GRAPH, *skip}
