@@ -53,7 +53,7 @@ from amp_rewrite.calibration.savedmodel import Model, graph_sinks, read_model, r
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import functions
 from amp_rewrite.core.float8 import inference as float8
-from amp_rewrite.core.graph_io import parse_tensor_name
+from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult
@@ -896,8 +896,7 @@ def _with_probes(program: Program, quantized: Sequence[tuple[str, str]]
                  ) -> tuple[Program, dict[tuple[str, str], tuple[TensorKey, TensorKey]]]:
     """``program`` (a float8 rewrite's) with ``float8.add_probes`` in every item that holds
     ``quantized`` matmuls: matmul → (its float16 copy's tensor, the difference's tensor)."""
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(program.graph_def)
+    output = copy_graph_def(program.graph_def)
     by_item: dict[str, list[str]] = {}
     for function, node in quantized:
         by_item.setdefault(function, []).append(node)

@@ -28,7 +28,7 @@ from google.protobuf import message
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_pb2, types_pb2
 
 from amp_rewrite.calibration.bundle import encode_varint
-from amp_rewrite.core.graph_io import LEFT_IN_FILE, is_left_in_file
+from amp_rewrite.core.graph_io import LEFT_IN_FILE, copy_graph_def, is_left_in_file
 from amp_rewrite.core.target import FLOAT_DTYPES
 from amp_rewrite.core.weights import round_to, without_nodes
 from amp_rewrite.errors import ModelError
@@ -211,8 +211,7 @@ def write_graph_def(path: Path, graph_def: graph_pb2.GraphDef, left: LeftInFile 
 
 def loaded(graph_def: graph_pb2.GraphDef, left: LeftInFile | None) -> graph_pb2.GraphDef:
     """A copy of ``graph_def`` with every value ``left`` holds in its node (to run or print it)."""
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
+    copy = copy_graph_def(graph_def)
     if left is not None and left.contents:
         with open(left.path, "rb") as source:
             for node in copy.node:

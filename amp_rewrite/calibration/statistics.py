@@ -36,7 +36,7 @@ from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError, Signature, plumbing_kinds
 from amp_rewrite.calibration.validate import Feeds
 from amp_rewrite.core import functions, graph_io
-from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.typegraph import output_dtypes
 from amp_rewrite.errors import tensorflow_cause
@@ -312,13 +312,11 @@ def instrument(program: Program, keys: Sequence[TensorKey], small_below: float,
     by_item: dict[str, list[tuple[int, TensorKey]]] = {MAIN_GRAPH: []}  # the main graph has the runs' targets
     for index, key in enumerate(map(TensorKey._make, keys)):
         by_item.setdefault(key.function, []).append((index, key))
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(program.graph_def)
+    output = copy_graph_def(program.graph_def)
     main_calls: list[str] = []
     strides: dict[int, int] = {}
     for item, entries in by_item.items():
-        body = graph_pb2.GraphDef()
-        body.CopyFrom(program.item(item))
+        body = copy_graph_def(program.item(item))
         found = _folds(body, entries, program.op_defs, _in_loop_frames(body) if item == MAIN_GRAPH else set())
         strides.update((fold.index, fold.stride) for fold in found)
         if item == MAIN_GRAPH:

@@ -258,8 +258,7 @@ def _draw(dump: Dump, item: DumpItem, directory: Path, dot_binary: str | None, w
 
 
 def _without_library(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
+    copy = graph_io.copy_graph_def(graph_def)
     copy.ClearField("library")
     return copy
 

@@ -78,7 +78,7 @@ from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
 from amp_rewrite import _tf
 from amp_rewrite.core import functions, lists, support
 from amp_rewrite.core.casts import CAST_NAME, is_amp_cast
-from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
+from amp_rewrite.core.graph_io import copy_graph_def, data_inputs, parse_tensor_name
 from amp_rewrite.core.target import BFLOAT16, lookup_target
 from amp_rewrite.errors import AmpRewriteError, GraphError, ListsError
 
@@ -272,8 +272,7 @@ def _prepare_item_graph(graph_def: GraphDef, fetches: Sequence[str]) -> tuple[Gr
     Returns the copy, the fetch node names and, per placeholder whose shape was
     made concrete, the serialized original ``shape`` attr (b"" if it had none).
     """
-    item_graph = GraphDef()
-    item_graph.CopyFrom(graph_def)
+    item_graph = copy_graph_def(graph_def)
     name_to_shape: dict[str, bytes] = {}
     for node in item_graph.node:
         if node.op not in _PLACEHOLDER_OPS:

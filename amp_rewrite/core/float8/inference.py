@@ -47,7 +47,8 @@ from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.float8.formats import E4M3, EXACT_POWERS, MATMUL_OPS
 from amp_rewrite.core.float8.nodes import NodeWriter, origin
-from amp_rewrite.core.graph_io import TensorRef, data_inputs, make_node_def, parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import (TensorRef, copy_graph_def, data_inputs, make_node_def, parse_tensor_name,
+                                      tensor_name)
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.errors import AmpRewriteError, GraphError
@@ -73,7 +74,6 @@ Amax = Mapping[tuple[str, str, int], float]  # (function, node, port) -> largest
 _DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_FLOAT})
 _VARIABLE_READS = frozenset({"ReadVariableOp"})
 XLA_MUST_COMPILE = "_XlaMustCompile"  # what tf.function(jit_compile=True) puts on the function and its calls
-_SCOPE = "::"  # FUNCTION::node in an overlay's amax and lossy keys, as in keep_nodes
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,15 @@ def key_text(key: tuple[str, ...]) -> str:
     ``(function, node)`` → ``FUNCTION::node``: how an overlay names a tensor or a matmul."""
     function, node, *port = key
     name = f"{node}:{port[0]}" if port else node
-    return f"{function}{_SCOPE}{name}" if function else name
+    return functions.scoped_name(function, name)
 
 
 def parse_key(text: str, *, port: bool) -> tuple:
     """``key_text``'s inverse; ValueError naming the form expected."""
-    function, scoped, name = text.rpartition(_SCOPE) if _SCOPE in text else ("", "", text)
+    scope, name = functions.split_scope(text)
+    function = scope or ""
     form = "FUNCTION::node:port or node:port" if port else "FUNCTION::node or node"
-    if not name or (scoped and not function):
+    if not name or scope == "":
         raise ValueError(f"{text!r} is not {form}")
     if not port:
         if ":" in name:
@@ -217,8 +218,7 @@ def quantize_matmuls(
     ``converted`` (the nodes the float16 rewrite converted). ``lossy``: node -> the error
     calibration measured, for the matmuls to leave float16. ``graph_def`` is not modified."""
     lossy = lossy or {}
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output = copy_graph_def(graph_def)
     nodes = {node.name: node for node in output.node}
     builder = _Builder(output, nodes)
     decisions = []
@@ -352,8 +352,7 @@ def add_probes(graph_def: graph_pb2.GraphDef, matmuls: Iterable[str]) -> tuple[g
     tensor: matmul -> (the float16 copy's name, the difference's name). On calibration
     inputs the difference is the matmul's own FP8 error, element by element, whatever error
     its inputs already carry; calibration ranks matmuls by it. ``graph_def`` is not modified."""
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output = copy_graph_def(graph_def)
     nodes = {node.name: node for node in output.node}
     probes = {}
     for name in matmuls:

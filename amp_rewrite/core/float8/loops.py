@@ -37,8 +37,8 @@ from amp_rewrite.core.float8.training import (
     BACKWARD_OPS, BASE_DTYPES, OPERAND_POSITIONS, STATE_SCOPE, Backward, ChainBuilder, Matmul, Plan, State, Workers,
     forward_names, in_gradient_scope, quantize_training_step, variable_handle, weight_of,
 )
-from amp_rewrite.core.functions import RETVAL_SUFFIX, to_function_def
-from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
+from amp_rewrite.core.functions import RETVAL_SUFFIX, scoped_name, to_function_def
+from amp_rewrite.core.graph_io import copy_graph_def, data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
@@ -63,8 +63,8 @@ class Loop:
 
     def name(self, matmul: Matmul) -> str:
         """``matmul``'s name in the step's key bases (a body's names may repeat the step's):
-        ``BODY::node``, with the scope separator of ``inference.key_text`` and lists' keep_nodes."""
-        return f"{self.body}::{matmul.node}"
+        ``BODY::node``, as ``inference.key_text`` and lists' keep_nodes scope a name."""
+        return scoped_name(self.body, matmul.node)
 
     def with_bases(self, node_to_base: Mapping[str, str]) -> Loop:
         return replace(self, matmuls=tuple(replace(m, base=node_to_base.get(self.name(m), "")) for m in self.matmuls))
@@ -250,8 +250,7 @@ def _thread_loops(program: Program, step: graph_pb2.GraphDef, loops: tuple[Loop,
                   history_length: int) -> _Threaded:
     """The loops of ``step`` (an item after the base rewrite, not modified) with their matmuls on
     float8 (the module doc). ``program``: the rewrite's output, whose library holds the bodies."""
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(step)
+    output = copy_graph_def(step)
     threaded = _Threaded(output)
     step_writer = ChainBuilder(output, {node.name: node for node in output.node}, history_length)
     for loop in loops:
@@ -288,7 +287,7 @@ def _thread(program: Program, step_writer: ChainBuilder, threaded: _Threaded, st
     for key in keys:
         loop_node.input.extend([step_writer.given_scale(key, state[key], device), zero])
     _add_loop_variables(loop_node, 2 * len(keys))
-    body_graph = _copy(program.item(body))
+    body_graph = copy_graph_def(program.item(body))
     arguments = _add_arguments(body_graph, first, [name for key in keys for name in (f"{key}:scale", f"{key}:amax")])
     builder = ChainBuilder(body_graph, {node.name: node for node in body_graph.node}, 1)
     threaded.reasons[body] = loop.quantize(builder, {key: arguments[f"{key}:scale"] for key in keys})
@@ -299,7 +298,7 @@ def _thread(program: Program, step_writer: ChainBuilder, threaded: _Threaded, st
                        builder.amaxes else arguments[f"{key}:amax"])
     _add_outputs(body_graph, first, outputs)
     threaded.functions[body] = _function(program, body, body_graph, 2 * len(keys), outputs=True)
-    cond_graph = _copy(program.item(cond))
+    cond_graph = copy_graph_def(program.item(cond))
     _add_arguments(cond_graph, first, [f"{key}:{kind}" for key in keys for kind in ("scale", "amax")])
     threaded.functions[cond] = _function(program, cond, cond_graph, 2 * len(keys), outputs=False)
     for index, key in enumerate(keys):
@@ -393,12 +392,6 @@ def _function(program: Program, name: str, body: graph_pb2.GraphDef, count: int,
     return to_function_def(body, extended, program.op_defs)
 
 
-def _copy(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
-    return copy
-
-
 # --- one step with its loops ------------------------------------------------------------------
 
 
@@ -417,8 +410,7 @@ def training_step_rewritten(result_graph_def: graph_pb2.GraphDef, report: Report
     body, reasons, control_outputs = quantize_training_step(step, plan, state, history_length, workers=workers,
                                                             in_function=function != MAIN_GRAPH, loop_amaxes=loop_amaxes)
     item_reasons[function] = reasons
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(result_graph_def)
+    output = copy_graph_def(result_graph_def)
     program.put(output, function, body)
     for name, rewritten in functions.items():
         output.library.function[program.positions[name]].CopyFrom(rewritten)

@@ -45,7 +45,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2, t
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.float8.formats import E4M3, E5M2, EXACT_POWERS, MATMUL_OPS, Format
 from amp_rewrite.core.float8.nodes import NodeWriter, origin
-from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import copy_graph_def, data_inputs, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
@@ -280,8 +280,7 @@ def quantize_training_step(
     ``graph_def`` is not modified. ``workers``: the amaxes are the largest of every worker's
     (``Workers``). ``loop_amaxes``: key -> the loops' outputs holding its amax over their
     iterations (``loops.LoopAmax``), recorded with the key's chains here."""
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output = copy_graph_def(graph_def)
     nodes = {node.name: node for node in output.node}
     builder = ChainBuilder(output, nodes, history_length)
     reasons: dict[str, Reason] = {}
@@ -514,8 +513,7 @@ def add_state(graph_def: graph_pb2.GraphDef, keys: Iterable[tuple[str, Format]],
     it lacks — ``VarHandleOp`` ``STATE_SCOPE/<key>/scale`` (and ``/amax_history``), read by
     ``…/read`` — and the initializers (a scale of 1, a history of zeros) to run once before the
     graph first runs. Returns the GraphDef, every key's state and the initializers' names."""
-    output = graph_pb2.GraphDef()
-    output.CopyFrom(graph_def)
+    output = copy_graph_def(graph_def)
     nodes = {node.name: node for node in output.node}
     writer = NodeWriter(output, nodes)
     f32 = types_pb2.DT_FLOAT
