@@ -1,49 +1,27 @@
-"""One Python process that runs the documentation's Python blocks for tests/test_docs.py.
+"""Runs one Python block of the documentation as a reader runs it: saved as a script in the
+page's folder and run there, ``python block.py``.
 
-TensorFlow loads once here instead of once per block, and a block that changes global state
-(enables a rewrite, builds Keras models) cannot touch the test process. Each request is one
-JSON line on stdin: ``{"code", "filename", "line", "cwd", "setup"}``; the block runs in a
-fresh namespace in ``cwd`` after the setup file (if any), compiled so that tracebacks name
-the Markdown file and its line numbers. The answer is one line on stdout after ``PREFIX``;
-the block's own output is captured and sent back in it.
+``tests/test_docs.py`` starts one process per block, in the page's folder, with the block's
+code on stdin and the page's path and the block's first line as arguments:
+``python tests/docs_worker.py PAGE LINE < code``. The block runs as ``__main__`` with the
+folder first on ``sys.path`` (as a script's own folder is, and not this ``tests/`` folder,
+whose helpers a reader does not have), compiled under the page's path with its own line
+numbers, so a traceback names the Markdown file and shows the line that failed. Nothing is
+caught: an exception prints its traceback and exits 1, as the script would.
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import sys
-import traceback
-
-PREFIX = "\0docs-result "
-
-
-def run(request: dict) -> dict:
-    os.chdir(request["cwd"])
-    namespace = {"__name__": "__main__"}
-    output = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            if request.get("setup"):
-                with open(request["setup"], encoding="utf-8") as file:
-                    exec(compile(file.read(), request["setup"], "exec"), namespace)
-            source = "\n" * (request["line"] - 1) + request["code"]
-            exec(compile(source, request["filename"], "exec"), namespace)
-    except SystemExit as error:
-        if error.code not in (None, 0):
-            return {"ok": False, "error": f"SystemExit({error.code!r})", "output": output.getvalue()}
-    except BaseException:  # noqa: BLE001 - every failure of a block is reported, none is fatal here
-        return {"ok": False, "error": traceback.format_exc(), "output": output.getvalue()}
-    return {"ok": True, "error": "", "output": output.getvalue()}
 
 
 def main() -> None:
-    answers = sys.stdout
-    for line in sys.stdin:
-        answer = run(json.loads(line))
-        answers.write(PREFIX + json.dumps(answer) + "\n")
-        answers.flush()
+    page, line = sys.argv[1], int(sys.argv[2])
+    code = sys.stdin.read()
+    sys.argv = [page]
+    sys.path[0] = os.getcwd()
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    exec(compile("\n" * (line - 1) + code, page, "exec"), namespace)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,52 @@
-"""Every example in the documentation runs: each ```python, ```bash/```sh/```console block of
-``docs/**/*.md`` and of ``README.md`` is one test.
+"""Every example in the documentation runs as a reader follows it: each page (``docs/**/*.md``,
+the files they include whole, ``README.md``) is a program whose ```python, ```bash/```sh and
+```console blocks run in page order, in one folder, with nothing the page does not show.
 
-Each block runs alone in a fresh directory, so alternatives are simply separate blocks. A
-block is complete, or names a setup on the HTML comment line just before it,
-``<!-- docs-test: setup=NAME -->``: ``docs/setups/NAME.py`` (the page shows it, included with
-``--8<--``) runs first in the same directory and namespace; ``setup=checkout`` runs the block
-among links to this checkout's files (for the tools' command lines). ``skip=REASON`` is a
-visible skip, for the few commands that cannot run inside the suite (``make test`` itself);
-``min_tf=2.18 why="the float8 target"`` skips a block on an older TensorFlow, saying why.
-Python blocks share one TensorFlow process (``tests/docs_worker.py``); ``fresh`` runs a block
-(and its setup) in a process of its own, for blocks that change the process for good (graph
-mode, a rewrite left enabled) or name Keras layers by their counters; shell blocks run in
-bash with ``-euo pipefail`` and this environment's ``amp-rewrite`` first on PATH; a console
-block runs its ``$ `` lines. ```yaml blocks are loaded as op-list overlays (``target=NAME``,
-default float16), ```text and the like are not run; any other language fails, so nothing is
-left out unseen. A failure names the file and line.
+**The folder.** Each page gets a folder of its own that starts as the README's quick start
+left it: the README's own blocks run, in order, in an empty folder until one of them has made
+``my_model/`` (its Keras 3 ``Sequential``, exported), and every other page starts from a copy
+of that folder. The README itself runs in that empty folder, all its blocks in order. A block
+sees what the blocks before it on its page made; a file a page uses, the page makes, in a
+block the reader sees. There are no setup files. ``checkout`` runs a block among links to
+this checkout's files instead (writes stay in the test's folder), for the tools' command
+lines; the paragraph before such a block says it runs in a checkout.
+
+**Processes.** Each block runs in a process of its own, as a reader who saves it as a script
+in that folder and runs it: a Python block through ``tests/docs_worker.py`` (a fresh
+``__main__``, the folder first on ``sys.path``, tracebacks naming the page and line), a shell
+block in ``bash -euo pipefail`` (a console block: its ``$`` lines), this environment's
+``python`` and ``amp-rewrite`` first on PATH. So nothing a block does to its process (graph
+mode, a rewrite left enabled, Keras' layer-name counters, which give the README's model the
+node names ``sequential_1/dense_1/MatMul`` the pages use) reaches a later block or another
+page. This costs one TensorFlow import per Python block (4 to 6 s on two shared cores), as
+each ``amp-rewrite`` command of a shell block already does; the README's model is built
+once per session and copied. One process per page (or per session) would save those
+imports, about a minute of the docs tests, but a block that changed it would have to be
+found and the process restarted, and Keras' counters would still differ from a reader's run.
+The one difference from a reader's shell: ``XDG_CACHE_HOME`` is a folder of the session, so
+``--tune speed``'s timing cache is not written into your home.
+
+**Failures.** A block that fails names its page and line, with the end of its output. The
+blocks after it on its page are not run and are reported as skipped, naming the block that
+failed. Selecting one block (``-k 'cli.md:40'``) runs the blocks before it on its page first,
+and the README's quick start; if one of those fails, the selected block fails with its error.
+
+**Options**, on the HTML comment line just before a block, ``<!-- docs-test: ... -->``:
+``skip="REASON"`` a visible skip for a block that cannot run here (``make test`` itself, an
+install) or that holds a placeholder the reader replaces (``<your_node>``): the reason says
+what stands in for it and where the suite runs the real thing; ``min_tf=2.18 why="the float8
+target"`` skips it before that TensorFlow release; ``checkout`` (above); ``target=NAME`` for a
+```yaml block, which is loaded as an op-list overlay (default float16) and is no step of the
+page. ```text and the like are shown, not run; any other language fails, so nothing is left
+out unseen.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,21 +57,22 @@ import pytest
 import tensorflow as tf
 import yaml
 
+from amp_rewrite._tf import tensorflow_version
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from docs_worker import PREFIX  # noqa: E402
-
-from amp_rewrite._tf import tensorflow_version  # noqa: E402
-
 README = ROOT / "README.md"
-SETUPS = ROOT / "docs" / "setups"
+WORKER = ROOT / "tests" / "docs_worker.py"
 RUN_LANGUAGES = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "shell": "shell",
                  "console": "console"}
 SHOWN_LANGUAGES = {"text", "yaml", "toml", "json", "pbtxt", "dot", "html", "ini"}
+OPTION_NAMES = {"skip", "min_tf", "why", "checkout", "target"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
 OPTIONS = re.compile(r"^\s*<!-- docs-test: (?P<options>.*?) -->\s*$")
 SNIPPET = re.compile(r'^(?P<indent>[ \t]*)--8<-- "(?P<path>[^"]+)"[ \t]*$', re.MULTILINE)
+PLACEHOLDER = re.compile(r"<your_[a-z0-9_]+>")
+QUICK_START_MAKES = Path("my_model") / "saved_model.pb"  # the README's model, which every other page starts from
 BLOCK_TIMEOUT_S = 600
+OUTPUT_SHOWN = 3000  # characters of a failed block's stdout and stderr, from the end
 
 
 @dataclass(frozen=True)
@@ -62,20 +87,22 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{_shown(self.path)}:{self.line}"
+
+    @property
+    def runs(self) -> bool:
+        """Whether the block is a step of its page: code the runner runs, not skipped here."""
+        return self.language in RUN_LANGUAGES and skip_reason(self) is None
+
+
+def _shown(path: Path) -> str:
+    """A page as the messages name it: from the checkout's root (a made-up page: its whole path)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _options(text: str) -> dict[str, str]:
-    """``setup=savedmodel skip="needs a GPU"`` -> {"setup": "savedmodel", "skip": "needs a GPU"}."""
+    """``skip="needs a GPU" checkout`` -> {"skip": "needs a GPU", "checkout": ""}."""
     return dict(part.split("=", 1) if "=" in part else (part, "") for part in shlex.split(text))
-
-
-def _expand_snippets(code: str) -> str:
-    """What pymdownx.snippets shows: each ``--8<-- "path"`` line replaced by the file (from the root)."""
-    def include(match: re.Match[str]) -> str:
-        return "".join(match["indent"] + line for line in (ROOT / match["path"]).read_text().splitlines(True))
-
-    return SNIPPET.sub(include, code)
 
 
 def blocks_of(path: Path) -> Iterator[Block]:
@@ -95,8 +122,18 @@ def blocks_of(path: Path) -> Iterator[Block]:
         while end < len(lines) and not (lines[end].strip().startswith(fence) and lines[end].strip().strip(fence[0]) == ""):
             end += 1
         body = [line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[index + 1:end]]
-        yield Block(path, index + 2, language, _expand_snippets("\n".join(body) + "\n"), options)
+        yield Block(path, index + 2, language, "\n".join(body) + "\n", options)
         index = end + 1
+
+
+def skip_reason(block: Block) -> str | None:
+    """Why the block does not run here (its page's ``skip=``, or a TensorFlow too old), or None."""
+    if "skip" in block.options:
+        return f"{block.where}: {block.options['skip']}"
+    if "min_tf" in block.options and tensorflow_version() < tuple(map(int, block.options["min_tf"].split("."))):
+        return (f"{block.where}: {block.options.get('why', 'it')} needs TensorFlow {block.options['min_tf']}+;"
+                f" this is {tf.version.VERSION}")
+    return None
 
 
 def pages() -> list[Path]:
@@ -106,56 +143,51 @@ def pages() -> list[Path]:
     return found + sorted(path for path in included if path.suffix == ".md") + [README]
 
 
-def _collected() -> list[Block]:
-    return [block for page in pages() for block in blocks_of(page)]
-
-
-ALL_BLOCKS = _collected()
+ALL_BLOCKS = [block for page in pages() for block in blocks_of(page)]
 BLOCKS = [block for block in ALL_BLOCKS if block.language in RUN_LANGUAGES or block.language == "yaml"]
 
 
-class Worker:
-    """tests/docs_worker.py, started on first use and again after a block kills it."""
-
-    def __init__(self) -> None:
-        self._process: subprocess.Popen[str] | None = None
-
-    def run(self, block: Block, cwd: Path, setup: Path | None) -> dict:
-        if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "docs_worker.py")], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            )
-        request = {"code": block.code, "filename": str(block.path.relative_to(ROOT)), "line": block.line,
-                   "cwd": str(cwd), "setup": str(setup) if setup else None}
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
-        for line in self._process.stdout:
-            if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX):])
-        self._process = None
-        return {"ok": False, "error": "the Python worker died (a crash in TensorFlow?)", "output": ""}
-
-    def close(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.stdin.close()
-            self._process.wait(timeout=60)
+# --------------------------------------------------------------------------------------
+# Running a block as a reader would
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[Worker]:
-    running = Worker()
-    yield running
-    running.close()
+def _environment(cache: Path) -> dict[str, str]:
+    """The reader's shell: this environment's python and amp-rewrite first on PATH; caches kept
+    in the session's folder, not the home of whoever runs the suite."""
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": str(cache),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def _setup_path(block: Block) -> Path | None:
-    name = block.options.get("setup")
-    if name in (None, "checkout"):
+def _shell_script(block: Block) -> str:
+    """A shell block as it is; a console block's ``$ `` lines (and their ``\\`` continuations)."""
+    if block.language != "console":
+        return block.code
+    commands, continued = [], False
+    for line in block.code.splitlines():
+        if line.startswith("$ ") or continued:
+            commands.append(line[2:] if line.startswith("$ ") and not continued else line)
+            continued = line.endswith("\\")
+    assert commands, f"{block.where}: a console block without a '$ ' line; use ```text for output alone"
+    return "\n".join(commands) + "\n"
+
+
+def run_block(block: Block, cwd: Path, cache: Path) -> str | None:
+    """Runs the block in ``cwd`` in a process of its own; None if it exits 0, else why it failed,
+    naming its page and line, with the end of its output."""
+    if RUN_LANGUAGES[block.language] == "python":
+        command, stdin, shown = [sys.executable, str(WORKER), str(block.path), str(block.line)], block.code, ""
+    else:
+        script = _shell_script(block)
+        command, stdin, shown = ["bash", "-euo", "pipefail", "-c", script], None, f"--- script\n{script}"
+    try:
+        completed = subprocess.run(command, input=stdin, cwd=cwd, env=_environment(cache), capture_output=True,
+                                   text=True, timeout=BLOCK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return f"{block.where}: the {block.language} block ran over {BLOCK_TIMEOUT_S} s (in {cwd})\n{shown}"
+    if completed.returncode == 0:
         return None
-    path = SETUPS / f"{name}.py"
-    assert path.is_file(), f"{block.where}: no setup {name!r}; write docs/setups/{name}.py or fix the name"
-    return path
+    return (f"{block.where}: the {block.language} block exited {completed.returncode} (in {cwd})\n{shown}"
+            f"--- stdout (end)\n{completed.stdout[-OUTPUT_SHOWN:]}--- stderr (end)\n{completed.stderr[-OUTPUT_SHOWN:]}")
 
 
 def _link_checkout(directory: Path) -> None:
@@ -168,30 +200,131 @@ def _link_checkout(directory: Path) -> None:
     (directory / ".venv").symlink_to(Path(sys.prefix))
 
 
-def _shell_script(block: Block) -> str:
-    if block.language != "console":
-        return block.code
-    commands, continued = [], False
-    for line in block.code.splitlines():
-        if line.startswith("$ ") or continued:
-            commands.append(line[2:] if line.startswith("$ ") and not continued else line)
-            continued = line.endswith("\\")
-    assert commands, f"{block.where}: a console block without a '$ ' line; use ```text for output alone"
-    return "\n".join(commands) + "\n"
+# --------------------------------------------------------------------------------------
+# The pages of one session: each in its folder, its blocks in order
 
 
-def _run_shell(block: Block, cwd: Path) -> None:
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    completed = subprocess.run(["bash", "-euo", "pipefail", "-c", _shell_script(block)], cwd=cwd, env=environment,
-                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False)
-    if completed.returncode != 0:
-        pytest.fail(f"{block.where}: the {block.language} block exited {completed.returncode}\n"
-                    f"--- script\n{_shell_script(block)}--- stdout (end)\n{completed.stdout[-3000:]}"
-                    f"--- stderr (end)\n{completed.stderr[-3000:]}", pytrace=False)
+@dataclass(frozen=True)
+class Outcome:
+    """How a block ran: ``error`` is None when it passed."""
+
+    where: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a block's test reports: ``passed``, ``failed`` (with why) or ``not run`` (and why)."""
+
+    state: str
+    message: str = ""
+
+
+class DocsRun:
+    """The pages run in one session. It owns each page's folder, each block's outcome (a block
+    runs once, when its own test or a later block of its page needs it) and the copy of the
+    README's folder taken when its blocks had made ``my_model/``; every page but the README
+    starts from that copy."""
+
+    def __init__(self, base: Path, readme: Path = README) -> None:
+        self._base = base
+        self._readme = readme
+        self._cache = base / "xdg-cache"
+        self._folders: dict[Path, Path] = {}
+        self._outcomes: dict[tuple[Path, int], Outcome] = {}
+        self._reported: set[str] = set()  # the failures a test has failed with: later ones say "not run"
+        self._quick_start: Path | None = None
+
+    def check(self, block: Block) -> Verdict:
+        """Runs what the block needs first (the README's quick start, the blocks before it on
+        its page), then the block; a failure is reported once, as a failed test, and the
+        blocks it kept from running say so."""
+        blocker = self._first_failure_before(block)
+        if blocker is not None:
+            if blocker.where in self._reported:
+                return Verdict("not run", f"{block.where}: not run: {blocker.where}, before it, failed")
+            self._reported.add(blocker.where)
+            return Verdict("failed", f"{block.where}: not run: {blocker.where}, which it needs, failed:\n"
+                                     f"{blocker.error}")
+        outcome = self._outcome(block)
+        if outcome.error is None:
+            return Verdict("passed")
+        self._reported.add(outcome.where)
+        return Verdict("failed", outcome.error)
+
+    def folder(self, page: Path) -> Path:
+        """The page's folder: empty for the README; for any other page, a copy of the README's
+        folder as its quick start left it (which ``check`` has made before)."""
+        if page not in self._folders:
+            folder = self._base / _shown(page).strip("/").replace("/", "_")
+            if page == self._readme:
+                folder.mkdir(parents=True)
+            else:
+                assert self._quick_start is not None, f"{_shown(page)}: the README's quick start has not run"
+                shutil.copytree(self._quick_start, folder, symlinks=True)
+            self._folders[page] = folder
+        return self._folders[page]
+
+    def _checkout(self, page: Path) -> Path:
+        """The page's checkout: links to this checkout's files, for its ``checkout`` blocks."""
+        folder = self._base / (_shown(page).strip("/").replace("/", "_") + "-checkout")
+        if not folder.is_dir():
+            folder.mkdir(parents=True)
+            _link_checkout(folder)
+        return folder
+
+    def _outcome(self, block: Block) -> Outcome:
+        """The block's outcome, running it the first time it is asked for."""
+        key = (block.path, block.line)
+        if key not in self._outcomes:
+            cwd = self._checkout(block.path) if "checkout" in block.options else self.folder(block.path)
+            self._outcomes[key] = Outcome(block.where, run_block(block, cwd, self._cache))
+            if block.path == self._readme and self._quick_start is None and (cwd / QUICK_START_MAKES).is_file():
+                self._quick_start = self._base / "quick-start"
+                shutil.copytree(cwd, self._quick_start, symlinks=True)
+        return self._outcomes[key]
+
+    def _first_failure_before(self, block: Block) -> Outcome | None:
+        """The first failure among what the block needs: the README's quick start (for another
+        page), then the blocks before it on its page, which run here if they have not."""
+        if block.path != self._readme:
+            failure = self._run_quick_start()
+            if failure is not None:
+                return failure
+        for earlier in (b for b in blocks_of(block.path) if b.runs and b.line < block.line):
+            outcome = self._outcome(earlier)
+            if outcome.error is not None:
+                return outcome
+        return None
+
+    def _run_quick_start(self) -> Outcome | None:
+        """The README's blocks, in order, until one has made my_model/; the first failure, if any."""
+        for block in (b for b in blocks_of(self._readme) if b.runs):
+            if self._quick_start is not None:
+                return None
+            outcome = self._outcome(block)
+            if outcome.error is not None:
+                return outcome
+        if self._quick_start is None:
+            return Outcome(_shown(self._readme), f"{_shown(self._readme)}: no block makes {QUICK_START_MAKES}, the"
+                                                 " model every other page starts from")
+        return None
+
+
+@pytest.fixture(scope="module")
+def docs_run(tmp_path_factory: pytest.TempPathFactory) -> DocsRun:
+    return DocsRun(tmp_path_factory.mktemp("pages"))
+
+
+def _report(verdict: Verdict) -> None:
+    if verdict.state == "failed":
+        pytest.fail(verdict.message, pytrace=False)
+    if verdict.state == "not run":
+        pytest.skip(verdict.message)
 
 
 def _load_overlay(block: Block, cwd: Path) -> None:
+    """A yaml block is an op-list overlay: it loads for its target (and as float8's amax/lossy)."""
     import amp_rewrite
 
     document = yaml.safe_load(block.code)
@@ -206,34 +339,14 @@ def _load_overlay(block: Block, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.where for block in BLOCKS])
-def test_block_runs(block: Block, worker: Worker, tmp_path: Path) -> None:
-    """The block runs as written (with its named setup) in a fresh directory."""
-    if "skip" in block.options:
-        pytest.skip(f"{block.where}: {block.options['skip']}")
-    if "min_tf" in block.options and tensorflow_version() < tuple(map(int, block.options["min_tf"].split("."))):
-        pytest.skip(f"{block.where}: {block.options.get('why', 'it')} needs TensorFlow {block.options['min_tf']}+;"
-                    f" this is {tf.version.VERSION}")
+def test_block_runs(block: Block, docs_run: DocsRun, tmp_path: Path) -> None:
+    """The block runs as written, in its page's folder, after the blocks before it on its page."""
+    if (reason := skip_reason(block)) is not None:
+        pytest.skip(reason)
     if block.language == "yaml":
         _load_overlay(block, tmp_path)
         return
-    if block.options.get("setup") == "checkout":
-        _link_checkout(tmp_path)
-    setup = _setup_path(block)
-    runner = Worker() if "fresh" in block.options else worker
-    try:
-        if RUN_LANGUAGES[block.language] == "python":
-            answer = runner.run(block, tmp_path, setup)
-            if not answer["ok"]:
-                pytest.fail(f"{block.where}: the python block failed\n{answer['error']}"
-                            f"--- its output (end)\n{answer['output'][-3000:]}", pytrace=False)
-            return
-        if setup is not None:
-            answer = runner.run(Block(setup, 1, "python", setup.read_text()), tmp_path, None)
-            assert answer["ok"], f"{block.where}: setup {setup.name} failed\n{answer['error']}"
-    finally:
-        if runner is not worker:
-            runner.close()
-    _run_shell(block, tmp_path)
+    _report(docs_run.check(block))
 
 
 def test_every_block_is_run_or_shown_on_purpose() -> None:
@@ -244,18 +357,100 @@ def test_every_block_is_run_or_shown_on_purpose() -> None:
                          f" ({', '.join(sorted(SHOWN_LANGUAGES))}): {'; '.join(unknown)}")
 
 
-def test_readme_shows_the_setups_it_names() -> None:
-    """GitHub does not expand ``--8<--``, so a setup the README names must be shown in it: each
-    code line of the setup (its model and export) is a line of a README block."""
-    shown = {line.strip() for block in blocks_of(README) for line in block.code.splitlines()}
-    for block in blocks_of(README):
-        name = block.options.get("setup")
-        if name in (None, "checkout"):
-            continue
-        code = [line.strip() for line in (SETUPS / f"{name}.py").read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith(("#", "import ", "from ", "assert "))]
-        missing = [line for line in code if line not in shown]
-        assert not missing, f"{block.where}: setup {name} does what the README does not show: {missing}"
+def test_every_option_is_one_the_runner_knows() -> None:
+    """An option the runner ignores (a ``setup=`` of the old runner, a typo) would change nothing
+    unseen; a skip says why; a yaml target is a name."""
+    for block in ALL_BLOCKS:
+        unknown = sorted(set(block.options) - OPTION_NAMES)
+        assert not unknown, f"{block.where}: unknown docs-test option(s) {unknown}; known: {sorted(OPTION_NAMES)}"
+        assert block.options.get("skip", "why") != "", f"{block.where}: skip= without a reason"
+
+
+def test_a_block_with_a_placeholder_is_skipped_saying_what_stands_in() -> None:
+    """``<your_node>`` is for the reader to replace: the block cannot run as written, so it is a
+    visible skip whose reason names what stands in for it."""
+    for block in BLOCKS:
+        if PLACEHOLDER.search(block.code):
+            assert "skip" in block.options, (f"{block.where}: holds {PLACEHOLDER.search(block.code)[0]}, which the"
+                                             " reader replaces; show a real value, or skip= saying what stands in")
+
+
+def test_a_checkout_block_says_it_runs_in_a_checkout() -> None:
+    """A ``checkout`` block runs among the checkout's files: the paragraph before it says so."""
+    for block in ALL_BLOCKS:
+        if "checkout" in block.options:
+            before = block.path.read_text(encoding="utf-8").splitlines()[:block.line - 2]
+            text = "\n".join(line for line in before if not OPTIONS.match(line)).rstrip()
+            paragraph = text.rsplit("\n\n", 1)[-1].lower()
+            assert "checkout" in paragraph, f"{block.where}: runs in the checkout; say so in the paragraph before it"
+
+
+# --------------------------------------------------------------------------------------
+# The runner itself, on made-up pages
+
+
+def _made_up(path: Path, *blocks: str) -> list[Block]:
+    """Writes a page of the given blocks (each a fence and its code) and returns its runnable blocks."""
+    path.write_text("# A made-up page\n\n" + "\nSome text.\n\n".join(blocks), encoding="utf-8")
+    return [block for block in blocks_of(path) if block.runs]
+
+
+def _made_up_readme(folder: Path) -> Path:
+    """A README whose first block makes my_model/ and whose second makes a file after it."""
+    readme = folder / "README.md"
+    _made_up(readme, "```console\n$ mkdir my_model && echo model > my_model/saved_model.pb\n```\n",
+             "```console\n$ echo after > after_the_quick_start.txt\n```\n")
+    return readme
+
+
+def test_a_block_sees_what_the_blocks_before_it_made_from_the_readme_model(tmp_path: Path) -> None:
+    """A page starts as the README's blocks left it once my_model/ was made (not after its later
+    blocks), and each block sees the files the blocks before it on its page made."""
+    docs = DocsRun(tmp_path / "run", readme=_made_up_readme(tmp_path))
+    blocks = _made_up(tmp_path / "page.md",
+                      "```python\nimport pathlib\npathlib.Path('made.txt').write_text('by the first block')\n```\n",
+                      "```console\n$ test -f my_model/saved_model.pb && test ! -e after_the_quick_start.txt\n"
+                      "$ grep -q 'first block' made.txt\n```\n")
+    assert [docs.check(block) for block in blocks] == [Verdict("passed"), Verdict("passed")]
+    assert sorted(p.name for p in docs.folder(blocks[0].path).iterdir()) == ["made.txt", "my_model"]
+
+
+def test_a_block_using_a_file_no_block_made_fails_naming_its_page_and_line(tmp_path: Path) -> None:
+    """What the page did not make is not there: the block fails, and its message names the page
+    and line (a Python block's traceback names them too)."""
+    docs = DocsRun(tmp_path / "run", readme=_made_up_readme(tmp_path))
+    shell_page, python_page = tmp_path / "shell.md", tmp_path / "python.md"
+    [shell] = _made_up(shell_page, "```console\n$ wc -c batch.npz\n```\n")
+    [python] = _made_up(python_page, "```python\nimport numpy\n\nnumpy.load('batch.npz')\n```\n")
+    verdict = docs.check(shell)
+    assert verdict.state == "failed", verdict
+    assert verdict.message.startswith(f"{shell_page}:{shell.line}: the console block exited 1")
+    assert "batch.npz: No such file" in verdict.message
+    verdict = docs.check(python)
+    assert verdict.state == "failed", verdict
+    assert verdict.message.startswith(f"{python_page}:{python.line}: the python block exited 1")
+    assert f'File "{python_page}", line {python.line + 2}' in verdict.message and "batch.npz" in verdict.message
+
+
+def test_a_failure_stops_the_later_blocks_of_its_page_and_says_so(tmp_path: Path) -> None:
+    """The blocks after a failed one are not run, each naming it; selected alone, a later block
+    runs the ones before it and fails with their failure; a failed README fails every page."""
+    readme = _made_up_readme(tmp_path)
+    first, second, third = _made_up(tmp_path / "page.md", "```console\n$ false\n```\n",
+                                    "```console\n$ touch second\n```\n", "```sh\ntouch third\n```\n")
+    docs = DocsRun(tmp_path / "run", readme=readme)
+    assert docs.check(first).state == "failed"
+    for later in (second, third):
+        assert docs.check(later) == Verdict("not run", f"{later.where}: not run: {first.where}, before it, failed")
+    assert not (docs.folder(first.path) / "second").exists()
+    alone = DocsRun(tmp_path / "alone", readme=readme).check(third)
+    assert alone.state == "failed", alone
+    assert alone.message.startswith(f"{third.where}: not run: {first.where}, which it needs")
+    broken = tmp_path / "broken" / "README.md"
+    broken.parent.mkdir()
+    _made_up(broken, "```console\n$ echo no model\n```\n")
+    verdict = DocsRun(tmp_path / "broken-run", readme=broken).check(first)
+    assert verdict.state == "failed" and f"{broken}: no block makes my_model/saved_model.pb" in verdict.message
 
 
 # --------------------------------------------------------------------------------------

@@ -505,10 +505,10 @@ def readme_example(workdir: Path) -> dict:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MonitoredTrainingSession" in b]
     assert len(blocks) == 1, f"expected one block with MonitoredTrainingSession in docs/guides/training.md, found {len(blocks)}"
     code = blocks[0]
-    assert code.count("enable_mixed_precision_graph_rewrite(opt)") == 1 and code.count('"/tmp/amp_rewrite_tf1"') == 1
+    assert code.count("enable_mixed_precision_graph_rewrite(opt)") == 1 and code.count('"tf1_checkpoints"') == 1
     code = code.replace("enable_mixed_precision_graph_rewrite(opt)",
                         f"enable_mixed_precision_graph_rewrite(opt, target={TARGET!r})")
-    code = code.replace('"/tmp/amp_rewrite_tf1"', repr(str(workdir / "readme")))
+    code = code.replace('"tf1_checkpoints"', repr(str(workdir / "readme")))
     namespace: dict = {}
     with tf.Graph().as_default():
         exec(compile(code, "README TF1 example", "exec"), namespace)
