@@ -1,5 +1,7 @@
 """The package's layering (README, Layout): ``core`` imports nothing above it, the layers on
-top of it not each other, and no module imports itself back (``tools/import_graph.py``)."""
+top of it not each other, and no module imports itself back; and the house rules every
+module keeps: functions of at most 60 lines and 6 positional parameters, private TensorFlow
+modules only through ``_tf.py`` (``tools/import_graph.py``)."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,6 +26,7 @@ def test_no_upward_import_and_no_cycle(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert tool.main() == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "upward imports: none" in out and "import cycles: none" in out
+    assert "(function size, positional parameters, private TensorFlow modules): kept" in out
     assert "amp_rewrite.core.rewrite ->" in out and "[training]" in out
 
 
@@ -45,3 +48,31 @@ def test_the_tool_sees_an_upward_import_and_a_cycle(tmp_path: Path, monkeypatch:
     assert "amp_rewrite.core.a -> amp_rewrite.core.b -> amp_rewrite.core.a" in out
     assert "amp_rewrite.calibration.d (calibration) -> amp_rewrite.cli.e (cli)" in out
     assert "amp_rewrite.cli.c (cli) ->" not in out
+
+
+def test_the_tool_sees_each_breach_of_the_house_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]):
+    package = tmp_path / "amp_rewrite"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "core" / "__init__.py").write_text("")
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (package / "core" / "a.py").write_text(
+        f"def long():\n{long_body}\n"
+        "def fits():\n" + "".join(f"    x{i} = {i}\n" for i in range(59)) + "\n"
+        "def many(a, b, c, d, e, f, g):\n    pass\n\n"
+        "def six_and_options(a, b, c, d, e, f, *, g=1):\n    pass\n\n"
+        "class C:\n    def method(self, a, b, c, d, e, f):\n        pass\n"
+        "from tensorflow.python.framework import ops\n"
+        "import importlib\nimportlib.import_module('keras.src.backend')\n")
+    (package / "_tf.py").write_text("from tensorflow.python.eager import context\n")  # the one door
+    monkeypatch.setattr(sys, "argv", ["import_graph.py", str(package)])
+    assert _import_graph_tool().main() == 1
+    breaches = [line.strip() for line in capsys.readouterr().out.split("private TensorFlow modules): ", 1)[1]
+                .strip().splitlines()]
+    assert len(breaches) == 4, breaches  # not fits (60 lines), six_and_options, method, nor _tf.py
+    assert breaches[0].startswith("amp_rewrite/core/a.py:1 long: 61 lines; split it")
+    assert breaches[1].startswith("amp_rewrite/core/a.py:64 many: 7 positional parameters; pass one frozen value")
+    assert breaches[2].startswith("amp_rewrite/core/a.py:")
+    assert breaches[2].endswith(" imports tensorflow.python.framework, a private module; reach it through amp_rewrite._tf")
+    assert " imports keras.src.backend, a private module" in breaches[3]
