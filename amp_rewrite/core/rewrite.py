@@ -115,14 +115,11 @@ def rewrite_graph_def(
     new ones are painted around them; function bodies are painted as always.
     """
     target = lookup_target(target, quantized=True)  # the one check of the user's string
-    _check_amax(target, amax, lossy)
+    amax, lossy = _float8_calibration(target, amax, lossy, graph_def)
     # 1-2. The lists (float8's are float16's).
     op_lists = load_lists(target, lists)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
-    if amax is not None:
-        resolved, _ = float8.resolve(float8.Float8Calibration(amax, lossy or {}), graph_def)
-        amax, lossy = resolved.amax, resolved.lossy
     with gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
         program = program_of(graph_def)
         functions.check_calls(graph_def, program.library)
@@ -131,12 +128,24 @@ def rewrite_graph_def(
                  else boundaries.Links(()))
         rewrite = _Rewrite(program=program, target=lookup_target(target.colouring), op_lists=op_lists,
                            names=tuple(names), links=links, fetch_nodes=fetch_nodes,
-                           progress=progress or (lambda done, total: None), amax=amax, lossy=lossy or {},
+                           progress=progress or (lambda done, total: None), amax=amax, lossy=lossy,
                            preserved=_by_item(preserved or {}), frozen=_frozen_painting(frozen))
         output, stats, decisions = _rewrite_items(rewrite)
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
+
+
+def _float8_calibration(target: Target, amax: Mapping[tuple[str, str, int], float] | None,
+                        lossy: Mapping[tuple[str, str], str] | None, graph_def: graph_pb2.GraphDef,
+                        ) -> tuple[Mapping[tuple[str, str, int], float] | None, Mapping[tuple[str, str], str]]:
+    """``amax`` and ``lossy`` checked against the target, and resolved to ``graph_def``'s
+    items where they name a function by its stable name or a node plainly."""
+    _check_amax(target, amax, lossy)
+    if amax is None:
+        return None, lossy or {}
+    resolved, _ = float8.resolve(float8.Float8Calibration(amax, lossy or {}), graph_def)
+    return resolved.amax, resolved.lossy
 
 
 def _check_amax(target: Target, amax: Mapping[tuple[str, str, int], float] | None,

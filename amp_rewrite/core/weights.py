@@ -393,13 +393,13 @@ def _by_item(places: Iterable[Place]) -> dict[str, list[str]]:
 def without_nodes(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
     """A copy of ``graph_def`` but its nodes (library, versions, debug info)."""
     copy = graph_pb2.GraphDef()
-    for field, value in graph_def.ListFields():
-        if field.name == "node":
+    for described, value in graph_def.ListFields():
+        if described.name == "node":
             continue
-        if field.message_type is not None:
-            getattr(copy, field.name).CopyFrom(value)
+        if described.message_type is not None:
+            getattr(copy, described.name).CopyFrom(value)
         else:
-            setattr(copy, field.name, value)
+            setattr(copy, described.name, value)
     return copy
 
 
