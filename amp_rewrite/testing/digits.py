@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import amp_rewrite
 from amp_rewrite.testing.float8 import hlo_instructions, scaled_float8_type
 
 MODELS = ("mlp", "cnn", "transformer")
@@ -37,6 +38,7 @@ class Digits:
 
 def digits() -> Digits:
     """scikit-learn's digits, 75/25 stratified split of seed 0 (as the Session tests split them)."""
+    # scikit-learn is a test extra, not a dependency: imported when the data is asked for.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -88,8 +90,6 @@ def variant_settings(variant: str, amax_history_length: int = 1024, optimizer: A
     """``optimizer`` (default: Adam) as ``variant`` trains with, inside the variant's settings:
     build the model and trace its steps inside; the policy and rewrite are back to float32
     afterwards (traces keep their rewrite)."""
-    import amp_rewrite
-
     optimizer = optimizer if optimizer is not None else keras.optimizers.Adam(LEARNING_RATE)
     try:
         if variant == "keras-float8":
@@ -189,9 +189,7 @@ def tf_keras_fit_accuracy(strategy: tf.distribute.Strategy, variant: str, *, epo
     """The wrapper and held-out accuracy of a tf_keras MLP (128-64-10) trained ``epochs`` on
     digits by ``model.fit`` as ``variant`` (``"bfloat16"`` or ``"float8"``) under ``strategy``:
     the Keras 2 path, whose ``fit`` also runs under MultiWorkerMirroredStrategy."""
-    import tf_keras
-
-    import amp_rewrite
+    import tf_keras  # a test extra, not a dependency: imported for the Keras 2 path only
 
     data = data if data is not None else digits()
     extra = {"amax_history_length": amax_history_length} if variant == "float8" else {}
