@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, types_pb2
 
+import amp_rewrite
 from amp_rewrite.calibration.savedmodel import read_model
 from amp_rewrite.core import canonical as canonical_module
 from amp_rewrite.core.canonical import low_dtypes, to_float32
@@ -265,3 +266,13 @@ def test_a_low_op_without_a_float32_kernel_is_refused_naming_it(monkeypatch: pyt
     with pytest.raises(GraphError, match=r"node 'matmul_low' \(MatMul\) computes in float16 and its op has no"
                                          " float32 kernel"):
         to_float32(_hand_cast_graph(tf.float32), fetches=["Identity"])
+
+
+def test_the_python_api_takes_target_float32() -> None:
+    """``rewrite_graph_def(target="float32")`` is ``to_float32``'s graph; a colouring step refuses it."""
+    graph_def = _hand_cast_graph(tf.float32)
+    result = amp_rewrite.rewrite_graph_def(graph_def, target="float32", fetches=["Identity"])
+    assert result.graph_def == amp_rewrite.to_float32(graph_def, fetches=["Identity"]).graph_def
+    assert low_dtypes(result.graph_def) == {} and low_dtypes(graph_def) == {"float16": 3}
+    with pytest.raises(amp_rewrite.AmpRewriteError, match="use amp_rewrite.to_float32"):
+        amp_rewrite.load_lists("float32")

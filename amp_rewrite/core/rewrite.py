@@ -40,7 +40,8 @@ from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
-from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.core.canonical import to_float32
+from amp_rewrite.core.target import FLOAT32_NAME, Target, lookup_target
 from amp_rewrite.core.typegraph import Vertex
 from amp_rewrite.errors import AmpRewriteError, GraphError, did_you_mean
 
@@ -92,7 +93,8 @@ def rewrite_graph_def(
 ) -> RewriteResult:
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
-    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``;
+    ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``
+    (a graph computing in another low precision than the target's: ``to_float32`` it first);
     ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8/inference.py).
     ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32
     tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
@@ -110,10 +112,16 @@ def rewrite_graph_def(
     low-precision values stay low precision there; private functions' signatures may then
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
     ``progress(done, total)`` is called as items are prepared and finished.
+    ``target="float32"``: nothing is converted; a graph already in float16 or bfloat16 goes
+    back to float32 (``to_float32``, whose ``Canonical`` also says what changed), its
+    ``fetches`` and ``preserved`` nodes keeping their dtypes; the report has no items.
     ``frozen``: an earlier result for a graph that ``graph_def`` extends (a running Session's,
     ``training/session.py``). Its main-graph nodes keep the dtypes they have there, and the
     new ones are painted around them; function bodies are painted as always.
     """
+    if target == FLOAT32_NAME:
+        canonical = to_float32(graph_def, fetches=fetches, preserved=preserved)
+        return RewriteResult(canonical.graph_def, Report(FLOAT32_NAME, ()))
     target = lookup_target(target, quantized=True)  # the one check of the user's string
     amax, lossy = _float8_calibration(target, amax, lossy, graph_def)
     # 1-2. The lists (float8's are float16's).
