@@ -276,3 +276,75 @@ def test_the_python_api_takes_target_float32() -> None:
     assert low_dtypes(result.graph_def) == {} and low_dtypes(graph_def) == {"float16": 3}
     with pytest.raises(amp_rewrite.AmpRewriteError, match="use amp_rewrite.to_float32"):
         amp_rewrite.load_lists("float32")
+
+
+# --------------------------------------------------------------------------------------
+# Weights stored low (our own outputs without --float32-weights)
+
+
+def _checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every variable value of a SavedModel's checkpoint, by key (the object graph's aside)."""
+    reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_dtype_map() if "OBJECT_GRAPH" not in key}
+
+
+def test_weights_stored_low_widen_exactly_to_float32(tmp_path: Path, mixed16: tuple[Path, Path]) -> None:
+    assert_ok(run_cli("convert", mixed16[1], tmp_path / "bf16", "--target", "bfloat16"))
+    source = _checkpoint(tmp_path / "bf16")
+    low = {key for key, value in source.items() if value.dtype == tf.bfloat16.as_numpy_dtype}
+    assert low  # the conversion stored weights in bfloat16
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "f32", "--target", "float32")
+    assert_ok(run)
+    assert f"Weights: {len(low)} key(s) stored in bfloat16 widened to float32, exactly: the precision they lost" \
+           " earlier is not recovered" in run.out, run.out
+    widened = _checkpoint(tmp_path / "f32")
+    for key in low:
+        assert widened[key].dtype == np.float32
+        np.testing.assert_array_equal(widened[key], source[key].astype(np.float32))
+    loaded = tf.saved_model.load(str(tmp_path / "f32"))
+    assert {variable.dtype for variable in loaded.variables} == {tf.float32}
+    assert low_dtypes(read_model(tmp_path / "f32").graph_def) == {}
+    x = digits().x_test[:8]
+    np.testing.assert_allclose(serve(tmp_path / "f32", x), serve(tmp_path / "bf16", x), rtol=2e-2, atol=2e-2)
+
+
+def test_float16_weights_retargeted_to_bfloat16_say_per_variable_what_changed(
+        tmp_path: Path, mixed16: tuple[Path, Path]) -> None:
+    assert_ok(run_cli("convert", mixed16[1], tmp_path / "fp16", "--target", "float16"))
+    source = _checkpoint(tmp_path / "fp16")
+    run = run_cli("convert", tmp_path / "fp16", tmp_path / "bf16", "--target", "bfloat16")
+    assert_ok(run)
+    written = _checkpoint(tmp_path / "bf16")
+    found = dict(re.findall(r"^  (\S+): (\d+ of \d+) element\(s\) change", run.out, re.MULTILINE))
+    assert found, run.out
+    for key, value in written.items():
+        if value.dtype != tf.bfloat16.as_numpy_dtype:
+            continue
+        assert source[key].dtype == np.float16
+        expected = tf.cast(tf.cast(source[key], tf.float32), tf.bfloat16).numpy()
+        np.testing.assert_array_equal(value, expected)  # rounded once, from the float16 values
+    changed = sum(int(np.count_nonzero(written[key].astype(np.float32) != source[key].astype(np.float32)))
+                  for key in written if written[key].dtype == tf.bfloat16.as_numpy_dtype)
+    assert changed == sum(int(text.split(" of ")[0]) for text in found.values()) > 0  # 3 mantissa bits dropped
+
+
+def _export_dense(path: Path, bias: float) -> Path:
+    """A one-layer Dense model whose first bias is ``bias``."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="head")])
+    kernel, biases = model.get_weights()
+    biases[0] = bias
+    model.set_weights([kernel, biases])
+    model.export(path, verbose=False)
+    return path
+
+
+def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp_path: Path) -> None:
+    source = _export_dense(tmp_path / "dense", 1e5)
+    assert_ok(run_cli("convert", source, tmp_path / "bf16", "--target", "bfloat16"))
+    line = error_line(run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16"))
+    assert re.search(r"variable '(\w+/)?head/bias' holds 99840, beyond float16's range", line), line  # 1e5 in bfloat16
+    assert "--force" in line and not (tmp_path / "fp16").exists()
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--force")
+    assert_ok(run)
+    assert "99840 becomes inf (--force)" in run.out, run.out

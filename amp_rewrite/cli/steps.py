@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from amp_rewrite.calibration import speed
@@ -21,6 +21,7 @@ from amp_rewrite.cli.options import Progress, say
 from amp_rewrite.core.canonical import low_dtypes
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.functions import split_scope
+from amp_rewrite.core.graph_io import every_node
 from amp_rewrite.core.lists import OpLists, load_float8
 from amp_rewrite.core.report import Report, dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
@@ -128,19 +129,12 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
           f" ({example}); they are ignored", file=sys.stderr)
 
 
-def _every_node(graph_def: Any) -> Iterator[Any]:
-    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
-    yield from graph_def.node
-    for function in graph_def.library.function:
-        yield from function.node_def
-
-
 def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
     """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
     in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
     Keras mixed policy. The rewrite paints float32 only, so it leaves them as they are."""
     found = collections.defaultdict(list)
-    for node in _every_node(graph_def):
+    for node in every_node(graph_def):
         dtypes = ({dtype_name(value.type) for value in node.attr.values() if value.type in _LOW_DTYPES}
                   if node.op in lists.allow else ())
         for dtype in dtypes:
@@ -156,8 +150,8 @@ def retarget(args: argparse.Namespace, model: Model) -> Model:
     painted = args.target if args.target == FLOAT32 else lookup_target(args.target, quantized=True).colouring
     if not set(low_dtypes(model.graph_def)) - {painted}:
         return model
-    try:
-        return canonical_model(model)
+    try:  # a SavedModel's variables stored low widen too, as its checkpoint does on writing
+        return weights.widen_weights(canonical_model(model, variables=model.kind == "savedmodel"))
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
 
@@ -167,7 +161,7 @@ def _close_to_entry(entry: str, graph_def: Any) -> str:
     name = split_scope(entry)[1]
     if re.escape(name) != name:
         return ""
-    close = did_you_mean(name, (node.name for node in _every_node(graph_def))).strip()
+    close = did_you_mean(name, (node.name for node in every_node(graph_def))).strip()
     return f", {close}" if close else ""
 
 
