@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import re
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -348,3 +349,65 @@ def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp
     run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--force")
     assert_ok(run)
     assert "99840 becomes inf (--force)" in run.out, run.out
+
+
+def test_low_weights_stay_low_where_the_run_loads_the_model_here(tmp_path: Path) -> None:
+    """--calibrate runs the model as it is on disk: its low weights stay so, read through a
+    cast, and the result loads and runs (validated)."""
+    assert_ok(run_cli("convert", _export_dense(tmp_path / "dense", 0.5), tmp_path / "bf16", "--target", "bfloat16"))
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--calibrate", "random",
+                  "--validate", "1")
+    assert_ok(run)
+    assert "stay stored low as the source has them" in run.out, run.out
+    loaded = tf.saved_model.load(str(tmp_path / "fp16"))
+    assert {variable.dtype for variable in loaded.variables} == {tf.bfloat16}
+    assert np.isfinite(loaded.serve(tf.ones((2, 4))).numpy()).all()
+
+
+# --------------------------------------------------------------------------------------
+# tf_keras mixed exports
+
+
+def _tf_keras_pair(directory: Path) -> tuple[Path, Path]:
+    """A tf_keras CNN under mixed_float16 (last layer float32) saved as a SavedModel, and its float32 twin."""
+    tf_keras = pytest.importorskip("tf_keras")
+
+    def build(policy: str) -> Any:
+        tf_keras.mixed_precision.set_global_policy(policy)
+        try:
+            tf_keras.utils.set_random_seed(0)
+            pixels = tf_keras.Input((64,), name="pixels")
+            hidden = tf_keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+                tf_keras.layers.Reshape((8, 8, 1))(pixels))
+            hidden = tf_keras.layers.Dense(16, activation="relu")(tf_keras.layers.Flatten()(hidden))
+            return tf_keras.Model(pixels, tf_keras.layers.Dense(10, dtype="float32")(hidden))
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+
+    mixed, twin = build("mixed_float16"), build("float32")
+    twin.set_weights(mixed.get_weights())
+    mixed.save(directory / "mixed", save_format="tf")
+    twin.save(directory / "twin", save_format="tf")
+    return directory / "mixed", directory / "twin"
+
+
+def _serving(path: Path, x: np.ndarray) -> np.ndarray:
+    loaded = tf.saved_model.load(str(path))
+    (output,) = loaded.signatures["serving_default"](pixels=tf.constant(x)).values()
+    return output.numpy()
+
+
+def test_a_tf_keras_mixed_export_retargets_as_its_twin_converts(tmp_path: Path) -> None:
+    mixed, twin = _tf_keras_pair(tmp_path)
+    run = run_cli("convert", mixed, tmp_path / "retargeted", "--target", "bfloat16")
+    assert_ok(run)
+    assert run.out.startswith("Model: retargeted from float16: "), run.out
+    direct = run_cli("convert", twin, tmp_path / "direct", "--target", "bfloat16")
+    assert_ok(direct)
+    totals = [[line for line in text.splitlines() if line.startswith("Model: converted")] for text in (run.out, direct.out)]
+    assert totals[0] == totals[1] and totals[0], (run.out, direct.out)
+    x = digits().x_test[:8]
+    np.testing.assert_allclose(_serving(tmp_path / "retargeted", x), _serving(tmp_path / "direct", x), rtol=1e-6,
+                               atol=1e-6)
+    assert_ok(run_cli("convert", mixed, tmp_path / "f32", "--target", "float32"))
+    np.testing.assert_allclose(_serving(tmp_path / "f32", x), _serving(twin, x), rtol=1e-5, atol=1e-6)

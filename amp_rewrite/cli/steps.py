@@ -150,8 +150,11 @@ def retarget(args: argparse.Namespace, model: Model) -> Model:
     painted = args.target if args.target == FLOAT32 else lookup_target(args.target, quantized=True).colouring
     if not set(low_dtypes(model.graph_def)) - {painted}:
         return model
-    try:  # a SavedModel's variables stored low widen too, as its checkpoint does on writing
-        return weights.widen_weights(canonical_model(model, variables=model.kind == "savedmodel"))
+    # A SavedModel's variables stored low widen too, as its checkpoint does on writing; not
+    # where the run loads the model here (calibration, timing): that reads variables/ as it is.
+    runs_here = args.command == "calibrate" or any(getattr(args, name, None) for name in ("calibrate", "tune"))
+    try:
+        return weights.widen_weights(canonical_model(model, variables=model.kind == "savedmodel" and not runs_here))
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
 

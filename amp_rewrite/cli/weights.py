@@ -134,7 +134,7 @@ def widen_weights(model: Model) -> Model:
     stored low (``canonical_model(variables=True)``): its object graph says float32 for
     them too, and ``widened_keys`` names their checkpoint keys, which ``LowCheckpoint``
     widens as it writes. Other models are returned as they are."""
-    if model.kind != "savedmodel" or model.canonical is None or not model.canonical.low_variables:
+    if model.kind != "savedmodel" or model.canonical is None or not model.canonical.variables_widened:
         return model
     reader = _reader(model)
     low = {key: dtype.as_datatype_enum for key, dtype in reader.get_variable_to_dtype_map().items()
@@ -165,6 +165,11 @@ def retargeted_weights_lines(model: Model, stored: StoredWeights | None, *, forc
     """What retargeting did to the weights the source stored low: widened to float32 exactly,
     or stored in the other low dtype, measured per variable (one line each). A value beyond
     the new dtype's range is refused (``ModelError``), unless ``force``."""
+    canonical = model.canonical
+    if canonical is not None and canonical.low_variables and not canonical.variables_widened:
+        return [f"Weights: {len(canonical.low_variables)} variable(s) stay stored low as the source has them (e.g."
+                f" {canonical.low_variables[0]!r}), read through a cast: --calibrate and --tune run the model as it"
+                " is on disk; convert it with --target float32 first to retarget them too"]
     if not model.widened_keys:
         return []
     reader = _reader(model)
