@@ -42,7 +42,8 @@ LOW_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
 BOUNDARY_OPS = frozenset({"_Arg", "_Retval", "Placeholder", "PlaceholderWithDefault", "Bitcast"})
 CAST_SUFFIX = "Canonical"  # the added casts' names: <src>-<port>-CastTo<Dtype>-<index>-Canonical
 _CAST_KIND = {FLOAT32: "CastToFp32", types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
-# What a cast between floats does to a device: none; kept only where the source had one already.
+# Where a widened node's float32 kernel is looked for: a node that runs on one of them in its
+# low dtypes must run there in float32 too, else it is refused (``_check_float32_kernel``).
 KERNEL_DEVICES = ("CPU", "GPU")
 # The stateful ops that hold, read, write, save or restore a variable's values: widened with
 # ``variables=True``, when the caller widens the stored values (a SavedModel's checkpoint).
