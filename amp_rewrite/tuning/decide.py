@@ -120,10 +120,9 @@ def build_problem(source: Program, converted: Program, nodes: Mapping[str, set[s
         body = source.item(item).node
         readers: dict[str, dict[int, list[str]]] = {}  # node -> port -> the nodes reading it
         for node_def in body:
-            for tensor in node_def.input:
-                if not tensor.startswith("^"):
-                    ref = parse_tensor_name(tensor)
-                    readers.setdefault(ref.node, {}).setdefault(ref.port, []).append(node_def.name)
+            for tensor in data_inputs(node_def):
+                ref = parse_tensor_name(tensor)
+                readers.setdefault(ref.node, {}).setdefault(ref.port, []).append(node_def.name)
         for node_def in body:
             if node_def.name in low_nodes:
                 problem.candidates[(item, node_def.name)] = _candidate(item, node_def, low_nodes[node_def.name], shapes)
