@@ -318,10 +318,13 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
                   amax: Mapping[tuple[str, str, int], float] | None = None,
                   lossy: Mapping[tuple[str, str], str] | None = None) -> RewriteResult:
     """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes.
-    ``amax`` and ``lossy``: target float8's calibration (``rewrite_graph_def``)."""
+    Every function a loader restores is rewritten, not only what the signatures call: the
+    object graph's functions (``loaded.serve``, a module's ``@tf.function`` attributes) run
+    converted too, and a weight they read can be stored low. ``amax`` and ``lossy``: target
+    float8's calibration (``rewrite_graph_def``)."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
-                             cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
-                             lossy=lossy, preserved=model.preserved)
+                             cross_function=cross_function, entry_functions=model.entry_functions,
+                             roots=model.entry_functions, amax=amax, lossy=lossy, preserved=model.preserved)
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:
