@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
                               accept=acceptance if acceptance.checks else None, variables=variables)
     progress.done()
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *_untimed_speed(args, result))
     if written:
         say(args, f"Wrote {args.dst}")
     if acceptance.failed:
@@ -66,6 +66,21 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         print(f"amp-rewrite: validation failed for {acceptance.failed} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+def _untimed_speed(args: argparse.Namespace, result: RewriteResult) -> list[str]:
+    """Without --tune nothing timed the result: where the lists are known to lose to float32
+    here (``live.untimed_slowdown``), one line says so and how to measure it."""
+    if args.tune or not result.report.vertices_converted:
+        return []
+    from amp_rewrite.training import live  # only here: the rest of convert needs no training module
+
+    why = live.untimed_slowdown(args.target)
+    if why is None:
+        return []
+    how = ("run with --tune speed to time each converted op here and keep float32 what is slower"
+           if args.target == "bfloat16" else "serve it on a GPU, and time it there with --tune speed")
+    return [f"Speed: not measured: {why}; {how}"]
 
 
 def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:
