@@ -9,6 +9,7 @@ TF1 Builder SavedModel, with no object graph, converts as before (``test_weights
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,21 @@ def test_an_attribute_no_signature_calls_runs_converted_and_its_weights_are_stor
     assert _relative_error(served, source.serve(x)["y"].numpy()) < 0.05
     assert _checkpoint_dtypes(out) == {"w/.ATTRIBUTES/VARIABLE_VALUE": "bfloat16",
                                        "v/.ATTRIBUTES/VARIABLE_VALUE": "bfloat16"}
+
+
+def test_a_check_that_runs_the_signatures_names_what_it_does_not_run(sources: dict[str, Path], tmp_path: Path) -> None:
+    """Rule: --validate runs the signatures, not ``generate``: one note names it; a Keras
+    export, whose ``serve`` the signatures call, gets none, and neither does a run without checks."""
+    run = run_cli("convert", sources["module"], tmp_path / "module", "--target", "bfloat16", "--validate", "1")
+    assert_ok(run)
+    notes = [line for line in run.out.splitlines() if "no signature calls" in line]
+    assert len(notes) == 1 and re.fullmatch(
+        r"Note: 1 restored function\(s\) that no signature calls \(e\.g\. __inference_generate_\d+\) are converted by"
+        r" the lists alone, unchecked: --validate runs the signatures only", notes[0]), notes
+    for source, args in ((sources["keras"], ("--validate", "1")), (sources["module"], ())):
+        quiet = run_cli("convert", source, tmp_path / f"{source.name}_{len(args)}", "--target", "bfloat16", *args)
+        assert_ok(quiet)
+        assert "no signature calls" not in quiet.out, quiet.out
 
 
 def test_a_keras_export_serves_converted_with_its_weights_low(sources: dict[str, Path], tmp_path: Path) -> None:

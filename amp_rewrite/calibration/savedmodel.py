@@ -90,6 +90,16 @@ class Model:
                       {name: info.name for name, info in signature.outputs.items()})
                 for key, signature in sorted(self.meta_graph.signature_def.items()) if not key.startswith("__")}
 
+    @functools.cached_property
+    def unsigned_functions(self) -> tuple[str, ...]:
+        """The functions the rewrite reaches through the object graph alone (a module's
+        ``@tf.function`` attribute, a restored ``serve``): converted like the rest, but no
+        signature runs them, so validation, calibration and timing never see them."""
+        library = self.program.library
+        signed = set(functions.reachable_functions(self.graph_def, library))
+        return tuple(name for name in functions.reachable_functions(self.graph_def, library, roots=self.entry_functions)
+                     if name not in signed)
+
     @property
     def tags(self) -> tuple[str, ...]:
         """The rewritten MetaGraphDef's tags (SavedModel only)."""
