@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from amp_rewrite.calibration import savedmodel
+from amp_rewrite.calibration.calibrate import keep_entries, node_items
+from amp_rewrite.calibration.savedmodel import effective_lists
 from amp_rewrite.training import live
 
 from test_cli import Run, assert_ok, run_cli
@@ -124,6 +127,24 @@ def test_a_keras_export_serves_converted_with_its_weights_low(sources: dict[str,
     assert _relative_error(converted.serve(x).numpy(), source.serve(x).numpy()) < 0.05
     before, after = _checkpoint_dtypes(sources["keras"]), _checkpoint_dtypes(out)
     assert set(before.values()) == {"float32"} and after == dict.fromkeys(before, "bfloat16"), after
+
+
+def test_a_keep_written_for_a_signatures_node_leaves_the_restored_namesake_converted(sources: dict[str, Path]) -> None:
+    """Rule: calibration and --tune write a kept node by its plain name only where every item
+    the rewrite meets that name in keeps it (``keep_entries``); the restored functions are
+    among those items, so a keep of ``serve``'s MatMul is scoped to ``serve`` and
+    ``generate``'s MatMul of the same name stays converted."""
+    model = savedmodel.read_model(sources["module"])
+    where = node_items(model.program, model.entry_functions)
+    serve, generate = (next(n for n in model.program.library if n.startswith(prefix))
+                       for prefix in ("__inference_serve_", "__inference_generate_"))
+    assert {serve, generate} <= where["MatMul"]
+    entries = keep_entries({(serve, "MatMul"): "kept by a test"}, where)
+    assert list(entries) == ["__inference_serve::MatMul"]
+    lists = effective_lists("bfloat16").keeping(entries)
+    decisions = savedmodel.rewrite_model(model, target="bfloat16", lists=lists).report.decisions
+    converted = {(d.function, d.node): d.converted for d in decisions if d.attr == "T"}
+    assert converted[(serve, "MatMul")] is False and converted[(generate, "MatMul")] is True
 
 
 # --------------------------------------------------------------------------------------
