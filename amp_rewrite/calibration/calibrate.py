@@ -611,7 +611,8 @@ def _measure_float32(model: Model, runner: statistics.Runner, options: Options,
     described = statistics.RANDOM_INPUTS if options.source == statistics.RANDOM_INPUTS else "the calibration inputs"
     high = runner.collect(model.program, keys, options.thresholds.smallest_normal, described)
     return _Context(model=model, runner=runner, options=options, metric=metric, high=high, keys=keys,
-                    touching=tensors_of(model.program, set(high.stats)), where=node_items(model.program, model.entry_functions))
+                    touching=tensors_of(model.program, set(high.stats)),
+                    where=node_items(model.program, model.entry_functions))
 
 
 def _keep_out_of_range(c: _Context) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:
