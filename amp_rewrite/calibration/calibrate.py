@@ -40,7 +40,7 @@ import collections
 import math
 import os
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -217,7 +217,7 @@ class Calibration:
         keep.update(self.keep)
         data["keep_nodes"] = keep
         if self.float8 is not None:
-            where = node_items(self.result.program)
+            where = node_items(self.result.program, [item.function for item in self.result.report.items])
             data["amax"] = dict(sorted(overlay_keys(self.float8.amax, where).items()))
             data["lossy"] = dict(sorted(overlay_keys(self.float8.lossy, where).items()))
         source = self.source or "calibration data"
@@ -235,10 +235,11 @@ class Calibration:
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def node_items(program: Program) -> dict[str, set[str]]:
-    """Node name → the items the rewrite meets it in (the main graph, reachable functions)."""
+def node_items(program: Program, roots: Iterable[str] = ()) -> dict[str, set[str]]:
+    """Node name → the items the rewrite meets it in (the main graph, the functions it reaches,
+    from ``roots`` too: a SavedModel's restored functions, ``Model.entry_functions``)."""
     where: dict[str, set[str]] = {}
-    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library)]:
+    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library, roots=roots)]:
         for node_def in program.item(item).node:
             where.setdefault(node_def.name, set()).add(item)
     return where
@@ -610,7 +611,8 @@ def _measure_float32(model: Model, runner: statistics.Runner, options: Options,
     described = statistics.RANDOM_INPUTS if options.source == statistics.RANDOM_INPUTS else "the calibration inputs"
     high = runner.collect(model.program, keys, options.thresholds.smallest_normal, described)
     return _Context(model=model, runner=runner, options=options, metric=metric, high=high, keys=keys,
-                    touching=tensors_of(model.program, set(high.stats)), where=node_items(model.program))
+                    touching=tensors_of(model.program, set(high.stats)),
+                    where=node_items(model.program, model.entry_functions))
 
 
 def _keep_out_of_range(c: _Context) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:

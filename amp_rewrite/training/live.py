@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 MIN_COMPUTE_CAPABILITY = (7, 0)
 FLOAT8 = "float8"  # FP8 training (training/float8.py), on a base precision
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+AMX_BF16_FLAG = "amx_bf16"  # the CPU flag of AMX's bfloat16 tiles, where bfloat16 pays
+BF16_CPU_FLAGS = ("avx512_bf16", AMX_BF16_FLAG)
 XLA_REWRITE_MIN_TENSORFLOW = tracing.XLA_REWRITE_MIN_TENSORFLOW
 compat_name = tracing.compat_name
 
@@ -191,6 +192,19 @@ def detect_target() -> tuple[str | None, str]:
     if any(flag in flags for flag in BF16_CPU_FLAGS):
         return "bfloat16", "the CPU has " + " and ".join(f for f in BF16_CPU_FLAGS if f in flags)
     return None, "no GPU of compute capability 7.0+ and the CPU has neither AVX512-BF16 nor AMX"
+
+
+def untimed_slowdown(target: str) -> str | None:
+    """Where the op lists are known to lose to float32 on this machine, and nothing timed the
+    result: why, in words (``convert`` without ``--tune`` says it); None where they are not.
+    bfloat16 pays on a CPU with AMX; with AVX512-BF16 alone (or neither) its matmuls and
+    convolutions are often slower than float32's, and the casts add to it. float16 pays on a
+    GPU; on a CPU its kernels are float32 ones with conversions around them."""
+    if target == "bfloat16" and AMX_BF16_FLAG not in cpu_flags():
+        return "bfloat16 on a CPU without AMX is often slower than float32"
+    if target == "float16" and not tf.config.list_physical_devices("GPU"):
+        return f"{target} on a CPU (TensorFlow sees no GPU here) is often slower than float32"
+    return None
 
 
 def cpu_flags() -> set[str]:
