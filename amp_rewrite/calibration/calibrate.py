@@ -350,7 +350,7 @@ def headroom_keeps(result: RewriteResult, touching: Touching, high: Mapping[Tens
     return _touching_violations(result, touching, high, close, "") if close else {}
 
 
-def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
+def drift(low: TensorStats | None, high: TensorStats | None) -> float:
     """How far a tensor of the rewrite is from float32's: relative change of its largest
     magnitude and RMS; infinite where it turned non-finite."""
     if low is None or high is None:
@@ -366,8 +366,8 @@ def _own_drift(node: tuple[str, str], keys: Sequence[TensorKey], high: Mapping[T
                low: Mapping[TensorKey, TensorStats]) -> tuple[float, float]:
     """(own, out): the drift of ``node``'s outputs, less the largest its inputs carried in
     (infinite where only it turned non-finite); ``keys``: the tensors it reads and writes."""
-    out = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] == node), default=0.0)
-    carried = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] != node), default=0.0)
+    out = max((drift(low.get(k), high.get(k)) for k in keys if k[:2] == node), default=0.0)
+    carried = max((drift(low.get(k), high.get(k)) for k in keys if k[:2] != node), default=0.0)
     return (out if math.isinf(out) and not math.isinf(carried) else out - carried), out
 
 
@@ -407,7 +407,7 @@ def blame(result: RewriteResult, touching: Touching, high: Mapping[TensorKey, Te
             if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
-def _checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) -> tuple[OutputCheck, ...]:
+def output_checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) -> tuple[OutputCheck, ...]:
     """Each output's error over all feeds together (``validate.measure``)."""
     checks = []
     for signature in sorted(high.outputs):
@@ -531,7 +531,7 @@ class _Context:
                  ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
         """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
         low = self.runner.collect(program, keys, self.options.thresholds.smallest_normal)
-        return low, _checks(self.high, low, self.metric.function)
+        return low, output_checks(self.high, low, self.metric.function)
 
     def summary(self, checks: Sequence[OutputCheck]) -> str:
         return _summary(checks, self.target, self.metric.name)

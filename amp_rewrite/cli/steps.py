@@ -12,7 +12,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from amp_rewrite.calibration import speed
+from amp_rewrite.calibration import diverge, speed, statistics, validate
+from amp_rewrite.calibration.calibrate import RANDOM_FEEDS
 from amp_rewrite.calibration.savedmodel import (
     Model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
 )
@@ -66,7 +67,7 @@ def _constants_in_file(args: argparse.Namespace) -> bool:
     calibrating, timing, a dump and a .pbtxt need the values themselves."""
     if args.command not in ("convert", "inspect", "explain"):
         return False
-    needs_values = ("validate", "inputs", "calibrate", "tune", "dump")
+    needs_values = ("validate", "inputs", "calibrate", "tune", "dump", "diverge")
     return not any(getattr(args, name, None) for name in needs_values) and (
         args.command != "convert" or args.dst.suffix != ".pbtxt")
 
@@ -178,6 +179,34 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     if args.target != "float8":
         return {}
     return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
+
+
+def find_divergence(args: argparse.Namespace, model: Model, lists: OpLists, progress: Progress) -> diverge.Divergence:
+    """``--diverge``: the conversion the options make (``lists``: as read and tuned), run
+    beside SRC on --inputs (else random inputs, with a warning), and where it first diverges."""
+    if model.kind == "graphdef" and not model.compared_outputs:
+        raise AmpRewriteError(f"{model.path}: --diverge needs outputs to compare and the graph has none;"
+                              " name them with --fetch NAME[:PORT]")
+    feeds, notes = validate.plan_feeds(model, args.inputs, RANDOM_FEEDS)
+    say(args, *[f"Note: {note}" for note in notes])
+    if args.inputs is None:
+        print(f"amp-rewrite: warning: --diverge runs on random inputs ({RANDOM_FEEDS} batches, N(0,1) floats, ids"
+              " 0-9); a model diverges on the data it meets: pass an .npz of the signature inputs with --inputs",
+              file=sys.stderr)
+    found = load_float8(args.lists) if args.lists and args.target == "float8" else None
+    quantized = {"amax": found.amax, "lossy": found.lossy} if found is not None else {}
+    target = lookup_target(args.target, quantized=True)
+
+    def rewrite(keeping: OpLists) -> RewriteResult:
+        return rewrite_model(model, target=target.name, lists=keeping, cross_function=args.cross_function,
+                             **quantized)
+
+    progress("running SRC and its conversion on the inputs")
+    divergence = diverge.find_divergence(model, feeds, diverge.Options(
+        target=target, lists=lists, rewrite=rewrite, metric=args.metric,
+        described=statistics.RANDOM_INPUTS if args.inputs is None else str(args.inputs)))
+    progress.done()
+    return divergence
 
 
 def _model_lines(model: Model) -> list[str]:

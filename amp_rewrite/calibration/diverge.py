@@ -1,0 +1,320 @@
+"""Where a converted model first diverges from float32, the path its error takes to the worst
+output, and the ``--keep`` that brings the outputs back within the target's tolerance.
+
+The float32 model and its conversion run on the same inputs with every float tensor of the
+float32 model instrumented (``statistics.Runner.collect``, calibration's one way to read
+intermediate tensors); a converted node's output keeps its name, so each tensor of the
+conversion is compared with float32's tensor of the same name (the rewrite's own casts are
+not compared). A tensor's error is calibration's ``drift``: the larger of the relative
+changes of its largest magnitude and of its RMS over the inputs, infinite where it holds
+non-finite values float32's does not.
+
+**The first diverging node** is the first node, in execution order (each item's
+topological order, a called function's body at its call), whose output's error is over
+the target's tolerance while every float tensor it reads is within it. Error grows along
+a path; a node whose inputs already diverged carries the error, it does not make it.
+
+**The fix**, checked by running it: a converted node that diverges is kept float32; a
+float32 node that diverges amplifies the rounding of what it reads (a softmax fed large
+logits), so the converted nodes that feed it are kept. While an output is still over the
+tolerance, the run with the keeps applied names the next first diverging node, up to
+``max_runs`` runs of the conversion.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+from tensorflow.core.framework import graph_pb2
+
+from amp_rewrite.calibration import calibrate, statistics, validate
+from amp_rewrite.calibration.calibrate import OutputCheck, Touching, converted_nodes, drift
+from amp_rewrite.calibration.savedmodel import Model, ModelError
+from amp_rewrite.calibration.statistics import TensorKey, TensorStats
+from amp_rewrite.core import functions
+from amp_rewrite.core.float8.inference import amp_source
+from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
+from amp_rewrite.core.lists import OpLists
+from amp_rewrite.core.program import MAIN_GRAPH, Program
+from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.target import Target
+
+DEFAULT_MAX_RUNS = 4  # runs of the conversion: the first, and up to three with keeps added
+_PATH_SHOWN = 8  # nodes of a path shown; the middle of a longer one is elided
+_BOUNDARY = frozenset({"_Arg", "_Retval"})
+_FEEDERS_SEARCHED = 64  # float32 nodes searched upstream of a float32 diverging node for the converted ones feeding it
+Node = tuple[str, str]  # (function, node); MAIN_GRAPH "" for the main graph
+
+
+@dataclass(frozen=True)
+class Found:
+    """A first diverging node: where it is, its op, its output's error and float32's largest
+    |x| there, whether the conversion ran it in the target, and the path to the worst output."""
+
+    node: Node
+    op: str
+    error: float  # its output's drift; math.inf: non-finite where float32 is finite
+    largest: float
+    converted: bool
+    path: tuple[str, ...] = ()
+
+    def describe(self, target: str) -> str:
+        where = f" in function '{self.node[0]}'" if self.node[0] else ""
+        how = f"converted to {target}" if self.converted else "float32"
+        what = (f"turned non-finite (float32's largest |x| {self.largest:.3g})" if math.isinf(self.error)
+                else f"is {self.error:.3g} off float32's (largest |x| {self.largest:.3g})")
+        return f"{self.node[1]} ({self.op}, {how}){where}: its output {what}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One run of the conversion: the keep entries it applied, each output's error, and its
+    first diverging node (None: none diverges beyond the tolerance)."""
+
+    keep: tuple[str, ...]
+    checks: tuple[OutputCheck, ...]
+    found: Found | None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """What ``find_divergence`` found: each run of the conversion (the first as given, each
+    later one with more nodes kept float32), and the keep entries (entry → why) the last
+    applied."""
+
+    target: str
+    tolerance: float
+    metric: str
+    steps: tuple[Step, ...]
+    keep: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def first(self) -> Found | None:
+        """The conversion's first diverging node, as given."""
+        return self.steps[0].found
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the keeps bring every output within the tolerance (a run with them says so)."""
+        return len(self.steps) > 1 and all(c.within(self.tolerance) for c in self.steps[-1].checks)
+
+    def lines(self) -> list[str]:
+        """The report, for ``explain --diverge`` and the dump."""
+        first = self.first
+        if first is None:
+            return [f"Divergence: no node diverges beyond {self.tolerance:g} from float32 in {self.target};"
+                    f" {self._outputs(self.steps[0].checks)}"]
+        lines = [f"Divergence (tolerance {self.tolerance:g}): first diverging node {first.describe(self.target)}",
+                 f"  path to the worst output: {' -> '.join(first.path)}",
+                 f"  run 1 as converted: {self._outputs(self.steps[0].checks)}"]
+        for number, step in enumerate(self.steps[1:], start=2):
+            more = (f"; then {step.found.describe(self.target)}" if step.found is not None
+                    and not all(c.within(self.tolerance) for c in step.checks) else "")
+            lines.append(f"  run {number}, {len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
+                         f" {self._outputs(step.checks)}{more}")
+        keeps = " ".join(f"--keep '{entry}'" for entry in self.keep)
+        if self.fixed:
+            lines.append(f"  fix: {keeps}")
+        else:
+            lines.append(f"  not fixed in {len(self.steps)} run(s): {keeps or 'no keep'} is a start; amp-rewrite"
+                         " calibrate finds the rest")
+        return lines
+
+    def _outputs(self, checks: Sequence[OutputCheck]) -> str:
+        worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf)
+        verdict = "within" if worst.within(self.tolerance) else "over"
+        return (f"worst output {worst.signature}/{worst.output} {validate.shown(self.metric)} {worst.error:.3g}"
+                f" ({verdict} tolerance)")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How one search runs: the target (its tolerance is the bound), the lists of the
+    conversion as given, the rewrite that makes a conversion from lists (float8's amax
+    bound in), how an output's error is measured, the cap on runs and what the inputs are
+    (for the error a model that fails on them gets)."""
+
+    target: Target
+    lists: OpLists
+    rewrite: Callable[[OpLists], RewriteResult]
+    metric: str | validate.Metric = validate.DEFAULT_METRIC
+    max_runs: int = DEFAULT_MAX_RUNS
+    described: str = "the inputs"
+
+
+@dataclass(frozen=True)
+class _Float32:
+    """The float32 model's run and what every run of the conversion is compared with: the
+    tensors measured, which nodes read and write them, where each node is met (for
+    ``keep_entries``), the execution order and each node's op."""
+
+    model: Model
+    run: statistics.Run
+    keys: Sequence[TensorKey]
+    touching: Touching
+    where: Mapping[str, set[str]]
+    order: Sequence[Node]
+    ops: Mapping[Node, str]
+
+
+def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Divergence:
+    """The first diverging node of ``options``' conversion of ``model`` on ``feeds``
+    (``validate.plan_feeds``), and the keeps that fix it (module doc), every run in one session."""
+    metric = validate.lookup_metric(options.metric)
+    small_below = calibrate.Thresholds.for_target(options.target).smallest_normal
+    tolerance = options.target.tolerance
+    with statistics.Runner(model, feeds) as runner:
+        keys = statistics.model_tensors(model)
+        high = runner.collect(model.program, keys, small_below, options.described)
+        order = execution_order(model.program)
+        ops = {node: op for node, op in _ops(model.program, order)}
+        base = _Float32(model, high, keys, calibrate.tensors_of(model.program, set(high.stats)),
+                        calibrate.node_items(model.program), order, ops)
+        kept: dict[Node, str] = {}
+        steps: list[Step] = []
+        while True:
+            entries = {}  # in the order found: the first diverging node's first
+            for node, why in kept.items():
+                entries.update(calibrate.keep_entries({node: why}, base.where))
+            result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
+            low = runner.collect(result.program, keys, small_below, options.described)
+            checks = calibrate.output_checks(high, low, metric.function)
+            if not checks:
+                raise ModelError(f"{model.path}: no output of the model is a number, so no run can show where it"
+                                 " diverges; compare a model with a numeric output")
+            found = first_diverging(base, low.stats, result, tolerance)
+            if found is not None:
+                found = replace(found, path=worst_path(base, found.node, checks))
+            steps.append(Step(tuple(entries), checks, found))
+            added = {} if found is None else {node: f"diverge: {found.describe(options.target.name)}"
+                                              for node in fixing_nodes(found, result) if node not in kept}
+            within = all(c.within(tolerance) for c in checks)
+            if (len(steps) > 1 and within) or not added or len(steps) >= options.max_runs:
+                return Divergence(options.target.name, tolerance, metric.name, tuple(steps), entries)
+            kept.update(added)
+
+
+def execution_order(program: Program) -> list[Node]:
+    """Every node of the main graph and of the functions it calls, in an order that runs
+    them: each item's nodes in topological order (GraphDef order among equals; a cyclic
+    item, a TF1 loop, in GraphDef order), a called function's body (once) before its call."""
+    order: list[Node] = []
+    seen: set[str] = set()
+
+    def visit(item: str) -> None:
+        seen.add(item)
+        body = program.item(item)
+        nodes = {node_def.name: node_def for node_def in body.node}
+        for name in _topological(body):
+            for called in functions.called_functions(nodes[name]):
+                if called in program.library and called not in seen:
+                    visit(called)
+            order.append((item, name))
+
+    visit(MAIN_GRAPH)
+    return order
+
+
+def _ops(program: Program, order: Sequence[Node]) -> Iterator[tuple[Node, str]]:
+    for item in dict.fromkeys(item for item, _ in order):
+        for node_def in program.item(item).node:
+            yield (item, node_def.name), node_def.op
+
+
+def _topological(body: graph_pb2.GraphDef) -> list[str]:
+    """``body``'s node names in topological order, GraphDef order among equals."""
+    position = {node_def.name: index for index, node_def in enumerate(body.node)}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(position)
+    graph.add_edges_from((parse_tensor_name(tensor).node, node_def.name) for node_def in body.node
+                         for tensor in node_def.input if parse_tensor_name(tensor).node in position)
+    try:
+        return list(nx.lexicographical_topological_sort(graph, key=position.__getitem__))
+    except nx.NetworkXUnfeasible:  # a cycle: a TF1 while loop
+        return list(position)
+
+
+def _error(keys: Sequence[TensorKey], high: Mapping[TensorKey, TensorStats],
+           low: Mapping[TensorKey, TensorStats]) -> float:
+    """The largest drift of ``keys`` (0 for none)."""
+    return max((drift(low.get(k), high.get(k)) for k in keys), default=0.0)
+
+
+def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], result: RewriteResult,
+                    tolerance: float) -> Found | None:
+    """The first node of ``base.order`` whose output is over ``tolerance`` from float32's
+    while every float tensor it reads is within it (module doc); None: no such node. Its
+    path is left for ``worst_path``."""
+    high = base.run.stats
+    converted = converted_nodes(result)
+    for node in base.order:
+        keys = base.touching.get(node, ())
+        written = [k for k in keys if k[:2] == node]
+        if not written or base.ops.get(node) in _BOUNDARY:
+            continue
+        error = _error(written, high, low)
+        if error > tolerance and not _error([k for k in keys if k[:2] != node], high, low) > tolerance:
+            largest = max((high[k].max_abs for k in written if k in high), default=0.0)
+            return Found(node, base.ops[node], error, largest, node in converted)
+    return None
+
+
+def fixing_nodes(found: Found, result: RewriteResult) -> list[Node]:
+    """What to keep float32 for ``found``: itself where it was converted; else the converted
+    nodes that feed it in its item, through float32 nodes (its error is their rounding,
+    amplified), nearest first."""
+    if found.converted:
+        return [found.node]
+    item, name = found.node
+    nodes = {node_def.name: node_def for node_def in result.program.item(item).node}
+    converted = converted_nodes(result)
+    feeders: list[Node] = []
+    pending, seen = [name], {name}
+    while pending and len(seen) < _FEEDERS_SEARCHED:
+        for tensor in data_inputs(nodes[pending.pop(0)]):
+            source = amp_source(nodes, tensor).node
+            if source in seen or source not in nodes:
+                continue
+            seen.add(source)
+            if (item, source) in converted:
+                feeders.append((item, source))
+            elif nodes[source].op not in _BOUNDARY:
+                pending.append(source)
+    return feeders
+
+
+def worst_path(base: _Float32, node: Node, checks: Sequence[OutputCheck]) -> tuple[str, ...]:
+    """The nodes from ``node`` to the worst output of ``checks`` along the data edges, into
+    and out of called functions (``_flow``), their boundary nodes left out; a long path's
+    middle elided."""
+    worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf)
+    output = f"output {worst.signature}/{worst.output}"
+    tensor = base.model.signatures[worst.signature][1][worst.output]
+    try:
+        path = nx.shortest_path(_flow(base), node, (MAIN_GRAPH, parse_tensor_name(tensor).node))
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        return node[1], f"(no data path to {output})"
+    names = [name for step in path if base.ops.get(step) not in _BOUNDARY for name in [step[1]]]
+    if len(names) > _PATH_SHOWN:
+        names = [*names[:4], f"... {len(names) - 7} more ...", *names[-3:]]
+    return (*names, output)
+
+
+def _flow(base: _Float32) -> nx.DiGraph:
+    """The data edges of every item ``base.order`` runs, as one graph of (item, node): a call
+    node's inputs flow into its function's ``_Arg`` nodes, its ``_Retval`` nodes into the call."""
+    program, graph = base.model.program, nx.DiGraph()
+    items = set(item for item, _ in base.order)
+    for item in items:
+        for node_def in program.item(item).node:
+            graph.add_edges_from(((item, parse_tensor_name(t).node), (item, node_def.name))
+                                 for t in data_inputs(node_def))
+            for called in set(functions.called_functions(node_def)) & items:
+                for boundary in program.item(called).node:
+                    if boundary.op == "_Arg":
+                        graph.add_edge((item, node_def.name), (called, boundary.name))
+                    elif boundary.op == "_Retval":
+                        graph.add_edge((called, boundary.name), (item, node_def.name))
+    return graph
