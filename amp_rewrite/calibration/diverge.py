@@ -39,11 +39,13 @@ from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.rewrite import RewriteResult
+from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import Target
 
 DEFAULT_MAX_RUNS = 4  # runs of the conversion: the first, and up to three with keeps added
 _PATH_SHOWN = 8  # nodes of a path shown; the middle of a longer one is elided
 _BOUNDARY = frozenset({"_Arg", "_Retval"})
+FLOAT8 = "float8"  # what a matmul on float8_e4m3fn operands runs in, for ``Found.runs_in``
 _FEEDERS_SEARCHED = 64  # float32 nodes searched upstream of a float32 diverging node for the converted ones feeding it
 Node = tuple[str, str]  # (function, node); MAIN_GRAPH "" for the main graph
 
@@ -57,12 +59,16 @@ class Found:
     op: str
     error: float  # its output's drift; math.inf: non-finite where float32 is finite
     largest: float
-    converted: bool
+    runs_in: str  # "float32", the dtype it was converted to, or FLOAT8 (a matmul on float8 operands)
     path: tuple[str, ...] = ()
 
-    def describe(self, target: str) -> str:
+    @property
+    def converted(self) -> bool:
+        return self.runs_in != "float32"
+
+    def describe(self) -> str:
         where = f" in function '{self.node[0]}'" if self.node[0] else ""
-        how = f"converted to {target}" if self.converted else "float32"
+        how = f"converted to {self.runs_in}" if self.converted else "float32"
         what = (f"turned non-finite (float32's largest |x| {self.largest:.3g})" if math.isinf(self.error)
                 else f"is {self.error:.3g} off float32's (largest |x| {self.largest:.3g})")
         return f"{self.node[1]} ({self.op}, {how}){where}: its output {what}"
@@ -106,15 +112,18 @@ class Divergence:
         if first is None:
             return [f"Divergence: no node diverges beyond {self.tolerance:g} from float32 in {self.target};"
                     f" {self._outputs(self.steps[0].checks)}"]
-        lines = [f"Divergence (tolerance {self.tolerance:g}): first diverging node {first.describe(self.target)}",
+        lines = [f"Divergence (tolerance {self.tolerance:g}): first diverging node {first.describe()}",
                  f"  path to the worst output: {' -> '.join(first.path)}",
                  f"  run 1 as converted: {self._outputs(self.steps[0].checks)}"]
         for number, step in enumerate(self.steps[1:], start=2):
-            more = (f"; then {step.found.describe(self.target)}" if step.found is not None
+            more = (f"; then {step.found.describe()}" if step.found is not None
                     and not all(c.within(self.tolerance) for c in step.checks) else "")
             lines.append(f"  run {number}, {len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
                          f" {self._outputs(step.checks)}{more}")
         keeps = " ".join(f"--keep '{entry}'" for entry in self.keep)
+        if first.runs_in == FLOAT8:
+            lines.append(f"  a float8 matmul: its operands' amax may be stale; amp-rewrite calibrate --target"
+                         f" {self.target} measures them again, or keep it out of float8:")
         if self.fixed:
             lines.append(f"  fix: {keeps}")
         else:
@@ -188,7 +197,7 @@ def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Di
             if found is not None:
                 found = replace(found, path=worst_path(base, found.node, checks))
             steps.append(Step(tuple(entries), checks, found))
-            added = {} if found is None else {node: f"diverge: {found.describe(options.target.name)}"
+            added = {} if found is None else {node: f"diverge: {found.describe()}"
                                               for node in fixing_nodes(found, result) if node not in kept}
             within = all(c.within(tolerance) for c in checks)
             if (len(steps) > 1 and within) or not added or len(steps) >= options.max_runs:
@@ -248,7 +257,8 @@ def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], result
     while every float tensor it reads is within it (module doc); None: no such node. Its
     path is left for ``worst_path``."""
     high = base.run.stats
-    converted = converted_nodes(result)
+    runs_in = {(d.function, d.node): FLOAT8 if d.rule == Rule.FLOAT8_MATMUL.value else d.after
+               for d in result.report.decisions if d.converted}
     for node in base.order:
         keys = base.touching.get(node, ())
         written = [k for k in keys if k[:2] == node]
@@ -257,7 +267,7 @@ def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], result
         error = _error(written, high, low)
         if error > tolerance and not _error([k for k in keys if k[:2] != node], high, low) > tolerance:
             largest = max((high[k].max_abs for k in written if k in high), default=0.0)
-            return Found(node, base.ops[node], error, largest, node in converted)
+            return Found(node, base.ops[node], error, largest, runs_in.get(node, "float32"))
     return None
 
 
