@@ -42,7 +42,7 @@ from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
 from amp_rewrite.core.target import Target
 
-DEFAULT_MAX_RUNS = 4  # runs of the conversion: the first, and up to three with keeps added
+DEFAULT_MAX_RUNS = 5  # runs of the conversion: the first, and up to four with keeps added (calibration caps its runs at 5 too)
 _PATH_SHOWN = 8  # nodes of a path shown; the middle of a longer one is elided
 _BOUNDARY = frozenset({"_Arg", "_Retval"})
 FLOAT8 = "float8"  # what a matmul on float8_e4m3fn operands runs in, for ``Found.runs_in``
