@@ -53,7 +53,7 @@ Node = tuple[str, str]  # (function, node); MAIN_GRAPH "" for the main graph
 @dataclass(frozen=True)
 class Found:
     """A first diverging node: where it is, its op, its output's error and float32's largest
-    |x| there, whether the conversion ran it in the target, and the path to the worst output."""
+    |x| there, what the conversion ran it in, and the path to the worst output."""
 
     node: Node
     op: str
@@ -120,16 +120,21 @@ class Divergence:
                     and not all(c.within(self.tolerance) for c in step.checks) else "")
             lines.append(f"  run {number}, {len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
                          f" {self._outputs(step.checks)}{more}")
-        keeps = " ".join(f"--keep '{entry}'" for entry in self.keep)
         if first.runs_in == FLOAT8:
             lines.append(f"  a float8 matmul: its operands' amax may be stale; amp-rewrite calibrate --target"
-                         f" {self.target} measures them again, or keep it out of float8:")
+                         f" {self.target} measures them again; or keep it float32 as below")
+        return [*lines, self._fix_line()]
+
+    def _fix_line(self) -> str:
+        """The keeps that fixed it, or how far the runs got."""
+        keeps = " ".join(f"--keep '{entry}'" for entry in self.keep)
         if self.fixed:
-            lines.append(f"  fix: {keeps}")
-        else:
-            lines.append(f"  not fixed in {len(self.steps)} run(s): {keeps or 'no keep'} is a start; amp-rewrite"
-                         " calibrate finds the rest")
-        return lines
+            return f"  fix: {keeps}"
+        if not keeps:
+            return ("  no node to keep: it runs float32 and no converted node feeds it in its function;"
+                    " amp-rewrite calibrate may find what to keep")
+        return (f"  not fixed in {len(self.steps)} run(s): {keeps} is a start; amp-rewrite calibrate finds"
+                " the rest")
 
     def _outputs(self, checks: Sequence[OutputCheck]) -> str:
         worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf)
