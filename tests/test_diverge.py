@@ -11,8 +11,9 @@
 
 in each the suggested ``--keep`` is checked apart from the search: ``convert --keep ...
 --inputs`` passes validation, and fails it without the keep. Then the order of execution
-(a function body before its call), the report, and bad input: no divergence (exit 0), a
-model without a numeric output, inputs that do not fit, nothing asked (exit 2, one line).
+(a function body before its call), the report, a conversion on disk (``--converted``),
+and bad input: no divergence (exit 0), a model without a numeric output, inputs that do
+not fit, nothing asked (exit 2, one line).
 """
 from __future__ import annotations
 
@@ -242,6 +243,23 @@ def test_cli_explain_and_dump_show_the_first_diverging_node(tmp_path: Path, mode
     assert_ok(dumped)
     report = (tmp_path / "dump" / "report.html").read_text(encoding="utf-8")
     assert "first diverging node functional_1/square_1/mul_1" in report and "fix: --keep" in report
+
+
+def test_cli_a_conversion_on_disk_is_compared_as_it_was_written(tmp_path: Path, models: dict[str, Path]) -> None:
+    """--converted DST: the first run is DST's. DST was converted with the Mul kept float32,
+    so its first diverging node is the head MatMul (the options' own rewrite, keeping
+    nothing, would name the Mul); the runs after it rewrite SRC with the options and keeps."""
+    inputs = _inputs(tmp_path / "x.npz", 4.0)
+    converted = run_cli("convert", models["square"], tmp_path / "dst", "--inputs", inputs, "--keep-failed",
+                        "--keep", "functional_1/square_1/mul_1")
+    assert converted.code == 1 and (tmp_path / "dst" / "saved_model.pb").exists(), converted.err
+    run = run_cli("explain", models["square"], "--diverge", "--converted", tmp_path / "dst", "--inputs", inputs)
+    assert_ok(run)
+    assert "first diverging node functional_1/head_1/MatMul (MatMul, converted to float16)" in run.out, run.out
+    assert f"run 1, {tmp_path / 'dst'}: " in run.out and "run 2, the options' rewrite with 1 keep entry" in run.out
+    assert "fix: --keep 'functional_1/head_1/MatMul'" in run.out
+    line = error_line(run_cli("explain", models["square"], "x", "--converted", tmp_path / "dst"))
+    assert "--converted DST: the conversion --diverge compares; add --diverge" in line
 
 
 def test_cli_no_divergence_says_so_and_exits_0(tmp_path: Path, models: dict[str, Path]) -> None:

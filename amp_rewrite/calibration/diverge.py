@@ -27,20 +27,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.calibration import calibrate, statistics, validate
-from amp_rewrite.calibration.calibrate import OutputCheck, Touching, converted_nodes, drift
+from amp_rewrite.calibration.calibrate import OutputCheck, Touching, drift
 from amp_rewrite.calibration.savedmodel import Model, ModelError
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import functions
+from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.float8.inference import amp_source
 from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
-from amp_rewrite.core.target import Target
+from amp_rewrite.core.target import FLOAT_DTYPES, Target
+from amp_rewrite.core.typegraph import output_dtypes
 
 DEFAULT_MAX_RUNS = 5  # runs of the conversion: the first, and up to four with keeps added (calibration caps its runs at 5 too)
 _PATH_SHOWN = 8  # nodes of a path shown; the middle of a longer one is elided
@@ -48,6 +50,8 @@ _BOUNDARY = frozenset({"_Arg", "_Retval"})
 FLOAT8 = "float8"  # what a matmul on float8_e4m3fn operands runs in, for ``Found.runs_in``
 _FEEDERS_SEARCHED = 64  # float32 nodes searched upstream of a float32 diverging node for the converted ones feeding it
 Node = tuple[str, str]  # (function, node); MAIN_GRAPH "" for the main graph
+# The dtypes a converted node outputs, by name (a converted model's graph tells them so).
+_LOW_DTYPES = {dtype: found.name for dtype, found in FLOAT_DTYPES.items() if dtype != types_pb2.DT_FLOAT}
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Divergence:
     metric: str
     steps: tuple[Step, ...]
     keep: Mapping[str, str] = field(default_factory=dict)
+    converted: str = ""  # the conversion on disk the first run ran ("": the options' rewrite)
 
     @property
     def first(self) -> Found | None:
@@ -114,11 +119,12 @@ class Divergence:
                     f" {self._outputs(self.steps[0].checks)}"]
         lines = [f"Divergence (tolerance {self.tolerance:g}): first diverging node {first.describe()}",
                  f"  path to the worst output: {' -> '.join(first.path)}",
-                 f"  run 1 as converted: {self._outputs(self.steps[0].checks)}"]
+                 f"  run 1, {self.converted or 'as converted'}: {self._outputs(self.steps[0].checks)}"]
         for number, step in enumerate(self.steps[1:], start=2):
             more = (f"; then {step.found.describe()}" if step.found is not None
                     and not all(c.within(self.tolerance) for c in step.checks) else "")
-            lines.append(f"  run {number}, {len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
+            lines.append(f"  run {number}, {'the options' + chr(39) + ' rewrite with ' if self.converted else ''}"
+                         f"{len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
                          f" {self._outputs(step.checks)}{more}")
         if first.runs_in == FLOAT8:
             lines.append(f"  a float8 matmul: its operands' amax may be stale; amp-rewrite calibrate --target"
@@ -156,6 +162,7 @@ class Options:
     metric: str | validate.Metric = validate.DEFAULT_METRIC
     max_runs: int = DEFAULT_MAX_RUNS
     described: str = "the inputs"
+    converted: Model | None = None  # a conversion on disk: the first run's, instead of ``rewrite(lists)``
 
 
 @dataclass(frozen=True)
@@ -174,40 +181,89 @@ class _Float32:
 
 
 def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Divergence:
-    """The first diverging node of ``options``' conversion of ``model`` on ``feeds``
-    (``validate.plan_feeds``), and the keeps that fix it (module doc), every run in one session."""
+    """The first diverging node of ``options``' conversion of ``model`` (or of
+    ``options.converted``) on ``feeds`` (``validate.plan_feeds``), and the keeps that fix it
+    (module doc); the float32 model and the rewrites in one session."""
     metric = validate.lookup_metric(options.metric)
     small_below = calibrate.Thresholds.for_target(options.target).smallest_normal
     tolerance = options.target.tolerance
     with statistics.Runner(model, feeds) as runner:
-        keys = statistics.model_tensors(model)
-        high = runner.collect(model.program, keys, small_below, options.described)
-        order = execution_order(model.program)
-        ops = {node: op for node, op in _ops(model.program, order)}
-        base = _Float32(model, high, keys, calibrate.tensors_of(model.program, set(high.stats)),
-                        calibrate.node_items(model.program), order, ops)
+        base = _measure_float32(model, runner, small_below, options.described)
         kept: dict[Node, str] = {}
         steps: list[Step] = []
         while True:
             entries = {}  # in the order found: the first diverging node's first
             for node, why in kept.items():
                 entries.update(calibrate.keep_entries({node: why}, base.where))
-            result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
-            low = runner.collect(result.program, keys, small_below, options.described)
-            checks = calibrate.output_checks(high, low, metric.function)
-            if not checks:
-                raise ModelError(f"{model.path}: no output of the model is a number, so no run can show where it"
-                                 " diverges; compare a model with a numeric output")
-            found = first_diverging(base, low.stats, result, tolerance)
-            if found is not None:
-                found = replace(found, path=worst_path(base, found.node, checks))
-            steps.append(Step(tuple(entries), checks, found))
-            added = {} if found is None else {node: f"diverge: {found.describe()}"
-                                              for node in fixing_nodes(found, result) if node not in kept}
-            within = all(c.within(tolerance) for c in checks)
+            if options.converted is not None and not steps:
+                conversion = _of_model(options.converted, base.order)
+                low = statistics.collect(options.converted, conversion.program, feeds, base.keys, small_below,
+                                         options.described)
+            else:
+                result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
+                conversion = _of_result(result)
+                low = runner.collect(result.program, base.keys, small_below, options.described)
+            step = _step(base, low, conversion, metric, tolerance)
+            steps.append(replace(step, keep=tuple(entries)))
+            added = {} if step.found is None else {node: f"diverge: {step.found.describe()}"
+                                                   for node in fixing_nodes(step.found, conversion) if node not in kept}
+            within = all(c.within(tolerance) for c in step.checks)
             if (len(steps) > 1 and within) or not added or len(steps) >= options.max_runs:
-                return Divergence(options.target.name, tolerance, metric.name, tuple(steps), entries)
+                return Divergence(options.target.name, tolerance, metric.name, tuple(steps), entries,
+                                  str(options.converted.path) if options.converted is not None else "")
             kept.update(added)
+
+
+def _measure_float32(model: Model, runner: statistics.Runner, small_below: float, described: str) -> _Float32:
+    """The float32 model run with every float tensor measured, and what the runs after it are compared with."""
+    keys = statistics.model_tensors(model)
+    high = runner.collect(model.program, keys, small_below, described)
+    order = execution_order(model.program)
+    return _Float32(model, high, keys, calibrate.tensors_of(model.program, set(high.stats)),
+                    calibrate.node_items(model.program), order, dict(_ops(model.program, order)))
+
+
+def _step(base: _Float32, low: statistics.Run, conversion: _Conversion, metric: validate.NamedMetric,
+          tolerance: float) -> Step:
+    """One run of a conversion judged: each output's error and its first diverging node, with its path."""
+    checks = calibrate.output_checks(base.run, low, metric.function)
+    if not checks:
+        raise ModelError(f"{base.model.path}: no output of the model is a number, so no run can show where it"
+                         " diverges; compare a model with a numeric output")
+    found = first_diverging(base, low.stats, conversion, tolerance)
+    if found is not None:
+        found = replace(found, path=worst_path(base, found.node, checks))
+    return Step((), checks, found)
+
+
+@dataclass(frozen=True)
+class _Conversion:
+    """A conversion as the search reads it: its graph, and what each node it converted runs
+    in (a dtype name, or ``FLOAT8``); a node not there runs float32."""
+
+    program: Program
+    runs_in: Mapping[Node, str]
+
+
+def _of_result(result: RewriteResult) -> _Conversion:
+    """A rewrite's conversion, from its decisions."""
+    return _Conversion(result.program, {(d.function, d.node): FLOAT8 if d.rule == Rule.FLOAT8_MATMUL.value
+                                        else d.after for d in result.report.decisions if d.converted})
+
+
+def _of_model(converted: Model, order: Sequence[Node]) -> _Conversion:
+    """A converted model's conversion, from its graph: the nodes of the float32 model's items
+    with an output of a low dtype (but the rewrite's own casts)."""
+    program = converted.program
+    runs_in: dict[Node, str] = {}
+    for item in dict.fromkeys(item for item, _ in order):
+        if item != MAIN_GRAPH and item not in program.library:
+            continue
+        for node_def in program.item(item).node:
+            low = [_LOW_DTYPES[d] for d in output_dtypes(node_def, program.op_defs) if d in _LOW_DTYPES]
+            if low and not is_amp_cast(node_def):
+                runs_in[(item, node_def.name)] = low[0]
+    return _Conversion(program, runs_in)
 
 
 def execution_order(program: Program) -> list[Node]:
@@ -256,14 +312,12 @@ def _error(keys: Sequence[TensorKey], high: Mapping[TensorKey, TensorStats],
     return max((drift(low.get(k), high.get(k)) for k in keys), default=0.0)
 
 
-def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], result: RewriteResult,
+def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], conversion: _Conversion,
                     tolerance: float) -> Found | None:
     """The first node of ``base.order`` whose output is over ``tolerance`` from float32's
     while every float tensor it reads is within it (module doc); None: no such node. Its
     path is left for ``worst_path``."""
     high = base.run.stats
-    runs_in = {(d.function, d.node): FLOAT8 if d.rule == Rule.FLOAT8_MATMUL.value else d.after
-               for d in result.report.decisions if d.converted}
     for node in base.order:
         keys = base.touching.get(node, ())
         written = [k for k in keys if k[:2] == node]
@@ -272,19 +326,21 @@ def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], result
         error = _error(written, high, low)
         if error > tolerance and not _error([k for k in keys if k[:2] != node], high, low) > tolerance:
             largest = max((high[k].max_abs for k in written if k in high), default=0.0)
-            return Found(node, base.ops[node], error, largest, runs_in.get(node, "float32"))
+            return Found(node, base.ops[node], error, largest, conversion.runs_in.get(node, "float32"))
     return None
 
 
-def fixing_nodes(found: Found, result: RewriteResult) -> list[Node]:
+def fixing_nodes(found: Found, conversion: _Conversion) -> list[Node]:
     """What to keep float32 for ``found``: itself where it was converted; else the converted
     nodes that feed it in its item, through float32 nodes (its error is their rounding,
     amplified), nearest first."""
     if found.converted:
         return [found.node]
     item, name = found.node
-    nodes = {node_def.name: node_def for node_def in result.program.item(item).node}
-    converted = converted_nodes(result)
+    if item != MAIN_GRAPH and item not in conversion.program.library:
+        return []
+    nodes = {node_def.name: node_def for node_def in conversion.program.item(item).node}
+    converted = conversion.runs_in
     feeders: list[Node] = []
     pending, seen = [name], {name}
     while pending and len(seen) < _FEEDERS_SEARCHED:

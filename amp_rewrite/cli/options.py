@@ -260,6 +260,9 @@ def _diverge_options(sub: argparse.ArgumentParser) -> None:
                      help="run SRC and its conversion on the inputs and name the first node whose output is"
                           " over the target's tolerance from float32's, the path to the worst output and the"
                           " --keep that brings the outputs within tolerance (each keep checked by a run)")
+    sub.add_argument("--converted", type=Path, metavar="DST",
+                     help="--diverge: a conversion of SRC on disk (what convert wrote) to compare, instead of the"
+                          " one the options make; the runs that check a keep rewrite SRC with the options")
     sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
                      help="--diverge: the inputs to run (default: random inputs from the signatures; real data"
                           " is better); --tune: inputs of the shapes to time at")

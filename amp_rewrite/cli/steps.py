@@ -41,6 +41,8 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
     args.tune = getattr(args, "tune", None)
     if untuned and not args.tune:
         raise AmpRewriteError(f"{', '.join(untuned)}: timing options; add --tune speed, or drop them")
+    if getattr(args, "converted", None) and not args.diverge:
+        raise AmpRewriteError("--converted DST: the conversion --diverge compares; add --diverge, or drop it")
     if args.tune:
         speed.check_target(lookup_target(args.target, quantized=True))
     progress(f"reading {args.src}")
@@ -201,9 +203,10 @@ def find_divergence(args: argparse.Namespace, model: Model, lists: OpLists, prog
         return rewrite_model(model, target=target.name, lists=keeping, cross_function=args.cross_function,
                              **quantized)
 
+    converted = read_model(args.converted, args.fetch, args.tag_set) if args.converted else None
     progress("running SRC and its conversion on the inputs")
     divergence = diverge.find_divergence(model, feeds, diverge.Options(
-        target=target, lists=lists, rewrite=rewrite, metric=args.metric,
+        target=target, lists=lists, rewrite=rewrite, metric=args.metric, converted=converted,
         described=statistics.RANDOM_INPUTS if args.inputs is None else str(args.inputs)))
     progress.done()
     return divergence
