@@ -119,13 +119,13 @@ class Divergence:
                     f" {self._outputs(self.steps[0].checks)}"]
         lines = [f"Divergence (tolerance {self.tolerance:g}): first diverging node {first.describe()}",
                  f"  path to the worst output: {' -> '.join(first.path)}",
-                 f"  run 1, {self.converted or 'as converted'}: {self._outputs(self.steps[0].checks)}"]
+                 f"  run 1, {self.converted or 'the conversion'}: {self._outputs(self.steps[0].checks)}"]
+        rewrite = "the options' rewrite with " if self.converted else ""
         for number, step in enumerate(self.steps[1:], start=2):
             more = (f"; then {step.found.describe()}" if step.found is not None
                     and not all(c.within(self.tolerance) for c in step.checks) else "")
-            lines.append(f"  run {number}, {'the options' + chr(39) + ' rewrite with ' if self.converted else ''}"
-                         f"{len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}:"
-                         f" {self._outputs(step.checks)}{more}")
+            entries = f"{len(step.keep)} keep entr{'y' if len(step.keep) == 1 else 'ies'}"
+            lines.append(f"  run {number}, {rewrite}{entries}: {self._outputs(step.checks)}{more}")
         if first.runs_in == FLOAT8:
             lines.append(f"  a float8 matmul: its operands' amax may be stale; amp-rewrite calibrate --target"
                          f" {self.target} measures them again; or keep it float32 as below")
@@ -203,8 +203,8 @@ def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Di
                 result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
                 conversion = _of_result(result)
                 low = runner.collect(result.program, base.keys, small_below, options.described)
-            step = _step(base, low, conversion, metric, tolerance)
-            steps.append(replace(step, keep=tuple(entries)))
+            step = _step(base, low, conversion, metric, tolerance, tuple(entries))
+            steps.append(step)
             added = {} if step.found is None else {node: f"diverge: {step.found.describe()}"
                                                    for node in fixing_nodes(step.found, conversion) if node not in kept}
             within = all(c.within(tolerance) for c in step.checks)
@@ -224,8 +224,9 @@ def _measure_float32(model: Model, runner: statistics.Runner, small_below: float
 
 
 def _step(base: _Float32, low: statistics.Run, conversion: _Conversion, metric: validate.NamedMetric,
-          tolerance: float) -> Step:
-    """One run of a conversion judged: each output's error and its first diverging node, with its path."""
+          tolerance: float, keep: tuple[str, ...]) -> Step:
+    """One run of a conversion (with ``keep``) judged: each output's error and its first
+    diverging node, with its path."""
     checks = calibrate.output_checks(base.run, low, metric.function)
     if not checks:
         raise ModelError(f"{base.model.path}: no output of the model is a number, so no run can show where it"
@@ -233,7 +234,7 @@ def _step(base: _Float32, low: statistics.Run, conversion: _Conversion, metric: 
     found = first_diverging(base, low.stats, conversion, tolerance)
     if found is not None:
         found = replace(found, path=worst_path(base, found.node, checks))
-    return Step((), checks, found)
+    return Step(keep, checks, found)
 
 
 @dataclass(frozen=True)
