@@ -31,7 +31,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.calibrate import OutputCheck, Touching, drift
-from amp_rewrite.calibration.savedmodel import Model, ModelError
+from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
@@ -359,8 +359,8 @@ def fixing_nodes(found: Found, conversion: _Conversion) -> list[Node]:
 
 def worst_path(base: _Float32, node: Node, checks: Sequence[OutputCheck]) -> tuple[str, ...]:
     """The nodes from ``node`` to the worst output of ``checks`` along the data edges, into
-    and out of called functions (``_flow``), their boundary nodes left out; a long path's
-    middle elided."""
+    and out of called functions (``_flow``), but function boundaries and TensorFlow's
+    plumbing; a long path's middle elided."""
     worst = max(checks, key=lambda c: c.error if math.isfinite(c.error) else math.inf)
     output = f"output {worst.signature}/{worst.output}"
     tensor = base.model.signatures[worst.signature][1][worst.output]
@@ -368,7 +368,8 @@ def worst_path(base: _Float32, node: Node, checks: Sequence[OutputCheck]) -> tup
         path = nx.shortest_path(_flow(base), node, (MAIN_GRAPH, parse_tensor_name(tensor).node))
     except (nx.NetworkXNoPath, nx.NodeNotFound):
         return node[1], f"(no data path to {output})"
-    names = [name for step in path if base.ops.get(step) not in _BOUNDARY for name in [step[1]]]
+    plumbing = plumbing_kinds(base.model)  # signature wrappers and the loader's graph: the same in every model
+    names = [name for item, name in path if base.ops.get((item, name)) not in _BOUNDARY and item not in plumbing]
     if len(names) > _PATH_SHOWN:
         names = [*names[:4], f"... {len(names) - 7} more ...", *names[-3:]]
     return (*names, output)
