@@ -24,11 +24,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from amp_rewrite.calibration import diverge, validate
-from amp_rewrite.calibration.savedmodel import read_model, rewrite_model
-from amp_rewrite.core.lists import load_lists
+import amp_rewrite
+from amp_rewrite.calibration import diverge
+from amp_rewrite.calibration.savedmodel import read_model
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.target import lookup_target
 
 from conftest import NEEDS_FLOAT8
 from test_cli import assert_ok, error_line, run_cli
@@ -105,12 +104,7 @@ def _inputs(path: Path, scale: float, features: int = FEATURES) -> Path:
 
 
 def _find(model_path: Path, inputs: Path, target: str = "float16", overlay: Path | None = None) -> diverge.Divergence:
-    model = read_model(model_path)
-    feeds, _ = validate.plan_feeds(model, inputs, 1)
-    found = lookup_target(target, quantized=True)
-    lists = load_lists(found, overlay)
-    return diverge.find_divergence(model, feeds, diverge.Options(
-        target=found, lists=lists, rewrite=lambda keeping: rewrite_model(model, target=target, lists=keeping)))
+    return amp_rewrite.find_divergence(model_path, inputs, target=target, lists=overlay)
 
 
 def _keep_args(divergence: diverge.Divergence) -> list[str]:
@@ -187,14 +181,7 @@ def test_a_float8_matmul_with_a_stale_amax_is_named(tmp_path: Path, models: dict
     overlay = tmp_path / "stale.yaml"
     overlay.write_text("amax:\n  functional_1/square_1/mul_1:0: 1.0\n", encoding="utf-8")
     inputs = _inputs(tmp_path / "x.npz", 0.5)
-    model = read_model(models["square"])
-    feeds, _ = validate.plan_feeds(model, inputs, 1)
-    from amp_rewrite.core.lists import load_float8
-    stale = load_float8(overlay)
-    target = lookup_target("float8", quantized=True)
-    found = diverge.find_divergence(model, feeds, diverge.Options(
-        target=target, lists=load_lists(target, overlay),
-        rewrite=lambda keeping: rewrite_model(model, target="float8", lists=keeping, amax=stale.amax)))
+    found = _find(models["square"], inputs, "float8", overlay)
     first = found.first
     assert first is not None and first.runs_in == diverge.FLOAT8 and first.node[1].endswith("head_1/MatMul")
     assert any("amax may be stale" in line for line in found.lines())

@@ -459,11 +459,7 @@ def calibrate(
     ``rewrite_graph_def(amax=..., lossy=...)``).
     """
     target = lookup_target(target, quantized=True)
-    if isinstance(source, graph_pb2.GraphDef):
-        names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
-        model = Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
-    else:
-        model = read_model(source, fetches, tag_set)
+    model = source_model(source, fetches, tag_set)
     data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
     shown = (statistics.RANDOM_INPUTS if inputs is None
@@ -471,6 +467,16 @@ def calibrate(
     return run_calibration(model, feeds, Options(target=target, lists=load_lists(target, lists),
                                                  cross_function=cross_function, max_rounds=max_rounds,
                                                  thresholds=thresholds, metric=metric, source=shown))
+
+
+def source_model(source: str | os.PathLike | graph_pb2.GraphDef, fetches: Sequence[str] = (),
+                 tag_set: str | None = None) -> Model:
+    """A SavedModel directory, a GraphDef file or a ``GraphDef`` as a ``Model``: a GraphDef's
+    outputs are ``fetches``, default the nodes nothing reads."""
+    if isinstance(source, graph_pb2.GraphDef):
+        names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
+        return Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
+    return read_model(source, fetches, tag_set)
 
 
 def check_max_rounds(max_rounds: int) -> None:

@@ -23,25 +23,28 @@ tolerance, the run with the keeps applied names the next first diverging node, u
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import networkx as nx
+import numpy as np
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.calibration import calibrate, statistics, validate
 from amp_rewrite.calibration.calibrate import OutputCheck, Touching, drift
-from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds
+from amp_rewrite.calibration.savedmodel import Model, ModelError, plumbing_kinds, read_model, rewrite_model
 from amp_rewrite.calibration.statistics import TensorKey, TensorStats
 from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.float8.inference import amp_source
 from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
-from amp_rewrite.core.lists import OpLists
+from amp_rewrite.core.lists import OpLists, load_float8, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
-from amp_rewrite.core.target import FLOAT_DTYPES, Target
+from amp_rewrite.core.target import FLOAT_DTYPES, Target, lookup_target
 from amp_rewrite.core.typegraph import output_dtypes
 
 DEFAULT_MAX_RUNS = 5  # runs of the conversion: the first, and up to four with keeps added (calibration caps its runs at 5 too)
@@ -90,7 +93,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Divergence:
-    """What ``find_divergence`` found: each run of the conversion (the first as given, each
+    """What ``find_divergence`` (``run_search``) found: each run of the conversion (the first as given, each
     later one with more nodes kept float32), and the keep entries (entry → why) the last
     applied."""
 
@@ -180,7 +183,7 @@ class _Float32:
     ops: Mapping[Node, str]
 
 
-def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Divergence:
+def run_search(model: Model, feeds: validate.Feeds, options: Options) -> Divergence:
     """The first diverging node of ``options``' conversion of ``model`` (or of
     ``options.converted``) on ``feeds`` (``validate.plan_feeds``), and the keeps that fix it
     (module doc); the float32 model and the rewrites in one session."""
@@ -212,6 +215,52 @@ def find_divergence(model: Model, feeds: validate.Feeds, options: Options) -> Di
                 return Divergence(options.target.name, tolerance, metric.name, tuple(steps), entries,
                                   str(options.converted.path) if options.converted is not None else "")
             kept.update(added)
+
+
+def find_divergence(
+    source: str | os.PathLike | graph_pb2.GraphDef,
+    inputs: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    *,
+    target: str | Target = "float16",
+    fetches: Sequence[str] = (),
+    tag_set: str | None = None,
+    lists: str | os.PathLike | OpLists | None = None,
+    cross_function: bool = False,
+    metric: str | validate.Metric = validate.DEFAULT_METRIC,
+    converted: str | os.PathLike | None = None,
+) -> Divergence:
+    """Where the conversion of ``source`` (a SavedModel directory, a GraphDef file or a
+    ``GraphDef``, as ``calibrate`` takes it) to ``target`` with ``lists`` (an overlay: its
+    keep_nodes, and float8's amax) first diverges from float32 on ``inputs`` (an ``.npz``
+    file or arrays by input name; None: random inputs), the path to the worst output and
+    the keeps that bring the outputs within the target's tolerance, each checked by a run
+    (module doc). ``converted``: a conversion of ``source`` on disk to compare instead.
+    ``.first`` is the first diverging node (None: none), ``.keep`` the keep_nodes entries,
+    ``.fixed`` whether they bring the outputs within the tolerance, ``.lines()`` the report."""
+    found = lookup_target(target, quantized=True)
+    model = calibrate.source_model(source, fetches, tag_set)
+    data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
+    feeds, _ = validate.plan_feeds(model, data, calibrate.RANDOM_FEEDS)
+    overlay = lists if isinstance(lists, (str, os.PathLike)) else None
+    return run_search(model, feeds, Options(
+        target=found, lists=load_lists(found, lists),
+        rewrite=rewriter(model, found, cross_function=cross_function, overlay=overlay), metric=metric,
+        converted=read_model(converted, fetches, tag_set) if converted is not None else None,
+        described=statistics.RANDOM_INPUTS if inputs is None else str(data) if isinstance(data, Path)
+        else "the arrays given"))
+
+
+def rewriter(model: Model, target: Target, *, cross_function: bool = False,
+             overlay: str | os.PathLike | None = None) -> Callable[[OpLists], RewriteResult]:
+    """The rewrite of ``model`` to ``target`` with the lists it is given (a run that keeps
+    more nodes float32): target float8's amax and lossy from ``overlay`` bound in."""
+    found = load_float8(overlay) if overlay is not None and target.name == FLOAT8 else None
+    quantized = {"amax": found.amax, "lossy": found.lossy} if found is not None else {}
+
+    def rewrite(lists: OpLists) -> RewriteResult:
+        return rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function, **quantized)
+
+    return rewrite
 
 
 def _measure_float32(model: Model, runner: statistics.Runner, small_below: float, described: str) -> _Float32:

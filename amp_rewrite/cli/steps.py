@@ -195,17 +195,11 @@ def find_divergence(args: argparse.Namespace, model: Model, lists: OpLists, prog
         print(f"amp-rewrite: warning: --diverge runs on random inputs ({RANDOM_FEEDS} batches, N(0,1) floats, ids"
               " 0-9); a model diverges on the data it meets: pass an .npz of the signature inputs with --inputs",
               file=sys.stderr)
-    found = load_float8(args.lists) if args.lists and args.target == "float8" else None
-    quantized = {"amax": found.amax, "lossy": found.lossy} if found is not None else {}
     target = lookup_target(args.target, quantized=True)
-
-    def rewrite(keeping: OpLists) -> RewriteResult:
-        return rewrite_model(model, target=target.name, lists=keeping, cross_function=args.cross_function,
-                             **quantized)
-
+    rewrite = diverge.rewriter(model, target, cross_function=args.cross_function, overlay=args.lists)
     converted = read_model(args.converted, args.fetch, args.tag_set) if args.converted else None
     progress("running SRC and its conversion on the inputs")
-    divergence = diverge.find_divergence(model, feeds, diverge.Options(
+    divergence = diverge.run_search(model, feeds, diverge.Options(
         target=target, lists=lists, rewrite=rewrite, metric=args.metric, converted=converted,
         described=statistics.RANDOM_INPUTS if args.inputs is None else str(args.inputs)))
     progress.done()
