@@ -23,11 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
 from amp_rewrite.calibration import diverge
 from amp_rewrite.calibration.savedmodel import read_model
-from amp_rewrite.core.program import MAIN_GRAPH
+from amp_rewrite.core import functions
+from amp_rewrite.core.graph_io import make_node_def
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 
 from conftest import NEEDS_FLOAT8
 from test_cli import assert_ok, error_line, run_cli
@@ -188,29 +192,40 @@ def test_a_float8_matmul_with_a_stale_amax_is_named(tmp_path: Path, models: dict
     _assert_keep_fixes(tmp_path, models["square"], inputs, found, "--target", "float8", "--lists", overlay)
 
 
-def test_a_called_functions_body_runs_before_its_call(models: dict[str, Path]) -> None:
-    """The order the first diverging node is the first of: a call's function body (once) before the call node."""
+def test_the_order_is_topological_and_a_called_functions_body_runs_before_its_call(models: dict[str, Path]) -> None:
+    """The order the first diverging node is the first of: every node once; in each item a
+    node after every node it reads; a called function's body before each call that reaches it."""
     model = read_model(models["square"])
     order = diverge.execution_order(model.program)
     assert len(order) == len(set(order))
     position = {node: index for index, node in enumerate(order)}
-    main_calls = [(item, name) for item, name in order if item == MAIN_GRAPH and "PartitionedCall" in name]
     mul = next(node for node in order if node[1].endswith("square_1/mul_1"))
-    assert main_calls and all(position[mul] < position[call] for call in main_calls
-                              if mul[0] in _called(model, call[1]))
+    for node_def in model.program.item(mul[0]).node:
+        for tensor in node_def.input:
+            producer = (mul[0], tensor.lstrip("^").split(":")[0])
+            assert position[producer] < position[(mul[0], node_def.name)], (producer, node_def.name)
+    reaching = [(item, name) for item, name in order
+                if item == MAIN_GRAPH and mul[0] in _called(model.program, model.graph_def, name)]
+    assert reaching and all(position[mul] < position[call] for call in reaching)
 
 
-def _called(model, name: str) -> set[str]:
-    """Every function the main-graph node ``name`` reaches."""
-    from amp_rewrite.core import functions
+def test_a_graph_written_out_of_order_runs_in_topological_order() -> None:
+    """GraphDef order is no promise: a node comes after what it reads, whatever the file's order."""
+    graph_def = GraphDef()
+    make_node_def("Relu", "relu", ["x"], into=graph_def.node, T=types_pb2.DT_FLOAT)
+    make_node_def("Placeholder", "x", into=graph_def.node, dtype=types_pb2.DT_FLOAT)
+    assert diverge.execution_order(program_of(graph_def)) == [(MAIN_GRAPH, "x"), (MAIN_GRAPH, "relu")]
 
-    node_def = next(n for n in model.graph_def.node if n.name == name)
+
+def _called(program: Program, graph_def: GraphDef, name: str) -> set[str]:
+    """Every function the main-graph node ``name`` reaches, through calls."""
+    node_def = next(n for n in graph_def.node if n.name == name)
     found, pending = set(), list(functions.called_functions(node_def))
     while pending:
         function = pending.pop()
-        if function in model.program.library and function not in found:
+        if function in program.library and function not in found:
             found.add(function)
-            pending.extend(called for n in model.program.library[function].node_def
+            pending.extend(called for n in program.library[function].node_def
                            for called in functions.called_functions(n))
     return found
 
