@@ -280,9 +280,12 @@ def test_cli_random_inputs_are_a_warning(models: dict[str, Path]) -> None:
     ("text", "no output of the model is a number, so no run can show where it diverges"),
     ("misfit", "does not fit input 'x' of signature"),
     ("nothing", "name a NODE to explain, or pass --diverge"),
+    ("other", "--converted takes a conversion of"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path, models: dict[str, Path], case: str, expected: str) -> None:
     args = {"text": [models["text"], "--diverge", "--inputs", _inputs(tmp_path / "x.npz", 1.0)],
             "misfit": [models["square"], "--diverge", "--inputs", _inputs(tmp_path / "narrow.npz", 1.0, 3)],
-            "nothing": [models["square"]]}[case]
+            "nothing": [models["square"]],
+            "other": [models["square"], "--diverge", "--converted", models["softmax"], "--inputs",
+                      _inputs(tmp_path / "y.npz", 1.0)]}[case]
     assert expected in error_line(run_cli("explain", *args))

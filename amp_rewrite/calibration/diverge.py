@@ -199,9 +199,7 @@ def run_search(model: Model, feeds: validate.Feeds, options: Options) -> Diverge
             for node, why in kept.items():
                 entries.update(calibrate.keep_entries({node: why}, base.where))
             if options.converted is not None and not steps:
-                conversion = _of_model(options.converted, base.order)
-                low = statistics.collect(options.converted, conversion.program, feeds, base.keys, small_below,
-                                         options.described)
+                conversion, low = _run_converted(base, options.converted, feeds, small_below, options.described)
             else:
                 result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
                 conversion = _of_result(result)
@@ -270,6 +268,22 @@ def _measure_float32(model: Model, runner: statistics.Runner, small_below: float
     order = execution_order(model.program)
     return _Float32(model, high, keys, calibrate.tensors_of(model.program, set(high.stats)),
                     calibrate.node_items(model.program), order, dict(_ops(model.program, order)))
+
+
+def _run_converted(base: _Float32, converted: Model, feeds: validate.Feeds, small_below: float,
+                   described: str) -> tuple[_Conversion, statistics.Run]:
+    """A conversion on disk run on ``feeds`` in a session of its own; one that lacks most of
+    the tensors the float32 model computed is another model's, and refused."""
+    conversion = _of_model(converted, base.order)
+    library = conversion.program.library
+    keys = [key for key in base.keys if key.function == MAIN_GRAPH or key.function in library]
+    low = statistics.collect(converted, conversion.program, feeds, keys, small_below, described)
+    missing = [key for key in base.run.stats if key not in low.stats]
+    if len(missing) > len(base.run.stats) / 2:
+        raise ModelError(f"{converted.path}: {len(missing)} of the {len(base.run.stats)} float tensors"
+                         f" {base.model.path} computes are not in it (e.g. '{missing[0].node}'); --converted takes"
+                         f" a conversion of {base.model.path}, as amp-rewrite convert writes it")
+    return conversion, low
 
 
 def _step(base: _Float32, low: statistics.Run, conversion: _Conversion, metric: validate.NamedMetric,
