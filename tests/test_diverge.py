@@ -17,6 +17,7 @@ not fit, nothing asked (exit 2, one line).
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -190,6 +191,23 @@ def test_a_float8_matmul_with_a_stale_amax_is_named(tmp_path: Path, models: dict
     assert first is not None and first.runs_in == diverge.FLOAT8 and first.node[1].endswith("head_1/MatMul")
     assert any("amax may be stale" in line for line in found.lines())
     _assert_keep_fixes(tmp_path, models["square"], inputs, found, "--target", "float8", "--lists", overlay)
+
+
+def test_a_trained_model_found_on_calibration_data_is_fixed_on_held_out_data(tmp_path: Path) -> None:
+    """The trained diabetes MLP whose first hidden layer was rescaled ×2e4 (the same function
+    in float32, activations ~1.1e5): searched on the calibration split, its first diverging
+    node is in that layer; the keeps pass validation on the held-out split. The trained
+    digits MLP on its data: no node diverges."""
+    import trained_models
+
+    model = trained_models.export("diabetes_overflow", tmp_path / "diabetes")
+    calibration = trained_models.save_inputs("diabetes_overflow", "calibration", tmp_path / "calibration.npz")
+    held_out = trained_models.save_inputs("diabetes_overflow", "held_out", tmp_path / "held_out.npz")
+    found = _find(model, calibration)
+    assert found.first is not None and "dense1" in found.first.node[1] and math.isinf(found.first.error), found.lines()
+    _assert_keep_fixes(tmp_path, model, held_out, found)
+    digits = trained_models.export("digits_mlp", tmp_path / "digits")
+    assert _find(digits, trained_models.save_inputs("digits_mlp", "held_out", tmp_path / "digits.npz")).first is None
 
 
 def test_the_order_is_topological_and_a_called_functions_body_runs_before_its_call(models: dict[str, Path]) -> None:

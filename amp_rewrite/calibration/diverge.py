@@ -68,6 +68,7 @@ class Found:
     largest: float
     runs_in: str  # "float32", the dtype it was converted to, or FLOAT8 (a matmul on float8 operands)
     path: tuple[str, ...] = ()
+    read_largest: float = 0.0  # float32's largest |x| of the float tensors it reads
 
     @property
     def converted(self) -> bool:
@@ -76,8 +77,9 @@ class Found:
     def describe(self) -> str:
         where = f" in function '{self.node[0]}'" if self.node[0] else ""
         how = f"converted to {self.runs_in}" if self.converted else "float32"
-        what = (f"turned non-finite (float32's largest |x| {self.largest:.3g})" if math.isinf(self.error)
-                else f"is {self.error:.3g} off float32's (largest |x| {self.largest:.3g})")
+        read = f", of what it reads {self.read_largest:.3g}"
+        what = (f"turned non-finite (float32's largest |x| {self.largest:.3g}{read})" if math.isinf(self.error)
+                else f"is {self.error:.3g} off float32's (largest |x| {self.largest:.3g}{read})")
         return f"{self.node[1]} ({self.op}, {how}){where}: its output {what}"
 
 
@@ -387,10 +389,11 @@ def first_diverging(base: _Float32, low: Mapping[TensorKey, TensorStats], conver
         written = [k for k in keys if k[:2] == node]
         if not written or base.ops.get(node) in _BOUNDARY:
             continue
-        error = _error(written, high, low)
-        if error > tolerance and not _error([k for k in keys if k[:2] != node], high, low) > tolerance:
+        error, read = _error(written, high, low), [k for k in keys if k[:2] != node]
+        if error > tolerance and not _error(read, high, low) > tolerance:
             largest = max((high[k].max_abs for k in written if k in high), default=0.0)
-            return Found(node, base.ops[node], error, largest, conversion.runs_in.get(node, "float32"))
+            return Found(node, base.ops[node], error, largest, conversion.runs_in.get(node, "float32"),
+                         read_largest=max((high[k].max_abs for k in read if k in high), default=0.0))
     return None
 
 
