@@ -10,7 +10,7 @@ import networkx as nx
 from tensorflow.core.framework import node_def_pb2
 
 from amp_rewrite.cli.options import EXIT_OK, Progress
-from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, find_divergence, read_and_rewrite
+from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, read_and_rewrite, run_divergence
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import to_networkx
 from amp_rewrite.core.program import MAIN_GRAPH, Program
@@ -23,7 +23,7 @@ HOW_TO_LIST_NODES = "node names are in the before/*.pbtxt files `amp-rewrite dum
 
 def run(args: argparse.Namespace, progress: Progress) -> int:
     """NODE's decisions (``explain_node``), and with --diverge where the conversion first
-    diverges from float32 (``steps.find_divergence``); exit 0 whether or not it diverges."""
+    diverges from float32 (``steps.run_divergence``); exit 0 whether or not it diverges."""
     if args.node is None and not args.diverge:
         raise AmpRewriteError("name a NODE to explain, or pass --diverge to find where the conversion first diverges"
                               " from float32")
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     if args.node is not None:
         explain_node(args, result)
     if args.diverge:
-        print(*find_divergence(args, model, lists, progress).lines(), sep="\n")
+        print(*run_divergence(args, model, lists, progress).lines(), sep="\n")
     return EXIT_OK
 
 

@@ -1,6 +1,7 @@
 """The steps several commands share: read SRC and rewrite it (refusing an overlay that names
 nothing of it, a model mixed in another dtype, float8 without amax), tune it (--tune speed),
-store its weights in the target dtype, and the lines that sum up what the rewrite did.
+store its weights in the target dtype, find where the conversion diverges (--diverge), and
+the lines that sum up what the rewrite did.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
 
 
-def find_divergence(args: argparse.Namespace, model: Model, lists: OpLists, progress: Progress) -> diverge.Divergence:
+def run_divergence(args: argparse.Namespace, model: Model, lists: OpLists, progress: Progress) -> diverge.Divergence:
     """``--diverge``: the conversion the options make (``lists``: as read and tuned), run
     beside SRC on --inputs (else random inputs, with a warning), and where it first diverges."""
     if model.kind == "graphdef" and not model.compared_outputs:
