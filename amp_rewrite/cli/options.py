@@ -265,7 +265,8 @@ def _diverge_options(sub: argparse.ArgumentParser) -> None:
                           " one the options make; the runs that check a keep rewrite SRC with the options")
     sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
                      help="--diverge: the inputs to run (default: random inputs from the signatures; real data"
-                          " is better); --tune: inputs of the shapes to time at")
+                          " is better); --tune: inputs of the shapes to time at (needed where dims beyond the"
+                          " batch are unknown)")
     _metric_option(sub)
 
 
