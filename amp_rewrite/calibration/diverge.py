@@ -168,6 +168,7 @@ class Options:
     max_runs: int = DEFAULT_MAX_RUNS
     described: str = "the inputs"
     converted: Model | None = None  # a conversion on disk: the first run's, instead of ``rewrite(lists)``
+    rewritten: RewriteResult | None = None  # ``rewrite(lists)`` where the caller made it already
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,8 @@ def run_search(model: Model, feeds: validate.Feeds, options: Options) -> Diverge
             if options.converted is not None and not steps:
                 conversion, low = _run_converted(base, options.converted, feeds, small_below, options.described)
             else:
-                result = options.rewrite(options.lists.keeping(entries) if entries else options.lists)
+                result = (options.rewritten if options.rewritten is not None and not entries
+                          else options.rewrite(options.lists.keeping(entries) if entries else options.lists))
                 conversion = _of_result(result)
                 low = runner.collect(result.program, base.keys, small_below, options.described)
             step = _step(base, low, conversion, metric, tolerance, tuple(entries))

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     """The command: SRC rewritten (weights stored as convert stores them), summed up, dumped to
     DIR; with --diverge, where the conversion first diverges (``steps.run_divergence``) too."""
     model, result, lists = read_and_rewrite(args, progress)
-    divergence = run_divergence(args, model, lists, progress).lines() if args.diverge else []
+    divergence = run_divergence(args, model, result, lists, progress).lines() if args.diverge else []
     _, result, stored = store_weights(args, model, result)
     say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *divergence)
     write_model_dump(args, progress, args.dir, model, result, lists, notes=[*weights_lines(stored), *divergence])

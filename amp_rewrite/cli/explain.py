@@ -31,7 +31,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     if args.node is not None:
         explain_node(args, result)
     if args.diverge:
-        print(*run_divergence(args, model, lists, progress).lines(), sep="\n")
+        print(*run_divergence(args, model, result, lists, progress).lines(), sep="\n")
     return EXIT_OK
 
 

@@ -184,9 +184,11 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
 
 
-def run_divergence(args: argparse.Namespace, model: Model, lists: OpLists, progress: Progress) -> diverge.Divergence:
-    """``--diverge``: the conversion the options make (``lists``: as read and tuned), run
-    beside SRC on --inputs (else random inputs, with a warning), and where it first diverges."""
+def run_divergence(args: argparse.Namespace, model: Model, result: RewriteResult, lists: OpLists,
+                   progress: Progress) -> diverge.Divergence:
+    """``--diverge``: the conversion the options make (``result``, from ``lists`` as read and
+    tuned), run beside SRC on --inputs (else random inputs, with a warning), and where it
+    first diverges."""
     if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: --diverge needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
@@ -201,7 +203,7 @@ def run_divergence(args: argparse.Namespace, model: Model, lists: OpLists, progr
     converted = read_model(args.converted, args.fetch, args.tag_set) if args.converted else None
     progress("running SRC and its conversion on the inputs")
     divergence = diverge.run_search(model, feeds, diverge.Options(
-        target=target, lists=lists, rewrite=rewrite, metric=args.metric, converted=converted,
+        target=target, lists=lists, rewrite=rewrite, metric=args.metric, converted=converted, rewritten=result,
         described=statistics.RANDOM_INPUTS if args.inputs is None else str(args.inputs)))
     progress.done()
     return divergence
