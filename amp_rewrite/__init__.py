@@ -15,6 +15,7 @@ from amp_rewrite.training.registration import register_when_keras_loads
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.calibrate import Calibration, calibrate
+    from amp_rewrite.calibration.diverge import Divergence, find_divergence
     from amp_rewrite.calibration.speed import StepTuning, Tuning, tune, tune_step
     from amp_rewrite.core.lists import Colour, OpLists, load_float8, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
+    "Divergence": "calibration.diverge", "find_divergence": "calibration.diverge",
     "Tuning": "calibration.speed", "tune": "calibration.speed",
     "StepTuning": "calibration.speed", "tune_step": "calibration.speed",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
@@ -39,6 +41,7 @@ __all__ = [
     "Calibration",
     "Colour",
     "Decision",
+    "Divergence",
     "GraphError",
     "ListsError",
     "OpLists",
@@ -50,6 +53,7 @@ __all__ = [
     "calibrate",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
+    "find_divergence",
     "load_float8",
     "load_lists",
     "mixed_precision",
