@@ -114,6 +114,17 @@ class Installer:
                 _undo(self._restore)
             return True
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No enablement is current inside the block (the hooks see the rewrite off), for a trace
+        that is rewritten otherwise (the training doctor's replay); this thread holds the lock."""
+        with self.lock:
+            active, self._active = self._active, []
+            try:
+                yield
+            finally:
+                self._active = active
+
     def remove_all(self) -> None:
         with self.lock:
             while self._active:
