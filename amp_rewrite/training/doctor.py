@@ -94,7 +94,8 @@ def diagnose_step(loss_fn: Callable[..., Any], *batch: Any, optimizer: Any,
     variables = list(variables) if variables is not None else _variables_of(optimizer)
     scale = float(optimizer.loss_scale)
     with live.INSTALLER.paused():  # the replay is rewritten here, once, with the wrapper's settings
-        probe = tf.function(_probe(loss_fn, batch, variables, scale)).get_concrete_function(*flat)
+        # autograph off: an error of ours reaches the caller as it is, not as a StagingError
+        probe = tf.function(_probe(loss_fn, batch, variables, scale), autograph=False).get_concrete_function(*flat)
         graph_def = probe.graph.as_graph_def()
         outputs = [t.op.name for t in probe.outputs]
         rewritten = rewrite_graph_def(graph_def, target=settings.target, fetches=outputs, lists=settings.lists,
@@ -145,8 +146,9 @@ def _probe(loss_fn: Callable[..., Any], batch: Sequence[Any], variables: list[An
         with tf.GradientTape() as tape:
             loss = loss_fn(*tf.nest.pack_sequence_as(list(batch), list(flat)))
             if not isinstance(loss, (tf.Tensor, tf.Variable)) or not loss.dtype.is_floating:
-                raise AmpRewriteError(f"loss_fn returned {type(loss).__name__} {getattr(loss, 'dtype', '')}, not a"
-                                      " float tensor: the doctor differentiates the loss the step minimizes")
+                what = f"a {loss.dtype.name} tensor" if hasattr(loss, "dtype") else type(loss).__name__
+                raise AmpRewriteError(f"loss_fn returned {what}, not a float tensor: the doctor differentiates the"
+                                      " loss the step minimizes")
             scaled = tf.reduce_sum(tf.cast(loss, tf.float32)) * scale
         gradients = [g for g in tape.gradient(scaled, variables) if g is not None]
         if not gradients:
