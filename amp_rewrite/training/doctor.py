@@ -359,6 +359,9 @@ class Doctor(keras.callbacks.Callback):
             raise AmpRewriteError(f"amp_rewrite.Doctor needs the optimizer enable_mixed_precision_graph_rewrite"
                                   f" returned for a Keras 3 model, not a {type(optimizer).__name__}; compile with it")
         _settings_of(optimizer)
+        if getattr(self.model, "jit_compile", False):
+            raise AmpRewriteError("amp_rewrite.Doctor cannot keep a batch inside an XLA-compiled step: compile with"
+                                  " jit_compile=False while diagnosing (XLA cannot call back into Python)")
         object.__setattr__(optimizer, "doctor", self)
         self._seen = int(optimizer.skipped_steps)
         original = self.model.train_step
