@@ -252,3 +252,50 @@ def test_loss_scale_and_skipped_steps_reach_tf_summary_and_keras_logs(tmp_path):
                 tag_to_values.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
     assert tag_to_values == {"amp_rewrite/loss_scale": [2.0**14, 2.0**13, 2.0**12],
                              "amp_rewrite/skipped_steps": [1.0, 2.0, 3.0]}
+
+
+def test_diagnose_step_in_a_tf_keras_custom_loop_names_the_op_and_its_keep_applies_the_step():
+    """tf_keras: its wrapper, ``get_scaled_loss``/``get_unscaled_gradients``, and ``variables=``
+    given (tf_keras' optimizer does not list them for the doctor). 20 steps: without the keep none
+    is applied (the scale falls to 1 and they go on overflowing), with it the last one is."""
+    import tf_keras
+
+    class SquareV2(tf_keras.layers.Layer):
+        def call(self, x):
+            return x * x * 5000.0
+
+    def run(keep=()):
+        tf.random.set_seed(0)
+        model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu", name="hidden", input_shape=(64,)),
+                                     SquareV2(name="square"), tf_keras.layers.Dense(10, name="logits")],
+                                    name="overflow")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(), target="float16",
+                                                               keep=keep)
+        loss_object = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def loss_fn(x, y):
+            return loss_object(y, model(x, training=True))
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                scaled = opt.get_scaled_loss(loss_fn(x, y))
+            gradients = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+            opt.apply_gradients(zip(gradients, model.trainable_variables))
+
+        x, y = data("overflow", 32)
+        first = [v.numpy() for v in model.trainable_variables]
+        for _ in range(20):
+            before = [v.numpy() for v in model.trainable_variables]
+            step(x, y)
+        moved = not all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
+        assert moved or all(np.array_equal(a, v.numpy()) for a, v in zip(first, model.trainable_variables))
+        return moved, (loss_fn, x, y, opt, model)
+
+    moved, (loss_fn, x, y, opt, model) = run()
+    assert not moved, "every overflowing step was skipped"
+    diagnosis = amp_rewrite.diagnose_step(loss_fn, x, y, optimizer=opt, variables=model.trainable_variables)
+    assert (diagnosis.node, diagnosis.op, diagnosis.cause) == ("overflow/square/mul_1", "Mul", "precision")
+    live.stop()
+    moved, _ = run(keep=diagnosis.keep)
+    assert moved, f"with keep={diagnosis.keep} the 20th step still was skipped"
