@@ -24,9 +24,10 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
+from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core.graph_io import copy_graph_def, data_inputs, make_node_def, parse_tensor_name, tensor_name
+from amp_rewrite import _tf
+from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.errors import AmpRewriteError
@@ -131,7 +132,7 @@ def _settings_of(optimizer: Any) -> live.LiveRewrite:
 
 
 def _variables_of(optimizer: Any) -> list[Any]:
-    variables = getattr(optimizer, "_trainable_variables", None)
+    variables = getattr(optimizer, _tf.KERAS_TRAINABLE_VARIABLES, None)
     if not variables:
         raise AmpRewriteError("pass variables= (the variables the step differentiates): this optimizer has not"
                               " applied a step yet, or does not list them")
