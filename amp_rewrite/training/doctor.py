@@ -342,8 +342,8 @@ class Doctor(keras.callbacks.Callback):
     first skipped step too. Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
     before ``TensorBoard`` to see them there). ``diagnoses``: what it found, in order.
 
-    While on, each step keeps its batch when it is skipped (a copy, on skipped steps only) and
-    each batch's end reads the skipped-steps count; off (not in ``callbacks``), nothing runs."""
+    While on, each step keeps its batch when it is skipped (a copy, on skipped steps only), and
+    ``fit`` traces its step again at the start; off (not in ``callbacks``), nothing runs."""
 
     def __init__(self, *, first_skip: bool = False) -> None:
         super().__init__()
@@ -351,7 +351,8 @@ class Doctor(keras.callbacks.Callback):
         self.diagnoses: list[Diagnosis] = []
         self._batch: list[np.ndarray] | None = None
         self._structure: Any = None
-        self._seen = 0
+        self._skipped_before = True  # a step was skipped before (first_skip: nothing to do)
+        self._first = False  # the first skipped step's batch is kept: diagnose it at the batch's end
         self._stuck: str | None = None
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
@@ -364,7 +365,7 @@ class Doctor(keras.callbacks.Callback):
             raise AmpRewriteError("amp_rewrite.Doctor cannot keep a batch inside an XLA-compiled step: compile with"
                                   " jit_compile=False while diagnosing (XLA cannot call back into Python)")
         object.__setattr__(optimizer, "doctor", self)
-        self._seen = int(optimizer.skipped_steps)
+        self._skipped_before = int(optimizer.skipped_steps) > 0
         original = self.model.train_step
 
         def train_step(data: Any) -> Any:
@@ -382,18 +383,19 @@ class Doctor(keras.callbacks.Callback):
         self.model.make_train_function(force=True)
 
     def _keep_batch(self, *flat: tf.Tensor) -> None:
+        """A skipped step's batch (called from the step, on skipped steps only)."""
         self._batch = [t.numpy() for t in flat]
+        if self.first_skip and not self._skipped_before:
+            self._skipped_before = self._first = True
 
     def stuck(self, message: str) -> None:
         """The wrapper's call: training is stuck; say so at the batch's end, with the diagnosis."""
         self._stuck = message
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        skipped = int(self.model.optimizer.skipped_steps)
-        first = self.first_skip and self._seen == 0 and skipped > 0 and not self.diagnoses
-        self._seen = skipped
-        if self._stuck is not None or first:
-            message, self._stuck = self._stuck, None
+        """Python flags only: reading the step's counters here would wait for each step."""
+        if self._stuck is not None or self._first:
+            message, self._stuck, self._first = self._stuck, None, False
             line = self._diagnose()
             warnings.warn(f"{message} {line}" if message else line, stacklevel=2)
 
