@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.report import Decision, Report
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
     from amp_rewrite.core.target import TARGETS
+    from amp_rewrite.training.doctor import Diagnosis, Doctor, diagnose_step
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
@@ -34,6 +35,7 @@ _NAME_TO_MODULE = {
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
     "mixed_precision": "training.live",
+    "Doctor": "training.doctor", "Diagnosis": "training.doctor", "diagnose_step": "training.doctor",
 }
 
 __all__ = [
@@ -41,7 +43,9 @@ __all__ = [
     "Calibration",
     "Colour",
     "Decision",
+    "Diagnosis",
     "Divergence",
+    "Doctor",
     "GraphError",
     "ListsError",
     "OpLists",
@@ -51,6 +55,7 @@ __all__ = [
     "TARGETS",
     "Tuning",
     "calibrate",
+    "diagnose_step",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
     "find_divergence",
