@@ -15,6 +15,7 @@ from amp_rewrite.training.registration import register_when_keras_loads
 
 if TYPE_CHECKING:
     from amp_rewrite.calibration.calibrate import Calibration, calibrate
+    from amp_rewrite.calibration.diverge import Divergence, find_divergence
     from amp_rewrite.calibration.speed import StepTuning, Tuning, tune, tune_step
     from amp_rewrite.core.lists import Colour, OpLists, load_float8, load_lists
     from amp_rewrite.training.live import disable_mixed_precision_graph_rewrite, enable_mixed_precision_graph_rewrite, mixed_precision
@@ -22,9 +23,11 @@ if TYPE_CHECKING:
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
     from amp_rewrite.core.target import TARGETS
     from amp_rewrite.core.canonical import Canonical, to_float32
+    from amp_rewrite.training.doctor import Diagnosis, Doctor, diagnose_step
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
+    "Divergence": "calibration.diverge", "find_divergence": "calibration.diverge",
     "Tuning": "calibration.speed", "tune": "calibration.speed",
     "StepTuning": "calibration.speed", "tune_step": "calibration.speed",
     "TARGETS": "core.target", "Colour": "core.lists", "OpLists": "core.lists", "load_lists": "core.lists",
@@ -34,6 +37,7 @@ _NAME_TO_MODULE = {
     "Canonical": "core.canonical", "to_float32": "core.canonical",
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
     "mixed_precision": "training.live",
+    "Doctor": "training.doctor", "Diagnosis": "training.doctor", "diagnose_step": "training.doctor",
 }
 
 __all__ = [
@@ -42,6 +46,9 @@ __all__ = [
     "Canonical",
     "Colour",
     "Decision",
+    "Diagnosis",
+    "Divergence",
+    "Doctor",
     "GraphError",
     "ListsError",
     "OpLists",
@@ -51,8 +58,10 @@ __all__ = [
     "TARGETS",
     "Tuning",
     "calibrate",
+    "diagnose_step",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
+    "find_divergence",
     "load_float8",
     "load_lists",
     "mixed_precision",

@@ -201,6 +201,8 @@ V1_UNSCALE_GRADS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.
 V1_DYNAMIC_LOSS_SCALE = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale",
                                 "DynamicLossScale.__init__", ("initial_loss_scale", "increment_period", "multiplier"))
 V1_GOOD_STEPS = "_num_good_steps"
+# A Keras 3 optimizer lists the variables it updates only here (the training doctor's default variables=).
+KERAS_TRAINABLE_VARIABLES = "_trainable_variables"
 # TF1's optimizer takes nothing but its deprecated loss scales: their notice is silenced.
 DEPRECATION_SILENCE = Private(OPTIMIZERS, "tensorflow.python.util.deprecation", "silence", ())
 # TF1 wrappers do not track attributes by assignment: the float8 state is tracked by hand.

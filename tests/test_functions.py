@@ -39,6 +39,7 @@ from tensorflow.python.framework import function as tf1_function
 import amp_rewrite
 import recorded_grappler
 from amp_rewrite.core.functions import reachable_functions
+from amp_rewrite.core.target import lookup_target
 from amp_rewrite.testing.loops import build_loop_graph
 from amp_rewrite.testing.models import run_model_graph
 from amp_rewrite.testing.reference import compare_rewrites, function_body, vertex_dtypes
@@ -781,6 +782,40 @@ def test_bounded_exp_in_a_function_body(target: str) -> None:
 
 # --------------------------------------------------------------------------------------
 # Which functions a node calls: one rule (``functions.called_functions``), TensorFlow's
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_root_nothing_in_the_graph_calls_is_rewritten_with_what_it_calls(target: str) -> None:
+    """Rule: ``roots`` (a SavedModel's restored functions, which a loader calls by name) are
+    reached as the main graph's calls are, with the functions they call; each keeps its
+    signature, and what the main graph reaches is rewritten byte for byte as without roots
+    (grappler's items). Without roots, ``restored`` and ``helper`` stay as they were."""
+    graph_def = GraphDef()
+    x = graph_def.node.add(name="x", op="Placeholder")
+    x.attr["dtype"].type = types_pb2.DT_FLOAT
+    call = graph_def.node.add(name="call", op="PartitionedCall", input=["x"])
+    call.attr["f"].func.name = "outer"
+    call.attr["Tin"].list.type.append(types_pb2.DT_FLOAT)
+    call.attr["Tout"].list.type.append(types_pb2.DT_FLOAT)
+    graph_def.node.add(name="fetch", op="Identity", input=["call"]).attr["T"].type = types_pb2.DT_FLOAT
+    restored = function_pb2.FunctionDef()
+    restored.signature.name = "restored"
+    restored.signature.input_arg.add(name="x", type=types_pb2.DT_FLOAT)
+    restored.signature.output_arg.add(name="y", type=types_pb2.DT_FLOAT)
+    _call_node(restored, "call_helper", "helper")
+    graph_def.library.function.extend([_matmul_function("outer"), restored, _matmul_function("helper")])
+    assert reachable_functions(graph_def) == ["outer"]
+    assert reachable_functions(graph_def, roots=["restored"]) == ["outer", "restored", "helper"]
+
+    alone = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=["fetch"]).graph_def
+    rooted = amp_rewrite.rewrite_graph_def(graph_def, target=target, fetches=["fetch"], roots=["restored"]).graph_def
+    by_name = {f.signature.name: f for f in rooted.library.function}
+    assert {f.signature.name: f for f in alone.library.function}["helper"] == _matmul_function("helper")
+    low = lookup_target(target).dtype
+    assert next(n for n in by_name["helper"].node_def if n.name == "allow1").attr["T"].type == low
+    assert by_name["restored"].signature == restored.signature and by_name["helper"].signature.output_arg[0].type \
+        == types_pb2.DT_FLOAT
+    assert list(rooted.node) == list(alone.node) and by_name["outer"] == alone.library.function[0]
 
 
 def _matmul_function(name: str) -> function_pb2.FunctionDef:

@@ -208,6 +208,37 @@ def test_what_is_not_timed_follows_its_neighbours():
     assert plan.keep[("", "clr1")] == f"{MEASURED_PREFIX}not timed alone; kept float32 with its neighbours, which saves casts"
 
 
+def test_an_op_too_small_to_time_says_so_and_shows_no_ratio():
+    """clr1 took no longer than an empty call in both forms (timing.TOO_SMALL_S): no ratio of
+    two clamped times ("0.00x") is shown; it costs nothing either way, so it follows the
+    slower matmuls around it, and its reason says it was too small to time."""
+    from amp_rewrite.tuning.timing import TOO_SMALL_S
+
+    problem = _problem(_chain())
+    timings = _timings(problem, lambda n, b: (1e-4, 1e-3), cast=1e-6)
+    for pair in problem.candidates[("", "clr1")].runs.values():
+        assert timings.ratio(pair) is not None
+        timings.seconds[pair.first.key] = timings.seconds[pair.second.key] = TOO_SMALL_S
+        assert timings.too_small(pair) and timings.ratio(pair) is None
+    plan = _plan(problem, timings)
+    assert set(plan.keep) == {("", "allow1"), ("", "clr1"), ("", "allow2")}
+    assert plan.keep[("", "clr1")].startswith(f"{MEASURED_PREFIX}too small to time here (no longer than an empty"
+                                              " call), so it costs nothing measurable either way"), plan.keep
+    assert "0.00x" not in plan.keep[("", "clr1")]
+
+
+def test_a_form_no_longer_than_an_empty_call_is_too_small_to_time(monkeypatch):
+    """Rule (timing.py): where a form's calls take no longer than the empty call, its
+    per-op time is clamped; the pair is then too small to time, both forms TOO_SMALL_S,
+    and no ratio of the clamped values is kept."""
+    from amp_rewrite.tuning import timing
+
+    pair = timing.cast_pair((4, 16), LOW)
+    monkeypatch.setattr(timing._TimingSession, "_call", lambda self, fetch: 1e-5)  # every call as long as the empty one
+    with timing._TimingSession([pair]) as session:
+        assert session.time_pair(0) == (timing.TOO_SMALL_S, timing.TOO_SMALL_S)
+
+
 def test_what_the_budget_left_untimed_is_estimated_from_its_op_type():
     """allow2 was left untimed by the budget; allow1, a MatMul too, was timed: allow2 is taken
     to cost what allow1 costs per output element. Where allow1 is 10x faster in bfloat16, so
@@ -298,7 +329,8 @@ def test_a_second_timing_re_times_nothing(tmp_path):
     first = timing_cache.load_cache(path)
     timed = time_pairs(pairs, first, Budget(60))
     assert (timed.timed, timed.cached, timed.skipped) == (4, 0, 0)
-    assert all(timed.ratio(p) is not None and timed.ratio(p) > 0 for p in pairs)
+    # each a ratio, or too small to time (a 4x4 cast can take no longer than an empty call on a loaded machine)
+    assert all(timed.ratio(p) is not None and timed.ratio(p) > 0 or timed.too_small(p) for p in pairs)
     assert speed.save_cache(first) == ""
     again = time_pairs(pairs, timing_cache.load_cache(path), Budget(60))
     assert (again.timed, again.cached) == (0, len(pairs))

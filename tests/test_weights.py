@@ -385,19 +385,28 @@ def test_inspect_counts_the_weights_and_their_bytes(converted: Models) -> None:
     assert "Weights: kept float32 (--float32-weights)" in kept.out
 
 
-def test_variables_functions_the_rewrite_leaves_float32_read_stay_float32(tmp_path: Path) -> None:
+def test_a_tf_keras_saved_models_weights_stay_float32_for_load_model(tmp_path: Path) -> None:
     """Rule: tf_keras' model.save(dir) also saves each layer's call functions, which only
-    the object graph calls (tf.saved_model.load(...)(x) runs them); the rewrite converts the
-    signatures' functions only, so those read float32 and every weight stays float32, saying why."""
+    the object graph calls; they are rewritten (``tf.saved_model.load(...)(x)`` runs them in
+    bfloat16), but tf_keras.models.load_model restores the checkpoint into the float32
+    layers keras_metadata.pb describes, so every weight stays float32, saying why, and
+    load_model still loads the result (a bfloat16 key would fail its restore)."""
     import tf_keras
 
     model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(4, name="dense")])
     model.save(str(tmp_path / "tf_keras"))
-    run = run_cli("inspect", tmp_path / "tf_keras", "--target", "bfloat16")
+    run = run_cli("convert", tmp_path / "tf_keras", tmp_path / "out", "--target", "bfloat16")
     assert_ok(run)
     assert "Weights: 0 of 2 float32 variable(s) stored as bfloat16 (144 B -> 144 B); 2 stay float32:" in run.out
-    assert "  dense/kernel: read as float32 by MatMul 'MatMul' in __inference_dense_layer_call_and_return_" in run.out
-    assert ", a function this rewrite leaves float32 (no signature calls it)" in run.out
+    assert "  dense/kernel: its checkpoint key 'layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE' is restored" \
+        " into float32 layers by tf_keras.models.load_model" in run.out, run.out
+    x = np.ones((2, 8), np.float32)
+    expected = model(x).numpy()
+    np.testing.assert_array_equal(tf_keras.models.load_model(str(tmp_path / "out"))(x).numpy(), expected)
+    matmuls = {f.signature.name: node.attr["T"].type for f in _meta(tmp_path / "out").graph_def.library.function
+               for node in f.node_def if node.op == "MatMul"}
+    assert len(matmuls) > 2 and set(matmuls.values()) == {BF16}, matmuls  # the layer's functions too
+    np.testing.assert_allclose(tf.saved_model.load(str(tmp_path / "out"))(x).numpy(), expected, rtol=0.05, atol=0.05)
 
 
 # --------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import collections
 import math
 import os
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -217,7 +217,7 @@ class Calibration:
         keep.update(self.keep)
         data["keep_nodes"] = keep
         if self.float8 is not None:
-            where = node_items(self.result.program)
+            where = node_items(self.result.program, [item.function for item in self.result.report.items])
             data["amax"] = dict(sorted(overlay_keys(self.float8.amax, where).items()))
             data["lossy"] = dict(sorted(overlay_keys(self.float8.lossy, where).items()))
         source = self.source or "calibration data"
@@ -235,10 +235,11 @@ class Calibration:
         return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def node_items(program: Program) -> dict[str, set[str]]:
-    """Node name → the items the rewrite meets it in (the main graph, reachable functions)."""
+def node_items(program: Program, roots: Iterable[str] = ()) -> dict[str, set[str]]:
+    """Node name → the items the rewrite meets it in (the main graph, the functions it reaches,
+    from ``roots`` too: a SavedModel's restored functions, ``Model.entry_functions``)."""
     where: dict[str, set[str]] = {}
-    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library)]:
+    for item in [MAIN_GRAPH, *functions.reachable_functions(program.graph_def, program.library, roots=roots)]:
         for node_def in program.item(item).node:
             where.setdefault(node_def.name, set()).add(item)
     return where
@@ -350,7 +351,7 @@ def headroom_keeps(result: RewriteResult, touching: Touching, high: Mapping[Tens
     return _touching_violations(result, touching, high, close, "") if close else {}
 
 
-def _drift(low: TensorStats | None, high: TensorStats | None) -> float:
+def drift(low: TensorStats | None, high: TensorStats | None) -> float:
     """How far a tensor of the rewrite is from float32's: relative change of its largest
     magnitude and RMS; infinite where it turned non-finite."""
     if low is None or high is None:
@@ -366,8 +367,8 @@ def _own_drift(node: tuple[str, str], keys: Sequence[TensorKey], high: Mapping[T
                low: Mapping[TensorKey, TensorStats]) -> tuple[float, float]:
     """(own, out): the drift of ``node``'s outputs, less the largest its inputs carried in
     (infinite where only it turned non-finite); ``keys``: the tensors it reads and writes."""
-    out = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] == node), default=0.0)
-    carried = max((_drift(low.get(k), high.get(k)) for k in keys if k[:2] != node), default=0.0)
+    out = max((drift(low.get(k), high.get(k)) for k in keys if k[:2] == node), default=0.0)
+    carried = max((drift(low.get(k), high.get(k)) for k in keys if k[:2] != node), default=0.0)
     return (out if math.isinf(out) and not math.isinf(carried) else out - carried), out
 
 
@@ -407,7 +408,7 @@ def blame(result: RewriteResult, touching: Touching, high: Mapping[TensorKey, Te
             if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
-def _checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) -> tuple[OutputCheck, ...]:
+def output_checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) -> tuple[OutputCheck, ...]:
     """Each output's error over all feeds together (``validate.measure``)."""
     checks = []
     for signature in sorted(high.outputs):
@@ -459,11 +460,7 @@ def calibrate(
     ``rewrite_graph_def(amax=..., lossy=...)``).
     """
     target = lookup_target(target, quantized=True)
-    if isinstance(source, graph_pb2.GraphDef):
-        names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
-        model = Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
-    else:
-        model = read_model(source, fetches, tag_set)
+    model = source_model(source, fetches, tag_set)
     data = Path(inputs) if isinstance(inputs, (str, os.PathLike)) else inputs
     feeds, _ = validate.plan_feeds(model, data, RANDOM_FEEDS)
     shown = (statistics.RANDOM_INPUTS if inputs is None
@@ -471,6 +468,16 @@ def calibrate(
     return run_calibration(model, feeds, Options(target=target, lists=load_lists(target, lists),
                                                  cross_function=cross_function, max_rounds=max_rounds,
                                                  thresholds=thresholds, metric=metric, source=shown))
+
+
+def source_model(source: str | os.PathLike | graph_pb2.GraphDef, fetches: Sequence[str] = (),
+                 tag_set: str | None = None) -> Model:
+    """A SavedModel directory, a GraphDef file or a ``GraphDef`` as a ``Model``: a GraphDef's
+    outputs are ``fetches``, default the nodes nothing reads."""
+    if isinstance(source, graph_pb2.GraphDef):
+        names = tuple(dict.fromkeys(fetches)) or graph_sinks(source)
+        return Model(Path("<GraphDef>"), "graphdef", source, names, (), fetches_are_sinks=not fetches)
+    return read_model(source, fetches, tag_set)
 
 
 def check_max_rounds(max_rounds: int) -> None:
@@ -531,7 +538,7 @@ class _Context:
                  ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
         """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
         low = self.runner.collect(program, keys, self.options.thresholds.smallest_normal)
-        return low, _checks(self.high, low, self.metric.function)
+        return low, output_checks(self.high, low, self.metric.function)
 
     def summary(self, checks: Sequence[OutputCheck]) -> str:
         return _summary(checks, self.target, self.metric.name)
@@ -610,7 +617,8 @@ def _measure_float32(model: Model, runner: statistics.Runner, options: Options,
     described = statistics.RANDOM_INPUTS if options.source == statistics.RANDOM_INPUTS else "the calibration inputs"
     high = runner.collect(model.program, keys, options.thresholds.smallest_normal, described)
     return _Context(model=model, runner=runner, options=options, metric=metric, high=high, keys=keys,
-                    touching=tensors_of(model.program, set(high.stats)), where=node_items(model.program))
+                    touching=tensors_of(model.program, set(high.stats)),
+                    where=node_items(model.program, model.entry_functions))
 
 
 def _keep_out_of_range(c: _Context) -> tuple[RewriteResult, dict[tuple[str, str], str], bool]:

@@ -94,6 +94,16 @@ class Model:
                       {name: info.name for name, info in signature.outputs.items()})
                 for key, signature in sorted(self.meta_graph.signature_def.items()) if not key.startswith("__")}
 
+    @functools.cached_property
+    def unsigned_functions(self) -> tuple[str, ...]:
+        """The functions the rewrite reaches through the object graph alone (a module's
+        ``@tf.function`` attribute, a restored ``serve``): converted like the rest, but no
+        signature runs them, so validation, calibration and timing never see them."""
+        library = self.program.library
+        signed = set(functions.reachable_functions(self.graph_def, library))
+        return tuple(name for name in functions.reachable_functions(self.graph_def, library, roots=self.entry_functions)
+                     if name not in signed)
+
     @property
     def tags(self) -> tuple[str, ...]:
         """The rewritten MetaGraphDef's tags (SavedModel only)."""
@@ -322,10 +332,13 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
                   amax: Mapping[tuple[str, str, int], float] | None = None,
                   lossy: Mapping[tuple[str, str], str] | None = None) -> RewriteResult:
     """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes.
-    ``amax`` and ``lossy``: target float8's calibration (``rewrite_graph_def``)."""
+    Every function a loader restores is rewritten, not only what the signatures call: the
+    object graph's functions (``loaded.serve``, a module's ``@tf.function`` attributes) run
+    converted too, and a weight they read can be stored low. ``amax`` and ``lossy``: target
+    float8's calibration (``rewrite_graph_def``)."""
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
-                             cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
-                             lossy=lossy, preserved=model.preserved)
+                             cross_function=cross_function, entry_functions=model.entry_functions,
+                             roots=model.entry_functions, amax=amax, lossy=lossy, preserved=model.preserved)
 
 
 def canonical_model(model: Model, *, variables: bool = False) -> Model:

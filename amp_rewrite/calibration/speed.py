@@ -175,7 +175,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     shapes = {size: infer_shapes(model.program, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low)
-    keep = keep_entries(plan.keep, node_items(model.program)) if plan.keep else {}
+    keep = keep_entries(plan.keep, node_items(model.program, model.entry_functions)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
         else base

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     written_model, result, stored = store_weights(args, model, result)
     retargeted = retargeted_weights_lines(model, stored, force=args.force)  # refuses a value out of range
     feeds = _validation_feeds(args, model)
+    say(args, *_unchecked_functions(args, model))
     for leftover in staging.remove_leftovers(args.dst):
         say(args, f"Removed {leftover}, left by an interrupted run")
     if model.is_tf_keras:
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
                               accept=acceptance if acceptance.checks else None, variables=variables)
     progress.done()
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *retargeted)
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *retargeted,
+        *_untimed_speed(args, result))
     if written:
         say(args, f"Wrote {args.dst}")
     if acceptance.failed:
@@ -111,6 +113,34 @@ def _float32_weights_lines(model: Model) -> list[str]:
         return ["Weights: float32, as they were"]
     return [f"Weights: {len(low)} variable(s) stay stored in low precision (e.g. {low[0]!r}), read through a cast to"
             " float32: the precision they lost earlier is not recovered"]
+
+
+def _unchecked_functions(args: argparse.Namespace, model: Model) -> list[str]:
+    """Where the run checks the result by running it, the converted functions that no
+    signature runs (``Model.unsigned_functions``), named in one note."""
+    checks = [flag for flag, given in (("--validate", args.validate or args.inputs), ("--calibrate", args.calibrate),
+                                       ("--tune", args.tune)) if given]
+    if not checks or model.kind != "savedmodel" or not model.unsigned_functions:
+        return []
+    names, flags = model.unsigned_functions, " and ".join((", ".join(checks[:-1]), checks[-1])) if len(checks) > 1 \
+        else checks[0]
+    return [f"Note: {len(names)} restored function(s) that no signature calls (e.g. {names[0]}) are converted by the"
+            f" lists alone, unchecked: {flags} {'run' if len(checks) > 1 else 'runs'} the signatures only"]
+
+
+def _untimed_speed(args: argparse.Namespace, result: RewriteResult) -> list[str]:
+    """Without --tune nothing timed the result: where the lists are known to lose to float32
+    here (``live.untimed_slowdown``), one line says so and how to measure it."""
+    if args.tune or not result.report.vertices_converted:
+        return []
+    from amp_rewrite.training import live  # only here: the rest of convert needs no training module
+
+    why = live.untimed_slowdown(args.target)
+    if why is None:
+        return []
+    how = ("run with --tune speed to time each converted op here and keep float32 what is slower"
+           if args.target == "bfloat16" else "serve it on a GPU, and time it there with --tune speed")
+    return [f"Speed: not measured: {why}; {how}"]
 
 
 def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:

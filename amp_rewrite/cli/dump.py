@@ -36,7 +36,7 @@ from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds
 from amp_rewrite.cli import graph_view
 from amp_rewrite.cli.options import EXIT_OK, Progress, say
-from amp_rewrite.cli.steps import read_and_rewrite, store_weights, summary_lines, weights_lines
+from amp_rewrite.cli.steps import read_and_rewrite, run_divergence, store_weights, summary_lines, weights_lines
 from amp_rewrite.core import casts, graph_io, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -209,11 +209,13 @@ def write_dump(
 
 
 def run(args: argparse.Namespace, progress: Progress) -> int:
-    """The command: SRC rewritten (weights stored as convert stores them), summed up, dumped to DIR."""
+    """The command: SRC rewritten (weights stored as convert stores them), summed up, dumped to
+    DIR; with --diverge, where the conversion first diverges (``steps.run_divergence``) too."""
     model, result, lists = read_and_rewrite(args, progress)
+    divergence = run_divergence(args, model, result, lists, progress).lines() if args.diverge else []
     _, result, stored = store_weights(args, model, result)
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
-    write_model_dump(args, progress, args.dir, model, result, lists, notes=weights_lines(stored))
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *divergence)
+    write_model_dump(args, progress, args.dir, model, result, lists, notes=[*weights_lines(stored), *divergence])
     return EXIT_OK
 
 

@@ -1,5 +1,6 @@
 """``amp-rewrite explain``: why NODE has its dtype after the rewrite, the rule and its reason
-(and for a node kept by a deny op downstream, the path from it); writes nothing.
+(and for a node kept by a deny op downstream, the path from it); with ``--diverge``, where
+the conversion first diverges from float32 on inputs (``calibration/diverge.py``); writes nothing.
 """
 from __future__ import annotations
 
@@ -9,20 +10,33 @@ import networkx as nx
 from tensorflow.core.framework import node_def_pb2
 
 from amp_rewrite.cli.options import EXIT_OK, Progress
-from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, read_and_rewrite
+from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, read_and_rewrite, run_divergence
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.graph_io import to_networkx
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.rules import Rule
-from amp_rewrite.errors import ModelError, did_you_mean
+from amp_rewrite.errors import AmpRewriteError, ModelError, did_you_mean
 
 HOW_TO_LIST_NODES = "node names are in the before/*.pbtxt files `amp-rewrite dump SRC DIR` writes"
 
 
 def run(args: argparse.Namespace, progress: Progress) -> int:
+    """NODE's decisions (``explain_node``), and with --diverge where the conversion first
+    diverges from float32 (``steps.run_divergence``); exit 0 whether or not it diverges."""
+    if args.node is None and not args.diverge:
+        raise AmpRewriteError("name a NODE to explain, or pass --diverge to find where the conversion first diverges"
+                              " from float32")
+    model, result, lists = read_and_rewrite(args, progress)
+    if args.node is not None:
+        explain_node(args, result)
+    if args.diverge:
+        print(*run_divergence(args, model, result, lists, progress).lines(), sep="\n")
+    return EXIT_OK
+
+
+def explain_node(args: argparse.Namespace, result: RewriteResult) -> None:
     """Each float type attribute of NODE: its dtypes before and after, the rule and why."""
-    _, result, _ = read_and_rewrite(args, progress)
     item, node = _find_node(args, result.program)
     matches = [d for d in result.report.decisions if d.node == args.node and d.function == item]
     in_item = f" in function '{item}'" if item else ""
@@ -37,7 +51,6 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
             path = _deny_path(result, d.function, d.source, d.node)
             if path:
                 print(f"  path: {' -> '.join(path)}")
-    return EXIT_OK
 
 
 def _find_node(args: argparse.Namespace, program: Program) -> tuple[str, node_def_pb2.NodeDef]:

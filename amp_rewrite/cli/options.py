@@ -81,16 +81,19 @@ examples:
   amp-rewrite inspect my_model/ --target bfloat16 --all   # TensorFlow's plumbing too
 
 """),
-    "explain": ("Print why NODE has its dtype after the rewrite: the rule and its reason; writes nothing.", """\
+    "explain": ("Print why NODE has its dtype after the rewrite: the rule and its reason; with --diverge, where the"
+                " conversion first diverges from float32 and the --keep that fixes it; writes nothing.", """\
 examples:
   amp-rewrite explain my_model/ sequential_1/dense_1/MatMul
   amp-rewrite explain my_model/ dense_1/MatMul --target bfloat16 --function __inference_serve_42
+  amp-rewrite explain my_model/ --diverge --inputs batch.npz   # where the conversion leaves float32
 
 """),
     "dump": ("Write SRC's graphs before and after the rewrite, DOT/SVG drawings, report.html and a TensorBoard"
              " log to DIR.", """\
 examples:
   amp-rewrite dump my_model/ report/       # then open report/report.html
+  amp-rewrite dump my_model/ report/ --diverge --inputs batch.npz   # the report says where it diverges
 
 """),
 }
@@ -255,6 +258,22 @@ def _calibration_options(sub: argparse.ArgumentParser) -> None:
                           " smallest normal (default 0.5)")
 
 
+def _diverge_options(sub: argparse.ArgumentParser) -> None:
+    """--diverge and the inputs it runs on (also --tune's), for explain and dump."""
+    sub.add_argument("--diverge", action="store_true",
+                     help="run SRC and its conversion on the inputs and name the first node whose output is"
+                          " over the target's tolerance from float32's, the path to the worst output and the"
+                          " --keep that brings the outputs within tolerance (each keep checked by a run)")
+    sub.add_argument("--converted", type=Path, metavar="DST",
+                     help="--diverge: a conversion of SRC on disk (what convert wrote) to compare, instead of the"
+                          " one the options make; the runs that check a keep rewrite SRC with the options")
+    sub.add_argument("--inputs", type=Path, metavar="FILE.npz",
+                     help="--diverge: the inputs to run (default: random inputs from the signatures; real data"
+                          " is better); --tune: inputs of the shapes to time at (needed where dims beyond the"
+                          " batch are unknown)")
+    _metric_option(sub)
+
+
 def _add_convert(commands: Any) -> None:
     """convert and its options."""
     convert = _add_command(commands, "convert")
@@ -303,15 +322,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain = _add_command(commands, "explain")
     _common_options(explain)
-    _tuning_options(explain)
-    explain.add_argument("node", help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt)")
+    _tuning_options(explain, inputs=False)
+    explain.add_argument("node", nargs="?",
+                         help="node name (node names: `amp-rewrite dump SRC DIR`, before/*.pbtxt); optional with"
+                              " --diverge")
     explain.add_argument("--function", help="the library function the node is in (default: search all)")
+    _diverge_options(explain)
 
     dump = _add_command(commands, "dump")
     _common_options(dump)
     _weights_option(dump)
-    _tuning_options(dump)
+    _tuning_options(dump, inputs=False)
     dump.add_argument("dir", type=Path, help="output directory (outside SRC)")
+    _diverge_options(dump)
     return parser
 
 

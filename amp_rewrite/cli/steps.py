@@ -1,6 +1,7 @@
 """The steps several commands share: read SRC (a model mixed in another dtype back in float32
-first), rewrite it (refusing an overlay that names nothing of it, float8 without amax), tune it (--tune speed),
-store its weights in the target dtype, and the lines that sum up what the rewrite did.
+first) and rewrite it (refusing an overlay that names nothing of it, float8 without amax),
+tune it (--tune speed), store its weights in the target dtype, find where the conversion
+diverges (--diverge), and the lines that sum up what the rewrite did.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from amp_rewrite.calibration import speed
+from amp_rewrite.calibration import diverge, speed, statistics, validate
+from amp_rewrite.calibration.calibrate import RANDOM_FEEDS
 from amp_rewrite.calibration.savedmodel import (
     Model, canonical_model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
 )
@@ -43,6 +45,8 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
     args.tune = getattr(args, "tune", None)
     if untuned and not args.tune:
         raise AmpRewriteError(f"{', '.join(untuned)}: timing options; add --tune speed, or drop them")
+    if getattr(args, "converted", None) and not args.diverge:
+        raise AmpRewriteError("--converted DST: the conversion --diverge compares; add --diverge, or drop it")
     if args.tune:
         speed.check_target(lookup_target(args.target, quantized=True))
     progress(f"reading {args.src}")
@@ -79,7 +83,7 @@ def _constants_in_file(args: argparse.Namespace) -> bool:
     calibrating, timing, a dump and a .pbtxt need the values themselves."""
     if args.command not in ("convert", "inspect", "explain"):
         return False
-    needs_values = ("validate", "inputs", "calibrate", "tune", "dump")
+    needs_values = ("validate", "inputs", "calibrate", "tune", "dump", "diverge")
     return not any(getattr(args, name, None) for name in needs_values) and (
         args.command != "convert" or args.dst.suffix != ".pbtxt")
 
@@ -190,6 +194,31 @@ def _float8_calibration(args: argparse.Namespace, model: Model, lists: OpLists) 
     if args.target != "float8":
         return {}
     return {"amax": {}} if calibrating else {"amax": found.amax, "lossy": found.lossy}
+
+
+def run_divergence(args: argparse.Namespace, model: Model, result: RewriteResult, lists: OpLists,
+                   progress: Progress) -> diverge.Divergence:
+    """``--diverge``: the conversion the options make (``result``, from ``lists`` as read and
+    tuned), run beside SRC on --inputs (else random inputs, with a warning), and where it
+    first diverges."""
+    if model.kind == "graphdef" and not model.compared_outputs:
+        raise AmpRewriteError(f"{model.path}: --diverge needs outputs to compare and the graph has none;"
+                              " name them with --fetch NAME[:PORT]")
+    feeds, notes = validate.plan_feeds(model, args.inputs, RANDOM_FEEDS)
+    say(args, *[f"Note: {note}" for note in notes])
+    if args.inputs is None:
+        print(f"amp-rewrite: warning: --diverge runs on random inputs ({RANDOM_FEEDS} batches, N(0,1) floats, ids"
+              " 0-9); a model diverges on the data it meets: pass an .npz of the signature inputs with --inputs",
+              file=sys.stderr)
+    target = lookup_target(args.target, quantized=True)
+    rewrite = diverge.rewriter(model, target, cross_function=args.cross_function, overlay=args.lists)
+    converted = read_model(args.converted, args.fetch, args.tag_set) if args.converted else None
+    progress("running SRC and its conversion on the inputs")
+    divergence = diverge.run_search(model, feeds, diverge.Options(
+        target=target, lists=lists, rewrite=rewrite, metric=args.metric, converted=converted, rewritten=result,
+        described=statistics.RANDOM_INPUTS if args.inputs is None else str(args.inputs)))
+    progress.done()
+    return divergence
 
 
 def _model_lines(model: Model) -> list[str]:

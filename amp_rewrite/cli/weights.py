@@ -82,13 +82,18 @@ def _stored_weights(model: Model, result: RewriteResult, target: str) -> StoredW
     check_checkpoint(model)
     reader = _reader(model)
     objects, blocked = _object_graph(model, reader)
+    if model.is_tf_keras:
+        why = ("is restored into float32 layers by tf_keras.models.load_model (keras_metadata.pb describes them);"
+               " tf.saved_model.load runs the converted functions all the same")
+        blocked.update(dict.fromkeys(reader.get_variable_to_dtype_map(), why))
     for index, meta in enumerate(model.saved_model.meta_graphs):
         if index != model.meta_graph_index:
             why = (f"is also restored by the MetaGraphDef tagged {tag_set_text(meta.meta_info_def.tags)!r}, which"
                    " this run does not convert (it reads float32)")
             blocked.update(dict.fromkeys(restored_keys(meta.graph_def), why))
     try:
-        stored = store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked)
+        stored = store_weights(result.graph_def, target, kept=kept, objects=objects, blocked_keys=blocked,
+                               roots=model.entry_functions)
     except GraphError as error:
         raise ModelError(f"{model.path}: {error}") from None
     _check_dtypes(model, stored, reader.get_variable_to_dtype_map())

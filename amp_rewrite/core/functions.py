@@ -9,6 +9,7 @@ signature, so every caller stays valid.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from typing import Container, Iterable, Iterator, Mapping, Sequence
 
@@ -161,13 +162,18 @@ def _called_functions(nodes: Iterable[node_def_pb2.NodeDef], names: Container[st
 
 
 def reachable_functions(
-    graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb2.FunctionDef] | None = None
+    graph_def: graph_pb2.GraphDef, library: Mapping[str, function_pb2.FunctionDef] | None = None, *,
+    roots: Iterable[str] = (),
 ) -> list[str]:
     """Library functions grappler optimizes, in library order (spec §1.2).
 
     Reachable from the main graph through calls, function attrs and registered
     gradients; minus what ``XlaLaunch`` compiles, parametrized and tf.data functions.
     ``library``: ``graph_def``'s functions by name where the caller has them (``Program.library``).
+    ``roots``: functions called from outside the graph, reached as the main graph's calls
+    are: a SavedModel's restored functions, which ``tf.saved_model.load`` calls by name
+    (``loaded.serve``, a module's ``@tf.function`` attribute). No node of the main graph
+    calls them, but TensorFlow optimizes each as its own item whenever it runs it.
     """
     library = _by_name(graph_def) if library is None else library
     if not library:  # nothing to reach: skip reading every node's attrs
@@ -187,7 +193,7 @@ def reachable_functions(
                 stack.append(gradients[name])
         return seen
 
-    reachable = closure(_called_functions(graph_def.node, library))
+    reachable = closure(itertools.chain(_called_functions(graph_def.node, library), roots))
     xla_roots = [
         node.attr["function"].func.name
         for node in list(graph_def.node) + [n for name in reachable for n in library[name].node_def]

@@ -85,6 +85,7 @@ def rewrite_graph_def(
     lists: str | os.PathLike | OpLists | None = None,
     cross_function: bool = False,
     entry_functions: Iterable[str] = (),
+    roots: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
     amax: Mapping[tuple[str, str, int], float] | None = None,
     lossy: Mapping[tuple[str, str], str] | None = None,
@@ -99,9 +100,8 @@ def rewrite_graph_def(
     ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32 tensors
     on calibration inputs (function ``""`` is the main graph); a matmul with an activation operand missing
     from it stays float16.
-    ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for
-    matmuls to leave float16 (rule ``float8-lossy``). Both may name a function by its stable
-    name, and a node plainly, as an overlay does (``float8.resolve``).
+    ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for matmuls to leave
+    float16 (rule ``float8-lossy``). Both may name a function by its stable name, and a node plainly (an overlay's).
     ``fetches``: node (or tensor) names whose outputs must keep their dtype. ``preserved``: ``(function, node)
     -> why`` for more nodes, in any item, that keep their dtypes as fetches do (custom gradients' ones).
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
@@ -110,6 +110,8 @@ def rewrite_graph_def(
     its signature. ``cross_function=True`` paints across call and loop boundaries so
     low-precision values stay low precision there; private functions' signatures may then
     change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
+    ``roots``: functions called from outside the graph (a SavedModel's restored functions),
+    rewritten with what they call as if the main graph called them (``functions.reachable_functions``).
     ``progress(done, total)`` is called as items are prepared and finished.
     ``frozen``: an earlier result for a graph that ``graph_def`` extends (a running Session's,
     ``training/session.py``). Its main-graph nodes keep the dtypes they have there, and the
@@ -126,17 +128,27 @@ def rewrite_graph_def(
     with gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
         program = program_of(graph_def)
         functions.check_calls(graph_def, program.library)
-        names = functions.reachable_functions(graph_def, program.library)
-        links = (boundaries.find_links(graph_def, names, entry_functions, program.library) if cross_function
-                 else boundaries.Links(()))
+        names, links = _functions_and_links(program, tuple(roots), tuple(entry_functions), cross_function)
         rewrite = _Rewrite(program=program, target=lookup_target(target.colouring), op_lists=op_lists,
-                           names=tuple(names), links=links, fetch_nodes=fetch_nodes,
+                           names=names, links=links, fetch_nodes=fetch_nodes,
                            progress=progress or (lambda done, total: None), amax=amax, lossy=lossy,
                            preserved=_by_item(preserved or {}), frozen=_frozen_painting(frozen))
         output, stats, decisions = _rewrite_items(rewrite)
         report = Report(target.name, stats, decisions)
     log.info("%s", report.summary())
     return RewriteResult(output, report)
+
+
+def _functions_and_links(program: Program, roots: tuple[str, ...], entry_functions: tuple[str, ...],
+                         cross_function: bool) -> tuple[tuple[str, ...], boundaries.Links]:
+    """The functions to rewrite, reachable from the main graph or from ``roots``, and with
+    ``cross_function`` how they link. A root is called from outside, so it keeps its
+    signature as an entry function does."""
+    graph_def = program.graph_def
+    names = tuple(functions.reachable_functions(graph_def, program.library, roots=roots))
+    if not cross_function:
+        return names, boundaries.Links(())
+    return names, boundaries.find_links(graph_def, names, (*entry_functions, *roots), program.library)
 
 
 def _float8_calibration(target: Target, amax: Mapping[tuple[str, str, int], float] | None,

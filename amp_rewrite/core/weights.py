@@ -155,7 +155,7 @@ class ObjectGraph:
 def store_weights(
     graph_def: graph_pb2.GraphDef, target: str | Target, *, kept: Mapping[Place, str] | None = None,
     objects: ObjectGraph | None = None, blocked_keys: Mapping[str, str] | None = None,
-    variables: bool = True, constants: bool = False,
+    variables: bool = True, constants: bool = False, roots: Iterable[str] = (),
 ) -> StoredWeights:
     """``graph_def`` (a rewrite's output) with its weights in the target dtype; the input is
     never modified.
@@ -167,10 +167,13 @@ def store_weights(
     outputs, custom gradients): a variable read there stays float32. ``objects``: the
     SavedModel's object graph, whose functions see variables through ``bound_inputs``.
     ``blocked_keys``: checkpoint key -> why it must stay float32 (another MetaGraphDef restores it).
+    ``roots``: the functions the rewrite reached from outside the graph (``rewrite_graph_def``'s),
+    to tell a float32 read in a function it left alone.
     """
     target = lookup_target(target, quantized=True)  # float8 reads its weights as float16
     program = program_of(graph_def)
-    model = _Model(program, {name: _index(program, name) for name in program.names}, target.dtype, dict(kept or {}))
+    model = _Model(program, {name: _index(program, name) for name in program.names}, target.dtype, dict(kept or {}),
+                   tuple(roots))
     edits = _Edits()
     weights: list[Weight] = []
     if variables:
@@ -313,6 +316,7 @@ class _Model:
     indexes: Mapping[str, _Index]  # item -> its index
     dtype: int                     # the target's
     kept: Mapping[Place, str]      # (item, node) -> why its dtypes stay
+    roots: tuple[str, ...] = ()    # functions the rewrite reached from outside the graph (a loader's)
 
 
 @dataclass
@@ -625,17 +629,17 @@ class _Reads:
 
 
 class _LeftAlone:
-    """The functions the rewrite did not convert (no signature calls them), found when first
-    asked: only a variable read as float32 asks, and finding them reads every node."""
+    """The functions the rewrite did not convert (neither the graph nor a loader calls them),
+    found when first asked: only a variable read as float32 asks, and finding them reads every node."""
 
-    def __init__(self, program: Program) -> None:
-        self.program, self.names = program, None
+    def __init__(self, program: Program, roots: tuple[str, ...]) -> None:
+        self.program, self.roots, self.names = program, roots, None
 
     def __contains__(self, function: str) -> bool:
         if self.names is None:
             program = self.program
-            self.names = frozenset(program.library) - set(functions.reachable_functions(program.graph_def,
-                                                                                         program.library))
+            self.names = frozenset(program.library) - set(functions.reachable_functions(
+                program.graph_def, program.library, roots=self.roots))
         return function in self.names
 
 
@@ -672,8 +676,8 @@ def _read_values(model: _Model, walk: _ValueWalk, node: str) -> None:
         elif op == "_Retval":
             reads.float32.append(f"returned as float32 by function {item}")
         else:
-            alone = ", a function this rewrite leaves float32 (no signature calls it)" if item in walk.left_alone \
-                else ""
+            alone = (", a function this rewrite leaves float32 (neither the graph, its signatures nor its"
+                     " restored functions call it)" if item in walk.left_alone else "")
             reads.float32.append(f"read as float32 by {op} '{reader}'{_where(item)}{alone}")
 
 
@@ -738,7 +742,7 @@ def _find_reads(model: _Model, handles: _Handles) -> tuple[dict[Place, _Reads], 
     handle_reads: dict[Place, _Reads] = defaultdict(_Reads)
     copies: list[tuple[Place, Place]] = []
     restores: dict[Place, _Restored | None] = {}
-    left_alone = _LeftAlone(model.program)
+    left_alone = _LeftAlone(model.program, model.roots)
     for handle, (item, node) in handles.accesses:
         index = model.indexes[item]
         if index.op(node) in READ_OPS:

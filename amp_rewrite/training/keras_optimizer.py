@@ -20,6 +20,12 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 # A fixed scale at which this many steps in a row from the first are all skipped never trains: say so.
 SKIPPED_STEPS_TO_WARN = 10
+# Skips in a row with the scale at its floor (1, or a fixed scale) that make training "stuck": below
+# the floor halving cannot help, so each such skip is an update thrown away for a reason scaling
+# does not fix; one could be a bad batch, three in a row are not chance (docs/guides/training.md).
+STUCK_STEPS = 3
+FLOOR_SCALE = 1.0
+SUMMARY_LOSS_SCALE, SUMMARY_SKIPPED = "amp_rewrite/loss_scale", "amp_rewrite/skipped_steps"
 SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
 FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables
 
@@ -38,17 +44,18 @@ class MadeFor:
         return f"amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target={self.target!r}{base})"
 
 
-def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
+def count_skipped_step(counter: tf.Variable, scale: float, *, say: bool = True) -> tf.Tensor:
     """One more step skipped at the fixed loss scale ``scale``, whose family's step counter
     ``counter`` has no other use: it counts, negated, the steps skipped before the first
     applied one (from which the caller counts applied ones up from 1). At
     ``-SKIPPED_STEPS_TO_WARN`` a warning goes to stderr, once. Graph-side, so it works in
     tf.functions and Sessions alike; under XLA, which cannot print, it only counts. Returns
-    a tensor that depends on all of it."""
+    a tensor that depends on all of it. ``say=False``: count only (a scale of 1 has no smaller one
+    to suggest; the Keras 3 wrapper says it is stuck instead)."""
     before = tf.convert_to_tensor(counter)
     after = tf.where(before <= 0, before - 1, before)
     with tf.control_dependencies([counter.assign(after)]):
-        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
+        if not say or _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
             return tf.identity(after)
 
         def warn() -> tf.Tensor:
@@ -59,6 +66,22 @@ def count_skipped_step(counter: tf.Variable, scale: float) -> tf.Tensor:
                 return tf.identity(after)
 
         return tf.cond(tf.equal(after, -SKIPPED_STEPS_TO_WARN), warn, lambda: tf.identity(after))
+
+
+FIND_THE_OP = ("If the same model trains in float32, an op overflows or underflows in low precision: add"
+               " amp_rewrite.Doctor() to fit's callbacks, or call amp_rewrite.diagnose_step(...) in a custom loop,"
+               " to name it and the keep= that fixes it.")
+
+
+def stuck_message(skipped: int, scale: float, *, fixed: bool) -> str:
+    """The one line saying training is stuck: ``STUCK_STEPS`` skips in a row at the scale's floor."""
+    if fixed and scale > FLOOR_SCALE:
+        why = (f"at the fixed loss scale {scale:g} (pass a smaller loss_scale, or loss_scale=\"dynamic\", if the"
+               " scale is what overflows)")
+    else:
+        why = f"with the loss scale at {scale:g}, where scaling can no longer help"
+    return (f"amp_rewrite: training is stuck: the last {STUCK_STEPS} steps were all skipped, their gradients not"
+            f" finite {why}; {skipped} step(s) skipped so far (opt.skipped_steps).")
 
 
 @keras.saving.register_keras_serializable(package="amp_rewrite")
@@ -88,12 +111,20 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._gradients: str | None = None  # SCALED or UNSCALED once the code has said which
         self.made_for = MadeFor(target, base_precision)
         self._warned_off = False
+        self._warned_stuck = False
+        self.doctor = None  # a training doctor (training.doctor) told when training is stuck
         # FP8 training's state (target="float8"): tracked here, so checkpoints and SavedModels carry it.
         self.float8_state = (Float8State(float8_amax_history_length) if float8_amax_history_length is not None
                              else None)
 
     def build(self, var_list):
         super().build(var_list)
+        # Not Keras variables, so a .keras file's numbered optimizer variables stay as they were;
+        # not tracked, so checkpoints stay as they were too: the counts are this process's.
+        with tf.init_scope():
+            for name in ("_skipped", "_stuck_run"):
+                object.__setattr__(self, name, tf.Variable(0, dtype=tf.int64, trainable=False, name=name[1:],
+                                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
         if self.float8_state is not None:  # the variables whose matmuls record into it (training.float8)
             self.float8_state.updates(var_list)
 
@@ -120,6 +151,45 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def skipped_steps(self):
+        """How many steps this wrapper has skipped (non-finite gradients) in this process, an int64 tensor."""
+        return tf.convert_to_tensor(self._skipped) if self.built else tf.constant(0, tf.int64)
+
+    def _summarize(self) -> None:
+        """The loss scale and skipped steps as ``tf.summary`` scalars: recorded where a default
+        writer is set (``writer.as_default()``, Keras' ``TensorBoard(update_freq=...)`` per batch),
+        nothing otherwise. XLA cannot write summaries."""
+        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
+            return
+        step = tf.summary.experimental.get_step()
+        step = self.iterations if step is None else step
+        tf.summary.scalar(SUMMARY_LOSS_SCALE, self.loss_scale, step=step)
+        tf.summary.scalar(SUMMARY_SKIPPED, self.skipped_steps, step=step)
+
+    def _count_skip(self, at_floor) -> None:
+        """One more skipped step; ``STUCK_STEPS`` in a row at the floor say once that training is stuck."""
+        self._skipped.assign_add(1)
+        run = tf.where(at_floor, self._stuck_run + 1, tf.constant(0, tf.int64))
+        self._stuck_run.assign(run)
+        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
+            return  # XLA cannot call back into Python: the counts are there to read
+
+        def say() -> None:
+            tf.py_function(self._say_stuck, [self._skipped, self.dynamic_scale], [])
+
+        tf.cond(tf.equal(run, STUCK_STEPS), say, lambda: None)
+
+    def _say_stuck(self, skipped: tf.Tensor, scale: tf.Tensor) -> None:
+        if self._warned_stuck:
+            return
+        self._warned_stuck = True
+        message = stuck_message(int(skipped), float(scale), fixed=self.fixed)
+        if self.doctor is not None:  # it replays the step and warns with its diagnosis
+            self.doctor.stuck(message)
+        else:
+            warnings.warn(f"{message} {FIND_THE_OP}", stacklevel=2)
 
     def _use(self, gradients: str, method: str) -> None:
         if self._gradients not in (None, gradients):
@@ -158,7 +228,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             scale = self.loss_scale
             grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
         self._record(trainable_variables)
-        return super().apply(grads, trainable_variables)
+        applied = super().apply(grads, trainable_variables)
+        self._summarize()
+        return applied
 
     def minimize(self, loss, var_list, tape=None):
         """Scale, differentiate, apply: one training step (``loss`` may be a callable)."""
@@ -170,6 +242,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         grads = tape.gradient(loss, var_list, output_gradients=tf.cast(self.loss_scale, loss.dtype))
         self._record(var_list)
         super().apply(grads, var_list)
+        self._summarize()
 
     def _tf_apply(self, grads, trainable_variables=None):
         """Keras decides on replica 0's gradients alone when a merge call is needed, so a
@@ -192,15 +265,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         tf.distribute.get_replica_context().merge_call(apply_everywhere, args=(grads, trainable_variables))
 
     def _stateful_handle_non_finite_grads(self):
-        if self.fixed:  # a fixed scale still skips the step, but never changes
-            count_skipped_step(self.step_counter, self.initial_scale)
+        if self.fixed:  # a fixed scale still skips the step, but never changes: it is its floor
+            count_skipped_step(self.step_counter, self.initial_scale, say=False)
+            self._count_skip(tf.constant(True))
             return
+        self._count_skip(self.dynamic_scale <= FLOOR_SCALE)
         super()._stateful_handle_non_finite_grads()
         # Keras halves without a floor; a run of bad steps must not drive the scale below 1
         # (tf_keras and TF1 stop there too), or good gradients would be scaled *up*.
         self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, 1.0))
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        self._stuck_run.assign(0)
         if self.fixed:  # applied steps count up from 1 (count_skipped_step); the scale never grows
             self.step_counter.assign(tf.maximum(self.step_counter, 0))
         before = tf.identity(self.dynamic_scale)

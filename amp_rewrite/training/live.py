@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 MIN_COMPUTE_CAPABILITY = (7, 0)
 FLOAT8 = "float8"  # FP8 training (training/float8.py), on a base precision
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+AMX_BF16_FLAG = "amx_bf16"  # the CPU flag of AMX's bfloat16 tiles, where bfloat16 pays
+BF16_CPU_FLAGS = ("avx512_bf16", AMX_BF16_FLAG)
 XLA_REWRITE_MIN_TENSORFLOW = tracing.XLA_REWRITE_MIN_TENSORFLOW
 compat_name = tracing.compat_name
 
@@ -114,6 +115,17 @@ class Installer:
                 _undo(self._restore)
             return True
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No enablement is current inside the block (the hooks see the rewrite off), for a trace
+        that is rewritten otherwise (the training doctor's replay); this thread holds the lock."""
+        with self.lock:
+            active, self._active = self._active, []
+            try:
+                yield
+            finally:
+                self._active = active
+
     def remove_all(self) -> None:
         with self.lock:
             while self._active:
@@ -193,6 +205,19 @@ def detect_target() -> tuple[str | None, str]:
     return None, "no GPU of compute capability 7.0+ and the CPU has neither AVX512-BF16 nor AMX"
 
 
+def untimed_slowdown(target: str) -> str | None:
+    """Where the op lists are known to lose to float32 on this machine, and nothing timed the
+    result: why, in words (``convert`` without ``--tune`` says it); None where they are not.
+    bfloat16 pays on a CPU with AMX; with AVX512-BF16 alone (or neither) its matmuls and
+    convolutions are often slower than float32's, and the casts add to it. float16 pays on a
+    GPU; on a CPU its kernels are float32 ones with conversions around them."""
+    if target == "bfloat16" and AMX_BF16_FLAG not in cpu_flags():
+        return "bfloat16 on a CPU without AMX is often slower than float32"
+    if target == "float16" and not tf.config.list_physical_devices("GPU"):
+        return f"{target} on a CPU (TensorFlow sees no GPU here) is often slower than float32"
+    return None
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo), empty where there is none."""
     cpuinfo = Path("/proc/cpuinfo")
@@ -224,12 +249,12 @@ def _require(target: Any) -> None:
 
 
 def start(target: Any, lists: Any = None, cross_function: bool = False, *,
-          amax_history_length: Any = None, base_precision: Any = "bfloat16", timing_cache: Any = None
-          ) -> Enablement | None:
+          amax_history_length: Any = None, base_precision: Any = "bfloat16", timing_cache: Any = None,
+          keep: Any = ()) -> Enablement | None:
     """Rewrite every new trace from now on (no optimizer); returns the enablement, or None if it stays off."""
     _require(target)
     settings = plan_settings(target, lists, cross_function, amax_history_length=amax_history_length,
-                             base_precision=base_precision, timing_cache=timing_cache)
+                             base_precision=base_precision, timing_cache=timing_cache, keep=keep)
     if settings is None:
         return None
     enablement = Enablement(settings)
@@ -237,10 +262,36 @@ def start(target: Any, lists: Any = None, cross_function: bool = False, *,
     return enablement
 
 
+@dataclass(frozen=True)
+class _Lists:
+    """What the user gave for the lists: an overlay (file or ``OpLists``) and keep_nodes entries."""
+
+    overlay: Any
+    keep: tuple[str, ...]
+
+    def load(self, target: str) -> OpLists:
+        lists = load_lists(target, self.overlay)
+        return lists.keeping(dict.fromkeys(self.keep, "")) if self.keep else lists
+
+
+def keep_entries(keep: Any) -> tuple[str, ...]:
+    """``keep=`` as keep_nodes entries: one regex (a string) or several; ``FUNCTION::REGEX`` for one
+    function, as the CLI's ``--keep`` and an overlay's ``keep_nodes`` take them."""
+    entries = (keep,) if isinstance(keep, str) else tuple(keep) if keep is not None else ()
+    wrong = [entry for entry in entries if not isinstance(entry, str) or not entry]
+    if wrong:
+        raise ValueError(f"keep= takes node-name regexes (strings), got {wrong[0]!r}; e.g."
+                         " keep=[\"model/dense_1/MatMul\", \".*/softmax/.*\"]")
+    return entries
+
+
 def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, *,
                   amax_history_length: Any = None, base_precision: Any = "bfloat16",
-                  float8_state: Float8State | None = None, timing_cache: Any = None) -> LiveRewrite | None:
+                  float8_state: Float8State | None = None, timing_cache: Any = None,
+                  keep: Any = ()) -> LiveRewrite | None:
     """The settings ``start`` would enable, every argument checked; nothing is changed yet.
+    ``lists``: an overlay file or loaded ``OpLists``; ``keep``: node regexes kept float32 on top
+    of them (``keep_entries``), as the CLI's ``--lists`` and ``--keep``.
     ``amax_history_length`` None: ``float8_state``'s (a resumed wrapper's), else Keras' 1024.
     ``timing_cache``: a ``convert --tune speed`` timing cache file, read (never timed into) at each trace."""
     policy = tracing.mixed_keras_policy()
@@ -253,7 +304,8 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
     if target_name(target) == FLOAT8:
         if timing_cache is not None:
             raise ValueError("timing_cache applies to target='bfloat16' or 'float16', not to FP8 training; leave it out")
-        return _plan_float8(lists, cross_function, amax_history_length, base_precision, float8_state)
+        return _plan_float8(_Lists(lists, keep_entries(keep)), cross_function, amax_history_length, base_precision,
+                            float8_state)
     if (amax_history_length, base_precision) != (None, "bfloat16"):
         raise ValueError(f"amax_history_length and base_precision apply to target='float8', not {target!r};"
                          " leave them out")
@@ -267,11 +319,11 @@ def plan_settings(target: Any, lists: Any = None, cross_function: bool = False, 
     else:
         target = lookup_target(target_name(target)).name  # None above: detect it
     _refuse_switch(target, None)
-    return LiveRewrite(target, load_lists(target, lists), cross_function,
+    return LiveRewrite(target, _Lists(lists, keep_entries(keep)).load(target), cross_function,
                        timing_cache=Path(timing_cache) if timing_cache is not None else None)
 
 
-def _plan_float8(lists: Any, cross_function: bool, amax_history_length: Any, base_precision: Any,
+def _plan_float8(lists: _Lists, cross_function: bool, amax_history_length: Any, base_precision: Any,
                  float8_state: Float8State | None) -> LiveRewrite:
     core_float8.check_tensorflow()
     base = target_name(base_precision)
@@ -287,7 +339,7 @@ def _plan_float8(lists: Any, cross_function: bool, amax_history_length: Any, bas
                          f" steps; pass amax_history_length={float8_state.amax_history_length}")
     _refuse_switch(FLOAT8, base)
     state = float8_state if float8_state is not None else Float8State(length)
-    return LiveRewrite(base, load_lists(base, lists), cross_function, float8.Float8Training(state))
+    return LiveRewrite(base, lists.load(base), cross_function, float8.Float8Training(state))
 
 
 def _refuse_switch(target: str, base: str | None) -> None:
@@ -330,7 +382,8 @@ def default_loss_scale(settings: LiveRewrite | None) -> str | None:
 def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOSS_SCALE, target: Any = None, *,
                                          cross_function: bool = False,
                                          amax_history_length: int | None = None,
-                                         base_precision: str = "bfloat16", timing_cache: Any = None) -> Any:
+                                         base_precision: str = "bfloat16", timing_cache: Any = None,
+                                         lists: Any = None, keep: Any = ()) -> Any:
     """Wrap ``opt`` in its family's loss-scale optimizer and rewrite every tf.function traced from now on.
 
     ``opt``: a Keras 3, tf_keras or ``tf.compat.v1.train`` optimizer. ``loss_scale``: by default
@@ -346,6 +399,9 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     and loop boundaries (``rewrite_graph_def``'s option). ``timing_cache``: the path of a timing
     cache that ``amp-rewrite convert --tune speed`` filled on this machine; each trace then
     keeps float32 what it says runs slower in the target, at the trace's shapes, timing nothing.
+    ``lists``: an overlay file (as ``amp-rewrite convert --lists``) or loaded ``OpLists``; ``keep``:
+    node-name regexes (``re.fullmatch``; ``FUNCTION::REGEX`` for one function) kept float32, as
+    ``--keep`` — what the training doctor suggests pasting here.
 
     Enabling again keeps the earlier enablements: new traces use the newest one's settings (with a
     warning when its target differs); float8 and another target are an error. A wrapper this
@@ -357,9 +413,9 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
     if resumed is not None:
         return _resume(opt, resumed, loss_scale, target, cross_function=cross_function,
                        amax_history_length=amax_history_length, base_precision=base_precision,
-                       timing_cache=timing_cache)
-    settings = plan_settings(target, cross_function=cross_function, amax_history_length=amax_history_length,
-                             base_precision=base_precision, timing_cache=timing_cache)
+                       timing_cache=timing_cache, lists=lists, keep=keep)
+    settings = plan_settings(target, lists, cross_function=cross_function, amax_history_length=amax_history_length,
+                             base_precision=base_precision, timing_cache=timing_cache, keep=keep)
     training = settings.float8 if settings is not None else None
     if loss_scale is DEFAULT_LOSS_SCALE:
         loss_scale = default_loss_scale(settings)
@@ -375,7 +431,7 @@ def enable_mixed_precision_graph_rewrite(opt: Any, loss_scale: Any = DEFAULT_LOS
 
 
 def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any, *, cross_function: bool,
-            amax_history_length: Any, base_precision: Any, timing_cache: Any) -> Any:
+            amax_history_length: Any, base_precision: Any, timing_cache: Any, lists: Any, keep: Any) -> Any:
     """Enable again for a wrapper of ours (``optimizers.resumable``), with its own state and loss scale."""
     if loss_scale is not DEFAULT_LOSS_SCALE:
         raise ValueError(f"this {type(opt).__name__} is already amp_rewrite's loss-scale optimizer, with its own loss"
@@ -387,9 +443,9 @@ def _resume(opt: Any, made_for: optimizers.MadeFor, loss_scale: Any, target: Any
                                                   if made_for.base_precision else "")
         raise ValueError(f"this {type(opt).__name__} was made for {wanted}, and its loss scale and state for that;"
                          f" pass {wanted} to resume with it, or wrap a new optimizer for another target")
-    settings = plan_settings(asked, cross_function=cross_function, amax_history_length=amax_history_length,
+    settings = plan_settings(asked, lists, cross_function=cross_function, amax_history_length=amax_history_length,
                              base_precision=base_precision, float8_state=optimizers.float8_state_of(opt),
-                             timing_cache=timing_cache)
+                             timing_cache=timing_cache, keep=keep)
     earlier = optimizers.enablement_of(opt)
     if earlier is not None:
         earlier.disable()
@@ -432,12 +488,12 @@ def disable_mixed_precision_graph_rewrite(opt: Any = None) -> None:
 @contextlib.contextmanager
 def mixed_precision(target: str | None = None, lists: Any = None, cross_function: bool = False,
                     amax_history_length: int | None = None, base_precision: str = "bfloat16",
-                    timing_cache: Any = None) -> Iterator[LiveRewrite | None]:
+                    timing_cache: Any = None, *, keep: Any = ()) -> Iterator[LiveRewrite | None]:
     """Rewrite the tf.functions traced inside the block (no optimizer wrapping). With
     ``target="float8"`` the yielded settings' ``float8.state`` holds the block's FP8 state:
-    checkpoint it yourself. ``timing_cache``: as ``enable_mixed_precision_graph_rewrite``'s."""
+    checkpoint it yourself. ``timing_cache``, ``lists``, ``keep``: as ``enable_mixed_precision_graph_rewrite``'s."""
     enablement = start(target, lists, cross_function, amax_history_length=amax_history_length,
-                       base_precision=base_precision, timing_cache=timing_cache)
+                       base_precision=base_precision, timing_cache=timing_cache, keep=keep)
     try:
         yield enablement.settings if enablement is not None else None
     finally:

@@ -120,10 +120,9 @@ def build_problem(source: Program, converted: Program, nodes: Mapping[str, set[s
         body = source.item(item).node
         readers: dict[str, dict[int, list[str]]] = {}  # node -> port -> the nodes reading it
         for node_def in body:
-            for tensor in node_def.input:
-                if not tensor.startswith("^"):
-                    ref = parse_tensor_name(tensor)
-                    readers.setdefault(ref.node, {}).setdefault(ref.port, []).append(node_def.name)
+            for tensor in data_inputs(node_def):
+                ref = parse_tensor_name(tensor)
+                readers.setdefault(ref.node, {}).setdefault(ref.port, []).append(node_def.name)
         for node_def in body:
             if node_def.name in low_nodes:
                 problem.candidates[(item, node_def.name)] = _candidate(item, node_def, low_nodes[node_def.name], shapes)
@@ -229,7 +228,7 @@ class _Costs:
         """(float32, target) seconds of a candidate (nothing for a fused one); the target's
         discounted by ``margin``."""
         pair = None if node in self.problem.fused else self.problem.candidates[node].runs.get(batch)
-        if pair is None:
+        if pair is None or self.timings.too_small(pair):
             return 0.0, 0.0
         if self.timings.ratio(pair) is not None:
             first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
@@ -250,7 +249,9 @@ class _Costs:
             return 0.0, 0.0
         if shape not in self.casts:
             pair = cast_pair(shape, self.low)
-            if self.timings.ratio(pair) is None:
+            if self.timings.too_small(pair):
+                self.casts[shape] = (0.0, 0.0)
+            elif self.timings.ratio(pair) is None:
                 if "casts" not in self.rates:
                     shapes = {s for *_, by_batch in self.problem.tensors.values() for s in by_batch.values() if s}
                     self.rates["casts"] = _median_rates(self.timings, [cast_pair(s, self.low) for s in shapes])
@@ -385,7 +386,11 @@ def _reason(costs: _Costs, node: Node, target: str, pays: bool) -> str:
 
 
 def _estimated(costs: _Costs, node: Node) -> str:
-    """How an untimed candidate's cost was taken: from the timed ops of its type, or not at all."""
+    """How an untimed candidate's cost was taken: none where it is too small to time, from
+    the timed ops of its type, or not at all."""
+    runs = costs.problem.candidates[node].runs
+    if any(pair is not None and costs.timings.too_small(pair) for pair in runs.values()):
+        return "too small to time here (no longer than an empty call), so it costs nothing measurable either way"
     op = costs.problem.candidates[node].op
     rates = {b: costs.rate(op, b) for b in costs.problem.batch_sizes if costs.problem.candidates[node].runs.get(b)}
     shown = ", ".join(f"{f32 / low:.2f}x at batch {b}" for b, (f32, low) in rates.items() if f32 > 0 and low > 0)

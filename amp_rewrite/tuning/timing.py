@@ -41,6 +41,8 @@ CHAIN_COPIES = 4        # at least, for a chain: its first copy's call is taken 
 MAX_COPIES = COPIES[-1]
 CHUNK = 24              # pairs per timing Session
 SESSION_BYTES = 512 << 20  # input variables one timing Session holds before the next one starts
+RESOLUTION_S = 1e-9     # a per-op time at or under this is below what a call less the empty call's resolves
+TOO_SMALL_S = 0.0       # both forms' seconds for an op too small to time: it costs nothing measurable either way
 _FLOATS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_DOUBLE})
 
 
@@ -136,8 +138,12 @@ class Timings:
     failed: int = 0     # pairs TensorFlow could not run alone
     skipped: int = 0    # pairs left when the budget ran out
 
+    def too_small(self, pair: Pair) -> bool:
+        """Whether the op of ``pair`` was too small to time (its two forms ``TOO_SMALL_S``): no ratio means anything."""
+        return self.seconds.get(pair.first.key) == TOO_SMALL_S == self.seconds.get(pair.second.key)
+
     def ratio(self, pair: Pair) -> float | None:
-        """The second form's time over the first's, where both are known."""
+        """The second form's time over the first's, where both are known (an op too small to time has none)."""
         first, second = self.seconds.get(pair.first.key), self.seconds.get(pair.second.key)
         return None if first is None or second is None or first <= 0 else second / first
 
@@ -295,7 +301,10 @@ class _TimingSession:
         """Seconds per run of pair ``index``'s forms, or None if TensorFlow cannot run one.
         Each round times each form as the best of ``CALLS`` calls (another process can only
         make a call slower), the forms in turn; the first form's time is its best over all
-        rounds, the second's that times the median of the rounds' ratios."""
+        rounds, the second's that times the median of the rounds' ratios. A round where either
+        form is at ``RESOLUTION_S`` (no longer than the empty call) counts for nothing; where
+        most are so, the op is too small to time: both ``TOO_SMALL_S``, rather than a ratio of
+        two clamped values."""
         if index in self.failed:
             return None
         first_groups, second_groups = self.groups[index]
@@ -309,17 +318,21 @@ class _TimingSession:
             copies = max(copies, CHAIN_COPIES) if chain else copies
             for fetch in (first_groups[copies], second_groups[copies]):
                 self._call(fetch)
-            firsts, ratios = [], []
+            firsts, seconds, ratios = [], [], []
             for round_index in range(ROUNDS):
                 forms = (first_groups, second_groups) if round_index % 2 == 0 else (second_groups, first_groups)
                 best = {id(groups): self._per_op(groups, copies, chain) for groups in forms}
                 first, second = best[id(first_groups)], best[id(second_groups)]
                 firsts.append(first)
+                seconds.append(second)
                 ratios.append(second / first)
         except (tf.errors.OpError, ValueError, TypeError):
             return None
-        first = min(firsts)
-        return first, first * statistics.median(ratios)
+        resolved = [(f, r) for f, s, r in zip(firsts, seconds, ratios) if min(f, s) > RESOLUTION_S]
+        if len(resolved) * 2 < ROUNDS:  # most rounds could not tell it from an empty call
+            return TOO_SMALL_S, TOO_SMALL_S
+        first = min(f for f, _ in resolved)
+        return first, first * statistics.median(r for _, r in resolved)
 
     def _per_op(self, groups: dict[int, str], copies: int, chain: bool) -> float:
         """One form's seconds per op: the best of ``CALLS`` calls of ``copies`` copies; for a
@@ -328,6 +341,6 @@ class _TimingSession:
         it the input's buffer: no allocation, which for a large tensor means page faults)."""
         many = min(self._call(groups[copies]) for _ in range(CALLS)) - self.overhead
         if not chain:
-            return max(many, 1e-9) / copies
+            return max(many, RESOLUTION_S) / copies
         one = min(self._call(groups[1]) for _ in range(CALLS)) - self.overhead
-        return max(many - one, 1e-9) / (copies - 1)
+        return max(many - one, RESOLUTION_S) / (copies - 1)
