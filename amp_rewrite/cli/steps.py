@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from amp_rewrite.calibration import speed
@@ -21,15 +21,14 @@ from amp_rewrite.cli.options import Progress, say
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.functions import split_scope
 from amp_rewrite.core.lists import OpLists, load_float8
+from amp_rewrite.core.precision import already_low, every_node, source_precision
 from amp_rewrite.core.report import Report, dtype_name
 from amp_rewrite.core.rewrite import RewriteResult
-from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
+from amp_rewrite.core.target import lookup_target
 from amp_rewrite.core.weights import StoredWeights
 from amp_rewrite.errors import AmpRewriteError, ModelError, did_you_mean
 
 MAIN_GRAPH_LABEL = "(main graph)"  # how tables name the main graph; explain --function accepts it too
-# What a model already mixed computes in: the colouring targets' dtypes (float16, bfloat16).
-_LOW_DTYPES = frozenset(target.dtype for target in NAME_TO_TARGET.values())
 
 
 def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Model, RewriteResult, OpLists]:
@@ -116,26 +115,6 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
           f" ({example}); they are ignored", file=sys.stderr)
 
 
-def _every_node(graph_def: Any) -> Iterator[Any]:
-    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
-    yield from graph_def.node
-    for function in graph_def.library.function:
-        yield from function.node_def
-
-
-def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
-    """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
-    in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
-    Keras mixed policy. The rewrite paints float32 only, so it leaves them as they are."""
-    found = collections.defaultdict(list)
-    for node in _every_node(graph_def):
-        dtypes = ({dtype_name(value.type) for value in node.attr.values() if value.type in _LOW_DTYPES}
-                  if node.op in lists.allow else ())
-        for dtype in dtypes:
-            found[dtype].append(node.name)
-    return dict(found)
-
-
 def _check_not_mixed_otherwise(args: argparse.Namespace, model: Model, lists: OpLists) -> None:
     """A model already mixed in another low precision than the target's is refused: the rewrite
     would paint its float32 rest and leave the rest as it is, a model in both dtypes, and
@@ -154,7 +133,7 @@ def _close_to_entry(entry: str, graph_def: Any) -> str:
     name = split_scope(entry)[1]
     if re.escape(name) != name:
         return ""
-    close = did_you_mean(name, (node.name for node in _every_node(graph_def))).strip()
+    close = did_you_mean(name, (node.name for node in every_node(graph_def))).strip()
     return f", {close}" if close else ""
 
 
@@ -193,6 +172,13 @@ def _model_lines(model: Model) -> list[str]:
     left = ", ".join(repr(tag_set_text(tags)) for tags in others)
     return [f"MetaGraphDef {tag_set_text(model.tags)!r}: converted; {left}: left as it was"
             f" (convert another with --tag-set TAGS)"]
+
+
+def source_line(model: Model) -> str:
+    """What the model already computes in, before any rewrite ("Source: computes 37 nodes in
+    float16, variables float32: a Keras mixed_float16 export?"), over the items that run,
+    TensorFlow's plumbing left out (its save/restore functions read every variable)."""
+    return source_precision(model.graph_def, skip=plumbing_kinds(model)).line()
 
 
 def headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
