@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.report import Decision, Report
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
     from amp_rewrite.core.target import TARGETS
+    from amp_rewrite.core.canonical import Canonical, to_float32
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
@@ -30,6 +31,7 @@ _NAME_TO_MODULE = {
     "load_float8": "core.lists",
     "Decision": "core.report", "Report": "core.report",
     "RewriteResult": "core.rewrite", "rewrite_graph_def": "core.rewrite",
+    "Canonical": "core.canonical", "to_float32": "core.canonical",
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
     "mixed_precision": "training.live",
 }
@@ -37,6 +39,7 @@ _NAME_TO_MODULE = {
 __all__ = [
     "AmpRewriteError",
     "Calibration",
+    "Canonical",
     "Colour",
     "Decision",
     "GraphError",
@@ -54,6 +57,7 @@ __all__ = [
     "load_lists",
     "mixed_precision",
     "rewrite_graph_def",
+    "to_float32",
     "tune",
     "tune_step",
 ]

@@ -74,7 +74,8 @@ def test_float8_is_named_wherever_targets_are() -> None:
     for text in texts:
         assert "float16 or bfloat16" not in " ".join(text.split()), text
     for command, text in zip(COMMANDS, texts[1:]):
-        assert "{float16,bfloat16,float8}" in text, command
+        targets = "{float16,bfloat16,float8,float32}" if command == "convert" else "{float16,bfloat16,float8}"
+        assert targets in text, command  # convert also takes a mixed model back to float32
 
 
 @pytest.mark.parametrize("command", READ_ONLY)
@@ -235,12 +236,12 @@ def test_inspect_says_already_too(bfloat16_model: Path) -> None:
         assert "Model: already bfloat16: 0 nodes to convert" in run.out and "Model: converted" not in run.out, run.out
 
 
-def test_float16_on_a_bfloat16_model_is_refused_saying_what_to_do(tmp_path: Path, bfloat16_model: Path) -> None:
-    line = error_line(run_cli("convert", bfloat16_model, tmp_path / "fp16", "--target", "float16"))
-    assert line.startswith(f"amp-rewrite: error: {bfloat16_model} is already mixed precision: "), line
-    assert "compute in bfloat16" in line and "convert the float32 original with --target float16" in line
-    assert "or pass --target bfloat16" in line
-    assert not (tmp_path / "fp16").exists()
+def test_float16_on_a_bfloat16_model_retargets_it_saying_so_first(tmp_path: Path, bfloat16_model: Path) -> None:
+    """Once refused ("is already mixed precision"); now back to float32 first, then float16."""
+    run = run_cli("convert", bfloat16_model, tmp_path / "fp16", "--target", "float16")
+    assert_ok(run)
+    assert re.match(r"Model: retargeted from bfloat16: \d+ node\(s\) back to float32 first", run.out), run.out
+    assert re.search(r"^Model: converted [1-9]\d*/\d+ nodes to float16", run.out, re.MULTILINE), run.out
 
 
 def test_a_float32_model_is_not_already_mixed(module_model: Path) -> None:

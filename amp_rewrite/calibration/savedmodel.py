@@ -12,7 +12,7 @@ import functools
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Protocol
 
@@ -24,6 +24,7 @@ from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
 from amp_rewrite.core import colouring, functions, support
+from amp_rewrite.core.canonical import Canonical, to_float32
 from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import Program, program_of
@@ -58,6 +59,7 @@ class Model:
     fetches_are_sinks: bool = False     # GraphDef without --fetch: the outputs are the nodes nobody reads
     preserved: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (function, node) -> why: custom gradients
     left_in_file: frozen.LeftInFile | None = None  # GraphDef: the large Consts whose values stayed in the file
+    canonical: Canonical | None = None  # retargeted: graph_def is the source's float32 form, and what that changed
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
@@ -322,6 +324,13 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
     return rewrite_graph_def(model.graph_def, target=target, fetches=model.fetches, lists=lists,
                              cross_function=cross_function, entry_functions=model.entry_functions, amax=amax,
                              lossy=lossy, preserved=model.preserved)
+
+
+def canonical_model(model: Model) -> Model:
+    """``model`` with its graph back in float32 (``core/canonical.py``): its outputs and
+    custom gradients keep their dtypes; ``canonical`` says what changed."""
+    canonical = to_float32(model.graph_def, fetches=model.fetches, preserved=model.preserved)
+    return replace(model, graph_def=canonical.graph_def, canonical=canonical)
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:

@@ -19,8 +19,11 @@ from amp_rewrite.calibration.savedmodel import Model, write_model
 from amp_rewrite.cli.calibrate import calibrate_model
 from amp_rewrite.cli.dump import write_model_dump
 from amp_rewrite.cli.options import EXIT_OK, EXIT_VALIDATION, Progress, say
-from amp_rewrite.cli.steps import read_and_rewrite, store_weights, summary_lines, tune, weights_lines
+from amp_rewrite.cli.steps import (
+    FLOAT32, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_lines,
+)
 from amp_rewrite.cli.weights import LowCheckpoint
+from amp_rewrite.core.canonical import Canonical
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.core.weights import StoredWeights
@@ -32,6 +35,8 @@ PROGRESS_BYTES = 1 << 30  # a checkpoint this large shows a progress bar over th
 def run(args: argparse.Namespace, progress: Progress) -> int:
     """DST written (exit 0); exit 1, nothing written unless --keep-failed, where calibration
     or validation leaves outputs over tolerance."""
+    if args.target == FLOAT32:
+        return _to_float32(args, progress)
     model, result, lists = read_and_rewrite(args, progress)
     if args.calibrate is not None:
         calibration = calibrate_model(args, model, lists, args.calibrate)
@@ -66,6 +71,41 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         print(f"amp-rewrite: validation failed for {acceptance.failed} output(s); see above; {what}", file=sys.stderr)
         return EXIT_VALIDATION
     return EXIT_OK
+
+
+# What --target float32 leaves out: it converts nothing, so nothing is calibrated, tuned or kept.
+_NOT_FOR_FLOAT32 = (("--calibrate", "calibrate"), ("--tune", "tune"), ("--lists", "lists"), ("--keep", "keep"),
+                    ("--dump", "dump"), ("--validate", "validate"), ("--inputs", "inputs"),
+                    ("--batch-sizes", "batch_sizes"), ("--tune-budget", "tune_budget"), ("--tune-cache", "tune_cache"))
+
+
+def _to_float32(args: argparse.Namespace, progress: Progress) -> int:
+    """``--target float32``: SRC back in float32 (``core/canonical.py``), its signatures and
+    weights as they were; a model in float32 already is said so, and nothing is written."""
+    given = [flag for flag, name in _NOT_FOR_FLOAT32 if getattr(args, name, None) not in (None, False, [])]
+    if given:
+        raise AmpRewriteError(f"{', '.join(given)}: not with --target float32, which converts nothing back to low"
+                              " precision; drop them")
+    model = read_as_float32(args, progress)
+    if model.canonical is None:
+        say(args, f"Model: already float32: 0 nodes to change back; nothing to do, nothing written to {args.dst}")
+        return EXIT_OK
+    progress("writing")
+    written = write_model(model, model.graph_def, args.dst, force=args.force)
+    progress.done()
+    say(args, "Model: " + model.canonical.summary(), *_float32_weights_lines(model.canonical))
+    if written:
+        say(args, f"Wrote {args.dst}")
+    return EXIT_OK
+
+
+def _float32_weights_lines(canonical: Canonical) -> list[str]:
+    """What --target float32 did with the weights: float32 masters stay; those stored low stay so."""
+    low = canonical.low_variables
+    if not low:
+        return ["Weights: float32, as they were"]
+    return [f"Weights: {len(low)} variable(s) stay stored in low precision (e.g. {low[0]!r}), read through a cast to"
+            " float32: the precision they lost earlier is not recovered"]
 
 
 def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:

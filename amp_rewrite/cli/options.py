@@ -23,6 +23,7 @@ EXIT_OK, EXIT_VALIDATION, EXIT_USAGE = 0, 1, 2
 RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
 # core.target's TARGETS and quantized targets, spelled here so --help needs no TensorFlow
 TARGET_NAMES = ("float16", "bfloat16", "float8")
+CONVERT_TARGET_NAMES = (*TARGET_NAMES, "float32")  # convert --target float32: a mixed model back to float32
 METRIC_NAMES = ("max-rel", "p99-rel", "top1-agreement")  # calibration.validate.METRICS, the default second
 
 DESCRIPTION = "Rewrite a SavedModel or GraphDef file to mixed precision (float16, bfloat16 or float8), and look inside."
@@ -197,13 +198,16 @@ def _add_command(commands: Any, name: str) -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _common_options(sub: argparse.ArgumentParser) -> None:
-    """SRC and the options every command takes."""
+def _common_options(sub: argparse.ArgumentParser, targets: tuple[str, ...] = TARGET_NAMES) -> None:
+    """SRC and the options every command takes; ``targets``: the --target choices."""
     sub.add_argument("src", type=Path, help="SavedModel directory, or GraphDef .pb/.pbtxt file")
-    sub.add_argument("--target", choices=TARGET_NAMES, default="float16",
+    float32 = (", or float32 (a model already mixed, e.g. a Keras mixed_float16 export, back to float32)"
+               if "float32" in targets else "")
+    sub.add_argument("--target", choices=targets, default="float16",
                      help="float16 (NVIDIA GPUs, default), bfloat16 (CPUs with AVX512-BF16/AMX) or float8"
                           " (float16 with float8_e4m3fn matmuls under XLA, compute capability 8.9+; needs"
-                          " calibration: convert --calibrate, or --lists from calibrate --target float8)")
+                          " calibration: convert --calibrate, or --lists from calibrate --target float8)" + float32
+                          + "; a model mixed in another precision is taken back to float32 first (retargeted)")
     sub.add_argument("--tag-set", metavar="TAGS",
                      help="SavedModel: the MetaGraphDef to read, tags comma-separated as saved_model_cli's"
                           " --tag_set (default: serve)" + ("; convert copies the others as they are"
@@ -254,7 +258,7 @@ def _calibration_options(sub: argparse.ArgumentParser) -> None:
 def _add_convert(commands: Any) -> None:
     """convert and its options."""
     convert = _add_command(commands, "convert")
-    _common_options(convert)
+    _common_options(convert, CONVERT_TARGET_NAMES)
     _weights_option(convert)
     convert.add_argument("dst", type=Path, help="where to write (same kind as SRC)")
     convert.add_argument("--dump", type=Path, metavar="DIR", help="also write inspection dumps to DIR")

@@ -1,5 +1,5 @@
-"""The steps several commands share: read SRC and rewrite it (refusing an overlay that names
-nothing of it, a model mixed in another dtype, float8 without amax), tune it (--tune speed),
+"""The steps several commands share: read SRC (a model mixed in another dtype back in float32
+first), rewrite it (refusing an overlay that names nothing of it, float8 without amax), tune it (--tune speed),
 store its weights in the target dtype, and the lines that sum up what the rewrite did.
 """
 from __future__ import annotations
@@ -14,20 +14,22 @@ from typing import Any
 
 from amp_rewrite.calibration import speed
 from amp_rewrite.calibration.savedmodel import (
-    Model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
+    Model, canonical_model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
 )
 from amp_rewrite.cli import weights
 from amp_rewrite.cli.options import Progress, say
+from amp_rewrite.core.canonical import low_dtypes
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.functions import split_scope
 from amp_rewrite.core.lists import OpLists, load_float8
 from amp_rewrite.core.precision import already_low, every_node, source_precision
-from amp_rewrite.core.report import Report, dtype_name
+from amp_rewrite.core.report import Report
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.core.weights import StoredWeights
-from amp_rewrite.errors import AmpRewriteError, ModelError, did_you_mean
+from amp_rewrite.errors import AmpRewriteError, did_you_mean
 
+FLOAT32 = "float32"  # --target float32: back to float32, nothing converted
 MAIN_GRAPH_LABEL = "(main graph)"  # how tables name the main graph; explain --function accepts it too
 
 
@@ -44,7 +46,7 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
     progress(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args))
-    _check_not_mixed_otherwise(args, model, lists)
+    model = retarget(args, model)
     quantized = _float8_calibration(args, model, lists)
     progress("rewriting")
     try:
@@ -57,6 +59,16 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
         _, result, lists = tune(args, model, lists, result, progress)
     say(args, *_model_lines(model))
     return model, result, lists
+
+
+def read_as_float32(args: argparse.Namespace, progress: Progress) -> Model:
+    """``convert --target float32``: SRC read, and back in float32 where it is mixed
+    (``retarget``; its ``canonical`` None where it computes in float32 already)."""
+    progress(f"reading {args.src}")
+    model = retarget(args, read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args)))
+    progress.done()
+    say(args, *_model_lines(model))
+    return model
 
 
 def _constants_in_file(args: argparse.Namespace) -> bool:
@@ -115,17 +127,18 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
           f" ({example}); they are ignored", file=sys.stderr)
 
 
-def _check_not_mixed_otherwise(args: argparse.Namespace, model: Model, lists: OpLists) -> None:
-    """A model already mixed in another low precision than the target's is refused: the rewrite
-    would paint its float32 rest and leave the rest as it is, a model in both dtypes, and
-    converting those nodes again would start from weights already rounded to the other one."""
-    painted = lookup_target(args.target, quantized=True).colouring
-    other = {dtype: names for dtype, names in already_low(model.graph_def, lists).items() if dtype != painted}
-    if other:
-        dtype, names = next(iter(other.items()))
-        raise ModelError(f"{args.src} is already mixed precision: {len(names)} node(s) compute in {dtype} (e.g."
-                         f" {names[0]!r}), which --target {args.target} would leave {dtype}; convert the float32"
-                         f" original with --target {args.target}, or pass --target {dtype}")
+def retarget(args: argparse.Namespace, model: Model) -> Model:
+    """A model that computes in a low precision other than the target's (any, for --target
+    float32) back in float32 first (``core/canonical.py``), so the target's lists convert it
+    as they would its float32 twin. One computing in the target's dtype only is left as it is
+    (nothing to retarget: "already bfloat16")."""
+    painted = args.target if args.target == FLOAT32 else lookup_target(args.target, quantized=True).colouring
+    if not set(low_dtypes(model.graph_def)) - {painted}:
+        return model
+    try:
+        return canonical_model(model)
+    except AmpRewriteError as error:
+        raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
 
 
 def _close_to_entry(entry: str, graph_def: Any) -> str:
@@ -209,6 +222,8 @@ def summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
     SavedModel's library total, TensorFlow's plumbing included, as grappler's log counts it."""
     kinds = plumbing_kinds(model)
     lines = [headline(model, report, lists, kinds)]
+    if model.canonical is not None:  # what the source was, said before what became of it
+        lines.insert(0, "Model: " + model.canonical.summary())
     kept = collections.Counter(d.rule for d in report.decisions if not d.converted and d.function not in kinds)
     if kept:
         where = " (model)" if kinds else ""

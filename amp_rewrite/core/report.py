@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.core.program import MAIN_GRAPH
-from amp_rewrite.core.target import FLOAT_DTYPES, lookup_target
+from amp_rewrite.core.target import FLOAT32_NAME, FLOAT_DTYPES, lookup_target
 
 if TYPE_CHECKING:
     from amp_rewrite.core.rules import Reason
@@ -138,6 +138,8 @@ class Report:
     @property
     def painted(self) -> str:
         """The dtype converted vertices got: the target's, or float16 for float8 (its colouring)."""
+        if self.target == FLOAT32_NAME:  # back to float32 (core/canonical.py): nothing painted
+            return self.target
         return lookup_target(self.target, quantized=True).colouring
 
     def summary(self, function: str | None = None) -> str:

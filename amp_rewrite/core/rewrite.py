@@ -35,12 +35,13 @@ from typing import Callable, Iterable
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
+from amp_rewrite.core.canonical import to_float32
 from amp_rewrite.core.colouring import PaintContext, Painting
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import ItemStats, PendingDecisions, Report
-from amp_rewrite.core.target import Target, lookup_target
+from amp_rewrite.core.target import FLOAT32_NAME, Target, lookup_target
 from amp_rewrite.core.typegraph import Vertex
 from amp_rewrite.errors import AmpRewriteError, GraphError, did_you_mean
 
@@ -93,16 +94,16 @@ def rewrite_graph_def(
     """Rewrites ``graph_def`` and its reachable library functions; the input is never modified.
 
     ``target``: ``"float16"`` (NVIDIA GPU lists) or ``"bfloat16"`` (oneDNN CPU lists), or its ``Target``;
-    ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8/inference.py).
-    ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32
-    tensors on calibration inputs (function ``""`` is the main graph); a matmul with an
-    activation operand missing from it stays float16.
+    ``"float8"``: the float16 rewrite whose matmuls then take float8_e4m3fn operands (core/float8/inference.py);
+    ``"float32"``: a mixed graph back to float32 (``to_float32``; to retarget one, that first).
+    ``amax`` (float8 only, required): ``(function, node, port) -> largest finite |x|`` of float32 tensors
+    on calibration inputs (function ``""`` is the main graph); a matmul with an activation operand missing
+    from it stays float16.
     ``lossy`` (float8 only): ``(function, node) -> the FP8 error calibration measured`` for
     matmuls to leave float16 (rule ``float8-lossy``). Both may name a function by its stable
     name, and a node plainly, as an overlay does (``float8.resolve``).
-    ``fetches``: node (or tensor) names whose outputs must keep their dtype.
-    ``preserved``: ``(function, node) -> why`` for more nodes, in any item, that keep their
-    dtypes as fetches do (a SavedModel's custom gradients were traced for them).
+    ``fetches``: node (or tensor) names whose outputs must keep their dtype. ``preserved``: ``(function, node)
+    -> why`` for more nodes, in any item, that keep their dtypes as fetches do (custom gradients' ones).
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
     By default each function body is painted on its own, exactly like grappler, and keeps
@@ -114,6 +115,8 @@ def rewrite_graph_def(
     ``training/session.py``). Its main-graph nodes keep the dtypes they have there, and the
     new ones are painted around them; function bodies are painted as always.
     """
+    if target == FLOAT32_NAME:  # no items in the report: to_float32's Canonical says what changed
+        return RewriteResult(to_float32(graph_def, fetches=fetches, preserved=preserved).graph_def, Report(target, ()))
     target = lookup_target(target, quantized=True)  # the one check of the user's string
     amax, lossy = _float8_calibration(target, amax, lossy, graph_def)
     # 1-2. The lists (float8's are float16's).

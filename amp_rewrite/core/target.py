@@ -62,6 +62,9 @@ TARGETS: tuple[str, ...] = tuple(NAME_TO_TARGET)
 # Targets built on a colouring target's rewrite: rewrite_graph_def, load_lists (the colouring
 # target's lists) and the CLI take them, with lookup_target(name, quantized=True).
 NAME_TO_QUANTIZED_TARGET: Mapping[str, Target] = MappingProxyType({FLOAT8.name: FLOAT8})
+# Not a Target: nothing is converted to it. A model already mixed goes back to float32
+# (core/canonical.py); rewrite_graph_def and convert --target take the name.
+FLOAT32_NAME = "float32"
 
 
 def lookup_target(name: str | Target, *, quantized: bool = False) -> Target:
@@ -71,6 +74,9 @@ def lookup_target(name: str | Target, *, quantized: bool = False) -> Target:
         return name
     names = {**NAME_TO_TARGET, **NAME_TO_QUANTIZED_TARGET} if quantized else NAME_TO_TARGET
     target = names.get(name) if isinstance(name, str) else None
+    if target is None and name == FLOAT32_NAME:
+        raise AmpRewriteError(f"target {name!r} converts nothing to low precision, so it has no lists or casts: use"
+                              " amp_rewrite.to_float32 (convert --target float32) to take a mixed model back to it")
     if target is None:
         raise AmpRewriteError(f"unknown target {name!r}; use one of {', '.join(names)}")
     return target
