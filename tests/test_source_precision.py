@@ -141,17 +141,25 @@ def test_both_keras_policies_and_both_kerases_count_the_same_nodes(exports: dict
     assert set(counts.values()) == {6}, counts
 
 
-def test_inspect_and_dump_open_with_the_line(exports: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_inspect_opens_with_what_the_file_is_whatever_the_target(exports: dict[str, Path], target: str) -> None:
+    """Retargeting to bfloat16 takes the graph back to float32 first: the line still says what the file computes in."""
     expected = _precision(exports["mixed_float16"]).line()
     assert expected.startswith("Source: computes ") and expected.endswith("a Keras mixed_float16 export?")
-    run = run_cli("inspect", exports["mixed_float16"])
+    run = run_cli("inspect", exports["mixed_float16"], "--target", target)
     assert_ok(run)
     assert run.out.splitlines()[0] == expected, run.out
-    run = run_cli("dump", exports["float32"], tmp_path / "dump")
+
+
+@pytest.mark.parametrize("name, target", [("float32", "float16"), ("mixed_bfloat16", "float16")])
+def test_dump_and_its_report_open_with_the_line(exports: dict[str, Path], tmp_path: Path, name: str,
+                                                target: str) -> None:
+    expected = _precision(exports[name]).line()
+    run = run_cli("dump", exports[name], tmp_path / "dump", "--target", target)
     assert_ok(run)
-    assert run.out.splitlines()[0] == "Source: float32 (no node computes in float16 or bfloat16)", run.out
+    assert run.out.splitlines()[0] == expected, run.out
     page = html.unescape((tmp_path / "dump" / "report.html").read_text(encoding="utf-8"))
-    assert '<p class="source">Source: float32 (no node computes in float16 or bfloat16)</p>' in page
+    assert f'<p class="source">{expected}</p>' in page
 
 
 def test_inspect_quiet_keeps_the_headline_alone(exports: dict[str, Path]) -> None:

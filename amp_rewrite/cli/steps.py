@@ -46,7 +46,7 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
     progress(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args))
-    model = retarget(args, model)
+    model = retarget(args, with_source(model))
     quantized = _float8_calibration(args, model, lists)
     progress("rewriting")
     try:
@@ -187,11 +187,17 @@ def _model_lines(model: Model) -> list[str]:
             f" (convert another with --tag-set TAGS)"]
 
 
+def with_source(model: Model) -> Model:
+    """``model`` with what its file computes in and stores (``Model.source``), read before
+    retargeting changes its graph: over the items that run, TensorFlow's plumbing left out
+    (its save/restore functions read every variable)."""
+    return dataclasses.replace(model, source=source_precision(model.graph_def, skip=plumbing_kinds(model)))
+
+
 def source_line(model: Model) -> str:
-    """What the model already computes in, before any rewrite ("Source: computes 37 nodes in
-    float16, variables float32: a Keras mixed_float16 export?"), over the items that run,
-    TensorFlow's plumbing left out (its save/restore functions read every variable)."""
-    return source_precision(model.graph_def, skip=plumbing_kinds(model)).line()
+    """What the model computed in before any rewrite or retargeting: "Source: computes 37
+    nodes in float16, variables float32: a Keras mixed_float16 export?"."""
+    return (model.source or with_source(model).source).line()
 
 
 def headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
