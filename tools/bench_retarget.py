@@ -194,7 +194,10 @@ def render(results: Sequence[Result], sizes: Any, elapsed_s: float, smoke: bool)
         f" BERT: {sizes.short_seq} and {sizes.long_seq} tokens): median of {sizes.rounds} rounds after"
         f" {sizes.warmup} warm-up calls, the four loaded in one process and called in turn, the order rotated per"
         " round; speed = median over rounds of the twin's time / the variant's (above 1: faster than float32)."
-        " |Δ| = the largest output difference from the twin on one batch-8 input.", "",
+        " |Δ| = the largest output difference from the twin on one batch-8 input. Both models' last layers"
+        " follow the policy, so their `serve` outputs are float16, and retargeting keeps a signature's dtypes:"
+        " float32's |Δ| is that last rounding to float16 (half a float16 step of the largest output).", "",
+        bench.cpu_note(machine_line()), "",
         "| model | variant | batch 1 (ms) | vs twin | batch 8 (ms) | vs twin | max \\|Δ\\| vs twin |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
