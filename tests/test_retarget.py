@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import re
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -276,3 +277,137 @@ def test_the_python_api_takes_target_float32() -> None:
     assert low_dtypes(result.graph_def) == {} and low_dtypes(graph_def) == {"float16": 3}
     with pytest.raises(amp_rewrite.AmpRewriteError, match="use amp_rewrite.to_float32"):
         amp_rewrite.load_lists("float32")
+
+
+# --------------------------------------------------------------------------------------
+# Weights stored low (our own outputs without --float32-weights)
+
+
+def _checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every variable value of a SavedModel's checkpoint, by key (the object graph's aside)."""
+    reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_dtype_map() if "OBJECT_GRAPH" not in key}
+
+
+def test_weights_stored_low_widen_exactly_to_float32(tmp_path: Path, mixed16: tuple[Path, Path]) -> None:
+    assert_ok(run_cli("convert", mixed16[1], tmp_path / "bf16", "--target", "bfloat16"))
+    source = _checkpoint(tmp_path / "bf16")
+    low = {key for key, value in source.items() if value.dtype == tf.bfloat16.as_numpy_dtype}
+    assert low  # the conversion stored weights in bfloat16
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "f32", "--target", "float32")
+    assert_ok(run)
+    assert f"Weights: {len(low)} key(s) stored in bfloat16 widened to float32, exactly: the precision they lost" \
+           " earlier is not recovered" in run.out, run.out
+    widened = _checkpoint(tmp_path / "f32")
+    for key in low:
+        assert widened[key].dtype == np.float32
+        np.testing.assert_array_equal(widened[key], source[key].astype(np.float32))
+    loaded = tf.saved_model.load(str(tmp_path / "f32"))
+    assert {variable.dtype for variable in loaded.variables} == {tf.float32}
+    assert low_dtypes(read_model(tmp_path / "f32").graph_def) == {}
+    x = digits().x_test[:8]
+    np.testing.assert_allclose(serve(tmp_path / "f32", x), serve(tmp_path / "bf16", x), rtol=2e-2, atol=2e-2)
+
+
+def test_float16_weights_retargeted_to_bfloat16_say_per_variable_what_changed(
+        tmp_path: Path, mixed16: tuple[Path, Path]) -> None:
+    assert_ok(run_cli("convert", mixed16[1], tmp_path / "fp16", "--target", "float16"))
+    source = _checkpoint(tmp_path / "fp16")
+    run = run_cli("convert", tmp_path / "fp16", tmp_path / "bf16", "--target", "bfloat16")
+    assert_ok(run)
+    written = _checkpoint(tmp_path / "bf16")
+    found = dict(re.findall(r"^  (\S+): (\d+ of \d+) element\(s\) change", run.out, re.MULTILINE))
+    assert found, run.out
+    for key, value in written.items():
+        if value.dtype != tf.bfloat16.as_numpy_dtype:
+            continue
+        assert source[key].dtype == np.float16
+        expected = tf.cast(tf.cast(source[key], tf.float32), tf.bfloat16).numpy()
+        np.testing.assert_array_equal(value, expected)  # rounded once, from the float16 values
+    changed = sum(int(np.count_nonzero(written[key].astype(np.float32) != source[key].astype(np.float32)))
+                  for key in written if written[key].dtype == tf.bfloat16.as_numpy_dtype)
+    assert changed == sum(int(text.split(" of ")[0]) for text in found.values()) > 0  # 3 mantissa bits dropped
+
+
+def _export_dense(path: Path, bias: float) -> Path:
+    """A one-layer Dense model whose first bias is ``bias``."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="head")])
+    kernel, biases = model.get_weights()
+    biases[0] = bias
+    model.set_weights([kernel, biases])
+    model.export(path, verbose=False)
+    return path
+
+
+def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp_path: Path) -> None:
+    source = _export_dense(tmp_path / "dense", 1e5)
+    assert_ok(run_cli("convert", source, tmp_path / "bf16", "--target", "bfloat16"))
+    line = error_line(run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16"))
+    assert re.search(r"variable '(\w+/)?head/bias' holds 99840, beyond float16's range", line), line  # 1e5 in bfloat16
+    assert "--force" in line and not (tmp_path / "fp16").exists()
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--force")
+    assert_ok(run)
+    assert "99840 becomes inf (--force)" in run.out, run.out
+
+
+def test_low_weights_stay_low_where_the_run_loads_the_model_here(tmp_path: Path) -> None:
+    """--calibrate runs the model as it is on disk: its low weights stay so, read through a
+    cast, and the result loads and runs (validated)."""
+    assert_ok(run_cli("convert", _export_dense(tmp_path / "dense", 0.5), tmp_path / "bf16", "--target", "bfloat16"))
+    run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--calibrate", "random",
+                  "--validate", "1")
+    assert_ok(run)
+    assert "stay stored low as the source has them" in run.out, run.out
+    loaded = tf.saved_model.load(str(tmp_path / "fp16"))
+    assert {variable.dtype for variable in loaded.variables} == {tf.bfloat16}
+    assert np.isfinite(loaded.serve(tf.ones((2, 4))).numpy()).all()
+
+
+# --------------------------------------------------------------------------------------
+# tf_keras mixed exports
+
+
+def _tf_keras_pair(directory: Path) -> tuple[Path, Path]:
+    """A tf_keras CNN under mixed_float16 (last layer float32) saved as a SavedModel, and its float32 twin."""
+    tf_keras = pytest.importorskip("tf_keras")
+
+    def build(policy: str) -> Any:
+        tf_keras.mixed_precision.set_global_policy(policy)
+        try:
+            tf_keras.utils.set_random_seed(0)
+            pixels = tf_keras.Input((64,), name="pixels")
+            hidden = tf_keras.layers.Conv2D(8, 3, padding="same", activation="relu")(
+                tf_keras.layers.Reshape((8, 8, 1))(pixels))
+            hidden = tf_keras.layers.Dense(16, activation="relu")(tf_keras.layers.Flatten()(hidden))
+            return tf_keras.Model(pixels, tf_keras.layers.Dense(10, dtype="float32")(hidden))
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+
+    mixed, twin = build("mixed_float16"), build("float32")
+    twin.set_weights(mixed.get_weights())
+    mixed.save(directory / "mixed", save_format="tf")
+    twin.save(directory / "twin", save_format="tf")
+    return directory / "mixed", directory / "twin"
+
+
+def _serving(path: Path, x: np.ndarray) -> np.ndarray:
+    loaded = tf.saved_model.load(str(path))
+    (output,) = loaded.signatures["serving_default"](pixels=tf.constant(x)).values()
+    return output.numpy()
+
+
+def test_a_tf_keras_mixed_export_retargets_as_its_twin_converts(tmp_path: Path) -> None:
+    mixed, twin = _tf_keras_pair(tmp_path)
+    run = run_cli("convert", mixed, tmp_path / "retargeted", "--target", "bfloat16")
+    assert_ok(run)
+    assert run.out.startswith("Model: retargeted from float16: "), run.out
+    direct = run_cli("convert", twin, tmp_path / "direct", "--target", "bfloat16")
+    assert_ok(direct)
+    totals = [[line for line in text.splitlines() if line.startswith("Model: converted")] for text in (run.out, direct.out)]
+    assert totals[0] == totals[1] and totals[0], (run.out, direct.out)
+    x = digits().x_test[:8]
+    np.testing.assert_allclose(_serving(tmp_path / "retargeted", x), _serving(tmp_path / "direct", x), rtol=1e-6,
+                               atol=1e-6)
+    assert_ok(run_cli("convert", mixed, tmp_path / "f32", "--target", "float32"))
+    np.testing.assert_allclose(_serving(tmp_path / "f32", x), _serving(twin, x), rtol=1e-5, atol=1e-6)

@@ -61,6 +61,8 @@ class Model:
     preserved: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (function, node) -> why: custom gradients
     left_in_file: frozen.LeftInFile | None = None  # GraphDef: the large Consts whose values stayed in the file
     canonical: Canonical | None = None  # retargeted: graph_def is the source's float32 form, and what that changed
+    widened_keys: Mapping[str, int] = field(default_factory=dict)  # checkpoint key stored low -> its dtype, read
+    # as float32 by the canonical graph (cli/weights.py widens it on writing)
     source: SourcePrecision | None = None  # what the file computes in and stores, read before any retargeting
 
     @property
@@ -328,10 +330,11 @@ def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: 
                              lossy=lossy, preserved=model.preserved)
 
 
-def canonical_model(model: Model) -> Model:
+def canonical_model(model: Model, *, variables: bool = False) -> Model:
     """``model`` with its graph back in float32 (``core/canonical.py``): its outputs and
-    custom gradients keep their dtypes; ``canonical`` says what changed."""
-    canonical = to_float32(model.graph_def, fetches=model.fetches, preserved=model.preserved)
+    custom gradients keep their dtypes; ``canonical`` says what changed. ``variables``: the
+    variables stored low too (the caller widens the checkpoint: ``cli/weights.py``)."""
+    canonical = to_float32(model.graph_def, fetches=model.fetches, preserved=model.preserved, variables=variables)
     return replace(model, graph_def=canonical.graph_def, canonical=canonical)
 
 

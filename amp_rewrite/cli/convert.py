@@ -22,8 +22,7 @@ from amp_rewrite.cli.options import EXIT_OK, EXIT_VALIDATION, Progress, say
 from amp_rewrite.cli.steps import (
     FLOAT32, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_lines,
 )
-from amp_rewrite.cli.weights import LowCheckpoint
-from amp_rewrite.core.canonical import Canonical
+from amp_rewrite.cli.weights import LowCheckpoint, retargeted_weights_lines
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.core.weights import StoredWeights
@@ -47,6 +46,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
             return EXIT_VALIDATION
     tuning, result, lists = tune(args, model, lists, result, progress)
     written_model, result, stored = store_weights(args, model, result)
+    retargeted = retargeted_weights_lines(model, stored, force=args.force)  # refuses a value out of range
     feeds = _validation_feeds(args, model)
     for leftover in staging.remove_leftovers(args.dst):
         say(args, f"Removed {leftover}, left by an interrupted run")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
                               accept=acceptance if acceptance.checks else None, variables=variables)
     progress.done()
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored))
+    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *retargeted)
     if written:
         say(args, f"Wrote {args.dst}")
     if acceptance.failed:
@@ -91,17 +91,21 @@ def _to_float32(args: argparse.Namespace, progress: Progress) -> int:
         say(args, f"Model: already float32: 0 nodes to change back; nothing to do, nothing written to {args.dst}")
         return EXIT_OK
     progress("writing")
-    written = write_model(model, model.graph_def, args.dst, force=args.force)
+    with _checkpoint(args, model, None) as variables:
+        written = write_model(model, model.graph_def, args.dst, force=args.force, variables=variables)
     progress.done()
-    say(args, "Model: " + model.canonical.summary(), *_float32_weights_lines(model.canonical))
+    say(args, "Model: " + model.canonical.summary(), *_float32_weights_lines(model))
     if written:
         say(args, f"Wrote {args.dst}")
     return EXIT_OK
 
 
-def _float32_weights_lines(canonical: Canonical) -> list[str]:
-    """What --target float32 did with the weights: float32 masters stay; those stored low stay so."""
-    low = canonical.low_variables
+def _float32_weights_lines(model: Model) -> list[str]:
+    """What --target float32 did with the weights: float32 masters stay; those stored low are
+    widened (a SavedModel's checkpoint, a GraphDef's constants), or else read through a cast."""
+    low = model.canonical.low_variables
+    if model.widened_keys:
+        return retargeted_weights_lines(model, None, force=False)
     if not low:
         return ["Weights: float32, as they were"]
     return [f"Weights: {len(low)} variable(s) stay stored in low precision (e.g. {low[0]!r}), read through a cast to"
@@ -194,7 +198,7 @@ def _weights_bytes(model: Model) -> int:
 def _checkpoint(args: argparse.Namespace, model: Model, stored: StoredWeights | None) -> Iterator[LowCheckpoint | None]:
     """The checkpoint ``convert`` writes in place of the source's (None: the source's is copied),
     with a progress bar over its bytes on a terminal for a model of a GB or more, unless --quiet."""
-    if model.kind != "savedmodel" or stored is None or not stored.low_keys:
+    if model.kind != "savedmodel" or (stored is None or not stored.low_keys) and not model.widened_keys:
         yield None
         return
     checkpoint = LowCheckpoint(model, stored)

@@ -22,7 +22,8 @@ from amp_rewrite.core.canonical import low_dtypes
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.functions import split_scope
 from amp_rewrite.core.lists import OpLists, load_float8
-from amp_rewrite.core.precision import already_low, every_node, source_precision
+from amp_rewrite.core.graph_io import every_node
+from amp_rewrite.core.precision import already_low, source_precision
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rewrite import RewriteResult
 from amp_rewrite.core.target import lookup_target
@@ -135,8 +136,11 @@ def retarget(args: argparse.Namespace, model: Model) -> Model:
     painted = args.target if args.target == FLOAT32 else lookup_target(args.target, quantized=True).colouring
     if not set(low_dtypes(model.graph_def)) - {painted}:
         return model
+    # A SavedModel's variables stored low widen too, as its checkpoint does on writing; not
+    # where the run loads the model here (calibration, timing): that reads variables/ as it is.
+    runs_here = args.command == "calibrate" or any(getattr(args, name, None) for name in ("calibrate", "tune"))
     try:
-        return canonical_model(model)
+        return weights.widen_weights(canonical_model(model, variables=model.kind == "savedmodel" and not runs_here))
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
 

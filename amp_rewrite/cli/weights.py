@@ -33,6 +33,9 @@ from amp_rewrite.calibration import bundle
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rewrite import RewriteResult, gc_paused
+from amp_rewrite.core.canonical import LOW_DTYPES
+from amp_rewrite.core.report import dtype_name
+from amp_rewrite.core.target import FLOAT_DTYPES
 from amp_rewrite.core.weights import FLOAT32, ObjectGraph, StoredWeights, restored_keys, round_to, store_weights
 from amp_rewrite.errors import GraphError, ModelError, tensorflow_cause
 
@@ -97,7 +100,7 @@ def _check_dtypes(model: Model, stored: StoredWeights, key_to_dtype: Mapping[str
     for weight in stored.weights:
         for key in weight.keys:
             found = key_to_dtype.get(key)
-            if found is not None and found.as_datatype_enum != FLOAT32:
+            if found is not None and found.as_datatype_enum != FLOAT32 and key not in model.widened_keys:
                 raise ModelError(f"{checkpoint_prefix(model)}: key '{key}' holds {found.name} but the graph reads"
                                  f" variable '{weight.name}' as float32; variables/ and saved_model.pb disagree:"
                                  " copy both from one export")
@@ -124,6 +127,93 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
             else:
                 blocked[attribute.checkpoint_key] = f"belongs to a {kind or 'missing'} object, not a variable"
     return ObjectGraph(proto, object_to_key), blocked
+
+
+def widen_weights(model: Model) -> Model:
+    """A retargeted SavedModel whose graph now reads as float32 the variables the source
+    stored low (``canonical_model(variables=True)``): its object graph says float32 for
+    them too, and ``widened_keys`` names their checkpoint keys, which ``LowCheckpoint``
+    widens as it writes. Other models are returned as they are."""
+    if model.kind != "savedmodel" or model.canonical is None or not model.canonical.variables_widened:
+        return model
+    reader = _reader(model)
+    low = {key: dtype.as_datatype_enum for key, dtype in reader.get_variable_to_dtype_map().items()
+           if dtype.as_datatype_enum in LOW_DTYPES}
+    objects, _ = _object_graph(model, reader)
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.CopyFrom(model.saved_model)
+    nodes = saved_model.meta_graphs[model.meta_graph_index].object_graph_def.nodes
+    for node_id, key in (objects.object_to_key.items() if objects else ()):
+        if key in low:
+            nodes[node_id].variable.dtype = FLOAT32
+    return dataclasses.replace(model, saved_model=saved_model, widened_keys=low)
+
+
+@dataclass(frozen=True)
+class _Change:
+    """What storing one variable in another low dtype does to its values."""
+
+    name: str
+    dtype: int          # the dtype it is stored in now
+    elements: int
+    changed: int        # elements whose value changes
+    largest: float      # the largest |change| of a finite value
+    overflow: float     # the largest finite |value| that becomes inf (0: none)
+
+
+def retargeted_weights_lines(model: Model, stored: StoredWeights | None, *, force: bool) -> list[str]:
+    """What retargeting did to the weights the source stored low: widened to float32 exactly,
+    or stored in the other low dtype, measured per variable (one line each). A value beyond
+    the new dtype's range is refused (``ModelError``), unless ``force``."""
+    canonical = model.canonical
+    if canonical is not None and canonical.low_variables and not canonical.variables_widened:
+        return [f"Weights: {len(canonical.low_variables)} variable(s) stay stored low as the source has them (e.g."
+                f" {canonical.low_variables[0]!r}), read through a cast: --calibrate and --tune run the model as it"
+                " is on disk; convert it with --target float32 first to retarget them too"]
+    if not model.widened_keys:
+        return []
+    reader = _reader(model)
+    changes = [_change(reader, weight) for weight in (stored.weights if stored else ()) if weight.low
+               and any(model.widened_keys.get(key, weight.dtype) != weight.dtype for key in weight.keys)]
+    over = [change for change in changes if change.overflow]
+    if over and not force:
+        change = over[0]
+        raise ModelError(f"{model.path}: variable '{change.name}' holds {change.overflow:g}, beyond"
+                         f" {dtype_name(change.dtype)}'s range: stored so it would be inf; pass --force to store it"
+                         " anyway, or --float32-weights to keep it float32")
+    relowered = {key for weight in (stored.weights if stored else ()) if weight.low for key in weight.keys}
+    widened = [key for key in model.widened_keys if key not in relowered]
+    lines = []
+    if widened:
+        source = " and ".join(sorted({dtype_name(model.widened_keys[key]) for key in widened}))
+        lines.append(f"Weights: {len(widened)} key(s) stored in {source} widened to float32, exactly: the precision"
+                     " they lost earlier is not recovered")
+    if changes:
+        source = " and ".join(sorted({dtype_name(model.widened_keys[key]) for key in relowered
+                                      if key in model.widened_keys}))
+        lines.append(f"Weights retargeted from {source} to {dtype_name(changes[0].dtype)}, per variable:")
+    for change in changes:
+        line = (f"  {change.name}: {change.changed} of {change.elements} element(s) change, largest change"
+                f" {change.largest:.3g}")
+        lines.append(line + (f"; {change.overflow:g} becomes inf (--force)" if change.overflow else ""))
+    return lines
+
+
+def _change(reader: Any, weight: Any) -> _Change:
+    """One variable's values, as the source stored them, against them in ``weight.dtype``."""
+    elements = changed = 0
+    largest = overflow = 0.0
+    for key in weight.keys:
+        values = np.asarray(reader.get_tensor(key), np.float32).ravel()
+        stored = round_to(values, weight.dtype).astype(np.float32)
+        finite = np.isfinite(values)
+        lost = finite & ~np.isfinite(stored)
+        difference = np.abs(np.where(finite & ~lost, stored - values, 0))
+        elements += values.size
+        changed += int(np.count_nonzero((stored != values) & finite))
+        largest = max(largest, float(difference.max(initial=0)))
+        overflow = max(overflow, float(np.abs(values[lost]).max(initial=0)))
+    return _Change(weight.name, weight.dtype, elements, changed, largest, overflow)
 
 
 def with_weights(model: Model, stored: StoredWeights) -> Model:
@@ -168,7 +258,9 @@ def _untrain_lists(proto: Any, low: frozenset[int]) -> None:
 
 class LowCheckpoint:
     """``variables/`` of the staged copy, written a chunk at a time: the source's checkpoint
-    with ``stored``'s low keys in the target dtype, each part of them in its source shard.
+    with ``stored``'s low keys in the target dtype, each part of them in its source shard,
+    and a retargeted model's keys stored low (``Model.widened_keys``) read from their dtype:
+    widened to float32, exactly, where the result reads them so.
 
     Every other key's bytes are copied as they are (their crc32c with them). The low keys
     are read (TensorFlow's reader, which checks each crc32c; a part larger than a chunk is
@@ -176,9 +268,13 @@ class LowCheckpoint:
     a chunk at a time, each chunk's shard appended to the source part's shard; one index over
     them all. At most ``chunk_bytes`` of float32 values (and their rounded copy) are held."""
 
-    def __init__(self, model: Model, stored: StoredWeights, chunk_bytes: int | None = None) -> None:
-        self.model, self.low, self.chunk_bytes = model, stored.low_keys, chunk_bytes or CHUNK_BYTES
-        self.dtype = next(weight.dtype for weight in stored.weights if weight.low)
+    def __init__(self, model: Model, stored: StoredWeights | None, chunk_bytes: int | None = None) -> None:
+        self.model, self.chunk_bytes = model, chunk_bytes or CHUNK_BYTES
+        dtype = next((weight.dtype for weight in stored.weights if weight.low), FLOAT32) if stored else FLOAT32
+        # key -> the dtype written: the target's where stored low, float32 where only widened
+        self.key_to_dtype = {**dict.fromkeys(model.widened_keys, FLOAT32),
+                             **dict.fromkeys(stored.low_keys if stored else (), dtype)}
+        self.low = frozenset(self.key_to_dtype)
         try:
             with gc_paused():  # an entry or two per key, freed with the checkpoint
                 self.source = checked_index(model)
@@ -186,13 +282,24 @@ class LowCheckpoint:
         except bundle.BundleError as error:
             raise ModelError(f"{bundle.index_path(checkpoint_prefix(model))}: {error}; copy variables/ from the"
                              " original export") from None
-        self.low_entries = {name for found in self.parts.values() for name, _, _ in found}
+        # entry -> (bytes per value written, read): what each rewritten entry's size becomes
+        self.entry_bytes = {name: (FLOAT_DTYPES[self.key_to_dtype[key]].item_bytes, self.source_bytes(key))
+                            for key, found in self.parts.items() for name, _, _ in found}
+        self.low_entries = set(self.entry_bytes)
         self.progress: Callable[[int], None] = lambda written: None
 
     @property
     def size(self) -> int:
-        """The bytes it writes: the low keys' in half, the others' as they are."""
-        return sum(entry.size // (2 if key in self.low_entries else 1) for key, entry in self.source.entries.items())
+        """The bytes it writes: the rewritten keys' at their new size, the others' as they are."""
+        return sum(entry.size * self.entry_bytes[key][0] // self.entry_bytes[key][1] if key in self.entry_bytes
+                   else entry.size for key, entry in self.source.entries.items())
+
+    def source_dtype(self, key: str) -> int:
+        """The dtype ``key`` is stored in in the source: float32, or the low one it was retargeted from."""
+        return self.model.widened_keys.get(key, FLOAT32)
+
+    def source_bytes(self, key: str) -> int:
+        return FLOAT_DTYPES[self.source_dtype(key)].item_bytes
 
     def write(self, variables: Path) -> None:
         """No GC meanwhile: a few small objects per key (its entry, its piece, its rounded values)
@@ -312,7 +419,7 @@ class _Chunks:
                     elements = piece.elements
                     if self.pieces and (self.held + elements) * 4 > checkpoint.chunk_bytes:
                         self._flush()
-                    self.values.append(round_to(self._read(piece), checkpoint.dtype))
+                    self.values.append(round_to(self._read(piece), checkpoint.key_to_dtype[key]))
                     self.pieces.append(piece)
                     self.held += elements
         self._flush()
@@ -326,11 +433,12 @@ class _Chunks:
                 prefix = str(checkpoint_prefix(self.checkpoint.model))
                 with tf.device("CPU:0"):
                     return tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[piece.key], shape_and_slices=[piece.spec],
-                                                dtypes=[tf.float32])[0].numpy()
+                                                dtypes=[tf.as_dtype(self.checkpoint.source_dtype(piece.key))])[0].numpy()
             except (tf.errors.OpError, ValueError, IndexError) as error:
                 raise _unreadable(self.checkpoint.model, error) from None
         path = self.checkpoint.shard_path(self.shard)
-        values = np.fromfile(path, dtype="<f4", count=piece.elements, offset=piece.part.offset + piece.first * 4)
+        dtype = np.dtype(tf.as_dtype(self.checkpoint.source_dtype(piece.key)).as_numpy_dtype).newbyteorder("<")
+        values = np.fromfile(path, dtype=dtype, count=piece.elements, offset=piece.part.offset + piece.first * dtype.itemsize)
         if values.size != piece.elements:
             raise ModelError(f"{path}: ends inside key '{piece.key}'; the shard is truncated: copy variables/ from the"
                              " original export")

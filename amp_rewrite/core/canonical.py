@@ -10,7 +10,8 @@ Per item (the main graph and every library function body), three steps:
    hold: function boundaries (``_Arg``, ``_Retval``: signatures stay as they are), calls
    (their types are their function's signature), placeholders, outputs the caller keeps
    (fetches, custom gradients), stateful ops (a variable stored low keeps its dtype, read
-   through a cast) and ``Bitcast`` (whose meaning is its dtypes).
+   through a cast, unless the caller widens its stored values too: ``variables``) and
+   ``Bitcast`` (whose meaning is its dtypes).
 2. Casts where a widened tensor meets a reader that kept its low dtype (a float16 output
    the client sees stays float16: one Cast at the end), and the other way.
 3. Drop the Casts that step 1 made float32 → float32: their readers read the cast's input.
@@ -43,6 +44,10 @@ CAST_SUFFIX = "Canonical"  # the added casts' names: <src>-<port>-CastTo<Dtype>-
 _CAST_KIND = {FLOAT32: "CastToFp32", types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
 # What a cast between floats does to a device: none; kept only where the source had one already.
 KERNEL_DEVICES = ("CPU", "GPU")
+# The stateful ops that hold, read, write, save or restore a variable's values: widened with
+# ``variables=True``, when the caller widens the stored values (a SavedModel's checkpoint).
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "ReadVariableOp", "AssignVariableOp", "ResourceGather",
+                          "ResourceGatherNd", "SaveV2", "RestoreV2"})
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class Canonical:
     widened: int                    # nodes whose low dtypes became float32 (Casts and Consts aside)
     casts_removed: int              # float casts that became float32 -> float32 and went
     casts_added: int                # casts where a widened tensor meets a reader that kept its dtype
-    low_variables: tuple[str, ...]  # variables stored in a low dtype: kept so, read through a cast
+    low_variables: tuple[str, ...]  # variables stored in a low dtype: widened (``variables``), else read through a cast
+    variables_widened: bool = False  # whether ``low_variables`` are float32 in ``graph_def``
 
     @property
     def changed(self) -> bool:
@@ -89,13 +95,15 @@ class _ItemChange:
 
 
 def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
-               preserved: Mapping[tuple[str, str], str] | None = None) -> Canonical:
+               preserved: Mapping[tuple[str, str], str] | None = None, variables: bool = False) -> Canonical:
     """``graph_def`` with every float16/bfloat16 compute node of the main graph and of each
     library function back to float32 (module doc); the input is never modified.
 
     ``fetches``: main-graph tensors or nodes whose dtypes the caller sees (a SavedModel's
     signature outputs): they keep them. ``preserved``: ``(function, node) -> why`` for more
     nodes that keep their dtypes (custom gradients; function ``""`` is the main graph).
+    ``variables``: variables stored low become float32 too, with their reads, writes, saves
+    and restores; the caller widens their stored values (else they stay, read through a cast).
     A low-precision node whose op has no float32 kernel is refused (``GraphError``)."""
     program = program_of(graph_def)
     functions.check_calls(graph_def, program.library)
@@ -103,6 +111,9 @@ def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
     kept[MAIN_GRAPH].update(parse_tensor_name(fetch).node for fetch in fetches)
     for function, node in (preserved or {}):
         kept[function].add(node)
+    # Variable ops widen only where a variable is stored low: a low read of a float32 variable
+    # is a broken export, for the weights step to refuse (core/weights.py), not to mend here.
+    variables = variables and any(_is_low_variable(node) for node in graph_io.every_node(graph_def))
     output = copy_graph_def(graph_def)
     changes = []
     for name in program.names:
@@ -110,7 +121,7 @@ def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
         if not _has_low(item):
             continue
         try:
-            body, change = _canonicalise_item(item, program.op_defs, frozenset(kept[name]))
+            body, change = _canonicalise_item(item, program.op_defs, frozenset(kept[name]), variables)
         except GraphError as error:
             raise GraphError(f"function '{name}': {error}" if name != MAIN_GRAPH else str(error)) from None
         program.put(output, name, body)
@@ -119,17 +130,19 @@ def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
     for change in changes:
         low_nodes.update(change.low_nodes)
     return Canonical(output, dict(low_nodes), sum(c.widened for c in changes), sum(c.casts_removed for c in changes),
-                     sum(c.casts_added for c in changes), tuple(v for c in changes for v in c.low_variables))
+                     sum(c.casts_added for c in changes), tuple(v for c in changes for v in c.low_variables), variables)
 
 
 def low_dtypes(graph_def: graph_pb2.GraphDef) -> dict[str, int]:
     """Dtype name -> how many nodes of the main graph and the library functions compute in
     it (Casts and Consts aside): what the source already is, before anything changes."""
-    found: collections.Counter[str] = collections.Counter()
-    for nodes in (graph_def.node, *(function.node_def for function in graph_def.library.function)):
-        found.update(dtype_name(dtype) for node in nodes if node.op not in ("Cast", "Const")
-                     for dtype in set(_low_attrs(node)))
+    found = collections.Counter(dtype_name(dtype) for node in graph_io.every_node(graph_def)
+                                if node.op not in ("Cast", "Const") for dtype in set(_low_attrs(node)))
     return dict(found.most_common())
+
+
+def _is_low_variable(node_def: node_def_pb2.NodeDef) -> bool:
+    return node_def.op in ("VarHandleOp", "VariableV2") and bool(_low_attrs(node_def))
 
 
 def _has_low(graph_def: graph_pb2.GraphDef) -> bool:
@@ -151,18 +164,18 @@ def _low_attrs(node_def: node_def_pb2.NodeDef) -> list[int]:
     return found
 
 
-def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozenset[str],
+def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozenset[str], variables: bool,
                        ) -> tuple[graph_pb2.GraphDef, _ItemChange]:
-    """Steps 1-3 (module doc) on one item's GraphDef; ``kept``: its nodes whose dtypes stay."""
+    """Steps 1-3 (module doc) on one item's GraphDef; ``kept``: its nodes whose dtypes stay;
+    ``variables``: the variable ops widen too."""
     nodes = graph_io.working_copy(item)
     types = typegraph.build_type_graph(nodes, None, op_defs)  # fills the working copy's default attrs
     low_nodes = collections.Counter(dtype_name(dtype) for node in nodes.graph_def.node
                                     if node.op not in ("Cast", "Const") for dtype in set(_low_attrs(node)))
-    low_variables = tuple(node.name for node in nodes.graph_def.node
-                          if node.op in ("VarHandleOp", "VariableV2") and _low_attrs(node))
+    low_variables = tuple(node.name for node in nodes.graph_def.node if _is_low_variable(node))
     # 1. Widen.
     widened = [name for name, node_def in nodes.node_defs.items()
-               if _low_attrs(node_def) and not _keeps_dtypes(node_def, kept, op_defs)]
+               if _low_attrs(node_def) and not _keeps_dtypes(node_def, kept, op_defs, variables)]
     casts = {name for name in widened if nodes.node_defs[name].op == "Cast"}
     for name in widened:
         _widen(nodes.node_defs[name])
@@ -174,7 +187,7 @@ def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozens
     return graph_def, _ItemChange(dict(low_nodes), counted, removed, added, low_variables)
 
 
-def _keeps_dtypes(node_def: node_def_pb2.NodeDef, kept: frozenset[str], op_defs: Mapping) -> bool:
+def _keeps_dtypes(node_def: node_def_pb2.NodeDef, kept: frozenset[str], op_defs: Mapping, variables: bool) -> bool:
     """Whether a node keeps its low dtypes (module doc, step 1); a node that would widen to an
     op without a float32 kernel is refused."""
     if node_def.name in kept or node_def.op in BOUNDARY_OPS:
@@ -182,7 +195,7 @@ def _keeps_dtypes(node_def: node_def_pb2.NodeDef, kept: frozenset[str], op_defs:
     if any(name in op_defs for name in functions.called_functions(node_def)):
         return True  # a call: its types are its function's signature
     op_def = support.registered_op_def(node_def.op)
-    if op_def is not None and op_def.is_stateful:
+    if op_def is not None and op_def.is_stateful and not (variables and node_def.op in VARIABLE_OPS):
         return True
     if node_def.op == "Const" and graph_io.is_left_in_file(node_def.attr["value"].tensor):
         return True  # its values are still in the file: read there, then cast

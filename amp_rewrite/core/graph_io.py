@@ -25,7 +25,7 @@ expands to (``arg_port_count``).
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Iterable, NamedTuple
 
 import networkx as nx
@@ -100,6 +100,13 @@ def input_node(tensor: str) -> str:
     ``"x:1"``, ``"^x"``) or a FunctionDef's (``"x:output:0"``): what comes before the first
     ``:``, as a node name holds none. Unchecked: ``parse_tensor_name`` checks a GraphDef's."""
     return tensor[1:].partition(":")[0] if tensor[:1] == "^" else tensor.partition(":")[0]
+
+
+def every_node(graph_def: graph_pb2.GraphDef) -> Iterator[node_def_pb2.NodeDef]:
+    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
+    yield from graph_def.node
+    for function in graph_def.library.function:
+        yield from function.node_def
 
 
 def copy_graph_def(graph_def: graph_pb2.GraphDef) -> graph_pb2.GraphDef:

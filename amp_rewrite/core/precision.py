@@ -9,14 +9,14 @@ only with rounding) depends on what the graph computes in and what its variables
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import casts
 from amp_rewrite.core.functions import reachable_functions
-from amp_rewrite.core.graph_io import data_inputs, input_node
+from amp_rewrite.core.graph_io import data_inputs, every_node, input_node
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import dtype_name
@@ -38,13 +38,6 @@ NOT_COMPUTE = frozenset({
 })
 # Ops that hold a variable in the graph (TF1 reference variables), read by Identity rather than ReadVariableOp.
 REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable"})
-
-
-def every_node(graph_def: graph_pb2.GraphDef) -> Iterator[node_def_pb2.NodeDef]:
-    """The NodeDefs of the main graph and of every library function, read from the protos (no body is built)."""
-    yield from graph_def.node
-    for function in graph_def.library.function:
-        yield from function.node_def
 
 
 def already_low(graph_def: graph_pb2.GraphDef, lists: OpLists) -> dict[str, list[str]]:
