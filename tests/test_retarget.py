@@ -344,7 +344,7 @@ def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp
     source = _export_dense(tmp_path / "dense", 1e5)
     assert_ok(run_cli("convert", source, tmp_path / "bf16", "--target", "bfloat16"))
     line = error_line(run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16"))
-    assert re.search(r"variable '(\w+/)?head/bias' holds 99840, beyond float16's range", line), line  # 1e5 in bfloat16
+    assert re.search(r"weight '(\w+/)?head/bias' holds 99840, beyond float16's range", line), line  # 1e5 in bfloat16
     assert "--force" in line and not (tmp_path / "fp16").exists()
     run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--force")
     assert_ok(run)
@@ -411,3 +411,41 @@ def test_a_tf_keras_mixed_export_retargets_as_its_twin_converts(tmp_path: Path) 
                                atol=1e-6)
     assert_ok(run_cli("convert", mixed, tmp_path / "f32", "--target", "float32"))
     np.testing.assert_allclose(_serving(tmp_path / "f32", x), _serving(twin, x), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# A frozen GraphDef whose weights are constants stored low
+
+
+def _frozen_with_big_weight(path: Path) -> Path:
+    """x (4x3) @ w (3x2, one value 1e5, the others small) -> relu, a .pb whose output is "out"."""
+    @tf.function(input_signature=[tf.TensorSpec([4, 3], tf.float32, name="x")])
+    def graph(x):
+        weight = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2) / 3
+        weight[0, 0] = 1e5
+        return tf.nn.relu(tf.matmul(x, tf.constant(weight, name="w"), name="matmul"), name="out")
+
+    path.write_bytes(graph.get_concrete_function().graph.as_graph_def().SerializeToString(deterministic=True))
+    return path
+
+
+def _constant(path: Path, name: str) -> np.ndarray:
+    graph_def = graph_pb2.GraphDef.FromString(path.read_bytes())
+    return tf.make_ndarray(next(node for node in graph_def.node if node.name == name).attr["value"].tensor)
+
+
+def test_frozen_constants_stored_low_widen_exactly_and_refuse_what_float16_cannot_hold(tmp_path: Path) -> None:
+    source = _frozen_with_big_weight(tmp_path / "f32.pb")
+    fetch = ["--fetch", "out"]
+    assert_ok(run_cli("convert", source, tmp_path / "bf16.pb", "--target", "bfloat16", *fetch))
+    low = _constant(tmp_path / "bf16.pb", "w")
+    assert low.dtype == tf.bfloat16.as_numpy_dtype
+    line = error_line(run_cli("convert", tmp_path / "bf16.pb", tmp_path / "fp16.pb", "--target", "float16", *fetch))
+    assert "weight 'w' holds 99840, beyond float16's range" in line, line
+    assert not (tmp_path / "fp16.pb").exists()
+    run = run_cli("convert", tmp_path / "bf16.pb", tmp_path / "back.pb", "--target", "float32", *fetch)
+    assert_ok(run)
+    assert "Weights: 1 constant(s) stored in bfloat16 widened to float32, exactly" in run.out, run.out
+    widened = _constant(tmp_path / "back.pb", "w")
+    assert widened.dtype == np.float32
+    np.testing.assert_array_equal(widened, low.astype(np.float32))

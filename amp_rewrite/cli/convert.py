@@ -104,8 +104,9 @@ def _float32_weights_lines(model: Model) -> list[str]:
     """What --target float32 did with the weights: float32 masters stay; those stored low are
     widened (a SavedModel's checkpoint, a GraphDef's constants), or else read through a cast."""
     low = model.canonical.low_variables
-    if model.widened_keys:
-        return retargeted_weights_lines(model, None, force=False)
+    widened = retargeted_weights_lines(model, None, force=False)  # a checkpoint's keys, a GraphDef's constants
+    if widened:
+        return widened
     if not low:
         return ["Weights: float32, as they were"]
     return [f"Weights: {len(low)} variable(s) stay stored in low precision (e.g. {low[0]!r}), read through a cast to"

@@ -30,6 +30,7 @@ from tensorflow.core.protobuf import saved_model_pb2, tensor_bundle_pb2, trackab
 
 from amp_rewrite.calibration.savedmodel import Model, tag_set_text
 from amp_rewrite.calibration import bundle
+from amp_rewrite.core.functions import split_scope
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rewrite import RewriteResult, gc_paused
@@ -151,7 +152,7 @@ def widen_weights(model: Model) -> Model:
 
 @dataclass(frozen=True)
 class _Change:
-    """What storing one variable in another low dtype does to its values."""
+    """What storing one weight in another low dtype does to its values."""
 
     name: str
     dtype: int          # the dtype it is stored in now
@@ -161,37 +162,68 @@ class _Change:
     overflow: float     # the largest finite |value| that becomes inf (0: none)
 
 
+@dataclass(frozen=True)
+class _StoredLow:
+    """The weights a retargeted model's source stored low: a SavedModel's checkpoint keys, or
+    a GraphDef's constants (by ``[FUNCTION::]node``), each with its dtype and its values."""
+
+    kind: str                              # "key(s)" or "constant(s)", as the lines count them
+    source: Mapping[str, int]              # key or constant -> the dtype the source stored it in
+    values: Callable[[str], np.ndarray]    # its values, widened to float32
+
+    def names(self, weight: Any) -> tuple[str, ...]:
+        """A weight's keys (a variable's) or its own name (a constant's) that the source stored low."""
+        found = weight.keys if weight.kind == "variable" else (weight.name,)
+        return tuple(name for name in found if name in self.source)
+
+
+def _stored_low(model: Model) -> _StoredLow | None:
+    if model.widened_keys:
+        reader = _reader(model)
+        return _StoredLow("key(s)", model.widened_keys, lambda key: np.asarray(reader.get_tensor(key), np.float32))
+    constants = model.canonical.low_constants if model.canonical is not None and model.kind == "graphdef" else {}
+    if constants:
+        return _StoredLow("constant(s)", constants, lambda name: _constant_values(model.graph_def, name))
+    return None
+
+
+def _constant_values(graph_def: Any, name: str) -> np.ndarray:
+    """A Const's values in ``graph_def`` (float32 once canonical), by ``[FUNCTION::]node``."""
+    function, node = split_scope(name)
+    nodes = graph_def.node if function is None else next(
+        f.node_def for f in graph_def.library.function if f.signature.name == function)
+    found = next(n for n in nodes if n.name == node)
+    return np.asarray(tf.make_ndarray(found.attr["value"].tensor), np.float32)
+
+
 def retargeted_weights_lines(model: Model, stored: StoredWeights | None, *, force: bool) -> list[str]:
     """What retargeting did to the weights the source stored low: widened to float32 exactly,
-    or stored in the other low dtype, measured per variable (one line each). A value beyond
-    the new dtype's range is refused (``ModelError``), unless ``force``."""
+    or stored in the other low dtype, measured per weight (one line each). A value beyond the
+    new dtype's range is refused (``ModelError``), unless ``force``."""
     canonical = model.canonical
     if canonical is not None and canonical.low_variables and not canonical.variables_widened:
         return [f"Weights: {len(canonical.low_variables)} variable(s) stay stored low as the source has them (e.g."
                 f" {canonical.low_variables[0]!r}), read through a cast: --calibrate and --tune run the model as it"
                 " is on disk; convert it with --target float32 first to retarget them too"]
-    if not model.widened_keys:
+    low = _stored_low(model)
+    if low is None:
         return []
-    reader = _reader(model)
-    changes = [_change(reader, weight) for weight in (stored.weights if stored else ()) if weight.low
-               and any(model.widened_keys.get(key, weight.dtype) != weight.dtype for key in weight.keys)]
+    moved = [weight for weight in (stored.weights if stored else ()) if weight.low and low.names(weight)]
+    changes = [_change(low, weight) for weight in moved
+               if any(low.source[name] != weight.dtype for name in low.names(weight))]
     over = [change for change in changes if change.overflow]
     if over and not force:
-        change = over[0]
-        raise ModelError(f"{model.path}: variable '{change.name}' holds {change.overflow:g}, beyond"
-                         f" {dtype_name(change.dtype)}'s range: stored so it would be inf; pass --force to store it"
+        raise ModelError(f"{model.path}: weight '{over[0].name}' holds {over[0].overflow:g}, beyond"
+                         f" {dtype_name(over[0].dtype)}'s range: stored so it would be inf; pass --force to store it"
                          " anyway, or --float32-weights to keep it float32")
-    relowered = {key for weight in (stored.weights if stored else ()) if weight.low for key in weight.keys}
-    widened = [key for key in model.widened_keys if key not in relowered]
+    relowered = {name for weight in moved for name in low.names(weight)}
+    widened = [name for name in low.source if name not in relowered]
     lines = []
     if widened:
-        source = " and ".join(sorted({dtype_name(model.widened_keys[key]) for key in widened}))
-        lines.append(f"Weights: {len(widened)} key(s) stored in {source} widened to float32, exactly: the precision"
-                     " they lost earlier is not recovered")
+        lines.append(f"Weights: {len(widened)} {low.kind} stored in {_dtypes(low, widened)} widened to float32,"
+                     " exactly: the precision they lost earlier is not recovered")
     if changes:
-        source = " and ".join(sorted({dtype_name(model.widened_keys[key]) for key in relowered
-                                      if key in model.widened_keys}))
-        lines.append(f"Weights retargeted from {source} to {dtype_name(changes[0].dtype)}, per variable:")
+        lines.append(f"Weights retargeted from {_dtypes(low, relowered)} to {dtype_name(changes[0].dtype)}, per weight:")
     for change in changes:
         line = (f"  {change.name}: {change.changed} of {change.elements} element(s) change, largest change"
                 f" {change.largest:.3g}")
@@ -199,12 +231,16 @@ def retargeted_weights_lines(model: Model, stored: StoredWeights | None, *, forc
     return lines
 
 
-def _change(reader: Any, weight: Any) -> _Change:
-    """One variable's values, as the source stored them, against them in ``weight.dtype``."""
+def _dtypes(low: _StoredLow, names: Any) -> str:
+    return " and ".join(sorted({dtype_name(low.source[name]) for name in names}))
+
+
+def _change(low: _StoredLow, weight: Any) -> _Change:
+    """One weight's values, as the source stored them, against them in ``weight.dtype``."""
     elements = changed = 0
     largest = overflow = 0.0
-    for key in weight.keys:
-        values = np.asarray(reader.get_tensor(key), np.float32).ravel()
+    for name in low.names(weight):
+        values = low.values(name).ravel()
         stored = round_to(values, weight.dtype).astype(np.float32)
         finite = np.isfinite(values)
         lost = finite & ~np.isfinite(stored)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -61,6 +61,7 @@ class Canonical:
     casts_added: int                # casts where a widened tensor meets a reader that kept its dtype
     low_variables: tuple[str, ...]  # variables stored in a low dtype: widened (``variables``), else read through a cast
     variables_widened: bool = False  # whether ``low_variables`` are float32 in ``graph_def``
+    low_constants: Mapping[str, int] = field(default_factory=dict)  # [FUNCTION::]Const widened -> its dtype before
 
     @property
     def changed(self) -> bool:
@@ -92,6 +93,7 @@ class _ItemChange:
     casts_removed: int
     casts_added: int
     low_variables: tuple[str, ...]
+    low_constants: Mapping[str, int]  # Const widened (in this item) -> its dtype before
 
 
 def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
@@ -115,7 +117,7 @@ def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
     # is a broken export, for the weights step to refuse (core/weights.py), not to mend here.
     variables = variables and any(_is_low_variable(node) for node in graph_io.every_node(graph_def))
     output = copy_graph_def(graph_def)
-    changes = []
+    changes, low_constants = [], {}
     for name in program.names:
         item = program.item(name)
         if not _has_low(item):
@@ -126,11 +128,13 @@ def to_float32(graph_def: graph_pb2.GraphDef, *, fetches: Iterable[str] = (),
             raise GraphError(f"function '{name}': {error}" if name != MAIN_GRAPH else str(error)) from None
         program.put(output, name, body)
         changes.append(change)
+        low_constants.update({functions.scoped_name(name, node): dtype for node, dtype in change.low_constants.items()})
     low_nodes: collections.Counter[str] = collections.Counter()
     for change in changes:
         low_nodes.update(change.low_nodes)
     return Canonical(output, dict(low_nodes), sum(c.widened for c in changes), sum(c.casts_removed for c in changes),
-                     sum(c.casts_added for c in changes), tuple(v for c in changes for v in c.low_variables), variables)
+                     sum(c.casts_added for c in changes), tuple(v for c in changes for v in c.low_variables), variables,
+                     low_constants)
 
 
 def low_dtypes(graph_def: graph_pb2.GraphDef) -> dict[str, int]:
@@ -177,6 +181,7 @@ def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozens
     widened = [name for name, node_def in nodes.node_defs.items()
                if _low_attrs(node_def) and not _keeps_dtypes(node_def, kept, op_defs, variables)]
     casts = {name for name in widened if nodes.node_defs[name].op == "Cast"}
+    constants = {name: nodes.node_defs[name].attr["dtype"].type for name in widened if nodes.node_defs[name].op == "Const"}
     for name in widened:
         _widen(nodes.node_defs[name])
     # 2. Casts where a widened tensor meets a reader that kept its dtype.
@@ -184,7 +189,7 @@ def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozens
     # 3. Casts now float32 -> float32 go.
     graph_def, removed = _drop_identity_casts(graph_io.take_graph_def(nodes), casts - kept)
     counted = sum(1 for name in widened if nodes.node_defs[name].op not in ("Cast", "Const"))
-    return graph_def, _ItemChange(dict(low_nodes), counted, removed, added, low_variables)
+    return graph_def, _ItemChange(dict(low_nodes), counted, removed, added, low_variables, constants)
 
 
 def _keeps_dtypes(node_def: node_def_pb2.NodeDef, kept: frozenset[str], op_defs: Mapping, variables: bool) -> bool:
