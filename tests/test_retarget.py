@@ -449,3 +449,43 @@ def test_frozen_constants_stored_low_widen_exactly_and_refuse_what_float16_canno
     widened = _constant(tmp_path / "back.pb", "w")
     assert widened.dtype == np.float32
     np.testing.assert_array_equal(widened, low.astype(np.float32))
+
+
+def _block(dtype: tf.DType) -> graph_pb2.GraphDef:
+    """A dense block computing in ``dtype`` between float32 input and output (casts where
+    ``dtype`` is low, none in float32): what a mixed policy and its float32 twin trace."""
+    @tf.function(input_signature=[tf.TensorSpec([2, 3], tf.float32, name="x")])
+    def block(x):
+        kernel = tf.constant(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+        hidden = tf.nn.relu(tf.matmul(tf.cast(x, dtype), tf.cast(kernel, dtype)) + tf.cast(0.5, dtype))
+        return tf.cast(tf.reduce_sum(hidden, axis=1), tf.float32)
+
+    return block.get_concrete_function().graph.as_graph_def()
+
+
+@pytest.mark.parametrize("low", [tf.float16, tf.bfloat16])
+def test_the_api_retargets_a_mixed_graph_as_it_converts_the_float32_one(low: tf.DType) -> None:
+    """``rewrite_graph_def(to_float32(g).graph_def, ...)`` is the float32 twin's rewrite."""
+    fetches = ["Identity"]
+    canonical = to_float32(_block(low), fetches=fetches).graph_def
+    assert structure(canonical) == structure(_block(tf.float32))
+    for target in ("float16", "bfloat16"):
+        retargeted = amp_rewrite.rewrite_graph_def(canonical, target=target, fetches=fetches).graph_def
+        direct = amp_rewrite.rewrite_graph_def(_block(tf.float32), target=target, fetches=fetches).graph_def
+        assert structure(retargeted) == structure(direct)
+
+
+def test_a_cast_from_a_float16_input_stays_as_it_is() -> None:
+    """A float16 placeholder (a signature input) read through a cast to float32: the cast
+    stays as written, no second cast beside it; the float16 relu after the input widens."""
+    @tf.function(input_signature=[tf.TensorSpec([2], tf.float16, name="x16")])
+    def graph(x16):
+        low = tf.nn.relu(x16, name="relu_low")
+        return tf.cast(x16, tf.float32, name="input_cast_kept") + tf.cast(low, tf.float32, name="to_float32")
+
+    result = to_float32(graph.get_concrete_function().graph.as_graph_def(), fetches=["Identity"])
+    nodes = {node.name: node for node in result.graph_def.node}
+    cast = nodes["input_cast_kept"]
+    assert (cast.attr["SrcT"].type, cast.attr["DstT"].type, list(cast.input)) == (HALF, FLOAT, ["x16"])
+    assert nodes["relu_low"].attr["T"].type == FLOAT and "to_float32" not in nodes
+    assert (result.widened, result.casts_removed, result.casts_added) == (1, 1, 1)  # x16 -> relu: one cast

@@ -140,9 +140,11 @@ def retarget(args: argparse.Namespace, model: Model) -> Model:
     # where the run loads the model here (calibration, timing): that reads variables/ as it is.
     runs_here = args.command == "calibrate" or any(getattr(args, name, None) for name in ("calibrate", "tune"))
     try:
-        return weights.widen_weights(canonical_model(model, variables=model.kind == "savedmodel" and not runs_here))
+        canonical = canonical_model(model, variables=model.kind == "savedmodel" and not runs_here)
     except AmpRewriteError as error:
         raise type(error)(f"{args.src}: {error}") from None  # name the file the graph came from
+    # Low only where dtypes are kept (signatures, calls): nothing goes back, the model is as it was.
+    return weights.widen_weights(canonical) if canonical.canonical.changed else model
 
 
 def _close_to_entry(entry: str, graph_def: Any) -> str:

@@ -42,7 +42,8 @@ LOW_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
 BOUNDARY_OPS = frozenset({"_Arg", "_Retval", "Placeholder", "PlaceholderWithDefault", "Bitcast"})
 CAST_SUFFIX = "Canonical"  # the added casts' names: <src>-<port>-CastTo<Dtype>-<index>-Canonical
 _CAST_KIND = {FLOAT32: "CastToFp32", types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
-# What a cast between floats does to a device: none; kept only where the source had one already.
+# Where a widened node's float32 kernel is looked for: a node that runs on one of them in its
+# low dtypes must run there in float32 too, else it is refused (``_check_float32_kernel``).
 KERNEL_DEVICES = ("CPU", "GPU")
 # The stateful ops that hold, read, write, save or restore a variable's values: widened with
 # ``variables=True``, when the caller widens the stored values (a SavedModel's checkpoint).
@@ -182,8 +183,9 @@ def _canonicalise_item(item: graph_pb2.GraphDef, op_defs: Mapping, kept: frozens
                if _low_attrs(node_def) and not _keeps_dtypes(node_def, kept, op_defs, variables)]
     casts = {name for name in widened if nodes.node_defs[name].op == "Cast"}
     constants = {name: nodes.node_defs[name].attr["dtype"].type for name in widened if nodes.node_defs[name].op == "Const"}
+    staying = {name for name, node_def in nodes.node_defs.items() if _low_attrs(node_def)} - set(widened)
     for name in widened:
-        _widen(nodes.node_defs[name])
+        _widen(nodes.node_defs[name], _cast_sides_kept(nodes, name, staying) if name in casts else ())
     # 2. Casts where a widened tensor meets a reader that kept its dtype.
     added = _insert_casts(nodes, types)
     # 3. Casts now float32 -> float32 go.
@@ -220,10 +222,24 @@ def _check_float32_kernel(node_def: node_def_pb2.NodeDef) -> None:
                          f" kernel, so it cannot go back to float32; convert the float32 original instead")
 
 
-def _widen(node_def: node_def_pb2.NodeDef) -> None:
-    """Every low type attribute of ``node_def`` float32; a Const's values widened with it."""
+def _cast_sides_kept(nodes: graph_io.WorkingGraph, cast: str, staying: set[str]) -> tuple[str, ...]:
+    """The attrs of a Cast that keep their low dtype: ``SrcT`` where it reads a node that
+    keeps its dtypes (a signature's argument), ``DstT`` where only such nodes read it (a
+    signature's output): the cast stays where it is, rather than one more cast beside it."""
+    sides = []
+    if nodes.inputs[cast][0].node in staying:
+        sides.append("SrcT")
+    readers = [reader for reader, _ in nodes.readers[cast]]
+    if readers and all(reader in staying for reader in readers):
+        sides.append("DstT")
+    return tuple(sides)
+
+
+def _widen(node_def: node_def_pb2.NodeDef, kept: Iterable[str] = ()) -> None:
+    """Every low type attribute of ``node_def`` float32 (but those named in ``kept``); a
+    Const's values widened with it."""
     for name, value in node_def.attr.items():
-        if name.startswith("_"):
+        if name.startswith("_") or name in kept:
             continue
         kind = value.WhichOneof("value")
         if kind == "type" and value.type in LOW_DTYPES:
