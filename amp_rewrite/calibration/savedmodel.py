@@ -27,6 +27,7 @@ from amp_rewrite.core import colouring, functions, support
 from amp_rewrite.core.canonical import Canonical, to_float32
 from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name, tensor_name
 from amp_rewrite.core.lists import OpLists, load_lists
+from amp_rewrite.core.precision import SourcePrecision
 from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.errors import GraphError, ModelError, did_you_mean
@@ -62,6 +63,7 @@ class Model:
     canonical: Canonical | None = None  # retargeted: graph_def is the source's float32 form, and what that changed
     widened_keys: Mapping[str, int] = field(default_factory=dict)  # checkpoint key stored low -> its dtype, read
     # as float32 by the canonical graph (cli/weights.py widens it on writing)
+    source: SourcePrecision | None = None  # what the file computes in and stores, read before any retargeting
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:

@@ -36,7 +36,8 @@ from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds
 from amp_rewrite.cli import graph_view
 from amp_rewrite.cli.options import EXIT_OK, Progress, say
-from amp_rewrite.cli.steps import read_and_rewrite, run_divergence, store_weights, summary_lines, weights_lines
+from amp_rewrite.cli.steps import (read_and_rewrite, run_divergence, source_line, store_weights, summary_lines,
+                                  weights_lines)
 from amp_rewrite.core import casts, graph_io, typegraph
 from amp_rewrite.core.lists import Colour, OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -112,6 +113,7 @@ class Dump:
     op_defs: Mapping[str, op_def_pb2.OpDef]  # the rewritten library's, for the drawings' dtypes
     items: tuple[DumpItem, ...]  # in the report's order
     notes: tuple[str, ...] = ()  # more lines for the summary (what ``convert`` did to the weights)
+    source: str = ""  # what the model computed in before the rewrite (steps.source_line); the page opens with it
 
     @property
     def model_items(self) -> tuple[DumpItem, ...]:
@@ -132,7 +134,7 @@ class Drawing:
 
 def build_dump(
     original: graph_pb2.GraphDef, result: RewriteResult, lists: OpLists, *, title: str,
-    plumbing: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+    plumbing: Mapping[str, str] | None = None, notes: Sequence[str] = (), source: str = "",
 ) -> Dump:
     """What ``write_dump`` writes, as one value (arguments as for ``write_dump``)."""
     plumbing = dict(plumbing or {})
@@ -163,7 +165,8 @@ def build_dump(
         node_to_decisions = {node: tuple(found) for node, found in node_to_decisions.items()}
         items.append(DumpItem(name, stem, before, after, stats, decisions, node_to_decisions,
                               _node_classes(after, node_to_decisions, lists), plumbing.get(name, "")))
-    return Dump(title, result.report, lists, result.graph_def, result.program.op_defs, tuple(items), tuple(notes))
+    return Dump(title, result.report, lists, result.graph_def, result.program.op_defs, tuple(items), tuple(notes),
+                source)
 
 
 def write_dump(
@@ -175,6 +178,7 @@ def write_dump(
     title: str,
     plumbing: Mapping[str, str] | None = None,
     notes: Sequence[str] = (),
+    source: str = "",
 ) -> list[Path]:
     """Write the dump of ``original`` → ``result`` into ``directory`` (created if missing).
 
@@ -189,9 +193,10 @@ def write_dump(
     ``plumbing`` maps items that are TensorFlow's rather than the model's (save/restore
     functions, signature wrappers, a loader's main graph) to their kind: the report shows
     them apart, collapsed, without their decisions, and they are not drawn (their .dot is written).
-    ``notes``: more lines for the report's summary (what ``convert`` did to the weights).
+    ``notes``: more lines for the report's summary (what ``convert`` did to the weights);
+    ``source``: the line the report opens with, what the model computed in before.
     """
-    dump = build_dump(original, result, lists, title=title, plumbing=plumbing, notes=notes)
+    dump = build_dump(original, result, lists, title=title, plumbing=plumbing, notes=notes, source=source)
     root = Path(directory)
     written: list[Path] = []
     for item in dump.items:
@@ -214,7 +219,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     model, result, lists = read_and_rewrite(args, progress)
     divergence = run_divergence(args, model, result, lists, progress).lines() if args.diverge else []
     _, result, stored = store_weights(args, model, result)
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *divergence)
+    say(args, source_line(model), *summary_lines(model, result.report, lists), *weights_lines(stored), *divergence)
     write_model_dump(args, progress, args.dir, model, result, lists, notes=[*weights_lines(stored), *divergence])
     return EXIT_OK
 
@@ -228,7 +233,7 @@ def write_model_dump(args: argparse.Namespace, progress: Progress, directory: Pa
     undo = (lambda: None) if existed else (lambda: shutil.rmtree(directory, ignore_errors=True))
     with staging.undone_if_interrupted(undo, leaves=f"{directory} holds part of a dump" if existed else ""):
         write_dump(directory, model.graph_def, result, lists, title=f"{model.path.name} → {args.target}",
-                   plumbing=plumbing_kinds(model), notes=notes)
+                   plumbing=plumbing_kinds(model), notes=notes, source=source_line(model))
     progress.done()
     say(args, f"Report: {directory.resolve() / 'report.html'}")
 

@@ -9,7 +9,9 @@ from typing import Any
 
 from amp_rewrite.calibration.savedmodel import plumbing_kinds
 from amp_rewrite.cli.options import EXIT_OK, Progress
-from amp_rewrite.cli.steps import MAIN_GRAPH_LABEL, headline, read_and_rewrite, store_weights, weights_lines
+from amp_rewrite.cli.steps import (
+    MAIN_GRAPH_LABEL, headline, read_and_rewrite, source_line, store_weights, weights_lines,
+)
 from amp_rewrite.core.float8.inference import amp_source
 from amp_rewrite.core.graph_io import data_inputs
 from amp_rewrite.core.program import MAIN_GRAPH
@@ -24,8 +26,9 @@ TENSOR_CORE_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D",
 
 
 def run(args: argparse.Namespace, progress: Progress) -> int:
-    """A row per function (with --all, TensorFlow's plumbing too), the totals, the weights and
-    the Tensor Core hints; with --quiet, the model's total alone."""
+    """What the model already computes in, a row per function (with --all, TensorFlow's
+    plumbing too), the totals, the weights and the Tensor Core hints; with --quiet, the
+    model's total alone."""
     model, result, lists = read_and_rewrite(args, progress)
     _, result, stored = store_weights(args, model, result)
     report = result.report
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     if args.quiet:  # the headline only
         print(headline(model, report, lists, kinds))
         return EXIT_OK
+    print(source_line(model))
     by_item = collections.defaultdict(collections.Counter)
     for d in report.decisions:
         if not d.converted:

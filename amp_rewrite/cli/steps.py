@@ -23,18 +23,17 @@ from amp_rewrite.cli.options import Progress, say
 from amp_rewrite.core.canonical import low_dtypes
 from amp_rewrite.core.float8 import inference as float8
 from amp_rewrite.core.functions import split_scope
-from amp_rewrite.core.graph_io import every_node
 from amp_rewrite.core.lists import OpLists, load_float8
-from amp_rewrite.core.report import Report, dtype_name
+from amp_rewrite.core.graph_io import every_node
+from amp_rewrite.core.precision import already_low, source_precision
+from amp_rewrite.core.report import Report
 from amp_rewrite.core.rewrite import RewriteResult
-from amp_rewrite.core.target import NAME_TO_TARGET, lookup_target
+from amp_rewrite.core.target import lookup_target
 from amp_rewrite.core.weights import StoredWeights
 from amp_rewrite.errors import AmpRewriteError, did_you_mean
 
 FLOAT32 = "float32"  # --target float32: back to float32, nothing converted
 MAIN_GRAPH_LABEL = "(main graph)"  # how tables name the main graph; explain --function accepts it too
-# What a model already mixed computes in: the colouring targets' dtypes (float16, bfloat16).
-_LOW_DTYPES = frozenset(target.dtype for target in NAME_TO_TARGET.values())
 
 
 def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Model, RewriteResult, OpLists]:
@@ -52,7 +51,7 @@ def read_and_rewrite(args: argparse.Namespace, progress: Progress) -> tuple[Mode
     progress(f"reading {args.src}")
     lists = effective_lists(args.target, args.lists, args.keep)
     model = read_model(args.src, args.fetch, args.tag_set, constants_in_file=_constants_in_file(args))
-    model = retarget(args, model)
+    model = retarget(args, with_source(model))
     quantized = _float8_calibration(args, model, lists)
     progress("rewriting")
     try:
@@ -131,19 +130,6 @@ def _check_overlay(args: argparse.Namespace, model: Model, lists: OpLists, found
                               f" {args.src} again")
     print(f"amp-rewrite: warning: {where}: {len(unmatched)} of {entries} entries name no node of {args.src}"
           f" ({example}); they are ignored", file=sys.stderr)
-
-
-def already_low(graph_def: Any, lists: OpLists) -> dict[str, list[str]]:
-    """The allow-list nodes (matmuls, convolutions: what a rewrite converts first) that compute
-    in float16 or bfloat16 already, by dtype name: a model converted before, or built under a
-    Keras mixed policy. The rewrite paints float32 only, so it leaves them as they are."""
-    found = collections.defaultdict(list)
-    for node in every_node(graph_def):
-        dtypes = ({dtype_name(value.type) for value in node.attr.values() if value.type in _LOW_DTYPES}
-                  if node.op in lists.allow else ())
-        for dtype in dtypes:
-            found[dtype].append(node.name)
-    return dict(found)
 
 
 def retarget(args: argparse.Namespace, model: Model) -> Model:
@@ -234,6 +220,19 @@ def _model_lines(model: Model) -> list[str]:
     left = ", ".join(repr(tag_set_text(tags)) for tags in others)
     return [f"MetaGraphDef {tag_set_text(model.tags)!r}: converted; {left}: left as it was"
             f" (convert another with --tag-set TAGS)"]
+
+
+def with_source(model: Model) -> Model:
+    """``model`` with what its file computes in and stores (``Model.source``), read before
+    retargeting changes its graph: over the items that run, TensorFlow's plumbing left out
+    (its save/restore functions read every variable)."""
+    return dataclasses.replace(model, source=source_precision(model.graph_def, skip=plumbing_kinds(model)))
+
+
+def source_line(model: Model) -> str:
+    """What the model computed in before any rewrite or retargeting: "Source: computes 37
+    nodes in float16, variables float32: a Keras mixed_float16 export?"."""
+    return (model.source or with_source(model).source).line()
 
 
 def headline(model: Model, report: Report, lists: OpLists, kinds: dict[str, str]) -> str:
