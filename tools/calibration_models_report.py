@@ -338,7 +338,7 @@ def print_tables(name: str, stats: Mapping[str, NodeStats], converted: frozenset
             print(f"| {op if rank == 0 else ''} | {len(ranked) if rank == 0 else ''} | {_short(s.node)}{mark} "
                   f"| {s.max_abs:.4g} | {s.small_share:.3f} | {s.small_mass_share:.2g} |")
     small = sorted((s for s in stats.values() if s.node in converted), key=lambda s: -s.small_share)[:TOP]
-    print(f"\nconverted nodes with the largest share of non-zero values below 6.1e-5 (share, mass share): "
+    print("\nconverted nodes with the largest share of non-zero values below 6.1e-5 (share, mass share): "
           + ", ".join(f"{_short(s.node)} ({s.op}) {s.small_share:.3f}, {s.small_mass_share:.2g}" for s in small))
 
 

@@ -29,7 +29,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_pb2, types
 
 from amp_rewrite.calibration.bundle import encode_varint
 from amp_rewrite.core.graph_io import LEFT_IN_FILE, copy_graph_def, is_left_in_file
-from amp_rewrite.core.target import FLOAT_DTYPES
+from amp_rewrite.core.target import FLOAT_DTYPES, LOW_DTYPES  # LOW_DTYPES: what a float32 weight may be stored as
 from amp_rewrite.core.weights import round_to, without_nodes
 from amp_rewrite.errors import ModelError
 
@@ -37,7 +37,6 @@ LARGE_BYTES = 1 << 20         # a Const's tensor_content this large is left in t
 CHUNK_BYTES = 1 << 22         # values copied (and rounded) at a time
 NODE, ATTR, TENSOR, CONTENT = 1, 5, 8, 4  # GraphDef.node, NodeDef.attr, AttrValue.tensor, TensorProto.tensor_content
 LENGTH = 2                    # the wire type of messages and bytes
-ROUNDED = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}  # what a float32 weight may be stored as
 
 
 @dataclass(frozen=True)
@@ -227,7 +226,7 @@ def _left_content(node: node_def_pb2.NodeDef, left: LeftInFile | None) -> Conten
     if content is None or node.op != "Const" or not is_left_in_file(node.attr["value"].tensor):
         return None
     dtype = node.attr["value"].tensor.dtype
-    if dtype != content.dtype and not (content.dtype == types_pb2.DT_FLOAT and dtype in ROUNDED):
+    if dtype != content.dtype and not (content.dtype == types_pb2.DT_FLOAT and dtype in LOW_DTYPES):
         raise ValueError(f"Const '{node.name}' left in {left.path} holds {content.dtype} and is {dtype} now")
     return content
 

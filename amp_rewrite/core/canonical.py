@@ -34,14 +34,14 @@ from amp_rewrite.core import functions, graph_io, support, typegraph
 from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.report import dtype_name
+from amp_rewrite.core.target import LOW_DTYPES, NAME_TO_TARGET
 from amp_rewrite.errors import GraphError
 
 FLOAT32 = types_pb2.DT_FLOAT
-LOW_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
 # Ops whose dtypes others see (signatures, feeds) or whose meaning is their dtype: never widened.
 BOUNDARY_OPS = frozenset({"_Arg", "_Retval", "Placeholder", "PlaceholderWithDefault", "Bitcast"})
 CAST_SUFFIX = "Canonical"  # the added casts' names: <src>-<port>-CastTo<Dtype>-<index>-Canonical
-_CAST_KIND = {FLOAT32: "CastToFp32", types_pb2.DT_HALF: "CastToFp16", types_pb2.DT_BFLOAT16: "CastToBf16"}
+_CAST_KIND = {FLOAT32: "CastToFp32", **{target.dtype: target.cast_kind for target in NAME_TO_TARGET.values()}}
 # Where a widened node's float32 kernel is looked for: a node that runs on one of them in its
 # low dtypes must run there in float32 too, else it is refused (``_check_float32_kernel``).
 KERNEL_DEVICES = ("CPU", "GPU")

@@ -20,10 +20,7 @@ from amp_rewrite.core.graph_io import data_inputs, every_node, input_node
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.report import dtype_name
-from amp_rewrite.core.target import NAME_TO_TARGET
-
-# What a model already mixed computes in: the colouring targets' dtypes (float16, bfloat16).
-LOW_DTYPES = frozenset(target.dtype for target in NAME_TO_TARGET.values())
+from amp_rewrite.core.target import LOW_DTYPES
 
 # Ops whose low dtype says where values go or how they are kept, not what computes: a cast
 # (Keras' mixed policies cast every input and weight), constants and arguments, identities,

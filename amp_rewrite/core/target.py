@@ -59,6 +59,8 @@ FLOAT8 = Target("float8", types_pb2.DT_HALF, "GPU", "CastToFp16", 1e-1, "auto_mi
 # The colouring targets: each has its own lists and a grappler pass to compare with.
 NAME_TO_TARGET: Mapping[str, Target] = MappingProxyType({target.name: target for target in (FLOAT16, BFLOAT16)})
 TARGETS: tuple[str, ...] = tuple(NAME_TO_TARGET)
+# The low precisions a model computes or stores in: the colouring targets' dtypes (float16, bfloat16).
+LOW_DTYPES = frozenset(target.dtype for target in NAME_TO_TARGET.values())
 # Targets built on a colouring target's rewrite: rewrite_graph_def, load_lists (the colouring
 # target's lists) and the CLI take them, with lookup_target(name, quantized=True).
 NAME_TO_QUANTIZED_TARGET: Mapping[str, Target] = MappingProxyType({FLOAT8.name: FLOAT8})

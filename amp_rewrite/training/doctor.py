@@ -29,11 +29,10 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 from amp_rewrite import _tf
 from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.rewrite import rewrite_graph_def
-from amp_rewrite.core.target import lookup_target
+from amp_rewrite.core.target import LOW_DTYPES, lookup_target
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.training import live, optimizers
 
-LOW_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
 _FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
 _SCOPE = "amp_rewrite_doctor"
 GRADIENT_SCOPE = "gradient_tape/"  # where a GradientTape puts the backward pass's ops
