@@ -14,6 +14,7 @@ finite is an infinite error, whatever the metric.
 from __future__ import annotations
 
 import gc
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,13 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, tensor_shape_pb2
 
 from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError
+from amp_rewrite.core import bounds
 from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
 from amp_rewrite.core.target import Target
 from amp_rewrite.errors import tensorflow_cause
 
 UNKNOWN_DIM = 2
-RANDOM_INT_HIGH = 10  # random integer inputs are 0..9: ids below every vocabulary or table size we expect
+RANDOM_INT_HIGH = 10  # integer inputs that index no table are 0..9: a guess, said in a note
 
 
 @dataclass(frozen=True)
@@ -196,13 +198,102 @@ def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
     return arrays
 
 
-def _sample(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
+@dataclass(frozen=True)
+class Draw:
+    """How random values are drawn for one input: ``kind`` "normal" (floats, N(0,1)),
+    "range" (integers ``low`` ≤ v < ``high``), "mask" (a padding mask: per row along the last
+    axis, ones then zeros, at least one one) or "length" (integers 1 to ``high``); ``why``
+    says what set the range, None for integers that reach no table (0-9, a guess)."""
+
+    kind: str
+    low: int = 0
+    high: int = RANDOM_INT_HIGH
+    why: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "mask":
+            return "a padding mask (per row ones, then zeros)"
+        if self.kind == "length":
+            return f"1-{self.high} (a length, up to the sequence's)"
+        return f"{self.low}-{self.high - 1} ({self.why or 'no table bounds it: a guess'})"
+
+
+def _is_mask(spec: InputSpec) -> bool:
+    return "mask" in spec.name.lower() and (spec.dtype.is_integer or spec.dtype.is_floating or spec.dtype == tf.bool)
+
+
+def _is_length(spec: InputSpec) -> bool:
+    return spec.dtype.is_integer and re.search(r"(^|[^a-z])(seq_?|sequence_)?len(gth)?s?$", spec.name.lower()) is not None
+
+
+def _sequence_length(spec: InputSpec, specs: Sequence[InputSpec]) -> int:
+    """The longest axis-1 size of the signature's other inputs (unknown dims 2): what a length may be."""
+    sizes = [UNKNOWN_DIM if other.shape[1] is None else other.shape[1] for other in specs
+             if other.signature == spec.signature and other is not spec and other.shape is not None
+             and len(other.shape) >= 2]
+    return max(sizes, default=UNKNOWN_DIM)
+
+
+def plan_draws(model: Model, specs: Sequence[InputSpec] | None = None) -> dict[tuple[str, str], Draw]:
+    """How each (signature, input) of ``model`` is drawn at random: an integer input that
+    indexes a table within that table's rows (``bounds.index_bound``), masks and lengths
+    valid ones, other integers 0-9."""
+    specs = input_specs(model) if specs is None else specs
+    draws = {}
+    for spec in specs:
+        if _is_mask(spec):
+            draws[(spec.signature, spec.name)] = Draw("mask", 0, 2)
+        elif spec.dtype.is_floating:
+            draws[(spec.signature, spec.name)] = Draw("normal")
+        elif spec.dtype == tf.bool:
+            draws[(spec.signature, spec.name)] = Draw("range", 0, 2, "true or false")
+        elif spec.dtype.is_integer:
+            draws[(spec.signature, spec.name)] = _integer_draw(model, spec, specs)
+    return draws
+
+
+def _integer_draw(model: Model, spec: InputSpec, specs: Sequence[InputSpec]) -> Draw:
+    tensor = f"{spec.name}:0" if spec.signature == GRAPH else model.meta_graph.signature_def[spec.signature
+                                                                                          ].inputs[spec.name].name
+    bound = bounds.index_bound(model.program, tensor)
+    if bound is not None:
+        return Draw("range", bound.low, bound.high, f"bounded by {bound.table}")
+    if _is_length(spec):
+        return Draw("length", 1, _sequence_length(spec, specs) + 1)
+    return Draw("range")
+
+
+def describe_draws(draws: Mapping[tuple[str, str], Draw]) -> str:
+    """The ranges random inputs used, one phrase per input (once where every signature
+    draws it alike); floats N(0,1), unknown dims 2."""
+    by_name: dict[str, set[tuple[str, str]]] = {}
+    for (signature, name), draw in sorted(draws.items()):
+        if draw.kind != "normal":
+            by_name.setdefault(name, set()).add((signature, draw.describe()))
+    phrases = []
+    for name, found in by_name.items():
+        texts = {text for _, text in found}
+        phrases += ([f"{name} {texts.pop()}"] if len(texts) == 1
+                    else [f"{signature}/{name} {text}" for signature, text in sorted(found)])
+    return "; ".join(phrases + [f"floats N(0,1); unknown dims {UNKNOWN_DIM}"])
+
+
+def unbounded(draws: Mapping[tuple[str, str], Draw]) -> list[str]:
+    """The integer inputs drawn 0-9 because no table bounds them: their values are a guess."""
+    return sorted({name for (_, name), draw in draws.items() if draw.kind == "range" and draw.why is None})
+
+
+def _sample(spec: InputSpec, rng: np.random.Generator, draw: Draw) -> np.ndarray:
     shape = [UNKNOWN_DIM if d is None else d for d in (spec.shape or ())]
-    if spec.dtype.is_floating:
-        return rng.standard_normal(shape).astype(spec.dtype.as_numpy_dtype)
-    if spec.dtype.is_integer:
-        return rng.integers(0, RANDOM_INT_HIGH, size=shape).astype(spec.dtype.as_numpy_dtype)
-    return rng.integers(0, 2, size=shape).astype(bool)  # tf.bool: _check_samplable let nothing else through
+    dtype = np.dtype(spec.dtype.as_numpy_dtype)
+    if draw.kind == "normal":
+        return rng.standard_normal(shape).astype(dtype)
+    if draw.kind == "mask":
+        if not shape:
+            return np.ones((), dtype)
+        lengths = rng.integers(1, max(shape[-1], 1) + 1, size=shape[:-1])
+        return (np.arange(shape[-1]) < lengths[..., None]).astype(dtype)
+    return rng.integers(draw.low, draw.high, size=shape).astype(dtype)  # tf.bool: 0 or 1
 
 
 def _check_samplable(spec: InputSpec, specs: Sequence[InputSpec], path: Path) -> None:
@@ -255,45 +346,57 @@ def _fit(spec: InputSpec, array: np.ndarray, path: Path, notes: list[str]) -> np
     raise ModelError(f"{what} does not fit {spec.describe()}; save it as {want} ({spec.name}.astype('{want}'))")
 
 
-def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, runs: int) -> tuple[Feeds, list[str]]:
+def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, runs: int, *,
+               draws: Mapping[tuple[str, str], Draw] | None = None) -> tuple[Feeds, list[str]]:
     """The inputs for validation, checked before anything is written, and notes for the user
-    (casts made). ``inputs``: an ``.npz`` file or its arrays by name, fed once; else ``runs`` random feeds."""
+    (casts made; integer inputs whose values are a guess). ``inputs``: an ``.npz`` file or its
+    arrays by name, fed once; else ``runs`` random feeds, drawn as ``draws`` says (``plan_draws``)."""
     specs = input_specs(model)
-    notes: list[str] = []
     feeds: Feeds = {}
     if model.kind == "savedmodel":
         for key in model.meta_graph.signature_def:
             feeds.setdefault(key, [])
     if inputs is not None:
-        given = inputs if isinstance(inputs, Mapping) else load_inputs(inputs)
-        inputs = Path("inputs") if isinstance(inputs, Mapping) else inputs
-        names = sorted({spec.name for spec in specs})
-        problems = []
-        lacking = next((spec for spec in specs if spec.name not in given), None)
-        if lacking is not None:
-            where = "placeholder(s)" if lacking.signature == GRAPH else f"input(s) of signature '{lacking.signature}':"
-            missing = sorted(s.name for s in specs if s.signature == lacking.signature and s.name not in given)
-            problems.append(f"no array for {where} {', '.join(missing)}")
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            problems.append(f"array(s) {', '.join(map(repr, unknown))} match no input of the model; its inputs are"
-                            f" {', '.join(map(repr, names)) or 'none'}; rename or drop the array(s)")
-        if problems:
-            raise ModelError(f"{inputs}: {'; '.join(problems)}")
-        feed_by_signature: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
-        for spec in specs:
-            feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
-        return {key: [feed] for key, feed in feed_by_signature.items()}, notes
+        return _given_feeds(specs, inputs, feeds)
     for spec in specs:
         _check_samplable(spec, specs, model.path)
+    draws = plan_draws(model, specs) if draws is None else draws
+    notes = [f"random inputs: {name} feeds no table whose size this rewrite can find; its values are drawn 0-9,"
+             " a guess: if the model takes other values, pass real inputs with --inputs FILE.npz"
+             for name in unbounded(draws)]
     rng = np.random.default_rng(0)
     for _ in range(runs):
         batch: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
         for spec in specs:
-            batch.setdefault(spec.signature, {})[spec.name] = _sample(spec, rng)
+            batch.setdefault(spec.signature, {})[spec.name] = _sample(spec, rng, draws[(spec.signature, spec.name)])
         for key, feed in batch.items():
             feeds.setdefault(key, []).append(feed)
     return feeds, notes
+
+
+def _given_feeds(specs: Sequence[InputSpec], inputs: Path | Mapping[str, np.ndarray], feeds: Feeds
+                 ) -> tuple[Feeds, list[str]]:
+    """``plan_feeds`` for an ``.npz`` file or its arrays: every input's array, fitted."""
+    notes: list[str] = []
+    given = inputs if isinstance(inputs, Mapping) else load_inputs(inputs)
+    inputs = Path("inputs") if isinstance(inputs, Mapping) else inputs
+    names = sorted({spec.name for spec in specs})
+    problems = []
+    lacking = next((spec for spec in specs if spec.name not in given), None)
+    if lacking is not None:
+        where = "placeholder(s)" if lacking.signature == GRAPH else f"input(s) of signature '{lacking.signature}':"
+        missing = sorted(s.name for s in specs if s.signature == lacking.signature and s.name not in given)
+        problems.append(f"no array for {where} {', '.join(missing)}")
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        problems.append(f"array(s) {', '.join(map(repr, unknown))} match no input of the model; its inputs are"
+                        f" {', '.join(map(repr, names)) or 'none'}; rename or drop the array(s)")
+    if problems:
+        raise ModelError(f"{inputs}: {'; '.join(problems)}")
+    feed_by_signature: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
+    for spec in specs:
+        feed_by_signature.setdefault(spec.signature, {})[spec.name] = _fit(spec, given[spec.name], inputs, notes)
+    return {key: [feed] for key, feed in feed_by_signature.items()}, notes
 
 
 def _errors(metric: str | Metric, pairs: Mapping[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]
@@ -309,7 +412,8 @@ def _errors(metric: str | Metric, pairs: Mapping[tuple[str, str], list[tuple[np.
 
 
 def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
-    how = ("random inputs (ids 0-9 for integer inputs, unknown dims 2); pass real inputs with --inputs FILE.npz"
+    how = ("random inputs (ids within the tables they index, else 0-9; unknown dims 2); pass real inputs with"
+           " --inputs FILE.npz"
            if random else "the --inputs arrays; check them against the model's inputs")
     return ModelError(f"{where}: the source model fails on {how} ({tensorflow_cause(error)})")
 

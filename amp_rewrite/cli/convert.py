@@ -143,7 +143,7 @@ def _untimed_speed(args: argparse.Namespace, result: RewriteResult) -> list[str]
     return [f"Speed: not measured: {why}; {how}"]
 
 
-def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:
+def _validation_feeds(args: argparse.Namespace, model: Model) -> _Feeds | None:
     """The inputs --validate (random) or --inputs (the file's) feeds to SRC and the result,
     once the model is known to fit in memory twice; None without either option."""
     if not (args.validate or args.inputs):
@@ -151,10 +151,19 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds 
     if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
-    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+    draws = validate.plan_draws(model) if args.inputs is None else None
+    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1, draws=draws)
     validate.check_fits(model, _weights_bytes(model))
     say(args, *[f"Note: {note}" for note in notes])
-    return feeds
+    return _Feeds(feeds, validate.describe_draws(draws) if draws is not None else None)
+
+
+@dataclass(frozen=True)
+class _Feeds:
+    """What validation feeds, and how its random inputs were drawn (None: the --inputs file's)."""
+
+    feeds: validate.Feeds
+    drawn: str | None
 
 
 @dataclass(kw_only=True)
@@ -166,7 +175,7 @@ class _Acceptance:
     args: argparse.Namespace
     model: Model
     result: RewriteResult
-    feeds: validate.Feeds | None  # None: no validation
+    feeds: _Feeds | None  # None: no validation
     tuning: speed.Tuning | None   # None: no --tune
     progress: Progress
     failed: int = 0  # outputs over tolerance, once validated
@@ -188,10 +197,10 @@ class _Acceptance:
 
 
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path,
-              feeds: validate.Feeds) -> int:
+              planned: _Feeds) -> int:
     """Compare the source with the staged copy and print each output's error; returns how
     many outputs are over tolerance."""
-    random = args.inputs is None
+    random, feeds = args.inputs is None, planned.feeds
     if model.kind == "savedmodel":
         errors = validate.validate_saved_models(model, staged, feeds, random, args.metric)
     else:
@@ -202,6 +211,8 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     inputs = (f"{runs} run(s) of random inputs, which are not the model's data: a pass or a failure here says"
               " little about real inputs (pass them with --inputs FILE.npz)" if random else f"{args.inputs}")
     say(args, f"Validation ({inputs}; {args.metric}, tolerance {target.tolerance:g}):")
+    if planned.drawn is not None:
+        say(args, f"  random inputs: {planned.drawn}")
     say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
                 f"max abs {e.max_abs:.3g}, {validate.shown(e.metric)} {e.error:.3g}" for e in errors])
     return len(failed)
