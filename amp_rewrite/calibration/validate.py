@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -76,13 +76,38 @@ def top1_disagreement(reference: np.ndarray, candidate: np.ndarray) -> float:
     return float(np.mean(np.argmax(reference, axis=-1) != np.argmax(candidate, axis=-1)))
 
 
+def disagreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """The share of values that changed: 1 minus the agreement, for integer outputs (class
+    ids, token ids, indices), whose values are equal or wrong."""
+    return float(np.mean(reference != candidate)) if reference.size else 0.0
+
+
+def prefix_disagreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """For sequences along the last axis (generated tokens): 1 minus the mean share of each
+    sequence that is identical up to its first difference. A token after a difference is
+    lost whatever its value: the rest was generated from another sequence."""
+    prefixes, length = identical_prefixes(reference, candidate)
+    return 1.0 - float(np.mean(prefixes)) / length if prefixes.size and length else 0.0
+
+
+def identical_prefixes(reference: np.ndarray, candidate: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each sequence's (last axis) count of leading values equal in both, and the sequences' length."""
+    if reference.ndim == 0:
+        reference, candidate = reference.reshape(1, 1), candidate.reshape(1, 1)
+    length = reference.shape[-1]
+    equal = (reference == candidate).reshape(-1, length)
+    return np.where(equal.all(axis=1), length, np.argmin(equal, axis=1)), length
+
+
 def _relative(difference: float, reference: np.ndarray) -> float:
     scale = float(np.max(np.abs(reference)))
     return difference / scale if scale > 0 else (0.0 if difference == 0 else np.inf)
 
 
-METRICS: Mapping[str, Metric] = {"max-rel": max_rel, "p99-rel": p99_rel, "top1-agreement": top1_disagreement}
+METRICS: Mapping[str, Metric] = {"max-rel": max_rel, "p99-rel": p99_rel, "top1-agreement": top1_disagreement,
+                                 "agreement": disagreement, "prefix-agreement": prefix_disagreement}
 DEFAULT_METRIC = "p99-rel"
+AGREEMENTS = frozenset({"agreement", "prefix-agreement"})  # their value is a share changed; shown as the share kept
 _SHOWN = {"top1-agreement": "top-1 changed"}  # what a metric's value is, where its name says the opposite
 
 
@@ -109,6 +134,34 @@ def lookup_metric(metric: str | Metric) -> NamedMetric:
     return NamedMetric(metric, METRICS[metric])
 
 
+@dataclass(frozen=True)
+class MetricChoice:
+    """Which metric measures each output: ``by_output`` names one for an output (``NAME``,
+    or ``SIGNATURE/NAME`` for one signature's), ``default`` measures the others that are
+    floating; integer and bool outputs are compared by what they are, values equal or not:
+    ``agreement``, ``prefix-agreement`` for sequences (two dims or more)."""
+
+    default: str | Metric = DEFAULT_METRIC
+    by_output: Mapping[str, str] = field(default_factory=dict)
+
+    def for_output(self, signature: str, output: str, reference: np.ndarray) -> NamedMetric:
+        for key in (f"{signature}/{output}", output):
+            if key in self.by_output:
+                return lookup_metric(self.by_output[key])
+        if np.issubdtype(reference.dtype, np.integer) or reference.dtype == bool:
+            return lookup_metric("prefix-agreement" if reference.ndim >= 2 else "agreement")
+        return lookup_metric(self.default)
+
+    def check(self, model: Model) -> None:
+        """Every output ``by_output`` names is one of the model's, or exit 2 naming them."""
+        outputs = {name for _, named in model.signatures.values() for name in named}
+        keys = {f"{signature}/{name}" for signature, (_, named) in model.signatures.items() for name in named}
+        for key in sorted(self.by_output):
+            if key not in outputs and key not in keys:
+                raise ModelError(f"{model.path}: --metric {key}={self.by_output[key]}: the model has no output"
+                                 f" '{key}'; its outputs are {', '.join(map(repr, sorted(outputs)))}")
+
+
 def measure(metric: Metric, pairs: Sequence[tuple[np.ndarray, np.ndarray]], where: str) -> tuple[float, float] | None:
     """(the metric, the largest |difference|) of one output over its runs, as (reference,
     candidate) arrays: the runs concatenated on their first axis where their other dims
@@ -116,12 +169,8 @@ def measure(metric: Metric, pairs: Sequence[tuple[np.ndarray, np.ndarray]], wher
     pairs = [(np.asarray(old), np.asarray(new)) for old, new in pairs]
     if not pairs or not (np.issubdtype(pairs[0][0].dtype, np.number) or pairs[0][0].dtype == bool):
         return None
-    pairs = [(old.astype(np.float64), new.astype(np.float64)) for old, new in pairs]
-    shapes = {old.shape[1:] for old, _ in pairs}
-    if len(pairs) > 1 and len(shapes) == 1 and all(old.ndim for old, _ in pairs):
-        pairs = [(np.concatenate([old for old, _ in pairs]), np.concatenate([new for _, new in pairs]))]
     errors = []
-    for old, new in pairs:
+    for old, new in _stacked([(old.astype(np.float64), new.astype(np.float64)) for old, new in pairs]):
         if old.size == 0:
             errors.append((0.0, 0.0))
             continue
@@ -137,6 +186,31 @@ def measure(metric: Metric, pairs: Sequence[tuple[np.ndarray, np.ndarray]], wher
     return max(errors, key=lambda e: e[0])
 
 
+def _stacked(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The runs as one (reference, candidate) pair, concatenated on the first axis, where
+    their other dims agree; else the runs as they are."""
+    shapes = {old.shape[1:] for old, _ in pairs}
+    if len(pairs) > 1 and len(shapes) == 1 and all(old.ndim for old, _ in pairs):
+        return [(np.concatenate([old for old, _ in pairs]), np.concatenate([new for _, new in pairs]))]
+    return pairs
+
+
+def agreement_detail(metric: str, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> str:
+    """What an agreement's value counts: values changed, or sequences identical and the
+    identical prefix's mean length (the runs together where they stack)."""
+    stacked = _stacked([(np.asarray(old), np.asarray(new)) for old, new in pairs])
+    if metric == "agreement":
+        changed = sum(int(np.sum(old != new)) for old, new in stacked)
+        return f"{changed} of {sum(old.size for old, _ in stacked)} value(s) changed"
+    found = [identical_prefixes(old, new) for old, new in stacked if old.size]
+    if not found:
+        return "no sequences"
+    prefixes = np.concatenate([p for p, _ in found])
+    length = max(n for _, n in found)
+    return (f"{int(np.sum(prefixes == length))} of {prefixes.size} sequence(s) identical, identical prefix"
+            f" {float(np.mean(prefixes)):.3g} of {length} on average")
+
+
 @dataclass(frozen=True)
 class OutputError:
     signature: str
@@ -144,10 +218,17 @@ class OutputError:
     max_abs: float
     error: float  # the metric's value
     metric: str = DEFAULT_METRIC
+    detail: str = ""  # for an agreement, what it counts
 
     def ok(self, target: Target) -> bool:
         """Finite, and within the target's tolerance."""
         return bool(np.isfinite(self.error)) and self.error <= target.tolerance
+
+    def describe(self) -> str:
+        """The output's error as the summary shows it: an agreement as the share kept."""
+        if self.metric in AGREEMENTS:
+            return f"{self.metric} {1 - self.error:.3g} ({self.detail})"
+        return f"max abs {self.max_abs:.3g}, {shown(self.metric)} {self.error:.3g}"
 
 
 def _shape_text(shape: tuple[int | None, ...] | None) -> str:
@@ -399,15 +480,19 @@ def _given_feeds(specs: Sequence[InputSpec], inputs: Path | Mapping[str, np.ndar
     return {key: [feed] for key, feed in feed_by_signature.items()}, notes
 
 
-def _errors(metric: str | Metric, pairs: Mapping[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]
+def _errors(metric: str | Metric | MetricChoice, pairs: Mapping[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]
             ) -> list[OutputError]:
-    name, function = lookup_metric(metric)
+    choice = metric if isinstance(metric, MetricChoice) else MetricChoice(metric)
     errors = []
     for (signature, output), found in pairs.items():
         where = f"signature '{signature}' output '{output}'" if signature != GRAPH else f"output '{output}'"
+        if not found:
+            continue
+        name, function = choice.for_output(signature, output, np.asarray(found[0][0]))
         measured = measure(function, found, where)
         if measured is not None:
-            errors.append(OutputError(signature, output, measured[1], measured[0], name))
+            detail = agreement_detail(name, found) if name in AGREEMENTS else ""
+            errors.append(OutputError(signature, output, measured[1], measured[0], name, detail))
     return errors
 
 
@@ -419,7 +504,7 @@ def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
 
 
 def validate_saved_models(model: Model, destination: Path, feeds: Feeds, random: bool,
-                          metric: str | Metric = DEFAULT_METRIC) -> list[OutputError]:
+                          metric: str | Metric | MetricChoice = DEFAULT_METRIC) -> list[OutputError]:
     """The error of each (signature, output) of ``model`` (a SavedModel) against its
     rewrite written at ``destination``, over ``feeds`` (from ``plan_feeds``). The source runs
     every feed and is let go before the result is loaded: one model in memory at a time.
@@ -518,7 +603,7 @@ def check_fits(model: Model, largest: int) -> None:
 
 
 def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool,
-                        metric: str | Metric = DEFAULT_METRIC) -> list[OutputError]:
+                        metric: str | Metric | MetricChoice = DEFAULT_METRIC) -> list[OutputError]:
     """The same for a GraphDef file: placeholders fed, the model's ``compared_outputs`` compared."""
     outputs = model.compared_outputs
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}

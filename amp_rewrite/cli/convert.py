@@ -151,6 +151,7 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> _Feeds | None:
     if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
+    _metrics(args).check(model)
     draws = validate.plan_draws(model) if args.inputs is None else None
     feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1, draws=draws)
     validate.check_fits(model, _weights_bytes(model))
@@ -202,9 +203,9 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     many outputs are over tolerance."""
     random, feeds = args.inputs is None, planned.feeds
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model, staged, feeds, random, args.metric)
+        errors = validate.validate_saved_models(model, staged, feeds, random, _metrics(args))
     else:
-        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, _metrics(args))
     target = lookup_target(args.target, quantized=True)
     runs = 1 if args.inputs else args.validate
     failed = [e for e in errors if not e.ok(target)]
@@ -213,9 +214,14 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     say(args, f"Validation ({inputs}; {args.metric}, tolerance {target.tolerance:g}):")
     if planned.drawn is not None:
         say(args, f"  random inputs: {planned.drawn}")
-    say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
-                f"max abs {e.max_abs:.3g}, {validate.shown(e.metric)} {e.error:.3g}" for e in errors])
+    say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: {e.describe()}"
+                for e in errors])
     return len(failed)
+
+
+def _metrics(args: argparse.Namespace) -> validate.MetricChoice:
+    """--metric: the floating outputs' metric, and OUTPUT=NAME's."""
+    return validate.MetricChoice(args.metric, args.output_metrics)
 
 
 def _check_speed(args: argparse.Namespace, tuning: speed.Tuning, staged: Path, progress: Progress) -> None:

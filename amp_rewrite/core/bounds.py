@@ -205,7 +205,7 @@ def _lookup_bound(walk: _Walk, frames: Frames, item: str, reader: node_def_pb2.N
             return None
         dims, source = found
         size = dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
-        table = f"table '{source}' of {size} rows"
+        table = f"table '{source}' of {size} rows" if axis == 0 else f"'{source}', {size} wide on axis {axis}"
     if size is None or size <= 0:
         return None
     return Bound(max(0, -offset), size - offset, table)
