@@ -112,7 +112,8 @@ def test_one_hot_depth_bounds_and_arithmetic_alone_does_not() -> None:
 @pytest.fixture(scope="module")
 def keras_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Segment ids into a 2-row Embedding, token ids into a 50-row one, a padding mask;
-    outputs ``logits`` (float) and ``cls`` (their argmax, int)."""
+    outputs ``logits`` (float) and ``cls`` (their argmax, int; a bias keeps the classes
+    apart, so bfloat16's rounding flips none, on any CPU)."""
     import keras
 
     keras.utils.set_random_seed(0)
@@ -121,7 +122,8 @@ def keras_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mask = keras.Input((None,), dtype="int32", name="padding_mask")
     x = keras.layers.Embedding(SEGMENTS, 8)(segment) + keras.layers.Embedding(VOCABULARY, 8)(token)
     x = x * keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
-    logits = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x))
+    classes = keras.layers.Dense(3, bias_initializer=keras.initializers.Constant([0.0, 0.3, 0.6]))  # no near-ties
+    logits = classes(keras.layers.GlobalAveragePooling1D()(x))
     path = tmp_path_factory.mktemp("inputs") / "two_tables"
     keras.Model([segment, token, mask], {"logits": logits, "cls": keras.ops.argmax(logits, -1)}).export(
         str(path), verbose=False)
