@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+import amp_rewrite
 from amp_rewrite.calibration import validate
 from amp_rewrite.calibration.savedmodel import read_model
 from amp_rewrite.core.bounds import index_bound
@@ -64,6 +65,14 @@ def test_ids_through_cast_reshape_and_an_offset_are_bounded_by_the_rows_left_aft
     bound = index_bound(program_of(graph_def), "ids:0")
     assert (bound.low, bound.high) == (0, 9) and bound.table == "table 'table10' of 10 rows", bound
     assert _runs(graph_def, bound.high - 1) and not _runs(graph_def, bound.high)
+
+
+def test_ids_less_a_constant_are_bounded_from_below_too() -> None:
+    """Rule: 1 + (ids - 2) into ``table10`` (the constant first, then second): ids 1-10 are safe."""
+    graph_def = _graph(lambda ids: tf.gather(_table(10, "table10"), 1 + (ids - 2)))
+    bound = index_bound(program_of(graph_def), "ids:0")
+    assert (bound.low, bound.high) == (1, 11), bound
+    assert _runs(graph_def, 1) and _runs(graph_def, 10) and not _runs(graph_def, 0) and not _runs(graph_def, 11)
 
 
 def test_ids_that_index_two_tables_take_the_smaller_one() -> None:
@@ -240,3 +249,13 @@ def test_bert_backbone_validates_with_no_inputs(tmp_path: Path) -> None:
             and "token_ids 0-99 (bounded by table 'token_embedding/embeddings' of 100 rows)" in run.out
             and "padding_mask a padding mask" in run.out), run.out
     assert "ok   serving_default/sequence_output" in run.out, run.out
+
+
+def test_calibration_measures_an_integer_output_by_agreement() -> None:
+    """Rule: calibration's checks compare by what an output is, as validation does: the
+    near-tie class ids that bfloat16 flips are a share changed, not a relative error."""
+    calibration = amp_rewrite.calibrate(_near_tie_graph_def(), target="bfloat16", fetches=("logits", "cls"),
+                                        max_rounds=1)
+    checks = {check.output: check for check in calibration.rounds[0].checks}
+    assert checks["cls"].metric == "agreement" and 0.2 < checks["cls"].error < 0.8, checks
+    assert checks["logits"].metric == "" and checks["logits"].error < 0.01, checks

@@ -2,14 +2,16 @@
 
 Everything that can be checked is checked before anything is written: ``plan_feeds``
 reads each input's dtype and shape from the SavedModel's signatures (or the GraphDef's
-placeholders) and either makes random inputs (seeded; unknown dimensions become 2) or
-checks an ``.npz`` file's arrays against them. A model that fails on the inputs is the
-user's to fix (exit 2, with what to pass); only numbers over tolerance are a failed
-validation. An output's error is a metric of the float32 output (the reference) and the
-rewrite's (the candidate), over every run's outputs together, measured against the
-target's tolerance (``METRICS``; the default, ``p99-rel``, does not grow with the number
-of samples the way the largest error does). A non-finite candidate where float32 is
-finite is an infinite error, whatever the metric.
+placeholders) and either makes random inputs the model takes (seeded; unknown dimensions
+become 2; an integer input that indexes a table within its rows, ``core.bounds``; masks as
+padding masks; ``plan_draws``) or checks an ``.npz`` file's arrays against them. A model
+that fails on the inputs is the user's to fix (exit 2, with what to pass); only numbers over
+tolerance are a failed validation. An output's error is a metric of the float32 output (the
+reference) and the rewrite's (the candidate), over every run's outputs together, measured
+against the target's tolerance (``METRICS``; for floating outputs the default, ``p99-rel``,
+does not grow with the number of samples the way the largest error does; integer outputs are
+equal or wrong, and are compared by agreement, ``MetricChoice``). A non-finite candidate
+where float32 is finite is an infinite error, whatever the metric.
 """
 from __future__ import annotations
 
@@ -108,7 +110,9 @@ METRICS: Mapping[str, Metric] = {"max-rel": max_rel, "p99-rel": p99_rel, "top1-a
                                  "agreement": disagreement, "prefix-agreement": prefix_disagreement}
 DEFAULT_METRIC = "p99-rel"
 AGREEMENTS = frozenset({"agreement", "prefix-agreement"})  # their value is a share changed; shown as the share kept
-_SHOWN = {"top1-agreement": "top-1 changed"}  # what a metric's value is, where its name says the opposite
+# what a metric's value is, where its name says the opposite
+_SHOWN = {"top1-agreement": "top-1 changed", "agreement": "share changed",
+          "prefix-agreement": "share after a first difference"}
 
 
 def shown(metric: str) -> str:
@@ -334,8 +338,10 @@ def plan_draws(model: Model, specs: Sequence[InputSpec] | None = None) -> dict[t
 
 
 def _integer_draw(model: Model, spec: InputSpec, specs: Sequence[InputSpec]) -> Draw:
-    tensor = f"{spec.name}:0" if spec.signature == GRAPH else model.meta_graph.signature_def[spec.signature
-                                                                                          ].inputs[spec.name].name
+    if spec.signature == GRAPH:
+        tensor = f"{spec.name}:0"
+    else:
+        tensor = model.meta_graph.signature_def[spec.signature].inputs[spec.name].name
     bound = bounds.index_bound(model.program, tensor)
     if bound is not None:
         return Draw("range", bound.low, bound.high, f"bounded by {bound.table}")

@@ -41,7 +41,7 @@ LOOKUPS: Mapping[str, tuple[int, tuple]] = {
     **{op: (1, ("count", 2)) for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
                                          "UnsortedSegmentProd")},
 }
-OFFSETS = {"Add": 1, "AddV2": 1, "Sub": -1}  # op -> the sign of its constant second operand
+OFFSETS = {"Add": 1, "AddV2": 1, "Sub": -1}  # op -> the sign of its constant second operand (Add's either)
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 SHAPE_CARRIERS = frozenset({"Identity", "ReadVariableOp", "Snapshot", "Enter", "StopGradient"})
 VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
@@ -135,19 +135,16 @@ def _next(walk: _Walk, frames: Frames, item: str, reader: node_def_pb2.NodeDef, 
     """Where the values go from input ``index`` of ``reader``: its output, a callee's argument,
     or (from a function's result) the call's output."""
     op = reader.op
-    if op in CARRIERS and (CARRIERS[op] is None or index in CARRIERS[op]):
-        if op == "IdentityN":
-            yield frames, item, reader.name, index, offset
-        elif not (op in ("ConcatV2",) and index == len(data_inputs(reader)) - 1) and not (op == "Concat" and index == 0):
-            yield frames, item, reader.name, 0 if op not in ("Switch",) else None, offset
+    if _carries(reader, index):
+        yield frames, item, reader.name, index if op == "IdentityN" else None if op == "Switch" else 0, offset
         return
     if op in ("Unpack", "Split", "SplitV") and index == (1 if op == "Split" else 0):
         yield frames, item, reader.name, None, offset
         return
-    if op in OFFSETS and index == 0 and not _is_negative_guard(walk, item, reader):
-        constant = _scalar(walk, item, data_inputs(reader)[1])
+    if op in OFFSETS and (index == 0 or op != "Sub") and not _is_negative_guard(walk, item, reader):
+        constant = _scalar(walk, item, data_inputs(reader)[1 - index])
         if constant is not None:
-            yield frames, item, reader.name, 0, offset + OFFSETS[op] * constant
+            yield frames, item, reader.name, 0, offset + (OFFSETS[op] if index == 0 else 1) * constant
         return
     if op == "_Retval" and frames:
         caller_item, call = frames[-1]
@@ -162,21 +159,30 @@ def _next(walk: _Walk, frames: Frames, item: str, reader: node_def_pb2.NodeDef, 
             yield (*frames, (item, reader.name)), callee.function, arg_node, 0, offset
 
 
+def _carries(node: node_def_pb2.NodeDef, index: int) -> bool:
+    """Whether input ``index`` of ``node`` reaches its output with its values unchanged (a
+    concat's axis does not)."""
+    if node.op not in CARRIERS:
+        return False
+    ports = CARRIERS[node.op]
+    if ports is not None:
+        return index in ports
+    if node.op == "ConcatV2":
+        return index < len(data_inputs(node)) - 1
+    return index > 0 if node.op == "Concat" else True
+
+
 def _is_negative_guard(walk: _Walk, item: str, add: node_def_pb2.NodeDef) -> bool:
     """Whether ``add`` is the ``ids + rows`` branch of ``where(ids < 0, ids + rows, ids)``:
     taken by negative ids only, which random ids never are."""
     ids = data_inputs(add)[0]
-    for reader, index in _readers_of(walk, item, add.name):
+    for reader, index in walk.readers(item, add.name, 0):
         if reader.op in ("SelectV2", "Select") and index == 1:
             condition = walk.nodes(item).get(parse_tensor_name(data_inputs(reader)[0]).node)
             if (condition is not None and condition.op == "Less" and data_inputs(condition)[0] == ids
                     and _scalar(walk, item, data_inputs(condition)[1]) == 0):
                 return True
     return False
-
-
-def _readers_of(walk: _Walk, item: str, node: str) -> list[tuple[node_def_pb2.NodeDef, int]]:
-    return list(walk.readers(item, node, 0))
 
 
 def _argument(walk: _Walk, function: str, index: int) -> str | None:
@@ -245,7 +251,10 @@ def _shape(walk: _Walk, frames: Frames, item: str, tensor: str) -> tuple[tuple[i
             (item, call), frames = frames[-1], frames[:-1]
             caller = walk.nodes(item)[call]
             first = next((c.first_input for c in walk.callees(caller)), 0)
-            tensor = data_inputs(caller)[first + node.attr["index"].i]
+            inputs = data_inputs(caller)
+            if first + node.attr["index"].i >= len(inputs):
+                return None
+            tensor = inputs[first + node.attr["index"].i]
         elif "_output_shapes" in node.attr and ref.port < len(node.attr["_output_shapes"].list.shape):
             return _dims(node.attr["_output_shapes"].list.shape[ref.port]), node.name
         else:
