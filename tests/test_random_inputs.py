@@ -97,6 +97,21 @@ def test_ids_passed_into_a_function_are_bounded_by_a_table_passed_beside_them() 
     assert _runs(graph_def, 3) and not _runs(graph_def, 4)
 
 
+def test_ids_carried_into_a_while_loop_are_bounded_by_the_table_its_body_reads() -> None:
+    """Rule: a loop's inputs are its body's arguments, as a decode loop's token ids are."""
+    def loop(ids: tf.Tensor) -> tf.Tensor:
+        table = _table(6, "table6")
+        return tf.while_loop(lambda i, ids, total: i < 2,
+                             lambda i, ids, total: (i + 1, ids, total + tf.reduce_sum(tf.gather(table, ids))),
+                             (tf.constant(0), ids, tf.constant(0.0)))[2]
+
+    graph_def = _graph(loop)
+    assert any(node.op in ("While", "StatelessWhile") for node in graph_def.node)
+    bound = index_bound(program_of(graph_def), "ids:0")
+    assert (bound.high, bound.table) == (6, "table 'table6' of 6 rows"), bound
+    assert _runs(graph_def, 5) and not _runs(graph_def, 6)
+
+
 def test_keras_negative_id_guard_keeps_the_branch_non_negative_ids_take() -> None:
     """Rule: ``where(ids < 0, ids + rows, ids)`` (Keras' ``take``) bounds ids by the table
     through its ``ids`` branch; an offset that is no constant bounds nothing."""
