@@ -942,7 +942,7 @@ def test_random_ids_no_table_bounds_say_which_input_and_to_pass_inputs(workspace
     process = run_process("convert", input_models["gather"], dst, "--validate", 2)
     line = process_error_line(process)
     assert "Note: random inputs: ids feeds no table" in process.stdout and "--inputs FILE.npz" in process.stdout
-    assert "--inputs" in line and "serving_default" in line, line
+    assert "--inputs" in line and "serving_default" in line and "(ids drawn 0-9 as no table bounds it;" in line, line
     assert re.search(r"\(indices\[0,\d\] = \d is not in \[0, 2\)\)$", line), line
     assert not dst.exists() and not list(workspace.glob(".gather-out.*"))
     calibrated = run_cli("calibrate", input_models["gather"], "--out", workspace / "never.yaml")

@@ -502,24 +502,28 @@ def _errors(metric: str | Metric | MetricChoice, pairs: Mapping[tuple[str, str],
     return errors
 
 
-def _fails_on_inputs(where: str, error: Exception, random: bool) -> ModelError:
-    how = ("random inputs (ids within the tables they index, else 0-9; unknown dims 2); pass real inputs with"
-           " --inputs FILE.npz"
+def _fails_on_inputs(where: str, error: Exception, random: bool, guessed: Sequence[str] = ()) -> ModelError:
+    """``guessed``: the integer inputs no table bounds, drawn 0-9."""
+    drawn = (f"{', '.join(guessed)} drawn 0-9 as no table bounds {'it' if len(guessed) == 1 else 'them'}"
+             if guessed else "ids within the tables they index, else 0-9")
+    how = (f"random inputs ({drawn}; unknown dims 2); pass real inputs with --inputs FILE.npz"
            if random else "the --inputs arrays; check them against the model's inputs")
     return ModelError(f"{where}: the source model fails on {how} ({tensorflow_cause(error)})")
 
 
 def validate_saved_models(model: Model, destination: Path, feeds: Feeds, random: bool,
-                          metric: str | Metric | MetricChoice = DEFAULT_METRIC) -> list[OutputError]:
+                          metric: str | Metric | MetricChoice = DEFAULT_METRIC, *,
+                          guessed: Sequence[str] = ()) -> list[OutputError]:
     """The error of each (signature, output) of ``model`` (a SavedModel) against its
     rewrite written at ``destination``, over ``feeds`` (from ``plan_feeds``). The source runs
     every feed and is let go before the result is loaded: one model in memory at a time.
     A SavedModel without an object graph (TF1) runs in a Session by TensorFlow's v1 loader,
     which restores each variable in place (``tf.saved_model.load`` restores them all before
-    assigning them: 1.6x the variables at once)."""
+    assigning them: 1.6x the variables at once). ``guessed``: the integer inputs drawn 0-9
+    as no table bounds them (``unbounded``), named where the source fails on the inputs."""
     outputs = _outputs if model.meta_graph.object_graph_def.nodes else _session_outputs
     old_outputs = outputs(model.path, model.tags, feeds, lambda key, error: _fails_on_inputs(
-        f"{model.path}: signature '{key}'", error, random))
+        f"{model.path}: signature '{key}'", error, random, guessed))
     gc.collect()
     new_outputs = outputs(destination, model.tags, feeds, None)
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -609,8 +613,10 @@ def check_fits(model: Model, largest: int) -> None:
 
 
 def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool,
-                        metric: str | Metric | MetricChoice = DEFAULT_METRIC) -> list[OutputError]:
-    """The same for a GraphDef file: placeholders fed, the model's ``compared_outputs`` compared."""
+                        metric: str | Metric | MetricChoice = DEFAULT_METRIC, *,
+                        guessed: Sequence[str] = ()) -> list[OutputError]:
+    """The same for a GraphDef file: placeholders fed, the model's ``compared_outputs`` compared;
+    ``guessed``: as ``validate_saved_models``'s, the integer inputs drawn 0-9 (``unbounded``)."""
     outputs = model.compared_outputs
     pairs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for feed in feeds.get(GRAPH, [{}]):
@@ -618,7 +624,7 @@ def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feed
         try:
             old = _run(model.graph_def, outputs, fed)
         except (tf.errors.OpError, ValueError, TypeError) as error:
-            raise _fails_on_inputs(str(model.path), error, random) from None
+            raise _fails_on_inputs(str(model.path), error, random, guessed) from None
         new = _run(rewritten, outputs, fed)
         for name, a, b in zip(outputs, old, new):
             pairs.setdefault((GRAPH, name), []).append((a, b))

@@ -156,7 +156,9 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> _Feeds | None:
     feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1, draws=draws)
     validate.check_fits(model, _weights_bytes(model))
     say(args, *[f"Note: {note}" for note in notes])
-    return _Feeds(feeds, validate.describe_draws(draws) if draws is not None else None)
+    if draws is None:
+        return _Feeds(feeds, None)
+    return _Feeds(feeds, validate.describe_draws(draws), tuple(validate.unbounded(draws)))
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class _Feeds:
 
     feeds: validate.Feeds
     drawn: str | None
+    guessed: tuple[str, ...] = ()  # the integer inputs no table bounds, drawn 0-9
 
 
 @dataclass(kw_only=True)
@@ -203,9 +206,10 @@ def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, sta
     many outputs are over tolerance."""
     random, feeds = args.inputs is None, planned.feeds
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model, staged, feeds, random, _metrics(args))
+        errors = validate.validate_saved_models(model, staged, feeds, random, _metrics(args), guessed=planned.guessed)
     else:
-        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, _metrics(args))
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, _metrics(args),
+                                              guessed=planned.guessed)
     target = lookup_target(args.target, quantized=True)
     runs = 1 if args.inputs else args.validate
     failed = [e for e in errors if not e.ok(target)]
