@@ -228,6 +228,28 @@ def test_an_integer_output_that_disagrees_fails_naming_it_and_its_agreement(tmp_
     assert not (tmp_path / "out.pb").exists()
 
 
+def test_integer_sequences_are_compared_up_to_their_first_difference_unless_an_output_is_named(
+        tmp_path: Path) -> None:
+    """``tokens`` (batch, 6): each position's near-tie class. By default a sequence, measured
+    up to its first difference; ``--metric tokens=agreement`` counts every position instead,
+    and the share kept is larger (a position after a flip may agree again)."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 4], name="x")
+        weights = tf.constant(np.tile([[1.0, 1.0001]], (4, 1)).astype(np.float32), name="weights")
+        tf.argmax(tf.einsum("bsi,io->bso", x, weights, name="allow1"), axis=-1, name="tokens")
+    source = write_graph_def(graph.as_graph_def(), tmp_path / "tokens.pb")
+    common = ("--target", "bfloat16", "--fetch", "tokens", "--validate", 4)
+    run = run_cli("convert", source, tmp_path / "out.pb", *common)
+    assert "validation failed for 1 output(s)" in error_line(run, code=1)
+    line = next(line for line in run.out.splitlines() if " graph/tokens:" in line)
+    assert line.split()[:3] == ["FAIL", "graph/tokens:", "prefix-agreement"] and "sequence(s) identical" in line, line
+    named = run_cli("convert", source, tmp_path / "out.pb", *common, "--metric", "tokens=agreement")
+    assert "validation failed for 1 output(s)" in error_line(named, code=1)
+    named_line = next(line for line in named.out.splitlines() if " graph/tokens:" in line)
+    assert named_line.split()[:3] == ["FAIL", "graph/tokens:", "agreement"], named_line
+    assert float(named_line.split()[3]) > float(line.split()[3]), (line, named_line)
+
+
 def test_agreement_counts_values_and_prefix_agreement_stops_at_the_first_difference() -> None:
     """A generated sequence is lost after its first changed token, whatever follows."""
     reference = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
