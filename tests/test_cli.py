@@ -38,7 +38,8 @@ from amp_rewrite.errors import tensorflow_cause
 from cli_models import (
     ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,
     graph_def_with_deny_path, hash_tree, overflow_graph_def, save_embedding_module, save_module,
-    save_string_module, save_unbounded_gather_module, save_tf1_text_model, save_two_tag_model, save_vocabulary_module, two_output_graph_def,
+    save_string_module, save_tf1_text_model, save_two_tag_model, save_unbounded_gather_module,
+    save_vocabulary_module, two_output_graph_def,
     write_graph_def,
 )
 

@@ -129,6 +129,21 @@ def test_one_hot_depth_bounds_and_arithmetic_alone_does_not() -> None:
     assert index_bound(program_of(_graph(lambda ids: tf.cast(ids * 2, tf.float32))), "ids:0") is None
 
 
+def test_a_length_is_drawn_within_the_sequence_and_unbounded_ids_are_a_named_guess(tmp_path: Path) -> None:
+    """Rule: ``lengths`` (indexing nothing) is 1 to the sequence's 5; ``codes`` reach no table:
+    0-9, with a note naming them and asking for data."""
+    with tf.Graph().as_default() as graph:
+        codes = tf.compat.v1.placeholder(tf.int32, [None, 5], name="codes")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        tf.reduce_sum(codes * tf.cast(tf.sequence_mask(lengths, 5), tf.int32), axis=1, name="out")
+    model = read_model(write_graph_def(graph.as_graph_def(), tmp_path / "lengths.pb"), ("out",))
+    feeds, notes = validate.plan_feeds(model, None, 10)
+    drawn = np.concatenate([feed["lengths"] for feed in feeds[validate.GRAPH]])
+    assert drawn.min() >= 1 and drawn.max() <= 5 and len(set(drawn)) > 2, drawn
+    assert len(notes) == 1 and notes[0].startswith("random inputs: codes feeds no table") and "--inputs" in notes[0]
+    assert "lengths 1-5 (a length, up to the sequence's)" in validate.describe_draws(validate.plan_draws(model))
+
+
 # --------------------------------------------------------------------------------------
 # 2. A Keras model with two tables, a mask, a float and an integer output
 
@@ -192,7 +207,8 @@ def test_the_validation_says_the_ranges_and_names_each_outputs_metric(keras_mode
 
 def test_a_metric_for_an_output_the_model_lacks_is_one_line_naming_its_outputs(keras_model: Path,
                                                                               tmp_path: Path) -> None:
-    line = error_line(run_cli("convert", keras_model, tmp_path / "never", "--validate", 1, "--metric", "klass=agreement"))
+    never = tmp_path / "never"
+    line = error_line(run_cli("convert", keras_model, never, "--validate", 1, "--metric", "klass=agreement"))
     assert "--metric klass=agreement: the model has no output 'klass'; its outputs are 'cls', 'logits'" in line, line
     line = error_line(run_cli("convert", keras_model, tmp_path / "never", "--metric", "cls=same"))
     assert "'cls=same': use NAME or OUTPUT=NAME" in line, line

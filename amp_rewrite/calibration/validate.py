@@ -287,7 +287,7 @@ def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
 class Draw:
     """How random values are drawn for one input: ``kind`` "normal" (floats, N(0,1)),
     "range" (integers ``low`` ≤ v < ``high``), "mask" (a padding mask: per row along the last
-    axis, ones then zeros, at least one one) or "length" (integers 1 to ``high``); ``why``
+    axis, ones then zeros, at least one one) or "length" (integers 1 ≤ v < ``high``); ``why``
     says what set the range, None for integers that reach no table (0-9, a guess)."""
 
     kind: str
@@ -299,7 +299,7 @@ class Draw:
         if self.kind == "mask":
             return "a padding mask (per row ones, then zeros)"
         if self.kind == "length":
-            return f"1-{self.high} (a length, up to the sequence's)"
+            return f"1-{self.high - 1} (a length, up to the sequence's)"
         return f"{self.low}-{self.high - 1} ({self.why or 'no table bounds it: a guess'})"
 
 
@@ -307,8 +307,11 @@ def _is_mask(spec: InputSpec) -> bool:
     return "mask" in spec.name.lower() and (spec.dtype.is_integer or spec.dtype.is_floating or spec.dtype == tf.bool)
 
 
+LENGTH_NAME = re.compile(r"(^|[^a-z])(seq_?|sequence_)?len(gth)?s?$")  # lengths, seq_len, input_length …
+
+
 def _is_length(spec: InputSpec) -> bool:
-    return spec.dtype.is_integer and re.search(r"(^|[^a-z])(seq_?|sequence_)?len(gth)?s?$", spec.name.lower()) is not None
+    return spec.dtype.is_integer and LENGTH_NAME.search(spec.name.lower()) is not None
 
 
 def _sequence_length(spec: InputSpec, specs: Sequence[InputSpec]) -> int:
