@@ -166,6 +166,7 @@ def keras_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("inputs") / "two_tables"
     keras.Model([segment, token, mask], {"logits": logits, "cls": keras.ops.argmax(logits, -1)}).export(
         str(path), verbose=False)
+    keras.backend.clear_session()  # Keras' name counters as a fresh process has them, for the tests after these
     return path
 
 
@@ -296,6 +297,7 @@ def test_bert_backbone_validates_with_no_inputs(tmp_path: Path) -> None:
     backbone = keras_hub.models.BertBackbone(vocabulary_size=100, num_layers=1, num_heads=2, hidden_dim=16,
                                              intermediate_dim=32, max_sequence_length=16)
     backbone.export(str(tmp_path / "bert"), verbose=False)
+    keras.backend.clear_session()
     run = run_cli("convert", tmp_path / "bert", tmp_path / "bert_bf16", "--target", "bfloat16", "--validate", 2)
     assert_ok(run)
     assert ("segment_ids 0-1 (bounded by table 'segment_embedding/embeddings' of 2 rows)" in run.out
