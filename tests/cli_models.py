@@ -151,7 +151,7 @@ def save_two_tag_model(path: Path, tag_sets: tuple[str, ...] = TWO_TAG_SETS) -> 
         builder.save()
 
 
-EMBEDDING_ROWS = 3  # fewer rows than the 10 ids (0-9) random integer inputs use
+EMBEDDING_ROWS = 3  # fewer rows than the 10 ids (0-9) random integer inputs use where no table bounds them
 
 
 class _Lookup(tf.Module):
@@ -169,6 +169,20 @@ class _Lookup(tf.Module):
 def save_embedding_module(path: Path) -> None:
     """Integer ids (shape [None, 4]) looked up in a 3-row table, then a MatMul."""
     module = _Lookup()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+class _Pick(tf.Module):
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.float32, name="x"),
+                                  tf.TensorSpec([None, 4], tf.int32, name="ids")])
+    def serve(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": tf.reduce_sum(tf.gather(x, ids, axis=1), axis=1)}  # x's width is the caller's
+
+
+def save_unbounded_gather_module(path: Path) -> None:
+    """Integer ids picking columns of ``x``, whose width no shape in the graph says: random
+    ids cannot be bounded (random x is 2 wide: unknown dims are 2)."""
+    module = _Pick()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
 
 

@@ -435,12 +435,13 @@ def test_repair_keeps_the_cancelling_ops_float32_for_bfloat16() -> None:
 
 
 def test_cli_random_calibration_inputs_the_model_rejects_ask_for_real_ones(tmp_path: Path) -> None:
-    """A gather whose indices random ids (0-9) overrun: exit 2 naming the signature and the
-    random inputs, and how to pass real ones; nothing written."""
+    """A gather whose indices random ids (0-9, as no shape in the graph bounds them: the
+    gathered width is the batch's) overrun: exit 2 naming the signature and the random inputs, and how to
+    pass real ones; nothing written."""
     class Gather(tf.Module):
-        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32)])
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([None], tf.int32)])
         def pick(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
-            return {"out": tf.gather(tf.matmul(x, tf.eye(4)), ids, axis=1)}
+            return {"out": tf.gather(tf.matmul(x, x, transpose_b=True), ids, axis=1)}  # batch × batch
 
     module = Gather()
     tf.saved_model.save(module, str(tmp_path / "gather"), signatures={"pick": module.pick})

@@ -38,7 +38,8 @@ from amp_rewrite.errors import tensorflow_cause
 from cli_models import (
     ASSET_TEXT, EMBEDDING_ROWS, GRAPH_FETCHES, OVERFLOW_FETCH, TWO_TAG_SETS, export_keras_model,
     graph_def_with_deny_path, hash_tree, overflow_graph_def, save_embedding_module, save_module,
-    save_string_module, save_tf1_text_model, save_two_tag_model, save_vocabulary_module, two_output_graph_def,
+    save_string_module, save_tf1_text_model, save_two_tag_model, save_unbounded_gather_module,
+    save_vocabulary_module, two_output_graph_def,
     write_graph_def,
 )
 
@@ -893,7 +894,8 @@ def input_models(workspace: Path) -> Paths:
     save_string_module(folder / "text")
     save_vocabulary_module(folder / "vocabulary")
     save_tf1_text_model(folder / "tf1-text")
-    return {name: folder / name for name in ("embedding", "text", "vocabulary", "tf1-text")}
+    save_unbounded_gather_module(folder / "gather")
+    return {name: folder / name for name in ("embedding", "text", "vocabulary", "tf1-text", "gather")}
 
 
 def test_float64_inputs_are_cast_with_a_note(workspace: Path, saved_models: Paths) -> None:
@@ -923,23 +925,35 @@ def test_inputs_that_do_not_fit_exit_2_before_writing(
     assert not dst.exists()
 
 
-def test_random_ids_beyond_an_embedding_say_to_pass_inputs(workspace: Path, input_models: Paths) -> None:
-    """Random ids are 0-9 and the table has 3 rows: the source itself fails, so the user is
-    told to pass --inputs, in one line naming TensorFlow's cause (not its "Graph execution
-    error" headline), and nothing is written. Calibration says the same. Real ids then validate."""
-    dst = workspace / "embedding-out"
-    process = run_process("convert", input_models["embedding"], dst, "--validate", 2)
+def test_random_ids_are_drawn_within_the_embedding_they_index(workspace: Path, input_models: Paths) -> None:
+    """The ids index a 3-row table: random ids are 0-2, said on the validation's inputs line,
+    and the model validates with no --inputs (0-9, as before, fails on CPU)."""
+    run = run_cli("convert", input_models["embedding"], workspace / "embedding-random", "--validate", 2)
+    assert_ok(run)
+    assert f"ids 0-{EMBEDDING_ROWS - 1} (bounded by table " in run.out and f"of {EMBEDDING_ROWS} rows)" in run.out
+    assert "ok   serving_default/y" in run.out
+
+
+def test_random_ids_no_table_bounds_say_which_input_and_to_pass_inputs(workspace: Path, input_models: Paths) -> None:
+    """The ids pick columns of an input whose width the graph does not say: drawn 0-9 with a
+    note naming them; the source fails on them, so the user is told to pass --inputs, in one
+    line naming TensorFlow's cause (not its "Graph execution error" headline), and nothing
+    is written. Calibration says the same. Real ids then validate."""
+    dst = workspace / "gather-out"
+    process = run_process("convert", input_models["gather"], dst, "--validate", 2)
     line = process_error_line(process)
-    assert "--inputs" in line and "serving_default" in line, line
-    assert re.search(r"\(indices\[0,\d\] = \d is not in \[0, 3\)\)$", line), line
-    assert not dst.exists() and not list(workspace.glob(".embedding-out.*"))
-    calibrated = run_cli("calibrate", input_models["embedding"], "--out", workspace / "never.yaml")
+    assert "Note: random inputs: ids feeds no table" in process.stdout and "--inputs FILE.npz" in process.stdout
+    assert "--inputs" in line and "serving_default" in line and "(ids drawn 0-9 as no table bounds it;" in line, line
+    assert re.search(r"\(indices\[0,\d\] = \d is not in \[0, 2\)\)$", line), line
+    assert not dst.exists() and not list(workspace.glob(".gather-out.*"))
+    calibrated = run_cli("calibrate", input_models["gather"], "--out", workspace / "never.yaml")
     last = calibrated.err.strip().splitlines()[-1]  # after the warning that random inputs are used
     assert calibrated.code == 2 and last.startswith("amp-rewrite: error: "), calibrated.err
-    assert re.search(r"\(indices\[0,\d\] = \d is not in \[0, 3\)\); pass real ones", last), last
+    assert re.search(r"\(indices\[0,\d\] = \d is not in \[0, 2\)\); pass real ones", last), last
     inputs = workspace / "ids.npz"
-    np.savez(inputs, ids=np.random.default_rng(5).integers(0, EMBEDDING_ROWS, (3, 4)))  # int64: cast with a note
-    run = run_cli("convert", input_models["embedding"], dst, "--inputs", inputs)
+    rng = np.random.default_rng(5)
+    np.savez(inputs, x=rng.standard_normal((3, 5)).astype(np.float32), ids=rng.integers(0, 5, (3, 4)))
+    run = run_cli("convert", input_models["gather"], dst, "--inputs", inputs)  # int64 ids: cast with a note
     assert_ok(run)
     assert "cast to int32" in run.out and "ok   serving_default/y" in run.out
 

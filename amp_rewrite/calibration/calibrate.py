@@ -134,6 +134,7 @@ class OutputCheck:
     signature: str
     output: str
     error: float  # the metric's value over the calibration inputs
+    metric: str = ""  # its name, where it is not the calibration's (integer outputs: agreement)
 
     def within(self, limit: float) -> bool:
         return math.isfinite(self.error) and self.error <= limit
@@ -408,17 +409,22 @@ def blame(result: RewriteResult, touching: Touching, high: Mapping[TensorKey, Te
             if own >= _BLAME_SHARE * worst or math.isinf(own)}
 
 
-def output_checks(high: statistics.Run, low: statistics.Run, metric: validate.Metric) -> tuple[OutputCheck, ...]:
-    """Each output's error over all feeds together (``validate.measure``)."""
+def output_checks(high: statistics.Run, low: statistics.Run,
+                  metric: validate.NamedMetric | validate.Metric) -> tuple[OutputCheck, ...]:
+    """Each output's error over all feeds together (``validate.measure``): a floating output's
+    by ``metric``, an integer output's by agreement (``validate.MetricChoice``)."""
+    metric = metric if isinstance(metric, validate.NamedMetric) else validate.lookup_metric(metric)
+    choice = validate.MetricChoice(metric.name if metric.name in validate.METRICS else metric.function)
     checks = []
     for signature in sorted(high.outputs):
         names = sorted(high.outputs[signature][0]) if high.outputs[signature] else []
         for name in names:
             pairs = [(old[name], new[name]) for old, new in zip(high.outputs[signature], low.outputs[signature])]
             where = f"signature '{signature}' output '{name}'"
-            measured = validate.measure(metric, pairs, where)
+            chosen = choice.for_output(signature, name, np.asarray(pairs[0][0])) if pairs else metric
+            measured = validate.measure(chosen.function, pairs, where)
             if measured is not None:
-                checks.append(OutputCheck(signature, name, measured[0]))
+                checks.append(OutputCheck(signature, name, measured[0], chosen.name if chosen != metric else ""))
     return tuple(checks)
 
 
@@ -430,8 +436,8 @@ def _summary(checks: Sequence[OutputCheck], target: Target, metric: str) -> str:
     goal = GOAL_SHARE * target.tolerance
     verdict = ("within the goal" if worst.within(goal) else "over the goal" if worst.within(target.tolerance)
                else "over tolerance")
-    return (f"worst {worst.signature}/{worst.output} {validate.shown(metric)} {worst.error:.3g} ({verdict};"
-            f" goal {goal:g}, tolerance {target.tolerance:g})")
+    return (f"worst {worst.signature}/{worst.output} {validate.shown(worst.metric or metric)} {worst.error:.3g}"
+            f" ({verdict}; goal {goal:g}, tolerance {target.tolerance:g})")
 
 
 def calibrate(
@@ -538,7 +544,7 @@ class _Context:
                  ) -> tuple[statistics.Run, tuple[OutputCheck, ...]]:
         """Run a rewrite on the calibration inputs, measuring ``keys``: the run and each output's error."""
         low = self.runner.collect(program, keys, self.options.thresholds.smallest_normal)
-        return low, output_checks(self.high, low, self.metric.function)
+        return low, output_checks(self.high, low, self.metric)
 
     def summary(self, checks: Sequence[OutputCheck]) -> str:
         return _summary(checks, self.target, self.metric.name)

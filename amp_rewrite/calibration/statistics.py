@@ -660,7 +660,7 @@ class Runner:
                 where = f"{self.model.path}" + (f": signature '{key}'" if key != GRAPH else "")
                 advice = ("; pass real ones: --calibrate DATA.npz (convert) or --inputs DATA.npz (calibrate)"
                           if described == RANDOM_INPUTS else "; check them against the model's inputs")
-                what = (f"{RANDOM_INPUTS} (ids 0-9 for integer inputs, unknown dims 2)"
+                what = (f"{RANDOM_INPUTS} (ids within the tables they index, else 0-9; unknown dims 2)"
                         if described == RANDOM_INPUTS else described)
                 cause = tensorflow_cause(error)
                 raise ModelError(f"{where}: the model fails on {what} ({cause}){advice}") from None

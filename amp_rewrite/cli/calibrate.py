@@ -40,11 +40,13 @@ def calibrate_model(args: argparse.Namespace, model: Model, lists: OpLists,
     if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: calibration needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
-    feeds, notes = validate.plan_feeds(model, None if random else data, calibrate.RANDOM_FEEDS)
+    draws = validate.plan_draws(model) if random else None
+    feeds, notes = validate.plan_feeds(model, None if random else data, calibrate.RANDOM_FEEDS, draws=draws)
     say(args, *[f"Note: {note}" for note in notes])
-    if random:
-        print(f"amp-rewrite: warning: calibrating on random inputs ({calibrate.RANDOM_FEEDS} batches, N(0,1) floats,"
-              " ids 0-9); real data is better: pass an .npz of the signature inputs", file=sys.stderr)
+    if draws is not None:
+        print(f"amp-rewrite: warning: calibrating on random inputs ({calibrate.RANDOM_FEEDS} batches:"
+              f" {validate.describe_draws(draws)}); real data is better: pass an .npz of the signature inputs",
+              file=sys.stderr)
     thresholds = calibrate.Thresholds.for_target(lookup_target(args.target, quantized=True), args.max_magnitude,
                                                  args.small_share)
     result = calibrate.run_calibration(model, feeds, calibrate.Options(

@@ -143,7 +143,7 @@ def _untimed_speed(args: argparse.Namespace, result: RewriteResult) -> list[str]
     return [f"Speed: not measured: {why}; {how}"]
 
 
-def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds | None:
+def _validation_feeds(args: argparse.Namespace, model: Model) -> _Feeds | None:
     """The inputs --validate (random) or --inputs (the file's) feeds to SRC and the result,
     once the model is known to fit in memory twice; None without either option."""
     if not (args.validate or args.inputs):
@@ -151,10 +151,23 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> validate.Feeds 
     if model.kind == "graphdef" and not model.compared_outputs:
         raise AmpRewriteError(f"{model.path}: --validate needs outputs to compare and the graph has none;"
                               " name them with --fetch NAME[:PORT]")
-    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1)
+    _metrics(args).check(model)
+    draws = validate.plan_draws(model) if args.inputs is None else None
+    feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1, draws=draws)
     validate.check_fits(model, _weights_bytes(model))
     say(args, *[f"Note: {note}" for note in notes])
-    return feeds
+    if draws is None:
+        return _Feeds(feeds, None)
+    return _Feeds(feeds, validate.describe_draws(draws), tuple(validate.unbounded(draws)))
+
+
+@dataclass(frozen=True)
+class _Feeds:
+    """What validation feeds, and how its random inputs were drawn (None: the --inputs file's)."""
+
+    feeds: validate.Feeds
+    drawn: str | None
+    guessed: tuple[str, ...] = ()  # the integer inputs no table bounds, drawn 0-9
 
 
 @dataclass(kw_only=True)
@@ -166,7 +179,7 @@ class _Acceptance:
     args: argparse.Namespace
     model: Model
     result: RewriteResult
-    feeds: validate.Feeds | None  # None: no validation
+    feeds: _Feeds | None  # None: no validation
     tuning: speed.Tuning | None   # None: no --tune
     progress: Progress
     failed: int = 0  # outputs over tolerance, once validated
@@ -188,23 +201,31 @@ class _Acceptance:
 
 
 def _validate(args: argparse.Namespace, model: Model, result: RewriteResult, staged: Path,
-              feeds: validate.Feeds) -> int:
+              planned: _Feeds) -> int:
     """Compare the source with the staged copy and print each output's error; returns how
     many outputs are over tolerance."""
-    random = args.inputs is None
+    random, feeds = args.inputs is None, planned.feeds
     if model.kind == "savedmodel":
-        errors = validate.validate_saved_models(model, staged, feeds, random, args.metric)
+        errors = validate.validate_saved_models(model, staged, feeds, random, _metrics(args), guessed=planned.guessed)
     else:
-        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, args.metric)
+        errors = validate.validate_graph_defs(model, result.graph_def, feeds, random, _metrics(args),
+                                              guessed=planned.guessed)
     target = lookup_target(args.target, quantized=True)
     runs = 1 if args.inputs else args.validate
     failed = [e for e in errors if not e.ok(target)]
     inputs = (f"{runs} run(s) of random inputs, which are not the model's data: a pass or a failure here says"
               " little about real inputs (pass them with --inputs FILE.npz)" if random else f"{args.inputs}")
     say(args, f"Validation ({inputs}; {args.metric}, tolerance {target.tolerance:g}):")
-    say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: "
-                f"max abs {e.max_abs:.3g}, {validate.shown(e.metric)} {e.error:.3g}" for e in errors])
+    if planned.drawn is not None:
+        say(args, f"  random inputs: {planned.drawn}")
+    say(args, *[f"  {'FAIL' if not e.ok(target) else 'ok  '} {e.signature}/{e.output}: {e.describe()}"
+                for e in errors])
     return len(failed)
+
+
+def _metrics(args: argparse.Namespace) -> validate.MetricChoice:
+    """--metric: the floating outputs' metric, and OUTPUT=NAME's."""
+    return validate.MetricChoice(args.metric, args.output_metrics)
 
 
 def _check_speed(args: argparse.Namespace, tuning: speed.Tuning, staged: Path, progress: Progress) -> None:

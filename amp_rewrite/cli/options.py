@@ -24,7 +24,8 @@ RANDOM_INPUTS = Path("<random>")  # --calibrate without a file
 # core.target's TARGETS and quantized targets, spelled here so --help needs no TensorFlow
 TARGET_NAMES = ("float16", "bfloat16", "float8")
 CONVERT_TARGET_NAMES = (*TARGET_NAMES, "float32")  # convert --target float32: a mixed model back to float32
-METRIC_NAMES = ("max-rel", "p99-rel", "top1-agreement")  # calibration.validate.METRICS, the default second
+# calibration.validate.METRICS, the default second
+METRIC_NAMES = ("max-rel", "p99-rel", "top1-agreement", "agreement", "prefix-agreement")
 
 DESCRIPTION = "Rewrite a SavedModel or GraphDef file to mixed precision (float16, bfloat16 or float8), and look inside."
 EXIT_CODES = """\
@@ -228,12 +229,44 @@ def _common_options(sub: argparse.ArgumentParser, targets: tuple[str, ...] = TAR
     sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 
 
-def _metric_option(sub: argparse.ArgumentParser) -> None:
-    """--metric: how validation measures an output's error."""
-    sub.add_argument("--metric", choices=METRIC_NAMES, default=METRIC_NAMES[1],
-                     help="how an output's error is measured against the target's tolerance: max-rel (largest"
-                          " |difference| / largest |float32|, grows with the samples), p99-rel (its 99th"
-                          " percentile, default) or top1-agreement (share of samples whose top class changed)")
+def _metric_option(sub: argparse.ArgumentParser, *, per_output: bool = False) -> None:
+    """--metric: how validation measures an output's error; with ``per_output``, also
+    OUTPUT=NAME for one output (``output_metrics``)."""
+    what = ("how an output's error is measured against the target's tolerance: max-rel (largest |difference| /"
+            " largest |float32|, grows with the samples), p99-rel (its 99th percentile, default) or top1-agreement"
+            " (share of samples whose top class changed)")
+    if not per_output:
+        sub.add_argument("--metric", choices=METRIC_NAMES[:3], default=METRIC_NAMES[1], help=what)
+        return
+    sub.add_argument("--metric", action=_MetricAction, default=METRIC_NAMES[1], metavar="[OUTPUT=]NAME",
+                     help=what + ", for the floating outputs; integer outputs (ids, classes) are compared by"
+                          " agreement (share equal), sequences (2 dims or more) by prefix-agreement (share equal up"
+                          " to the first difference). OUTPUT=NAME sets one output's (OUTPUT or SIGNATURE/OUTPUT;"
+                          " repeatable)")
+    sub.set_defaults(output_metrics={})
+
+
+def _metric(text: str) -> tuple[str | None, str]:
+    """``NAME`` or ``OUTPUT=NAME`` -> (the output or None, the metric)."""
+    output, equals, name = text.rpartition("=")
+    if name not in METRIC_NAMES or (equals and not output):
+        raise argparse.ArgumentTypeError(f"{text!r}: use NAME or OUTPUT=NAME, NAME one of {', '.join(METRIC_NAMES)}")
+    return (output or None), name
+
+
+class _MetricAction(argparse.Action):
+    """--metric NAME sets ``metric``; --metric OUTPUT=NAME adds to ``output_metrics``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            output, name = _metric(values)
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentError(self, str(error)) from None
+        if output is None:
+            namespace.metric = name
+        else:
+            namespace.output_metrics = {**namespace.output_metrics, output: name}
 
 
 def _weights_option(sub: argparse.ArgumentParser) -> None:
@@ -291,7 +324,7 @@ def _add_convert(commands: Any) -> None:
     convert.add_argument("--calibrate", type=_calibration_data, metavar="DATA.npz|random",
                          help="keep float32 the nodes calibration data shows out of the target's range or over"
                               " tolerance: DATA.npz holds signature inputs as --inputs takes; random: random inputs")
-    _metric_option(convert)
+    _metric_option(convert, per_output=True)
     _calibration_options(convert)
     _tuning_options(convert, inputs=False)
 
