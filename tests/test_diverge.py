@@ -54,7 +54,10 @@ def _square_model(path: Path) -> None:
     keras.utils.set_random_seed(0)
     x = keras.Input((FEATURES,), name="x")
     h = keras.layers.Dense(32, activation="relu", name="hidden")(x)
-    keras.Model(x, keras.layers.Dense(4, name="head")(Square(name="square")(h))).export(str(path), verbose=False)
+    # Named: an unnamed model's nodes are "functional_<n>_1/...", n counting the models this
+    # process built before, and the tests below name its nodes.
+    model = keras.Model(x, keras.layers.Dense(4, name="head")(Square(name="square")(h)), name="model")
+    model.export(str(path), verbose=False)
 
 
 def _norm_model(path: Path) -> None:
@@ -64,7 +67,7 @@ def _norm_model(path: Path) -> None:
     keras.utils.set_random_seed(0)
     x = keras.Input((NORM_FEATURES,), name="x")
     h = keras.layers.LayerNormalization(epsilon=1e-12, name="norm")(keras.layers.Dense(64, name="hidden")(x))
-    keras.Model(x, keras.layers.Dense(4, name="head")(h)).export(str(path), verbose=False)
+    keras.Model(x, keras.layers.Dense(4, name="head")(h), name="model").export(str(path), verbose=False)
 
 
 def _softmax_model(path: Path) -> None:
@@ -75,7 +78,7 @@ def _softmax_model(path: Path) -> None:
     x = keras.Input((FEATURES,), name="x")
     h = keras.layers.Dense(32, activation="relu", name="hidden")(x)
     logits = keras.layers.Dense(8, bias_initializer=keras.initializers.Constant(2e4), name="logits")(h)
-    keras.Model(x, keras.layers.Dense(4, name="head")(keras.layers.Softmax(name="probs")(logits))).export(
+    keras.Model(x, keras.layers.Dense(4, name="head")(keras.layers.Softmax(name="probs")(logits)), name="model").export(
         str(path), verbose=False)
 
 
@@ -184,7 +187,7 @@ def test_a_float8_matmul_with_a_stale_amax_is_named(tmp_path: Path, models: dict
     operand is clipped there, the matmul's output is far off, and the report says the amax
     may be stale."""
     overlay = tmp_path / "stale.yaml"
-    overlay.write_text("amax:\n  functional_1/square_1/mul_1:0: 1.0\n", encoding="utf-8")
+    overlay.write_text("amax:\n  model_1/square_1/mul_1:0: 1.0\n", encoding="utf-8")
     inputs = _inputs(tmp_path / "x.npz", 0.5)
     found = _find(models["square"], inputs, "float8", overlay)
     first = found.first
@@ -256,13 +259,13 @@ def test_cli_explain_and_dump_show_the_first_diverging_node(tmp_path: Path, mode
     inputs = _inputs(tmp_path / "x.npz", 4.0)
     explained = run_cli("explain", models["square"], "--diverge", "--inputs", inputs)
     assert_ok(explained)
-    assert re.search(r"first diverging node functional_1/square_1/mul_1 \(Mul, converted to float16\)", explained.out)
-    assert "path to the worst output: functional_1/square_1/mul_1 -> " in explained.out
-    assert "fix: --keep 'functional_1/square_1/mul_1'" in explained.out
+    assert re.search(r"first diverging node model_1/square_1/mul_1 \(Mul, converted to float16\)", explained.out)
+    assert "path to the worst output: model_1/square_1/mul_1 -> " in explained.out
+    assert "fix: --keep 'model_1/square_1/mul_1'" in explained.out
     dumped = run_cli("dump", models["square"], tmp_path / "dump", "--diverge", "--inputs", inputs)
     assert_ok(dumped)
     report = (tmp_path / "dump" / "report.html").read_text(encoding="utf-8")
-    assert "first diverging node functional_1/square_1/mul_1" in report and "fix: --keep" in report
+    assert "first diverging node model_1/square_1/mul_1" in report and "fix: --keep" in report
 
 
 def test_cli_a_conversion_on_disk_is_compared_as_it_was_written(tmp_path: Path, models: dict[str, Path]) -> None:
@@ -271,13 +274,13 @@ def test_cli_a_conversion_on_disk_is_compared_as_it_was_written(tmp_path: Path, 
     nothing, would name the Mul); the runs after it rewrite SRC with the options and keeps."""
     inputs = _inputs(tmp_path / "x.npz", 4.0)
     converted = run_cli("convert", models["square"], tmp_path / "dst", "--inputs", inputs, "--keep-failed",
-                        "--keep", "functional_1/square_1/mul_1")
+                        "--keep", "model_1/square_1/mul_1")
     assert converted.code == 1 and (tmp_path / "dst" / "saved_model.pb").exists(), converted.err
     run = run_cli("explain", models["square"], "--diverge", "--converted", tmp_path / "dst", "--inputs", inputs)
     assert_ok(run)
-    assert "first diverging node functional_1/head_1/MatMul (MatMul, converted to float16)" in run.out, run.out
+    assert "first diverging node model_1/head_1/MatMul (MatMul, converted to float16)" in run.out, run.out
     assert f"run 1, {tmp_path / 'dst'}: " in run.out and "run 2, the options' rewrite with 1 keep entry" in run.out
-    assert "fix: --keep 'functional_1/head_1/MatMul'" in run.out
+    assert "fix: --keep 'model_1/head_1/MatMul'" in run.out
     line = error_line(run_cli("explain", models["square"], "x", "--converted", tmp_path / "dst"))
     assert "--converted DST: the conversion --diverge compares; add --diverge" in line
 
