@@ -196,11 +196,12 @@ V1_SCALE_LOSS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.los
                         "MixedPrecisionLossScaleOptimizer._scale_loss", ("loss",))
 V1_UNSCALE_GRADS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale_optimizer",
                            "MixedPrecisionLossScaleOptimizer._unscale_grads", ("grads",))
-# TF1's DynamicLossScale keeps its count of good steps in ``_num_good_steps`` (no public getter);
-# a fixed scale counts its skipped steps there (keras_optimizer.count_skipped_step).
+# TF1's fixed scale that skips is a DynamicLossScale that never grows (optimizers._FixedLossScale).
 V1_DYNAMIC_LOSS_SCALE = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale",
                                 "DynamicLossScale.__init__", ("initial_loss_scale", "increment_period", "multiplier"))
-V1_GOOD_STEPS = "_num_good_steps"
+# tf_keras' wrapper keeps its scale's state (whose update(grads) decides each step) in ``_loss_scale``
+# (no public getter): its skipped steps are counted there (skips.count_in_update).
+TF_KERAS_LOSS_SCALE = "_loss_scale"
 # A Keras 3 optimizer lists the variables it updates only here (the training doctor's default variables=).
 KERAS_TRAINABLE_VARIABLES = "_trainable_variables"
 # TF1's optimizer takes nothing but its deprecated loss scales: their notice is silenced.

@@ -10,7 +10,7 @@ same inputs. Variables the replay writes (BatchNormalization's moving statistics
 random-seed state of Dropout) are put back, so training is the same with the doctor as
 without it. ``diagnose_step`` is the call for a custom loop; ``Doctor`` does it inside
 ``model.fit`` (Keras 3), replaying the batch of the first skipped step and of the step at
-which training is stuck (``keras_optimizer.STUCK_STEPS``), and nothing else.
+which training is stuck (``skips.STUCK_STEPS``), and nothing else.
 """
 from __future__ import annotations
 
@@ -336,7 +336,7 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
 
 
 class Doctor(keras.callbacks.Callback):
-    """For Keras 3 ``model.fit``: when training is stuck (``keras_optimizer.STUCK_STEPS`` skipped
+    """For Keras 3 ``model.fit``: when training is stuck (``skips.STUCK_STEPS`` skipped
     steps in a row at the loss scale's floor), replay that step's batch once (``diagnose_step``)
     and warn once, with the op and the keep that fixes it; ``first_skip=True`` diagnoses the
     first skipped step too. Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
