@@ -81,6 +81,16 @@ def test_tf_keras_counting_leaves_training_as_tf_keras_own_wrapper_trains():
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(weights, reference.weights))
 
 
+def test_the_doctor_in_tf_keras_fit_says_in_one_line_what_to_call_instead():
+    """``Doctor`` is a Keras 3 callback; tf_keras' fit cannot call it: one line naming diagnose_step."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(), target="float16")
+    model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,))])
+    model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^amp_rewrite.Doctor is a Keras 3 callback, which"
+                                                          r" Sequential.fit \(tf_keras\) cannot call: .*diagnose_step"):
+        model.fit(np.ones((8, 4)), np.ones((8, 3)), verbose=0, callbacks=[amp_rewrite.Doctor()])
+
+
 def _v1_overflow_step(opt, x: np.ndarray, y: np.ndarray):
     """The issue's model written with TF1 ops (its weights, and the train op ``opt.minimize`` makes)."""
     rng = np.random.RandomState(0)

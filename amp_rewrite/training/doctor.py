@@ -355,6 +355,14 @@ class Doctor(keras.callbacks.Callback):
         self._first = False  # the first skipped step's batch is kept: diagnose it at the batch's end
         self._stuck: str | None = None
 
+    def set_model(self, model: Any) -> None:
+        if not isinstance(model, keras.Model):  # tf_keras' fit would fail on a Keras 3 callback's missing hooks
+            raise AmpRewriteError(f"amp_rewrite.Doctor is a Keras 3 callback, which {type(model).__name__}.fit"
+                                  f" ({type(model).__module__.partition('.')[0]}) cannot call: in that loop call"
+                                  " amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt,"
+                                  " variables=model.trainable_variables) with a skipped step's batch")
+        super().set_model(model)
+
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer
         if not isinstance(optimizer, optimizers.LossScaleOptimizer):
