@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_doctor import data, stuck_warnings
+from test_doctor import data, stuck_warnings, summary_scalars
 
 import amp_rewrite
 from amp_rewrite.training import live, session
@@ -175,3 +175,27 @@ def test_the_session_path_counts_skips_and_trains_as_tf1_own_wrapper():
         reference, _, reference_scale, _ = _session_run(_tf1_own, 12)
     assert 0 < skipped < 12 and not said and scale == reference_scale < 2.0**15
     assert all(np.array_equal(a, b) for a, b in zip(weights, reference))
+
+
+def test_tf_keras_loss_scale_and_skipped_steps_reach_tf_summary(tmp_path):
+    """A tf_keras custom loop under ``writer.as_default()``: its wrapper writes both scalars at each
+    step, as the Keras 3 wrapper does (the scale after the step's halving)."""
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu", input_shape=(64,)), SquareV2(),
+                                 tf_keras.layers.Dense(10)])
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(), target="float16")
+    loss_object = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(loss_object(y, model(x, training=True)))
+        gradients = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+        opt.apply_gradients(zip(gradients, model.trainable_variables))
+
+    x, y = data("overflow", 32)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default():
+        for _ in range(3):
+            step(x, y)
+    assert summary_scalars(tmp_path) == {"amp_rewrite/loss_scale": [2.0**14, 2.0**13, 2.0**12],
+                             "amp_rewrite/skipped_steps": [1.0, 2.0, 3.0]}
