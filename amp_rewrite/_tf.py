@@ -176,7 +176,7 @@ CONTROL_FLOW_FUNC_GRAPH = Private(FLOAT8_TRAINING, "tensorflow.python.ops.contro
 DEFERRED_INTERNAL_CAPTURES = Private(FLOAT8_TRAINING, "tensorflow.python.framework.func_graph",
                                      "FuncGraph.deferred_internal_captures")
 
-# --- the loss-scale optimizers (training/optimizers.py, training/keras_optimizer.py) ----------
+# --- the loss-scale optimizers (training/optimizers.py, training/keras_optimizer.py, training/skips.py) ---
 # Keras 3's LossScaleOptimizer methods our subclass overrides: a fixed scale (no public option),
 # skipped steps decided on all replicas together, and the scale kept within [1, float32 max].
 KERAS_TF_APPLY = Private(OPTIMIZERS, "keras", "mixed_precision.LossScaleOptimizer._tf_apply",
@@ -188,7 +188,7 @@ KERAS_HANDLE_NON_FINITE = Private(OPTIMIZERS, "keras",
 # Keras' own test of whether a step needs a merge call (tf.__internal__ is TensorFlow's door for Keras).
 STRATEGY_SUPPORTS_NO_MERGE_CALL = Private(OPTIMIZERS, "tensorflow",
                                           "__internal__.distribute.strategy_supports_no_merge_call", ())
-# XLA cannot print: the skipped-steps warning only counts under it.
+# XLA cannot call Python nor write summaries: the skip counter (training/skips.py) only counts under it.
 OPTIMIZERS_XLA_CONTEXT = Private(OPTIMIZERS, "tensorflow.python.ops.control_flow_util",
                                  "GraphOrParentsInXlaContext", ("graph",))
 # TF1's loss-scale optimizer has no public get_scaled_loss/get_unscaled_gradients: its own halves.
@@ -196,11 +196,12 @@ V1_SCALE_LOSS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.los
                         "MixedPrecisionLossScaleOptimizer._scale_loss", ("loss",))
 V1_UNSCALE_GRADS = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale_optimizer",
                            "MixedPrecisionLossScaleOptimizer._unscale_grads", ("grads",))
-# TF1's DynamicLossScale keeps its count of good steps in ``_num_good_steps`` (no public getter);
-# a fixed scale counts its skipped steps there (keras_optimizer.count_skipped_step).
+# TF1's fixed scale that skips is a DynamicLossScale that never grows (optimizers._FixedLossScale).
 V1_DYNAMIC_LOSS_SCALE = Private(OPTIMIZERS, "tensorflow.python.training.experimental.loss_scale",
                                 "DynamicLossScale.__init__", ("initial_loss_scale", "increment_period", "multiplier"))
-V1_GOOD_STEPS = "_num_good_steps"
+# tf_keras' wrapper keeps its scale's state (whose update(grads) decides each step) in ``_loss_scale``
+# (no public getter): its skipped steps are counted there (skips.count_in_update).
+TF_KERAS_LOSS_SCALE = "_loss_scale"
 # A Keras 3 optimizer lists the variables it updates only here (the training doctor's default variables=).
 KERAS_TRAINABLE_VARIABLES = "_trainable_variables"
 # TF1's optimizer takes nothing but its deprecated loss scales: their notice is silenced.

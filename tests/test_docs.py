@@ -548,7 +548,7 @@ def test_internals_page_lists_every_private_name_with_its_reason() -> None:
     rows = table.splitlines()[2:]
     for entry in _tf.ENTRIES:
         assert f"`{entry.name}`" in table, f"{entry.name} missing from the internals table"
-    for attribute in (_tf.SESSION_HANDLE, _tf.V1_GOOD_STEPS):
+    for attribute in (_tf.SESSION_HANDLE, _tf.TF_KERAS_LOSS_SCALE):
         assert f"`{attribute}`" in table
     assert rows and all(row.rsplit("|", 2)[1].strip() for row in rows), "a row without its reason"
 

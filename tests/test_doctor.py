@@ -237,6 +237,16 @@ def test_diagnosis_where_nothing_is_wrong_says_so_in_one_line():
         amp_rewrite.diagnose_step(loss_fn, x, y, optimizer=keras.optimizers.Adam())
 
 
+def summary_scalars(folder) -> dict[str, list[float]]:
+    """The scalars of the event files in ``folder``, by tag, in the order written."""
+    tag_to_values: dict[str, list[float]] = {}
+    for path in folder.glob("events.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                tag_to_values.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    return tag_to_values
+
+
 def test_loss_scale_and_skipped_steps_reach_tf_summary_and_keras_logs(tmp_path):
     """In a custom loop under ``writer.as_default()`` the wrapper writes both scalars each step;
     in fit the Doctor puts them into the epoch's logs (History, TensorBoard after it)."""
@@ -245,12 +255,7 @@ def test_loss_scale_and_skipped_steps_reach_tf_summary_and_keras_logs(tmp_path):
     x, y = data("overflow", 32)
     with tf.summary.create_file_writer(str(tmp_path)).as_default():
         _custom_loop(model, opt, x, y, steps=3)
-    tag_to_values: dict[str, list[float]] = {}
-    for path in tmp_path.glob("events.*"):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                tag_to_values.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
-    assert tag_to_values == {"amp_rewrite/loss_scale": [2.0**14, 2.0**13, 2.0**12],
+    assert summary_scalars(tmp_path) == {"amp_rewrite/loss_scale": [2.0**14, 2.0**13, 2.0**12],
                              "amp_rewrite/skipped_steps": [1.0, 2.0, 3.0]}
 
 

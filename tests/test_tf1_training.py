@@ -143,10 +143,12 @@ def test_an_op_that_would_change_a_running_node_is_refused_in_one_line(report):
 
 def test_a_fixed_scale_that_skips_every_step_in_a_session_says_so_once(report):
     """loss_scale=2**20 and an Inf loss in a Session: all 12 steps skipped (global_step and w
-    unchanged, the scale fixed), and one line on stderr says why and what to pass."""
-    assert report["fixed_scale"] == {"step": 0, "w": [1.0, 2.0], "scale": 2.0**20}
-    assert report["stderr"].count("the first 10 training steps were all skipped") == 1
-    assert 'fixed loss scale 1.04858e+06; pass a smaller loss_scale, or loss_scale="dynamic"' in report["stderr"]
+    unchanged, the scale fixed, opt.skipped_steps 12), and one warning says training is stuck,
+    why and what to pass."""
+    stuck = report["fixed_scale"].pop("stuck")
+    assert report["fixed_scale"] == {"step": 0, "w": [1.0, 2.0], "scale": 2.0**20, "skipped": 12}
+    assert len(stuck) == 1, stuck
+    assert 'at the fixed loss scale 1.04858e+06 (pass a smaller loss_scale, or loss_scale="dynamic"' in stuck[0]
 
 
 def test_readme_tf1_example_runs_as_written(report):

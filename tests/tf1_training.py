@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -385,8 +386,8 @@ def refused_growth() -> dict:
 
 
 def fixed_scale_all_skipped() -> dict:
-    """A fixed loss_scale with a loss that is never finite, in a Session: 12 steps, all skipped;
-    the warning goes to the process' stderr (``test_tf1_training`` reads it)."""
+    """A fixed loss_scale with a loss that is never finite, in a Session: 12 steps, all skipped,
+    counted in ``opt.skipped_steps``; the stuck warnings, recorded."""
     graph = tf.Graph()
     with graph.as_default():
         w = tf.compat.v1.get_variable("w", initializer=tf.constant([1.0, 2.0]))
@@ -395,11 +396,14 @@ def fixed_scale_all_skipped() -> dict:
                                                                loss_scale=2.0**20, target=TARGET)
         train = opt.minimize(tf.reduce_sum(w * w) * float("inf"), global_step=step)
         init = tf.compat.v1.global_variables_initializer()
-    with tf.compat.v1.Session(graph=graph) as sess:
+    with tf.compat.v1.Session(graph=graph) as sess, warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
         sess.run(init)
         for _ in range(12):
             sess.run(train)
-        out = {"step": int(sess.run(step)), "w": sess.run(w).tolist(), "scale": float(sess.run(opt.loss_scale))}
+        out = {"step": int(sess.run(step)), "w": sess.run(w).tolist(), "scale": float(sess.run(opt.loss_scale)),
+               "skipped": int(sess.run(opt.skipped_steps)),
+               "stuck": [str(r.message) for r in records if "training is stuck" in str(r.message)]}
     amp_rewrite.disable_mixed_precision_graph_rewrite()
     return out
 

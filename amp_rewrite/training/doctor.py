@@ -10,7 +10,7 @@ same inputs. Variables the replay writes (BatchNormalization's moving statistics
 random-seed state of Dropout) are put back, so training is the same with the doctor as
 without it. ``diagnose_step`` is the call for a custom loop; ``Doctor`` does it inside
 ``model.fit`` (Keras 3), replaying the batch of the first skipped step and of the step at
-which training is stuck (``keras_optimizer.STUCK_STEPS``), and nothing else.
+which training is stuck (``skips.STUCK_STEPS``), and nothing else.
 """
 from __future__ import annotations
 
@@ -335,7 +335,7 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
 
 
 class Doctor(keras.callbacks.Callback):
-    """For Keras 3 ``model.fit``: when training is stuck (``keras_optimizer.STUCK_STEPS`` skipped
+    """For Keras 3 ``model.fit``: when training is stuck (``skips.STUCK_STEPS`` skipped
     steps in a row at the loss scale's floor), replay that step's batch once (``diagnose_step``)
     and warn once, with the op and the keep that fixes it; ``first_skip=True`` diagnoses the
     first skipped step too. Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
@@ -353,6 +353,14 @@ class Doctor(keras.callbacks.Callback):
         self._skipped_before = True  # a step was skipped before (first_skip: nothing to do)
         self._first = False  # the first skipped step's batch is kept: diagnose it at the batch's end
         self._stuck: str | None = None
+
+    def set_model(self, model: Any) -> None:
+        if not isinstance(model, keras.Model):  # tf_keras' fit would fail on a Keras 3 callback's missing hooks
+            raise AmpRewriteError(f"amp_rewrite.Doctor is a Keras 3 callback, which {type(model).__name__}.fit"
+                                  f" ({type(model).__module__.partition('.')[0]}) cannot call: in that loop call"
+                                  " amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt,"
+                                  " variables=model.trainable_variables) with a skipped step's batch")
+        super().set_model(model)
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer

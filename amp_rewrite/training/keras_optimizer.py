@@ -6,7 +6,6 @@ registers it with Keras' serialization as soon as Keras is loaded (``registratio
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -15,17 +14,10 @@ import tensorflow as tf
 
 from amp_rewrite import _tf
 from amp_rewrite.training.float8_state import Float8State
+from amp_rewrite.training.skips import FIND_THE_OP, FLOOR_SCALE, SkipCounter
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
-# A fixed scale at which this many steps in a row from the first are all skipped never trains: say so.
-SKIPPED_STEPS_TO_WARN = 10
-# Skips in a row with the scale at its floor (1, or a fixed scale) that make training "stuck": below
-# the floor halving cannot help, so each such skip is an update thrown away for a reason scaling
-# does not fix; one could be a bad batch, three in a row are not chance (docs/guides/training.md).
-STUCK_STEPS = 3
-FLOOR_SCALE = 1.0
-SUMMARY_LOSS_SCALE, SUMMARY_SKIPPED = "amp_rewrite/loss_scale", "amp_rewrite/skipped_steps"
 SCALED, UNSCALED = "scaled", "unscaled"  # the gradients apply() takes, by the API the code calls
 FLOAT8_PREFIX = "float8:"  # the float8 state's entries in a .keras file's optimizer variables
 
@@ -42,46 +34,6 @@ class MadeFor:
         """The call that turns the rewrite on again for a wrapper ``opt`` of this kind."""
         base = f", base_precision={self.base_precision!r}" if self.base_precision else ""
         return f"amp_rewrite.enable_mixed_precision_graph_rewrite(opt, target={self.target!r}{base})"
-
-
-def count_skipped_step(counter: tf.Variable, scale: float, *, say: bool = True) -> tf.Tensor:
-    """One more step skipped at the fixed loss scale ``scale``, whose family's step counter
-    ``counter`` has no other use: it counts, negated, the steps skipped before the first
-    applied one (from which the caller counts applied ones up from 1). At
-    ``-SKIPPED_STEPS_TO_WARN`` a warning goes to stderr, once. Graph-side, so it works in
-    tf.functions and Sessions alike; under XLA, which cannot print, it only counts. Returns
-    a tensor that depends on all of it. ``say=False``: count only (a scale of 1 has no smaller one
-    to suggest; the Keras 3 wrapper says it is stuck instead)."""
-    before = tf.convert_to_tensor(counter)
-    after = tf.where(before <= 0, before - 1, before)
-    with tf.control_dependencies([counter.assign(after)]):
-        if not say or _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
-            return tf.identity(after)
-
-        def warn() -> tf.Tensor:
-            message = (f"amp_rewrite: the first {SKIPPED_STEPS_TO_WARN} training steps were all skipped: their"
-                       f" gradients were not finite at the fixed loss scale {scale:g}; pass a smaller loss_scale,"
-                       ' or loss_scale="dynamic"')
-            with tf.control_dependencies([tf.print(message, output_stream=sys.stderr)]):
-                return tf.identity(after)
-
-        return tf.cond(tf.equal(after, -SKIPPED_STEPS_TO_WARN), warn, lambda: tf.identity(after))
-
-
-FIND_THE_OP = ("If the same model trains in float32, an op overflows or underflows in low precision: add"
-               " amp_rewrite.Doctor() to fit's callbacks, or call amp_rewrite.diagnose_step(...) in a custom loop,"
-               " to name it and the keep= that fixes it.")
-
-
-def stuck_message(skipped: int, scale: float, *, fixed: bool) -> str:
-    """The one line saying training is stuck: ``STUCK_STEPS`` skips in a row at the scale's floor."""
-    if fixed and scale > FLOOR_SCALE:
-        why = (f"at the fixed loss scale {scale:g} (pass a smaller loss_scale, or loss_scale=\"dynamic\", if the"
-               " scale is what overflows)")
-    else:
-        why = f"with the loss scale at {scale:g}, where scaling can no longer help"
-    return (f"amp_rewrite: training is stuck: the last {STUCK_STEPS} steps were all skipped, their gradients not"
-            f" finite {why}; {skipped} step(s) skipped so far (opt.skipped_steps).")
 
 
 @keras.saving.register_keras_serializable(package="amp_rewrite")
@@ -111,7 +63,6 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._gradients: str | None = None  # SCALED or UNSCALED once the code has said which
         self.made_for = MadeFor(target, base_precision)
         self._warned_off = False
-        self._warned_stuck = False
         self.doctor = None  # a training doctor (training.doctor) told when training is stuck
         # FP8 training's state (target="float8"): tracked here, so checkpoints and SavedModels carry it.
         self.float8_state = (Float8State(float8_amax_history_length) if float8_amax_history_length is not None
@@ -119,12 +70,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def build(self, var_list):
         super().build(var_list)
-        # Not Keras variables, so a .keras file's numbered optimizer variables stay as they were;
-        # not tracked, so checkpoints stay as they were too: the counts are this process's.
-        with tf.init_scope():
-            for name in ("_skipped", "_stuck_run"):
-                object.__setattr__(self, name, tf.Variable(0, dtype=tf.int64, trainable=False, name=name[1:],
-                                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
+        # Not Keras variables, so a .keras file's numbered optimizer variables stay as they were.
+        object.__setattr__(self, "_skips", SkipCounter(fixed=self.fixed, tell=self._tell_stuck))
         if self.float8_state is not None:  # the variables whose matmuls record into it (training.float8)
             self.float8_state.updates(var_list)
 
@@ -155,37 +102,13 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     @property
     def skipped_steps(self):
         """How many steps this wrapper has skipped (non-finite gradients) in this process, an int64 tensor."""
-        return tf.convert_to_tensor(self._skipped) if self.built else tf.constant(0, tf.int64)
+        return tf.convert_to_tensor(self._skips.skipped) if self.built else tf.constant(0, tf.int64)
 
     def _summarize(self) -> None:
-        """The loss scale and skipped steps as ``tf.summary`` scalars: recorded where a default
-        writer is set (``writer.as_default()``, Keras' ``TensorBoard(update_freq=...)`` per batch),
-        nothing otherwise. XLA cannot write summaries."""
-        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
-            return
-        step = tf.summary.experimental.get_step()
-        step = self.iterations if step is None else step
-        tf.summary.scalar(SUMMARY_LOSS_SCALE, self.loss_scale, step=step)
-        tf.summary.scalar(SUMMARY_SKIPPED, self.skipped_steps, step=step)
+        """The loss scale and skipped steps as ``tf.summary`` scalars (``skips.SkipCounter.summarize``)."""
+        self._skips.summarize(self.loss_scale, self.iterations)
 
-    def _count_skip(self, at_floor) -> None:
-        """One more skipped step; ``STUCK_STEPS`` in a row at the floor say once that training is stuck."""
-        self._skipped.assign_add(1)
-        run = tf.where(at_floor, self._stuck_run + 1, tf.constant(0, tf.int64))
-        self._stuck_run.assign(run)
-        if _tf.OPTIMIZERS_XLA_CONTEXT.get()(tf.compat.v1.get_default_graph()):
-            return  # XLA cannot call back into Python: the counts are there to read
-
-        def say() -> None:
-            tf.py_function(self._say_stuck, [self._skipped, self.dynamic_scale], [])
-
-        tf.cond(tf.equal(run, STUCK_STEPS), say, lambda: None)
-
-    def _say_stuck(self, skipped: tf.Tensor, scale: tf.Tensor) -> None:
-        if self._warned_stuck:
-            return
-        self._warned_stuck = True
-        message = stuck_message(int(skipped), float(scale), fixed=self.fixed)
+    def _tell_stuck(self, message: str) -> None:
         if self.doctor is not None:  # it replays the step and warns with its diagnosis
             self.doctor.stuck(message)
         else:
@@ -266,19 +189,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _stateful_handle_non_finite_grads(self):
         if self.fixed:  # a fixed scale still skips the step, but never changes: it is its floor
-            count_skipped_step(self.step_counter, self.initial_scale, say=False)
-            self._count_skip(tf.constant(True))
+            self._skips.skip(tf.convert_to_tensor(self.dynamic_scale), tf.constant(True))
             return
-        self._count_skip(self.dynamic_scale <= FLOOR_SCALE)
+        self._skips.skip(tf.convert_to_tensor(self.dynamic_scale), self.dynamic_scale <= FLOOR_SCALE)
         super()._stateful_handle_non_finite_grads()
         # Keras halves without a floor; a run of bad steps must not drive the scale below 1
         # (tf_keras and TF1 stop there too), or good gradients would be scaled *up*.
         self.dynamic_scale.assign(tf.maximum(self.dynamic_scale, 1.0))
 
     def _stateful_handle_finite_grads(self, grads, trainable_variables):
-        self._stuck_run.assign(0)
-        if self.fixed:  # applied steps count up from 1 (count_skipped_step); the scale never grows
-            self.step_counter.assign(tf.maximum(self.step_counter, 0))
+        self._skips.applied()
         before = tf.identity(self.dynamic_scale)
         super()._stateful_handle_finite_grads(grads, trainable_variables)
         # ... and doubles without a ceiling: keep the last finite scale.

@@ -14,8 +14,8 @@ that arithmetic, so this module only picks the right one and maps the seed API's
 * ``tf.compat.v1.train.Optimizer`` → ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``
   (a fixed scale is ``_FixedLossScale``, which skips non-finite steps as Keras 3's does).
 
-The scale is checked where every family keeps it, in float32; a fixed scale whose first
-steps are all skipped says so on stderr (``keras_optimizer.count_skipped_step``).
+The scale is checked where every family keeps it, in float32. Every wrapper counts its
+skipped steps (``skipped_steps``) and says once when training is stuck (``skips``).
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ from amp_rewrite import _tf
 from amp_rewrite.training import float8
 from amp_rewrite.training.float8_state import Float8State
 from amp_rewrite.training.keras_optimizer import (
-    DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, MadeFor, count_skipped_step,
+    DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, MadeFor,
 )
+from amp_rewrite.training.skips import FIND_THE_OP_ELSEWHERE, SkipCounter, count_in_update
 
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -125,7 +126,7 @@ def _already_wrapped(opt: Any) -> bool:
 
 class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
     """A fixed scale that skips non-finite steps, as the Keras 3 wrapper's does (TF1's own
-    FixedLossScale applies them). Its good-steps counter counts for ``count_skipped_step``."""
+    FixedLossScale applies them)."""
 
     def __init__(self, scale: float) -> None:
         super().__init__(initial_loss_scale=scale, increment_period=NEVER, multiplier=1)
@@ -140,18 +141,8 @@ class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
             strategy = tf.distribute.get_strategy()
             finite_replicas = strategy.reduce(
                 tf.distribute.ReduceOp.SUM, strategy.extended.call_for_each_replica(all_finite, args=(grads,)), axis=None)
-            finite = tf.equal(finite_replicas, strategy.num_replicas_in_sync)
-        else:
-            finite = tf.equal(all_finite(grads), 1.0)
-        counter = getattr(self, _tf.V1_GOOD_STEPS)
-
-        def applied() -> tf.Tensor:  # counts up from 1 (count_skipped_step)
-            after = tf.maximum(tf.convert_to_tensor(counter), 0) + 1
-            with tf.control_dependencies([counter.assign(after)]):
-                return tf.identity(after)
-
-        update = tf.cond(finite, applied, lambda: count_skipped_step(counter, self.initial_loss_scale))
-        return update, finite
+            return tf.no_op(), tf.equal(finite_replicas, strategy.num_replicas_in_sync)
+        return tf.no_op(), tf.equal(all_finite(grads), 1.0)
 
 
 class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer):
@@ -161,6 +152,13 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
     def __init__(self, opt: Any, scale: Any) -> None:
         super().__init__(opt, scale)
         self._amp_rewrite_scale = scale
+        self._amp_rewrite_skips = SkipCounter(fixed=isinstance(scale, _FixedLossScale), hint=FIND_THE_OP_ELSEWHERE)
+        count_in_update(scale, self._amp_rewrite_skips)
+
+    @property
+    def skipped_steps(self):
+        """How many steps this wrapper has skipped (non-finite gradients) in this process, an int64 tensor."""
+        return tf.convert_to_tensor(self._amp_rewrite_skips.skipped)
 
     @property
     def loss_scale(self):
@@ -265,6 +263,7 @@ def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: in
             opt, dynamic=plan.dynamic, initial_scale=plan.initial_scale,
             **({"dynamic_growth_steps": plan.growth_steps} if plan.dynamic else {}),
         )
+        _count_tf_keras_skips(wrapped, dynamic=plan.dynamic)
     else:
         wrapped = _wrap_v1(opt, plan)
     object.__setattr__(wrapped, MADE_FOR, made_for)
@@ -273,6 +272,16 @@ def _wrap(opt: Any, family: str, plan: ScalePlan, float8_amax_history_length: in
         if family != "tf_keras":  # TF1's optimizer does not track attributes by assignment
             _tf.TRACK_TRACKABLE.get()(wrapped, wrapped.float8_state, name="float8_state")
     return wrapped
+
+
+def _count_tf_keras_skips(wrapped: Any, *, dynamic: bool) -> None:
+    """tf_keras' wrapper, as ours: ``skipped_steps`` (a variable: tf_keras' wrapper is not ours to
+    subclass, its class is picked by a metaclass), the summaries and the stuck warning. Its fixed
+    scale applies every step (as tf_keras documents), so only a dynamic one skips."""
+    skips = SkipCounter(fixed=False, hint=FIND_THE_OP_ELSEWHERE)
+    if dynamic:
+        count_in_update(getattr(wrapped, _tf.TF_KERAS_LOSS_SCALE), skips, step=lambda: wrapped.iterations)
+    object.__setattr__(wrapped, "skipped_steps", skips.skipped)  # not tracked: no checkpoint dependency
 
 
 def _wrap_v1(opt: Any, plan: ScalePlan) -> Any:
