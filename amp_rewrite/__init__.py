@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
     from amp_rewrite.core.target import TARGETS
     from amp_rewrite.training.doctor import Diagnosis, Doctor, diagnose_step
+    from amp_rewrite.training.doctor_float8 import Float8Finding, diagnose_float8
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
@@ -36,6 +37,7 @@ _NAME_TO_MODULE = {
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
     "mixed_precision": "training.live",
     "Doctor": "training.doctor", "Diagnosis": "training.doctor", "diagnose_step": "training.doctor",
+    "Float8Finding": "training.doctor_float8", "diagnose_float8": "training.doctor_float8",
 }
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "Diagnosis",
     "Divergence",
     "Doctor",
+    "Float8Finding",
     "GraphError",
     "ListsError",
     "OpLists",
@@ -55,6 +58,7 @@ __all__ = [
     "TARGETS",
     "Tuning",
     "calibrate",
+    "diagnose_float8",
     "diagnose_step",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",

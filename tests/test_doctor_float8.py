@@ -7,6 +7,8 @@ its first Dense's matmul, and the keep it suggests takes that matmul out of FP8.
 """
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -73,3 +75,100 @@ def test_each_operands_amax_of_each_step_reaches_tf_summary(tmp_path):
     step = _matmul_step(opt)
     step(np.ones((2, 2), np.float32))  # no writer: the summary's nodes are left unread
     assert opt.float8_state.lookup("v0_kernel/input")[0].numpy()[0] == 1.0, "the step trained in FP8 all the same"
+
+
+def _spiked_training(keep=()):
+    """A digits MLP trained 6 steps in FP8 (history 16) on pixels in [0, 1], then one step on
+    the same batch scaled up 1000x. Returns the wrapper, that step's loss and the float32 loss
+    of the same weights on it (the model run eagerly, which the rewrite leaves alone)."""
+    from amp_rewrite.testing.digits import digits
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="hidden"),
+                              keras.layers.Dense(10, name="logits")], name="spiked")
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(1e-3), target="float8",
+                                                           amax_history_length=16, keep=keep)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(jit_compile=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_object(y, model(x, training=True))
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    data = digits()
+    x, y = data.x_train[:32], data.y_train[:32]
+    for _ in range(6):
+        step(x, y)
+    spiked = x * 1000.0
+    reference = float(loss_object(y, model(spiked)))
+    return opt, float(step(spiked, y)), reference
+
+
+def test_a_stale_amax_history_names_the_matmul_and_its_keep_stops_the_clipping():
+    """Inputs 1000x above the history's largest amax: the step's E4M3 cast clips them, silently
+    (no step is skipped), and its loss is far from float32's. ``diagnose_float8`` names the
+    first Dense's matmul and its input first (the second's input, its activations, rose with
+    it); with the keep it suggests for each, the step's loss is float32's within 5% and nothing
+    is found."""
+    opt, loss, reference = _spiked_training()
+    assert int(opt.skipped_steps) == 0
+    assert abs(loss - reference) > 0.5 * reference, (loss, reference)
+    findings = amp_rewrite.diagnose_float8(opt)
+    # Keras names the step's ops by layer, as traced (spiked_1/hidden_1/MatMul, its scopes uniquified in the graph)
+    assert [(re.sub(r"_\d+", "", f.matmul), f.operand, f.kind, f.steps_ago) for f in findings] == [
+        ("spiked/hidden/MatMul", "input", "saturated", 0), ("spiked/logits/MatMul", "input", "saturated", 0)]
+    assert findings[0].amax == pytest.approx(1000.0) and findings[0].history_max == pytest.approx(1.0)
+    line = findings[0].line()
+    assert f"FP8 matmul {findings[0].matmul}, operand input" in line and f"keep=['{findings[0].matmul}']" in line
+    live.stop()
+    opt, loss, reference = _spiked_training(keep=[entry for f in findings for entry in f.keep])
+    assert loss == pytest.approx(reference, rel=0.05)
+    with pytest.raises(amp_rewrite.AmpRewriteError, match="no FP8 training step has been traced"):
+        amp_rewrite.diagnose_float8(opt)  # both matmuls kept: nothing left in FP8 to go stale
+
+
+def test_a_fallen_amax_says_to_shorten_the_history():
+    """Inputs back at [0, 1] after 15 steps at 1000: the history's 1000 sets a scale 2048x too small
+    for them (1 * 2**-2 against E4M3's 448): an underflow, whose fix is a shorter history."""
+    opt, _, _ = _spiked_training()
+    history, _ = opt.float8_state.lookup("v0_kernel/input")
+    history.assign(np.array([1.0] + [1000.0] * 15, np.float32))
+    findings = {(f.operand, f.kind): f for f in amp_rewrite.diagnose_float8(opt) if f.key == "v0_kernel/input"}
+    assert list(findings) == [("input", "underflow")]
+    assert "shorter amax_history_length (now 16)" in findings["input", "underflow"].line()
+
+
+def test_diagnose_float8_without_fp8_state_is_one_line():
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(), target="bfloat16")
+    with pytest.raises(amp_rewrite.AmpRewriteError, match=r"this LossScaleOptimizer has no FP8 training state"):
+        amp_rewrite.diagnose_float8(opt)
+
+
+def test_a_skipped_fp8_step_is_replayed_and_its_keep_makes_the_skips_stop():
+    """FP8 training on a float16 base with the issue's overflowing layer (``x * x * 5000``): its
+    steps are skipped; ``diagnose_step`` replays one in the base precision (the float8 casts pass
+    Inf and NaN through and clip the rest, so the first non-finite op is a float16 one) and names
+    the Mul; with its keep, the skips stop: the last 5 of 20 steps are all applied, where without it all 20 are skipped."""
+    from test_doctor import _custom_loop, build, data
+
+    def run(keep=()):
+        model = build("overflow")
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(), target="float8",
+                                                               base_precision="float16", keep=keep)
+        x, y = data("overflow", 32)
+        return model, opt, x, y, _custom_loop(model, opt, x, y, steps=15)
+
+    model, opt, x, y, loss_fn = run()
+    _custom_loop(model, opt, x, y, steps=5)
+    assert int(opt.skipped_steps) == 20 and float(opt.loss_scale) == 1.0, "every step skipped, at the scale's floor"
+    diagnosis = amp_rewrite.diagnose_step(loss_fn, x, y, optimizer=opt)
+    assert (re.sub(r"_\d+", "", diagnosis.node), diagnosis.op, diagnosis.cause) == ("overflow/square/mul", "Mul",
+                                                                                    "precision")
+    live.stop()
+    model, opt, x, y, _ = run(keep=diagnosis.keep)  # the scale comes down over the first steps, as in float16
+    skipped = int(opt.skipped_steps)
+    _custom_loop(model, opt, x, y, steps=5)
+    assert int(opt.skipped_steps) == skipped and int(opt.iterations) >= 5, (skipped, int(opt.iterations))
