@@ -59,7 +59,7 @@ class Float8Finding:
         if self.kind == "saturated":
             keep = ", ".join(repr(entry) for entry in self.keep)
             return (f"{where}: its amax {self.amax:.4g} {when} is {self.amax / self.history_max:.4g}x its history's"
-                    f" largest ({self.history_max:.4g}), so the cast clipped it at {fmt.max:g}: the history is"
+                    f" largest ({self.history_max:.4g}), so the cast clipped its scaled values at {fmt.max:g}: the history is"
                     f" stale; keep it out of FP8 — enable_mixed_precision_graph_rewrite(opt, target='float8', ...,"
                     f" keep=[{keep}]), or --keep {' --keep '.join(self.keep)}")
         return (f"{where}: its amax {self.amax:.4g} {when} is {self.history_max / self.amax:.4g}x below its"
