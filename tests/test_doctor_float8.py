@@ -172,3 +172,25 @@ def test_a_skipped_fp8_step_is_replayed_and_its_keep_makes_the_skips_stop():
     skipped = int(opt.skipped_steps)
     _custom_loop(model, opt, x, y, steps=5)
     assert int(opt.skipped_steps) == skipped and int(opt.iterations) >= 5, (skipped, int(opt.iterations))
+
+
+def test_the_doctor_in_fit_says_a_stale_history_once():
+    """``Doctor`` in Keras 3 ``fit`` with FP8: the second epoch's inputs are 1000x the first's; at
+    its end one warning names the first Dense's matmul (said once, kept in ``float8_findings``)."""
+    from amp_rewrite.testing.digits import digits
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="hidden"),
+                              keras.layers.Dense(10, name="logits")], name="spiked")
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(1e-3), target="float8",
+                                                           amax_history_length=16)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = digits()
+    x, y = data.x_train[:64], data.y_train[:64]
+    doctor = amp_rewrite.Doctor()
+    with pytest.warns(UserWarning, match=r"amp_rewrite doctor: FP8 matmul .*hidden.*/MatMul, operand input") as said:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[doctor])
+        assert doctor.float8_findings == []
+        model.fit(x * 1000.0, y, batch_size=32, epochs=1, verbose=0, callbacks=[doctor])
+    lines = [str(w.message) for w in said if "FP8 matmul" in str(w.message)]
+    assert len(lines) == len(doctor.float8_findings) and "hidden" in doctor.float8_findings[0].matmul, lines
