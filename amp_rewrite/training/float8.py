@@ -287,7 +287,8 @@ def _summarize_amax(func_graph: Any, plan: Plan, owners: dict[str, tuple[Float8S
     """Where a default ``tf.summary`` writer is set while the step is traced, each operand's amax
     of each step as a scalar ``amp_rewrite/amax/<forward matmul>/<operand>`` (``input``,
     ``weight``, ``output_grad``; ``input_0``/``input_1`` without a weight), at ``tf.summary``'s
-    step or else the wrapper's ``iterations``; the value is wired to the step's amax when the
+    step or else the Keras 3 wrapper's ``iterations`` (read unordered with its update: set a step for
+    exact numbering); the value is wired to the step's amax when the
     step is quantized (``core.float8.training.SUMMARY_AMAX``). Without a writer, nothing is written
     and the few nodes left unread are pruned when the function runs."""
     owned = plan.with_bases({node: base for node, (_, base) in owners.items()})
