@@ -33,11 +33,11 @@ def _no_live_rewrite():
     keras.config.set_dtype_policy("float32")
 
 
-def _matmul_step(opt):
+def _matmul_step(opt, jit_compile: bool = False):
     """``product = x @ kernel`` (op "product"), loss ``sum(product)`` scaled by ``opt``; learning rate 0."""
     kernel = tf.Variable(np.array([[2.0, -1.0, 0.5], [1.0, 0.25, -2.0]], np.float32), name="kernel")
 
-    @tf.function(jit_compile=False)
+    @tf.function(jit_compile=jit_compile)
     def step(x):
         with tf.GradientTape() as tape:
             loss = opt.scale_loss(tf.reduce_sum(tf.cast(tf.matmul(x, kernel, name="product"), tf.float32)))
@@ -105,6 +105,17 @@ def _spiked_training(keep=()):
     spiked = x * 1000.0
     reference = float(loss_object(y, model(spiked)))
     return opt, float(step(spiked, y)), reference
+
+
+def test_an_xla_step_writes_no_amax_summaries(tmp_path):
+    """XLA cannot write summaries: a ``jit_compile=True`` step trains in FP8 and writes none."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.SGD(0.0), target="float8",
+                                                           amax_history_length=4)
+    step = _matmul_step(opt, jit_compile=True)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default():
+        step(np.array([[3.0, 1.0], [-0.5, 0.25]], np.float32))
+    assert not [tag for tag in _events(tmp_path) if tag.startswith("amp_rewrite/amax/")]
+    assert opt.float8_state.lookup("v0_kernel/input")[0].numpy()[0] == 3.0
 
 
 def test_a_stale_amax_history_names_the_matmul_and_its_keep_stops_the_clipping():
