@@ -77,17 +77,18 @@ def test_each_operands_amax_of_each_step_reaches_tf_summary(tmp_path):
     assert opt.float8_state.lookup("v0_kernel/input")[0].numpy()[0] == 1.0, "the step trained in FP8 all the same"
 
 
-def _spiked_training(keep=()):
-    """A digits MLP trained 6 steps in FP8 (history 16) on pixels in [0, 1], then one step on
-    the same batch scaled up 1000x. Returns the wrapper, that step's loss and the float32 loss
-    of the same weights on it (the model run eagerly, which the rewrite leaves alone)."""
+def _spiked_training(keep=(), *, history: int = 16, scales=(1.0,) * 6 + (1000.0,)):
+    """A digits MLP trained in FP8 (``history``) on one batch of pixels in [0, 1] times each of
+    ``scales`` in turn (default: 6 steps, then the batch scaled up 1000x). Returns the wrapper,
+    the last step's loss and the float32 loss of the same weights on its batch (the model run
+    eagerly, which the rewrite leaves alone)."""
     from amp_rewrite.testing.digits import digits
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="hidden"),
                               keras.layers.Dense(10, name="logits")], name="spiked")
     opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(1e-3), target="float8",
-                                                           amax_history_length=16, keep=keep)
+                                                           amax_history_length=history, keep=keep)
     loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function(jit_compile=False)
@@ -100,11 +101,11 @@ def _spiked_training(keep=()):
 
     data = digits()
     x, y = data.x_train[:32], data.y_train[:32]
-    for _ in range(6):
-        step(x, y)
-    spiked = x * 1000.0
-    reference = float(loss_object(y, model(spiked)))
-    return opt, float(step(spiked, y)), reference
+    for scale in scales[:-1]:
+        step(x * scale, y)
+    last = x * scales[-1]
+    reference = float(loss_object(y, model(last)))
+    return opt, float(step(last, y)), reference
 
 
 def test_an_xla_step_writes_no_amax_summaries(tmp_path):
@@ -141,15 +142,18 @@ def test_a_stale_amax_history_names_the_matmul_and_its_keep_stops_the_clipping()
         amp_rewrite.diagnose_float8(opt)  # both matmuls kept: nothing left in FP8 to go stale
 
 
-def test_a_fallen_amax_says_to_shorten_the_history():
-    """Inputs back at [0, 1] after 15 steps at 1000: the history's 1000 sets a scale 2048x too small
-    for them (1 * 2**-2 against E4M3's 448): an underflow, whose fix is a shorter history."""
-    opt, _, _ = _spiked_training()
-    history, _ = opt.float8_state.lookup("v0_kernel/input")
-    history.assign(np.array([1.0] + [1000.0] * 15, np.float32))
-    findings = {(f.operand, f.kind): f for f in amp_rewrite.diagnose_float8(opt) if f.key == "v0_kernel/input"}
-    assert list(findings) == [("input", "underflow")]
-    assert "shorter amax_history_length (now 16)" in findings["input", "underflow"].line()
+def test_a_fallen_amax_says_to_shorten_the_history_and_a_shorter_one_fits():
+    """Inputs back at [0, 1] after 6 steps at 1000: the history's 1000 sets a scale 2048x too small
+    for them (1 * 2**-2 against E4M3's 448) for 10 more steps: an underflow, whose fix is a
+    shorter history; with ``amax_history_length=1`` the same steps leave nothing to find."""
+    fallen = (1000.0,) * 6 + (1.0,)
+    opt, _, _ = _spiked_training(scales=fallen)
+    findings = [f for f in amp_rewrite.diagnose_float8(opt) if f.key == "v0_kernel/input"]
+    assert [(f.kind, f.amax, f.history_max) for f in findings] == [("underflow", 1.0, 1000.0)]
+    assert "shorter amax_history_length (now 16)" in findings[0].line()
+    live.stop()
+    opt, _, _ = _spiked_training(scales=fallen, history=1)
+    assert [f for f in amp_rewrite.diagnose_float8(opt) if f.key == "v0_kernel/input"] == []
 
 
 def test_diagnose_float8_without_fp8_state_is_one_line():
