@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.target import TARGETS
     from amp_rewrite.core.canonical import Canonical, to_float32
     from amp_rewrite.training.doctor import Diagnosis, Doctor, diagnose_step
+    from amp_rewrite.training.doctor_float8 import Float8Finding, diagnose_float8
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
@@ -38,6 +39,7 @@ _NAME_TO_MODULE = {
     "enable_mixed_precision_graph_rewrite": "training.live", "disable_mixed_precision_graph_rewrite": "training.live",
     "mixed_precision": "training.live",
     "Doctor": "training.doctor", "Diagnosis": "training.doctor", "diagnose_step": "training.doctor",
+    "Float8Finding": "training.doctor_float8", "diagnose_float8": "training.doctor_float8",
 }
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "Diagnosis",
     "Divergence",
     "Doctor",
+    "Float8Finding",
     "GraphError",
     "ListsError",
     "OpLists",
@@ -58,6 +61,7 @@ __all__ = [
     "TARGETS",
     "Tuning",
     "calibrate",
+    "diagnose_float8",
     "diagnose_step",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",

@@ -31,7 +31,7 @@ from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_n
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import LOW_DTYPES, lookup_target
 from amp_rewrite.errors import AmpRewriteError
-from amp_rewrite.training import live, optimizers
+from amp_rewrite.training import doctor_float8, live, optimizers
 
 _FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
 _SCOPE = "amp_rewrite_doctor"
@@ -124,9 +124,8 @@ def _settings_of(optimizer: Any) -> live.LiveRewrite:
     if enablement is None or not enablement.active:
         raise AmpRewriteError(f"this {type(optimizer).__name__} has no enabled rewrite: pass the optimizer that"
                               " enable_mixed_precision_graph_rewrite returned, while it is enabled")
-    if enablement.settings.float8 is not None:
-        raise AmpRewriteError("the doctor replays float16 and bfloat16 steps; FP8 training (target='float8') is"
-                              " not covered yet: read opt.float8_state's amax histories instead")
+    # FP8 training replays in its base precision: the float8 casts keep Inf and NaN as they are and clip
+    # finite values, so a non-finite value starts at an op of the base precision (doctor_float8: the clipping).
     return enablement.settings
 
 
@@ -338,7 +337,8 @@ class Doctor(keras.callbacks.Callback):
     """For Keras 3 ``model.fit``: when training is stuck (``skips.STUCK_STEPS`` skipped
     steps in a row at the loss scale's floor), replay that step's batch once (``diagnose_step``)
     and warn once, with the op and the keep that fixes it; ``first_skip=True`` diagnoses the
-    first skipped step too. Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
+    first skipped step too. With FP8 training it also warns once per operand whose amax history
+    went stale, at each epoch's end (``diagnose_float8``, ``float8_findings``). Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
     before ``TensorBoard`` to see them there). ``diagnoses``: what it found, in order.
 
     While on, each step keeps its batch when it is skipped (a copy, on skipped steps only), and
@@ -353,6 +353,8 @@ class Doctor(keras.callbacks.Callback):
         self._skipped_before = True  # a step was skipped before (first_skip: nothing to do)
         self._first = False  # the first skipped step's batch is kept: diagnose it at the batch's end
         self._stuck: str | None = None
+        self.float8_findings: list[doctor_float8.Float8Finding] = []  # FP8 training: stale amax histories
+        self._float8_said: set[tuple[str, str]] = set()
 
     def set_model(self, model: Any) -> None:
         if not isinstance(model, keras.Model):  # tf_keras' fit would fail on a Keras 3 callback's missing hooks
@@ -424,9 +426,23 @@ class Doctor(keras.callbacks.Callback):
         return diagnosis.line()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if getattr(self.model.optimizer, "float8_state", None) is not None:
+            self._warn_float8()
         if logs is not None:
             logs["loss_scale"] = float(self.model.optimizer.loss_scale)
             logs["skipped_steps"] = int(self.model.optimizer.skipped_steps)
+
+    def _warn_float8(self) -> None:
+        """FP8 training: each operand whose amax history went stale (``diagnose_float8``), said once."""
+        try:
+            findings = doctor_float8.diagnose_float8(self.model.optimizer)
+        except AmpRewriteError:
+            return  # no step traced yet
+        for finding in findings:
+            if (finding.key, finding.kind) not in self._float8_said:
+                self._float8_said.add((finding.key, finding.kind))
+                self.float8_findings.append(finding)
+                warnings.warn(finding.line(), stacklevel=2)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         object.__setattr__(self.model.optimizer, "doctor", None)

@@ -47,7 +47,8 @@ from amp_rewrite import _tf
 from amp_rewrite.core import functions
 from amp_rewrite.core.float8 import loops as float8_loops, training as float8_training
 from amp_rewrite.core.float8.formats import MATMUL_OPS
-from amp_rewrite.core.float8.training import HISTORY, SCALE, STATE_SCOPE, Plan, State, in_gradient_scope
+from amp_rewrite.core.float8.training import (HISTORY, SCALE, STATE_SCOPE, SUMMARY_AMAX, Plan, State,
+                                              in_gradient_scope)
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
@@ -60,6 +61,7 @@ BASE_PRECISIONS = ("bfloat16", "float16")
 _REPLICA = re.compile(r"^replica_\d+/")  # MirroredStrategy's prefix on the ops of replicas after the first
 _LOOPS = float8_loops.LOOPS
 _CONTROL_FLOW = _LOOPS | {"If", "StatelessIf", "Case", "StatelessCase"}
+SUMMARY_AMAX_PREFIX = "amp_rewrite/amax"  # tf.summary scalars amp_rewrite/amax/<forward matmul>/<operand>
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ def prepare_trace(func_graph: Any, target: str, lists: OpLists, states: Sequence
                     if m.node in loop.sources})
     owners = _owners(func_graph, plan, sources, applied, states)
     state = _read_state(func_graph, plan, owners)
+    if not under_xla:  # XLA cannot write summaries
+        _summarize_amax(func_graph, plan, owners, state)
     workers = _workers({id(owner): owner for owner, _ in owners.values()}.values())
     TRACES.set_step(func_graph, TraceStep(state, {node: base for node, (_, base) in owners.items()}, under_xla,
                                           workers))
@@ -273,8 +277,37 @@ def _read_state(func_graph: Any, plan: Plan, owners: dict[str, tuple[Float8State
                 if key not in state:
                     history, scale = owner.create(tag_free + key[len(matmul.base):])
                     state[key] = _reads(key, history, scale)
+                    owner.traced(tag_free + key[len(matmul.base):], _REPLICA.sub("", matmul.node))
     _inputs_in_call_order(func_graph)
     return state
+
+
+def _summarize_amax(func_graph: Any, plan: Plan, owners: dict[str, tuple[Float8State, str]],
+                    state: Mapping[str, State]) -> None:
+    """Where a default ``tf.summary`` writer is set while the step is traced, each operand's amax
+    of each step as a scalar ``amp_rewrite/amax/<forward matmul>/<operand>`` (``input``,
+    ``weight``, ``output_grad``; ``input_0``/``input_1`` without a weight), at ``tf.summary``'s
+    step or else the Keras 3 wrapper's ``iterations`` (read unordered with its update: set a step for
+    exact numbering); the value is wired to the step's amax when the
+    step is quantized (``core.float8.training.SUMMARY_AMAX``). Without a writer, nothing is written
+    and the few nodes left unread are pruned when the function runs."""
+    owned = plan.with_bases({node: base for node, (_, base) in owners.items()})
+    written: set[str] = set()
+    with func_graph.as_default(), func_graph.name_scope(None):
+        for matmul in owned.matmuls:
+            given = tf.summary.experimental.get_step()
+            step = owners[matmul.node][0].summary_step if given is None and matmul.node in owners else given
+            for key, _ in matmul.keys() if step is not None else ():
+                if key in written or key not in state:
+                    continue
+                written.add(key)
+                history = func_graph.get_tensor_by_name(f"{state[key].history}:0")
+                amax = tf.identity(history[0], name=f"{STATE_SCOPE}/{key}/{SUMMARY_AMAX}")
+                tag = f"{SUMMARY_AMAX_PREFIX}/{_REPLICA.sub('', matmul.node)}/{key.rpartition('/')[2]}"
+                recorded = tf.summary.scalar(tag, amax, step=step)
+                if isinstance(recorded, tf.Tensor) and recorded.op.type != "Const":
+                    func_graph.control_outputs.append(recorded.op)
+    _inputs_in_call_order(func_graph)
 
 
 def _reads(key: str, history: Any, scale: Any) -> State:

@@ -73,6 +73,9 @@ class Float8State(tf.Module):
         self._keys_written = ""
         self._loaded: set[str] = set()  # keys set from a file, not yet checked against a trace
         self._updated = _Untracked()
+        self._step = _Untracked()  # the wrapper's step counter, the amax summaries' step (``summary_step``)
+        self._matmuls = _Untracked()  # key -> the matmul it was last traced for (``matmul_of``)
+        self._matmuls.value = {}
 
     @property
     def variables_updated(self) -> tuple[Any, ...]:
@@ -83,6 +86,24 @@ class Float8State(tf.Module):
     def updates(self, variables: Iterable[Any]) -> None:
         """Its wrapper updates ``variables`` (``variables_updated``)."""
         self._updated.value = tuple(variables)
+
+    @property
+    def summary_step(self) -> Any:
+        """The step the amax summaries are written at where ``tf.summary`` has none set: the wrapper's
+        step counter (``counts_steps_with``), or None."""
+        return self._step.value[0] if self._step.value else None
+
+    def counts_steps_with(self, variable: Any) -> None:
+        """Its wrapper counts steps in ``variable`` (not tracked: it is the wrapper's)."""
+        self._step.value = (variable,)
+
+    def traced(self, key: str, matmul: str) -> None:
+        """A trace quantizes operand ``key`` for the forward matmul node ``matmul`` (``matmul_of``)."""
+        self._matmuls.value[key] = matmul
+
+    def matmul_of(self, key: str) -> str | None:
+        """The forward matmul node ``key`` was last traced for (a name of that trace's graph), or None."""
+        return self._matmuls.value.get(key)
 
     @property
     def strategy(self) -> tf.distribute.Strategy:

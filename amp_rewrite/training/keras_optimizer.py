@@ -67,6 +67,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # FP8 training's state (target="float8"): tracked here, so checkpoints and SavedModels carry it.
         self.float8_state = (Float8State(float8_amax_history_length) if float8_amax_history_length is not None
                              else None)
+        if self.float8_state is not None:
+            self.float8_state.counts_steps_with(self.iterations)
 
     def build(self, var_list):
         super().build(var_list)

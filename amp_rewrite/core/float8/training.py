@@ -53,6 +53,10 @@ from amp_rewrite.core.rules import Reason, Rule
 
 STATE_SCOPE = "amp_rewrite_float8"  # the state's read nodes and every node of the chains live under it
 HISTORY, SCALE = "amax_history", "scale"
+# An operand's amax as a training step writes it to tf.summary: an Identity the trace adds
+# (``training.float8``), reading its history's newest entry until ``quantize_training_step``
+# points it at the step's own amax.
+SUMMARY_AMAX = "summary_amax"
 BASE_DTYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})  # the base rewrite's: what is quantized
 # The backward ops of each forward op, and which of their inputs are the two matmul operands.
 BACKWARD_OPS = {
@@ -303,7 +307,17 @@ def quantize_training_step(
             continue
         for consumer in nodes_to_order:
             consumer.input.extend(f"^{update}" for update in updates if f"^{update}" not in consumer.input)
+    _summarize_step_amax(nodes, builder.updated)
     return output, reasons, control_outputs
+
+
+def _summarize_step_amax(nodes: Mapping[str, node_def_pb2.NodeDef], updated: Iterable[str]) -> None:
+    """Each recorded key's ``SUMMARY_AMAX`` node (where the trace wrote one) reads the amax this
+    step records (its update's entry), not the history's newest entry from the step before."""
+    for key in updated:
+        summary, entry = (nodes.get(f"{STATE_SCOPE}/{key}/{name}") for name in (SUMMARY_AMAX, "update/entry"))
+        if summary is not None and entry is not None:
+            summary.input[0] = entry.input[0]
 
 
 def _quantize_matmul(builder: ChainBuilder, nodes: dict[str, node_def_pb2.NodeDef], matmul: Matmul,
