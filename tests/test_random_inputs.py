@@ -159,7 +159,9 @@ def keras_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     segment = keras.Input((None,), dtype="int32", name="segment")
     token = keras.Input((None,), dtype="int32", name="token")
     mask = keras.Input((None,), dtype="int32", name="padding_mask")
-    x = keras.layers.Embedding(SEGMENTS, 8)(segment) + keras.layers.Embedding(VOCABULARY, 8)(token)
+    # Named: an unnamed layer's name counts the layers this process built before.
+    x = (keras.layers.Embedding(SEGMENTS, 8, name="segment_embedding")(segment)
+         + keras.layers.Embedding(VOCABULARY, 8, name="token_embedding")(token))
     x = x * keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
     classes = keras.layers.Dense(3, bias_initializer=keras.initializers.Constant([0.0, 0.3, 0.6]))  # no near-ties
     logits = classes(keras.layers.GlobalAveragePooling1D()(x))
@@ -193,8 +195,8 @@ def test_the_validation_says_the_ranges_and_names_each_outputs_metric(keras_mode
     cls (int) by agreement."""
     run = run_cli("convert", keras_model, tmp_path / "out", "--target", "bfloat16", "--validate", 2)
     assert_ok(run)
-    assert (f"segment 0-{SEGMENTS - 1} (bounded by table 'embedding/embeddings' of {SEGMENTS} rows)" in run.out
-            and f"token 0-{VOCABULARY - 1} (bounded by table 'embedding_1/embeddings' of {VOCABULARY} rows)" in run.out
+    assert (f"segment 0-{SEGMENTS - 1} (bounded by table 'segment_embedding/embeddings' of {SEGMENTS} rows)" in run.out
+            and f"token 0-{VOCABULARY - 1} (bounded by table 'token_embedding/embeddings' of {VOCABULARY} rows)" in run.out
             and "padding_mask a padding mask" in run.out), run.out
     lines = {line.split()[1]: line for line in run.out.splitlines() if line.startswith("  ok ")}
     assert "p99-rel" in lines["serving_default/logits:"], run.out
