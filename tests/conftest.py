@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,21 @@ FLOAT8_SUPPORTED = tensorflow_version() >= FLOAT8_MIN_TENSORFLOW
 NEEDS_FLOAT8 = pytest.mark.skipif(not FLOAT8_SUPPORTED, reason=f"float8 needs TensorFlow 2.18+ (XLA before it drops a"
                                                                f" float8 round trip); this is {tf.version.VERSION}")
 _ENV_PREFIX = "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_"
+
+
+@pytest.fixture
+def no_live_rewrite() -> Iterator[None]:
+    """The test starts and ends with no live rewrite and Keras' float32 policy (training
+    tests name it in their ``pytestmark``)."""
+    import keras
+
+    from amp_rewrite.training import live
+
+    live.stop()
+    keras.config.set_dtype_policy("float32")
+    yield
+    live.stop()
+    keras.config.set_dtype_policy("float32")
 
 
 @pytest.fixture(autouse=True)

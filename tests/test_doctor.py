@@ -20,13 +20,7 @@ from test_live import registered_compute, new_functions, function_names
 import amp_rewrite
 from amp_rewrite.training import live
 
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite() -> None:
-    live.stop()
-    keras.config.set_dtype_policy("float32")
-    yield
-    live.stop()
+pytestmark = pytest.mark.usefixtures("no_live_rewrite")
 
 
 def _two_matmuls(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:

@@ -19,18 +19,10 @@ from conftest import NEEDS_FLOAT8
 from amp_rewrite.training import live
 
 pytestmark = [
+    pytest.mark.usefixtures("no_live_rewrite"),
     NEEDS_FLOAT8,
     pytest.mark.filterwarnings("ignore:amp_rewrite.*run emulated without XLA"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite():
-    live.stop()
-    keras.config.set_dtype_policy("float32")
-    yield
-    live.stop()
-    keras.config.set_dtype_policy("float32")
 
 
 def _matmul_step(opt, jit_compile: bool = False):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,15 +17,9 @@ from test_doctor import data, stuck_warnings, summary_scalars
 import amp_rewrite
 from amp_rewrite.training import live, session
 
+pytestmark = pytest.mark.usefixtures("no_live_rewrite")
+
 tf_keras = pytest.importorskip("tf_keras")
-
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite() -> None:
-    live.stop()
-    keras.config.set_dtype_policy("float32")
-    yield
-    live.stop()
 
 
 class SquareV2(tf_keras.layers.Layer):

@@ -26,22 +26,13 @@ from amp_rewrite.testing import digits
 from amp_rewrite.training import live
 
 pytestmark = [
+    pytest.mark.usefixtures("no_live_rewrite"),
     NEEDS_FLOAT8,
     pytest.mark.filterwarnings("ignore:amp_rewrite.*run emulated without XLA"),  # its own test below
 ]
 
 HISTORY = 4
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite():
-    """Each test starts and ends with no live rewrite and Keras' float32 policy."""
-    live.stop()
-    keras.config.set_dtype_policy("float32")
-    yield
-    live.stop()
-    keras.config.set_dtype_policy("float32")
 
 
 def _scale(amax: float, fmt_max: float) -> float:

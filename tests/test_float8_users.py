@@ -28,21 +28,14 @@ import tensorflow as tf
 import amp_rewrite
 from conftest import NEEDS_FLOAT8, within_points
 from amp_rewrite.testing import digits
-from amp_rewrite.training import live
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HISTORY = 4
 pytestmark = [
+    pytest.mark.usefixtures("no_live_rewrite"),
     NEEDS_FLOAT8,
     pytest.mark.filterwarnings("ignore:amp_rewrite.*run emulated without XLA"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite():
-    live.stop()
-    yield
-    live.stop()
 
 
 def _float8(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:

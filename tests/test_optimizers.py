@@ -41,20 +41,12 @@ import amp_rewrite
 from amp_rewrite import _tf
 from amp_rewrite.training import live, optimizers
 
+pytestmark = pytest.mark.usefixtures("no_live_rewrite")
+
 INF, NAN = float("inf"), float("nan")
 # One good step, K = 3 bad steps in a row (Inf and NaN), then two good steps.
 POISONS = (1.0, INF, NAN, INF, 1.0, 1.0)
 BAD_STREAK = 3
-
-
-@pytest.fixture(autouse=True)
-def _no_live_rewrite() -> None:
-    """Each test starts and ends with no live rewrite and Keras' float32 policy."""
-    live.stop()
-    keras.config.set_dtype_policy("float32")
-    yield
-    live.stop()
-    keras.config.set_dtype_policy("float32")
 
 
 @dataclass(frozen=True)
