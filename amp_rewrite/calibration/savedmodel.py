@@ -14,18 +14,20 @@ import re
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import message, text_format
-from tensorflow.core.framework import graph_pb2
-from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+from tensorflow.core.framework import graph_pb2, types_pb2
+from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2, struct_pb2
 
 from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
-from amp_rewrite.core import colouring, functions, support
-from amp_rewrite.core.canonical import Canonical, to_float32
+from amp_rewrite.core import colouring, functions, graph_io, support
+from amp_rewrite.core.canonical import Canonical, function_called, to_float32, widen_outputs
 from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name, tensor_name
+from amp_rewrite.core.report import dtype_name
+from amp_rewrite.core.target import LOW_DTYPES
 from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.precision import SourcePrecision
 from amp_rewrite.core.program import Program, program_of
@@ -64,6 +66,7 @@ class Model:
     widened_keys: Mapping[str, int] = field(default_factory=dict)  # checkpoint key stored low -> its dtype, read
     # as float32 by the canonical graph (cli/weights.py widens it on writing)
     source: SourcePrecision | None = None  # what the file computes in and stores, read before any retargeting
+    float32_outputs: tuple[str, ...] = ()  # "signature/output" made float32 (--outputs float32)
 
     @property
     def meta_graph(self) -> meta_graph_pb2.MetaGraphDef:
@@ -349,6 +352,86 @@ def canonical_model(model: Model, *, variables: bool = False) -> Model:
     variables stored low too (the caller widens the checkpoint: ``cli/weights.py``)."""
     canonical = to_float32(model.graph_def, fetches=model.fetches, preserved=model.preserved, variables=variables)
     return replace(model, graph_def=canonical.graph_def, canonical=canonical)
+
+
+def float32_outputs(model: Model) -> Model:
+    """``--outputs float32``: ``model`` whose signatures' float16/bfloat16 outputs are float32,
+    all that says so changed together: the graph (``canonical.widen_outputs``: the signature
+    functions, the functions they return from, their calls), each signature's dtypes, and the
+    object graph's output specs of the functions that changed, so ``tf.saved_model.load``
+    and a server both see float32. A TF1 signature's output gets a Cast in the main graph. A
+    GraphDef file has no signature to change: one with a low output is refused."""
+    if model.kind != "savedmodel":
+        low = [fetch for fetch in model.compared_outputs if _output_dtype(model, fetch) in LOW_DTYPES]
+        if low:
+            raise ModelError(f"{model.path}: --outputs float32 changes a SavedModel's signatures, and a GraphDef file"
+                             f" has none (output {low[0]!r} is {dtype_name(_output_dtype(model, low[0]))}); convert"
+                             " its SavedModel, or drop --outputs float32")
+        return model
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.CopyFrom(model.saved_model)
+    meta = saved_model.meta_graphs[model.meta_graph_index]
+    graph_def, nodes = graph_pb2.GraphDef(), {node.name: node for node in model.graph_def.node}
+    graph_def.CopyFrom(model.graph_def)
+    library = {function.signature.name: function for function in graph_def.library.function}
+    requested: dict[str, set[int]] = {}
+    changed, fetches = [], list(model.fetches)
+    for key, signature in sorted(meta.signature_def.items()):
+        for output, info in sorted(signature.outputs.items()) if not key.startswith("__") else ():
+            if info.dtype not in LOW_DTYPES:
+                continue
+            ref = parse_tensor_name(info.name)
+            callee = function_called(nodes[ref.node], library)
+            if callee is not None:
+                requested.setdefault(callee, set()).add(ref.port)
+            else:  # TF1: the signature names a main-graph tensor
+                info.name = _cast_to_float32(graph_def, ref, info.dtype)
+                fetches.append(parse_tensor_name(info.name).node)
+            info.dtype = types_pb2.DT_FLOAT
+            changed.append(f"{key}/{output}")
+    specs = {name: _tensor_specs(function.output_signature)
+             for name, function in meta.object_graph_def.concrete_functions.items()}
+    fixed = {name for name, found in specs.items() if name in library
+             and len(found) != len(library[name].signature.output_arg)}
+    graph_def, widened = widen_outputs(graph_def, requested, fixed=fixed)
+    for name, ports in widened.items():
+        for port in ports if name in specs and name not in fixed else ():
+            specs[name][port].dtype = types_pb2.DT_FLOAT
+    return replace(model, graph_def=graph_def, saved_model=saved_model, fetches=tuple(fetches),
+                   float32_outputs=tuple(changed))
+
+
+def _output_dtype(model: Model, tensor: str) -> int:
+    """The dtype of a GraphDef file's output ``tensor``."""
+    ref = parse_tensor_name(tensor)
+    node = next(node for node in model.graph_def.node if node.name == ref.node)
+    op_def = support.resolve_op_def(node, support.library_op_defs(model.graph_def.library))
+    outputs = [graph_io.attr_or_default(node, op_def, arg.type_attr).type if arg.type_attr else arg.type
+               for arg in op_def.output_arg]
+    return outputs[ref.port] if ref.port < len(outputs) else types_pb2.DT_INVALID
+
+
+def _cast_to_float32(graph_def: graph_pb2.GraphDef, ref: Any, dtype: int) -> str:
+    """A Cast of main-graph tensor ``ref`` to float32 added to ``graph_def``; its output's name."""
+    name = f"{ref.node}-{ref.port}-CastToFp32-Outputs"
+    graph_io.make_node_def("Cast", name, [tensor_name(ref.node, ref.port)], into=graph_def.node, SrcT=dtype,
+                           DstT=types_pb2.DT_FLOAT, Truncate=False)
+    return f"{name}:0"
+
+
+def _tensor_specs(value: struct_pb2.StructuredValue) -> list[Any]:
+    """The tensor specs of a saved function's outputs, in the order its outputs flatten
+    (``tf.nest``: a dict's values by sorted key); a composite or unknown kind gives none."""
+    kind = value.WhichOneof("kind")
+    if kind in ("tensor_spec_value", "bounded_tensor_spec_value"):
+        return [getattr(value, kind)]
+    if kind in ("list_value", "tuple_value"):
+        return [spec for item in getattr(value, kind).values for spec in _tensor_specs(item)]
+    if kind == "dict_value":
+        return [spec for key in sorted(value.dict_value.fields) for spec in _tensor_specs(value.dict_value.fields[key])]
+    if kind == "named_tuple_value":
+        return [spec for pair in value.named_tuple_value.values for spec in _tensor_specs(pair.value)]
+    return [None] if kind == "type_spec_value" else []  # a composite: the count no longer matches
 
 
 def effective_lists(target: str, overlay: str | os.PathLike | None = None, keep: Iterable[str] = ()) -> OpLists:

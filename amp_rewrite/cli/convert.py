@@ -20,7 +20,7 @@ from amp_rewrite.cli.calibrate import calibrate_model
 from amp_rewrite.cli.dump import write_model_dump
 from amp_rewrite.cli.options import EXIT_OK, EXIT_VALIDATION, Progress, say
 from amp_rewrite.cli.steps import (
-    FLOAT32, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_lines,
+    FLOAT32, outputs_lines, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_lines,
 )
 from amp_rewrite.cli.weights import LowCheckpoint, retargeted_weights_lines
 from amp_rewrite.core.rewrite import RewriteResult
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
         written = write_model(written_model, result.graph_def, args.dst, force=args.force,
                               accept=acceptance if acceptance.checks else None, variables=variables)
     progress.done()
-    say(args, *summary_lines(model, result.report, lists), *weights_lines(stored), *retargeted,
-        *_untimed_speed(args, result))
+    say(args, *summary_lines(model, result.report, lists), *outputs_lines(args, model), *weights_lines(stored),
+        *retargeted, *_untimed_speed(args, result))
     if written:
         say(args, f"Wrote {args.dst}")
     if acceptance.failed:
@@ -96,7 +96,7 @@ def _to_float32(args: argparse.Namespace, progress: Progress) -> int:
     with _checkpoint(args, model, None) as variables:
         written = write_model(model, model.graph_def, args.dst, force=args.force, variables=variables)
     progress.done()
-    say(args, "Model: " + model.canonical.summary(), *_float32_weights_lines(model))
+    say(args, "Model: " + model.canonical.summary(), *outputs_lines(args, model), *_float32_weights_lines(model))
     if written:
         say(args, f"Wrote {args.dst}")
     return EXIT_OK

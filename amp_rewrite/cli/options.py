@@ -321,6 +321,10 @@ def _add_convert(commands: Any) -> None:
     convert.add_argument("--keep-failed", action="store_true",
                          help="write DST even when validation fails (exit 1 all the same)")
     convert.add_argument("--force", action="store_true", help="replace DST if it exists")
+    convert.add_argument("--outputs", choices=("float32",),
+                         help="float32: every floating output of every signature float32 (default: each output"
+                              " keeps the dtype the source's signature has, e.g. float16 for a Keras mixed_float16"
+                              " export whose last layer is float16)")
     convert.add_argument("--calibrate", type=_calibration_data, metavar="DATA.npz|random",
                          help="keep float32 the nodes calibration data shows out of the target's range or over"
                               " tolerance: DATA.npz holds signature inputs as --inputs takes; random: random inputs")

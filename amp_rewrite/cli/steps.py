@@ -16,7 +16,7 @@ from typing import Any
 from amp_rewrite.calibration import diverge, speed, statistics, validate
 from amp_rewrite.calibration.calibrate import RANDOM_FEEDS
 from amp_rewrite.calibration.savedmodel import (
-    Model, canonical_model, effective_lists, plumbing_kinds, read_model, rewrite_model, tag_set_text,
+    Model, canonical_model, effective_lists, float32_outputs, plumbing_kinds, read_model, rewrite_model, tag_set_text,
 )
 from amp_rewrite.cli import weights
 from amp_rewrite.cli.options import Progress, say
@@ -136,7 +136,10 @@ def retarget(args: argparse.Namespace, model: Model) -> Model:
     """A model that computes in a low precision other than the target's (any, for --target
     float32) back in float32 first (``core/canonical.py``), so the target's lists convert it
     as they would its float32 twin. One computing in the target's dtype only is left as it is
-    (nothing to retarget: "already bfloat16")."""
+    (nothing to retarget: "already bfloat16"). With --outputs float32 the signatures' low
+    outputs are made float32 first (``float32_outputs``)."""
+    if getattr(args, "outputs", None) == FLOAT32:
+        model = float32_outputs(model)
     painted = args.target if args.target == FLOAT32 else lookup_target(args.target, quantized=True).colouring
     if not set(low_dtypes(model.graph_def)) - {painted}:
         return model
@@ -289,3 +292,14 @@ def store_weights(args: argparse.Namespace, model: Model,
 def weights_lines(stored: StoredWeights | None, every: bool = False) -> list[str]:
     """What happened to the weights; ``every`` float32 one named (inspect --all), else the first few."""
     return ["Weights: kept float32 (--float32-weights)"] if stored is None else stored.summary(every=every)
+
+
+def outputs_lines(args: argparse.Namespace, model: Model) -> list[str]:
+    """What --outputs float32 changed: the signature outputs made float32, or none to change."""
+    if getattr(args, "outputs", None) != FLOAT32:
+        return []
+    changed = model.float32_outputs
+    if not changed:
+        return ["Outputs: every floating signature output is float32 already (--outputs float32: nothing to change)"]
+    shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    return [f"Outputs: {len(changed)} signature output(s) made float32 (--outputs float32): {shown}"]

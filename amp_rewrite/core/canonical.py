@@ -23,16 +23,18 @@ The caller's GraphDef is never modified; an item without low dtypes is copied as
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import functions, graph_io, support, typegraph
+from amp_rewrite.core.bounds import CALL_OPS
 from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
-from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import dtype_name
 from amp_rewrite.core.target import LOW_DTYPES, NAME_TO_TARGET
 from amp_rewrite.errors import GraphError
@@ -316,3 +318,99 @@ def _drop_identity_casts(graph_def: graph_pb2.GraphDef, candidates: set[str]) ->
         copy.input[:] = data + list(control)
     return output, len(source)
 
+
+
+def widen_outputs(graph_def: graph_pb2.GraphDef, outputs: Mapping[str, Iterable[int]], *,
+                  fixed: Container[str] = ()) -> tuple[graph_pb2.GraphDef, dict[str, frozenset[int]]]:
+    """``graph_def`` with the float16/bfloat16 outputs ``outputs`` names (function -> output
+    positions: a SavedModel's signature functions) float32; the input is never modified.
+
+    A Cast to float32 goes before each such output, and each call of the function casts the
+    output back for the readers it had, so every caller still type-checks. Where an output is
+    a called function's output (through Identities: a signature wrapper returning its model's
+    call), that function's output widens too, and so on inwards, but for functions in
+    ``fixed`` and those named otherwise than by calls (loop bodies, branches): so that the
+    float32 value reaches the signature without a round trip through the low dtype once
+    ``to_float32`` drops the casts that became float32 -> float32. Returns the graph and
+    every function's outputs widened."""
+    program = program_of(graph_def)
+    widened = _outputs_to_widen(program, outputs, fixed)
+    result = copy_graph_def(graph_def)
+    for name in program.names:
+        nodes = graph_io.working_copy(program.item(name))
+        changed = _cast_calls_back(nodes, program, widened)
+        if name in widened:
+            _cast_returns(nodes, widened[name])
+        if changed or name in widened:
+            program.put(result, name, graph_io.take_graph_def(nodes))
+    return result, widened
+
+
+def function_called(node_def: node_def_pb2.NodeDef, library: Mapping[str, Any]) -> str | None:
+    """The library function ``node_def`` calls as a function call (not a loop or a branch)."""
+    if node_def.op in CALL_OPS:
+        return node_def.attr["f"].func.name
+    return node_def.op if node_def.op in library else None
+
+
+def _outputs_to_widen(program: Program, outputs: Mapping[str, Iterable[int]],
+                      fixed: Container[str]) -> dict[str, frozenset[int]]:
+    """``outputs``' low ones, and inwards the called functions' outputs they return."""
+    named = {name for node in graph_io.every_node(program.graph_def) if function_called(node, program.library) is None
+             for name in functions.called_functions(node)}  # a body, a branch, a gradient: its signature stays
+    named |= {gradient.gradient_func for gradient in program.graph_def.library.registered_gradients}
+    wanted: dict[str, set[int]] = collections.defaultdict(set)
+    todo = [(function, port) for function, ports in outputs.items() for port in ports]
+    while todo:
+        function, port = todo.pop()
+        found = program.library.get(function)
+        if found is None or port in wanted[function] or found.signature.output_arg[port].type not in LOW_DTYPES:
+            continue
+        wanted[function].add(port)
+        inner = _returned_call(program, function, port)
+        if inner is not None and inner[0] not in fixed and inner[0] not in named:
+            todo.append(inner)
+    return {function: frozenset(ports) for function, ports in wanted.items() if ports}
+
+
+def _returned_call(program: Program, function: str, port: int) -> tuple[str, int] | None:
+    """(callee, its output) where ``function``'s output ``port`` is, through Identities, a call's output."""
+    body = program.item(function)
+    nodes = {node.name: node for node in body.node}
+    retval = next(node for node in body.node if node.op == "_Retval" and node.attr["index"].i == port)
+    ref = parse_tensor_name(retval.input[0])
+    while nodes[ref.node].op == "Identity":
+        ref = parse_tensor_name(nodes[ref.node].input[0])
+    callee = function_called(nodes[ref.node], program.library)
+    return (callee, ref.port) if callee in program.library else None
+
+
+def _cast_calls_back(nodes: graph_io.WorkingGraph, program: Program, widened: Mapping[str, frozenset[int]]) -> bool:
+    """Each call of a widened function: its ``Tout`` float32 there, and a Cast back to the
+    dtype its readers had; returns whether any call was changed."""
+    changed = False
+    for name, node_def in list(nodes.node_defs.items()):
+        callee = function_called(node_def, program.library)
+        for port in sorted(widened.get(callee, ())):
+            low = program.library[callee].signature.output_arg[port].type
+            if node_def.op in CALL_OPS:
+                node_def.attr["Tout"].list.type[port] = FLOAT32
+            readers = nodes.data_readers(name, port)
+            if readers:
+                template = graph_io.make_node_def("Cast", "", SrcT=FLOAT32, DstT=low, Truncate=False)
+                graph_io.insert_node(nodes, template, _cast_name(nodes, name, port, low), name, port, readers,
+                                     device=node_def.device)
+            changed = True
+    return changed
+
+
+def _cast_returns(nodes: graph_io.WorkingGraph, ports: frozenset[int]) -> None:
+    """A Cast to float32 before each ``_Retval`` of ``ports``, which then returns float32."""
+    for name, node_def in list(nodes.node_defs.items()):
+        if node_def.op != "_Retval" or node_def.attr["index"].i not in ports:
+            continue
+        ref = nodes.inputs[name][0]
+        template = graph_io.make_node_def("Cast", "", SrcT=node_def.attr["T"].type, DstT=FLOAT32, Truncate=False)
+        graph_io.insert_node(nodes, template, _cast_name(nodes, ref.node, ref.port, FLOAT32), ref.node, ref.port,
+                             [(name, 0)], device=nodes.node_defs[ref.node].device)
+        node_def.attr["T"].type = FLOAT32
