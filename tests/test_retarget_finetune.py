@@ -70,3 +70,30 @@ def test_weights_stored_bfloat16_are_not_trainable(mixed16: Path, tmp_path: Path
     model = tf.saved_model.load(str(tmp_path / "bf16"))
     assert all(variable.dtype != tf.bfloat16 for variable in model.trainable_variables)
     assert any(variable.dtype == tf.bfloat16 for variable in model.variables)
+
+
+@pytest.mark.parametrize("target, extra", [("float32", ()), ("float16", ("--float32-weights",))])
+def test_weights_saved_non_trainable_are_trainable_again_once_widened(mixed16: Path, tmp_path: Path, target: str,
+                                                                     extra: tuple[str, ...]) -> None:
+    """Stored bfloat16 (non-trainable), then widened back to float32 by --target float32 or by
+    retargeting with --float32-weights: trainable again, in their places, and a gradient step
+    through the signature changes them."""
+    assert_ok(run_cli("convert", mixed16, tmp_path / "bf16", "--target", "bfloat16"))
+    before = [variable.name for variable in tf.saved_model.load(str(mixed16)).trainable_variables]
+    assert_ok(run_cli("convert", tmp_path / "bf16", tmp_path / target, "--target", target, *extra))
+    model = tf.saved_model.load(str(tmp_path / target))
+    assert [variable.name for variable in model.trainable_variables] == before
+    assert all(variable.trainable and variable.dtype == tf.float32 for variable in model.variables)
+    dtypes, losses = _losses(tmp_path / target)
+    assert set(dtypes) == {tf.float32} and len(dtypes) == 4, dtypes
+    assert losses[-1] < losses[0] * 0.95, losses
+
+
+def test_stored_low_again_they_are_non_trainable_again(mixed16: Path, tmp_path: Path) -> None:
+    """bfloat16 -> float16, weights stored low: widened on the way, marked non-trainable again."""
+    assert_ok(run_cli("convert", mixed16, tmp_path / "bf16", "--target", "bfloat16"))
+    assert_ok(run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16"))
+    model = tf.saved_model.load(str(tmp_path / "fp16"))
+    assert not model.trainable_variables and any(variable.dtype == tf.float16 for variable in model.variables)
+    assert_ok(run_cli("convert", tmp_path / "fp16", tmp_path / "f32", "--target", "float32"))
+    assert len(tf.saved_model.load(str(tmp_path / "f32")).trainable_variables) == 4

@@ -43,6 +43,13 @@ from amp_rewrite.errors import GraphError, ModelError, tensorflow_cause
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # the checkpoint's object graph (tf.train.Checkpoint)
 VARIABLE_VALUE = "VARIABLE_VALUE"                 # the attribute a variable's value is saved as
 TRAINABLE_COLLECTION = "trainable_variables"    # a TF1 MetaGraphDef's (tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+# What ``with_weights`` saved non-trainable, so that widening them back to float32 (``--target
+# float32``, retargeting) makes them trainable again: MetaGraphDef collections, which loaders
+# keep as they are. The object ids of the variables that were trainable; a Keras export's
+# trainable_variables list as it was; TF1: the VariableDefs taken out of trainable_variables.
+UNTRAINED = "amp_rewrite_untrained"
+TRAINABLE_ORDER = "amp_rewrite_trainable_order"
+UNTRAINED_TF1 = "amp_rewrite_untrained_variables"
 CHUNK_BYTES = 16 << 20  # float32 bytes of low keys read, rounded and written at once (tests pass less)
 COPY_BLOCK = 8 << 20    # bytes copied at once from a source shard
 
@@ -138,7 +145,8 @@ def _object_graph(model: Model, reader: Any) -> tuple[ObjectGraph | None, dict[s
 def widen_weights(model: Model) -> Model:
     """A retargeted SavedModel whose graph now reads as float32 the variables the source
     stored low (``canonical_model(variables=True)``): its object graph says float32 for
-    them too, and ``widened_keys`` names their checkpoint keys, which ``LowCheckpoint``
+    them too, those an earlier conversion saved non-trainable are trainable again
+    (``_retrain``), and ``widened_keys`` names their checkpoint keys, which ``LowCheckpoint``
     widens as it writes. Other models are returned as they are."""
     if model.kind != "savedmodel" or model.canonical is None or not model.canonical.variables_widened:
         return model
@@ -148,10 +156,11 @@ def widen_weights(model: Model) -> Model:
     objects, _ = _object_graph(model, reader)
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
-    nodes = saved_model.meta_graphs[model.meta_graph_index].object_graph_def.nodes
-    for node_id, key in (objects.object_to_key.items() if objects else ()):
-        if key in low:
-            nodes[node_id].variable.dtype = FLOAT32
+    meta = saved_model.meta_graphs[model.meta_graph_index]
+    widened = {node_id for node_id, key in (objects.object_to_key.items() if objects else ()) if key in low}
+    for node_id in widened:
+        meta.object_graph_def.nodes[node_id].variable.dtype = FLOAT32
+    _retrain(meta, widened, set(low))
     return dataclasses.replace(model, saved_model=saved_model, widened_keys=low)
 
 
@@ -268,33 +277,98 @@ def with_weights(model: Model, stored: StoredWeights) -> Model:
     saved_model.CopyFrom(model.saved_model)
     meta = saved_model.meta_graphs[model.meta_graph_index]
     dtype = next(weight.dtype for weight in stored.weights if weight.low)
+    nodes = meta.object_graph_def.nodes
+    _mark(meta, UNTRAINED, [node_id for node_id in sorted(stored.low_objects) if nodes[node_id].variable.trainable])
     for node_id in stored.low_objects:
-        meta.object_graph_def.nodes[node_id].variable.dtype = dtype
-        meta.object_graph_def.nodes[node_id].variable.trainable = False
-    _untrain_lists(meta.object_graph_def, stored.low_objects)
+        nodes[node_id].variable.dtype = dtype
+        nodes[node_id].variable.trainable = False
+    _untrain_lists(meta, stored.low_objects)
     if TRAINABLE_COLLECTION in meta.collection_def:
         low = {weight.name for weight in stored.weights if weight.low}
         values = meta.collection_def[TRAINABLE_COLLECTION].bytes_list.value
-        kept = [value for value in values
-                if parse_tensor_name(variable_pb2.VariableDef.FromString(value).variable_name).node not in low]
+        moved = [value for value in values if _variable_node(value) in low]
+        kept = [value for value in values if _variable_node(value) not in low]
         del values[:]
         values.extend(kept)
+        meta.collection_def[UNTRAINED_TF1].bytes_list.value.extend(moved)
     return dataclasses.replace(model, saved_model=saved_model)
 
 
-def _untrain_lists(proto: Any, low: frozenset[int]) -> None:
-    """A Keras export's ``trainable_variables`` list without the low variables, which join its
-    ``non_trainable_variables`` (the lists ``model.export`` saves on the root object)."""
+def _variable_node(value: bytes) -> str:
+    """The variable op a TF1 collection's serialized VariableDef names."""
+    return parse_tensor_name(variable_pb2.VariableDef.FromString(value).variable_name).node
+
+
+def _mark(meta: Any, key: str, node_ids: list[int]) -> None:
+    """Object ids added to the collection ``key`` (``UNTRAINED``, ``TRAINABLE_ORDER``), once each."""
+    if node_ids:
+        values = meta.collection_def[key].int64_list.value
+        values.extend(node_id for node_id in node_ids if node_id not in set(values))
+
+
+def _variable_lists(proto: Any) -> tuple[Any, Any] | None:
+    """A Keras export's ``trainable_variables`` and ``non_trainable_variables`` lists (saved on
+    the root object by ``model.export``), or None."""
     lists = {child.local_name: proto.nodes[child.node_id] for child in proto.nodes[0].children} if proto.nodes else {}
     trainable, frozen = lists.get("trainable_variables"), lists.get("non_trainable_variables")
-    if trainable is None or frozen is None:
+    return None if trainable is None or frozen is None else (trainable, frozen)
+
+
+def _set_children(found: Any, node_ids: list[int]) -> None:
+    del found.children[:]
+    for position, node_id in enumerate(node_ids):
+        found.children.add(node_id=node_id, local_name=str(position))
+
+
+def _untrain_lists(meta: Any, low: frozenset[int]) -> None:
+    """A Keras export's ``trainable_variables`` list without the low variables, which join its
+    ``non_trainable_variables``; the list as it was is kept (``TRAINABLE_ORDER``) for ``_retrain``."""
+    lists = _variable_lists(meta.object_graph_def)
+    if lists is None:
         return
-    moved = [child.node_id for child in trainable.children if child.node_id in low]
-    kept = [child.node_id for child in trainable.children if child.node_id not in low]
-    for found, node_ids in ((trainable, kept), (frozen, [c.node_id for c in frozen.children] + moved)):
-        del found.children[:]
-        for position, node_id in enumerate(node_ids):
-            found.children.add(node_id=node_id, local_name=str(position))
+    trainable, frozen = lists
+    before = [child.node_id for child in trainable.children]
+    if any(node_id in low for node_id in before) and TRAINABLE_ORDER not in meta.collection_def:
+        _mark(meta, TRAINABLE_ORDER, before)
+    _set_children(trainable, [node_id for node_id in before if node_id not in low])
+    _set_children(frozen, [c.node_id for c in frozen.children] + [node_id for node_id in before if node_id in low])
+
+
+def _retrain(meta: Any, widened: set[int], widened_names: set[str]) -> None:
+    """The variables ``with_weights`` saved non-trainable (``UNTRAINED``; TF1: taken out of
+    the trainable_variables collection), now widened to float32: trainable again, in a Keras
+    export's ``trainable_variables`` list at their places before; the marks of those go."""
+    marked = list(meta.collection_def[UNTRAINED].int64_list.value) if UNTRAINED in meta.collection_def else []
+    back = [node_id for node_id in marked if node_id in widened]
+    for node_id in back:
+        meta.object_graph_def.nodes[node_id].variable.trainable = True
+    lists = _variable_lists(meta.object_graph_def)
+    if back and lists is not None and TRAINABLE_ORDER in meta.collection_def:
+        (trainable, frozen), order = lists, list(meta.collection_def[TRAINABLE_ORDER].int64_list.value)
+        current = [child.node_id for child in trainable.children]
+        returning = {node_id for node_id in back if node_id in order}  # those _untrain_lists moved
+        _set_children(trainable, [node_id for node_id in order if node_id in returning or node_id in current]
+                      + [node_id for node_id in current if node_id not in order])
+        _set_children(frozen, [child.node_id for child in frozen.children if child.node_id not in returning])
+    _unmark(meta, UNTRAINED, [node_id for node_id in marked if node_id not in back], TRAINABLE_ORDER)
+    if UNTRAINED_TF1 in meta.collection_def:
+        moved = meta.collection_def[UNTRAINED_TF1].bytes_list.value
+        meta.collection_def[TRAINABLE_COLLECTION].bytes_list.value.extend(
+            value for value in moved if _variable_node(value) in widened_names)
+        _unmark(meta, UNTRAINED_TF1, [value for value in moved if _variable_node(value) not in widened_names])
+
+
+def _unmark(meta: Any, key: str, left: list, *also: str) -> None:
+    """Collection ``key`` holding ``left`` only; gone, with the collections ``also``, where nothing is left."""
+    if left:
+        field = meta.collection_def[key].WhichOneof("kind")
+        values = getattr(meta.collection_def[key], field).value
+        del values[:]
+        values.extend(left)
+        return
+    for name in (key, *also):
+        if name in meta.collection_def:
+            del meta.collection_def[name]
 
 
 class LowCheckpoint:
