@@ -27,7 +27,6 @@ The markdown goes to stdout and replaces the ``cpu-retarget`` section of BENCHMA
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import os
@@ -207,23 +206,13 @@ def render(results: Sequence[Result], sizes: Any, elapsed_s: float, smoke: bool)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="checks this script: a tiny BERT, one round, in this process; writes a copy of"
-                             " BENCHMARKS.md in a temporary directory; not a measurement")
-    parser.add_argument("--models", help=f"comma-separated: {', '.join(MODELS)} (default both; --smoke: bert)")
-    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds})")
-    parser.add_argument("--output", type=Path, default=bench.BENCHMARKS_MD)
-    parser.add_argument("--no-write", action="store_true", help="print the section only")
-    parser.add_argument("--child-timeout", type=int, default=1800, metavar="S")
+    parser = bench_serving.benchmark_parser(
+        __doc__.split("\n\n")[0], smoke="checks this script: a tiny BERT, one round, in this process; writes a copy"
+        " of BENCHMARKS.md in a temporary directory; not a measurement",
+        models=f"comma-separated: {', '.join(MODELS)} (default both; --smoke: bert)",
+        rounds=f"timed rounds (default {FULL.rounds})")
     args = parser.parse_args(argv)
-    names = args.models or ("bert" if args.smoke else ",".join(MODELS))
-    models = [name.strip() for name in names.split(",") if name.strip()]
-    if not models or any(name not in MODELS for name in models):
-        parser.error(f"--models {names!r}: choose from {','.join(MODELS)}")
-    sizes = SMOKE if args.smoke else FULL
-    if args.rounds is not None:
-        sizes = dataclasses.replace(sizes, rounds=args.rounds)
+    models, sizes = bench_serving.chosen(args, parser, allowed=MODELS, smoke_models="bert", full=FULL, smoke=SMOKE)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="amp-rewrite-retarget-") as workdir:
         results = [measure(model, sizes, Path(workdir), args.child_timeout, args.smoke) for model in models]

@@ -536,17 +536,36 @@ def render(results: Sequence[ModelResult], sizes: Sizes, device: str, target: st
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="checks this script: a tiny BERT (default), each kind of child once; writes a copy of"
-                             " BENCHMARKS.md in a temporary directory; not a measurement")
-    parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu")
-    parser.add_argument("--models", help="comma-separated: resnet50, bert, mobilenetv2 (default all three; --smoke: bert)")
-    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.rounds}, smoke {SMOKE.rounds})")
+def benchmark_parser(description: str, *, smoke: str, models: str, rounds: str) -> argparse.ArgumentParser:
+    """The options the serving benchmarks share (this one's and bench_retarget.py's)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    parser.add_argument("--models", help=models)
+    parser.add_argument("--rounds", type=int, help=rounds)
     parser.add_argument("--output", type=Path, default=bench.BENCHMARKS_MD)
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     parser.add_argument("--child-timeout", type=int, default=1800, metavar="S")
+    return parser
+
+
+def chosen(args: argparse.Namespace, parser: argparse.ArgumentParser, *, allowed: Sequence[str], smoke_models: str,
+           full: Any, smoke: Any) -> tuple[list[str], Any]:
+    """The models --models names (checked against ``allowed``) and the sizes (--smoke's, --rounds)."""
+    names = args.models or (smoke_models if args.smoke else ",".join(allowed))
+    models = [name.strip() for name in names.split(",") if name.strip()]
+    if not models or any(name not in allowed for name in models):
+        parser.error(f"--models {names!r}: choose from {','.join(allowed)}")
+    sizes = smoke if args.smoke else full
+    return models, sizes if args.rounds is None else dataclasses.replace(sizes, rounds=args.rounds)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = benchmark_parser(
+        __doc__.split("\n\n")[0], smoke="checks this script: a tiny BERT (default), each kind of child once; writes a"
+        " copy of BENCHMARKS.md in a temporary directory; not a measurement",
+        models="comma-separated: resnet50, bert, mobilenetv2 (default all three; --smoke: bert)",
+        rounds=f"timed rounds (default {FULL.rounds}, smoke {SMOKE.rounds})")
+    parser.add_argument("--device", choices=sorted(DEVICE_TARGETS), default="cpu")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -555,13 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # TensorFlow's and Keras' prints
         out.write_text(json.dumps(CHILDREN[spec.pop("kind")](spec)), encoding="utf-8")
         return 0
-    names = args.models or (SMOKE_MODELS if args.smoke else ",".join(LABELS))
-    models = [m.strip() for m in names.split(",") if m.strip()]
-    if not models or any(m not in LABELS for m in models):
-        parser.error(f"--models {names!r}: choose from {','.join(LABELS)}")
-    sizes = SMOKE if args.smoke else FULL
-    if args.rounds is not None:
-        sizes = dataclasses.replace(sizes, rounds=args.rounds)
+    models, sizes = chosen(args, parser, allowed=tuple(LABELS), smoke_models=SMOKE_MODELS, full=FULL, smoke=SMOKE)
     target = DEVICE_TARGETS[args.device]
     machine = machine_line()
     if args.device == "gpu":
