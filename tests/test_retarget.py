@@ -269,6 +269,21 @@ def test_a_low_op_without_a_float32_kernel_is_refused_naming_it(monkeypatch: pyt
         to_float32(_hand_cast_graph(tf.float32), fetches=["Identity"])
 
 
+def test_the_command_refuses_a_low_op_without_a_float32_kernel_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """The same stand-in registry, through ``convert --target float32``: exit 2, nothing written."""
+    real = canonical_module.support.has_kernel
+    monkeypatch.setattr(canonical_module.support, "has_kernel", lambda node_def, attrs, device_type: (
+        node_def.op != "MatMul" or attrs["T"].type != FLOAT and real(node_def, attrs, device_type)))
+    source = tmp_path / "low.pb"
+    source.write_bytes(_hand_cast_graph(tf.float32).SerializeToString())
+    for target in ("float32", "bfloat16"):
+        line = error_line(run_cli("convert", source, tmp_path / "out.pb", "--target", target, "--fetch", "Identity"))
+        assert f"{source}: node 'matmul_low' (MatMul) computes in float16 and its op has no float32 kernel" in line, \
+            line
+        assert not (tmp_path / "out.pb").exists()
+
+
 def test_the_python_api_takes_target_float32() -> None:
     """``rewrite_graph_def(target="float32")`` is ``to_float32``'s graph; a colouring step refuses it."""
     graph_def = _hand_cast_graph(tf.float32)
@@ -340,15 +355,31 @@ def _export_dense(path: Path, bias: float) -> Path:
     return path
 
 
-def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp_path: Path) -> None:
-    source = _export_dense(tmp_path / "dense", 1e5)
+@pytest.mark.parametrize(("bias", "stored"), [(1e5, "99840"), (1e6, "999424")])  # as bfloat16 holds them
+def test_a_value_beyond_float16_is_refused_naming_the_variable_unless_forced(tmp_path: Path, bias: float,
+                                                                           stored: str) -> None:
+    source = _export_dense(tmp_path / "dense", bias)
     assert_ok(run_cli("convert", source, tmp_path / "bf16", "--target", "bfloat16"))
     line = error_line(run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16"))
-    assert re.search(r"weight '(\w+/)?head/bias' holds 99840, beyond float16's range", line), line  # 1e5 in bfloat16
+    assert re.search(rf"weight '(\w+/)?head/bias' holds {stored}, beyond float16's range", line), line
     assert "--force" in line and not (tmp_path / "fp16").exists()
     run = run_cli("convert", tmp_path / "bf16", tmp_path / "fp16", "--target", "float16", "--force")
     assert_ok(run)
-    assert "99840 becomes inf (--force)" in run.out, run.out
+    assert f"{stored} becomes inf (--force)" in run.out, run.out
+
+
+def test_a_target_the_model_is_already_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    """Converted to bfloat16 (weights stored low, or kept float32), then to bfloat16 again: nothing to do."""
+    source = _export_dense(tmp_path / "dense", 0.5)
+    for weights in ([], ["--float32-weights"]):
+        first = tmp_path / f"bf16{len(weights)}"
+        assert_ok(run_cli("convert", source, first, "--target", "bfloat16", *weights))
+        run = run_cli("convert", first, tmp_path / "again", "--target", "bfloat16", *weights)
+        assert_ok(run)
+        assert run.out.startswith("Model: already bfloat16: 0 nodes to convert"), run.out
+        assert f"is bfloat16 already, its weights too: nothing to do, nothing written to {tmp_path / 'again'}" \
+            in run.out, run.out
+        assert not (tmp_path / "again").exists()
 
 
 def test_low_weights_stay_low_where_the_run_loads_the_model_here(tmp_path: Path) -> None:

@@ -47,6 +47,11 @@ def run(args: argparse.Namespace, progress: Progress) -> int:
     tuning, result, lists = tune(args, model, lists, result, progress)
     written_model, result, stored = store_weights(args, model, result)
     retargeted = retargeted_weights_lines(model, stored, force=args.force)  # refuses a value out of range
+    if _nothing_to_do(model, result, stored):
+        say(args, *summary_lines(model, result.report, lists), *outputs_lines(args, model),
+            f"Model: {args.src} is {result.report.painted} already, its weights too: nothing to do, nothing written to"
+            f" {args.dst}")
+        return EXIT_OK
     feeds = _validation_feeds(args, model)
     say(args, *_unchecked_functions(args, model))
     for leftover in staging.remove_leftovers(args.dst):
@@ -126,6 +131,14 @@ def _unchecked_functions(args: argparse.Namespace, model: Model) -> list[str]:
         else checks[0]
     return [f"Note: {len(names)} restored function(s) that no signature calls (e.g. {names[0]}) are converted by the"
             f" lists alone, unchecked: {flags} {'run' if len(checks) > 1 else 'runs'} the signatures only"]
+
+
+def _nothing_to_do(model: Model, result: RewriteResult, stored: StoredWeights | None) -> bool:
+    """The source computes in the target's dtype already (``headline``'s "already"), and the run
+    would change nothing: no node converted, no weight stored anew, nothing retargeted."""
+    return (model.canonical is None and not model.float32_outputs and not result.report.vertices_converted
+            and result.report.painted == result.report.target
+            and (stored is None or not stored.low_keys) and bool(model.source and model.source.compute))
 
 
 def _untimed_speed(args: argparse.Namespace, result: RewriteResult) -> list[str]:
