@@ -15,10 +15,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
+import amp_rewrite
+from amp_rewrite.core.canonical import to_float32
+from conftest import run_on_cpu
 from test_cli import assert_ok, error_line, run_cli
-from test_retarget import model_body, serve, structure
+from test_retarget import _expected, _hand_cast_graph, model_body, serve, structure
 
 X = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
 
@@ -170,3 +174,21 @@ def test_a_graph_def_with_a_float16_output_is_refused(tmp_path: Path) -> None:
                               "--fetch", "out"))
     assert "--outputs float32 changes a SavedModel's signatures" in line and "'out' is float16" in line, line
     assert not (tmp_path / "out.pb").exists()
+
+
+def test_the_python_api_equivalent_leaves_the_output_out_of_fetches() -> None:
+    """``to_float32`` keeps the dtypes of ``fetches``: an output left out goes back to float32,
+    and a rewrite that then keeps it (as ``fetches``) leaves it float32."""
+    graph_def = _hand_cast_graph(tf.float16)
+    kept, widened = to_float32(graph_def, fetches=["Identity"]), to_float32(graph_def)
+    dtype = {name: {node.name: node for node in result.graph_def.node}["Identity"].attr["T"].type
+             for name, result in (("kept", kept), ("widened", widened))}
+    assert dtype == {"kept": types_pb2.DT_HALF, "widened": types_pb2.DT_FLOAT}
+    converted = amp_rewrite.rewrite_graph_def(widened.graph_def, target="bfloat16", fetches=["Identity"])
+    for result, expected in ((kept, tf.float16), (widened, tf.float32), (converted, tf.float32)):
+        with tf.Graph().as_default() as graph:
+            tf.graph_util.import_graph_def(result.graph_def, name="")
+        assert graph.get_tensor_by_name("Identity:0").dtype == expected
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    output = run_on_cpu(widened.graph_def, ["Identity"], {"x": x, "count": np.int32(2)})[0]
+    np.testing.assert_allclose(output, _expected(x, 2), rtol=1e-6)  # float32 to the end
