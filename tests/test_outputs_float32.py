@@ -192,3 +192,32 @@ def test_the_python_api_equivalent_leaves_the_output_out_of_fetches() -> None:
     x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
     output = run_on_cpu(widened.graph_def, ["Identity"], {"x": x, "count": np.int32(2)})[0]
     np.testing.assert_allclose(output, _expected(x, 2), rtol=1e-6)  # float32 to the end
+
+
+def _tf1_saved_model(path: Path) -> tuple[Path, np.ndarray]:
+    """A TF1 SavedModel (its signature names main-graph tensors) computing relu(x @ w) in
+    float16, output "y" float16; and w."""
+    weight = np.random.default_rng(2).standard_normal((8, 3)).astype(np.float32)
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        x = tf.compat.v1.placeholder(tf.float32, (None, 8), name="x")
+        w = tf.compat.v1.get_variable("w", initializer=weight, use_resource=True)
+        y = tf.nn.relu(tf.matmul(tf.cast(x, tf.float16), tf.cast(w, tf.float16)), name="y")
+        session.run(tf.compat.v1.global_variables_initializer())
+        builder = tf.compat.v1.saved_model.Builder(str(path))
+        signature = tf.compat.v1.saved_model.predict_signature_def({"x": x}, {"y": y})
+        builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={"serving_default": signature})
+        builder.save()
+    return path, weight
+
+
+def test_a_tf1_signature_output_becomes_float32_without_a_float16_round_trip(tmp_path: Path) -> None:
+    source, weight = _tf1_saved_model(tmp_path / "tf1")
+    expected = np.maximum(X @ weight, 0)
+    assert np.abs(_session_outputs(source)["serving_default"]["y"] - expected).max() > 1e-4  # float16's rounding
+    run = run_cli("convert", source, tmp_path / "f32", "--target", "float32", "--outputs", "float32")
+    assert_ok(run)
+    assert "Outputs: 1 signature output(s) made float32 (--outputs float32): serving_default/y" in run.out, run.out
+    served = _session_outputs(tmp_path / "f32")["serving_default"]["y"]
+    assert served.dtype == np.float32
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+    assert _signature_dtypes(tmp_path / "f32") == {"serving_default": {"y": "float32"}}

@@ -375,7 +375,7 @@ def float32_outputs(model: Model) -> Model:
     graph_def.CopyFrom(model.graph_def)
     library = {function.signature.name: function for function in graph_def.library.function}
     requested: dict[str, set[int]] = {}
-    changed, fetches = [], list(model.fetches)
+    changed, tf1_outputs = [], {}  # TF1: a main-graph tensor the signature named -> its float32 output
     for key, signature in sorted(meta.signature_def.items()):
         for output, info in sorted(signature.outputs.items()) if not key.startswith("__") else ():
             if info.dtype not in LOW_DTYPES:
@@ -384,11 +384,17 @@ def float32_outputs(model: Model) -> Model:
             callee = function_called(nodes[ref.node], library)
             if callee is not None:
                 requested.setdefault(callee, set()).add(ref.port)
-            else:  # TF1: the signature names a main-graph tensor
-                info.name = _cast_to_float32(graph_def, ref, info.dtype)
-                fetches.append(parse_tensor_name(info.name).node)
+            else:
+                if info.name not in tf1_outputs:
+                    tf1_outputs[info.name] = _float32_output(graph_def, ref, info.dtype)
+                info.name = tf1_outputs[info.name]
             info.dtype = types_pb2.DT_FLOAT
             changed.append(f"{key}/{output}")
+    named = {parse_tensor_name(info.name).node for signature in meta.signature_def.values()
+             for info in [*signature.inputs.values(), *signature.outputs.values()]}
+    replaced = {parse_tensor_name(tensor).node for tensor in tf1_outputs} - named  # no longer an output
+    fetches = (*(fetch for fetch in model.fetches if fetch not in replaced),
+               *(parse_tensor_name(tensor).node for tensor in tf1_outputs.values()))
     specs = {name: _tensor_specs(function.output_signature)
              for name, function in meta.object_graph_def.concrete_functions.items()}
     fixed = {name for name, found in specs.items() if name in library
@@ -397,7 +403,7 @@ def float32_outputs(model: Model) -> Model:
     for name, ports in widened.items():
         for port in ports if name in specs and name not in fixed else ():
             specs[name][port].dtype = types_pb2.DT_FLOAT
-    return replace(model, graph_def=graph_def, saved_model=saved_model, fetches=tuple(fetches),
+    return replace(model, graph_def=graph_def, saved_model=saved_model, fetches=fetches,
                    float32_outputs=tuple(changed))
 
 
@@ -411,11 +417,14 @@ def _output_dtype(model: Model, tensor: str) -> int:
     return outputs[ref.port] if ref.port < len(outputs) else types_pb2.DT_INVALID
 
 
-def _cast_to_float32(graph_def: graph_pb2.GraphDef, ref: Any, dtype: int) -> str:
-    """A Cast of main-graph tensor ``ref`` to float32 added to ``graph_def``; its output's name."""
-    name = f"{ref.node}-{ref.port}-CastToFp32-Outputs"
-    graph_io.make_node_def("Cast", name, [tensor_name(ref.node, ref.port)], into=graph_def.node, SrcT=dtype,
+def _float32_output(graph_def: graph_pb2.GraphDef, ref: Any, dtype: int) -> str:
+    """A TF1 signature's low main-graph tensor ``ref`` as float32, added to ``graph_def``: a Cast,
+    then an Identity the signature names (an output keeps its node: where retargeting widens
+    ``ref``'s node the Cast becomes float32 -> float32 and goes, the Identity stays)."""
+    cast, name = f"{ref.node}-{ref.port}-CastToFp32-Outputs", f"{ref.node}-{ref.port}-Float32-Outputs"
+    graph_io.make_node_def("Cast", cast, [tensor_name(ref.node, ref.port)], into=graph_def.node, SrcT=dtype,
                            DstT=types_pb2.DT_FLOAT, Truncate=False)
+    graph_io.make_node_def("Identity", name, [cast], into=graph_def.node, T=types_pb2.DT_FLOAT)
     return f"{name}:0"
 
 
