@@ -94,14 +94,15 @@ def _to_float32(args: argparse.Namespace, progress: Progress) -> int:
         raise AmpRewriteError(f"{', '.join(given)}: not with --target float32, which converts nothing back to low"
                               " precision; drop them")
     model = read_as_float32(args, progress)
-    if model.canonical is None:
+    if model.canonical is None and not model.float32_outputs:
         say(args, f"Model: already float32: 0 nodes to change back; nothing to do, nothing written to {args.dst}")
         return EXIT_OK
     progress("writing")
     with _checkpoint(args, model, None) as variables:
         written = write_model(model, model.graph_def, args.dst, force=args.force, variables=variables)
     progress.done()
-    say(args, "Model: " + model.canonical.summary(), *outputs_lines(args, model), *_float32_weights_lines(model))
+    changed = ["Model: " + model.canonical.summary()] if model.canonical is not None else []
+    say(args, *changed, *outputs_lines(args, model), *_float32_weights_lines(model))
     if written:
         say(args, f"Wrote {args.dst}")
     return EXIT_OK
@@ -110,7 +111,7 @@ def _to_float32(args: argparse.Namespace, progress: Progress) -> int:
 def _float32_weights_lines(model: Model) -> list[str]:
     """What --target float32 did with the weights: float32 masters stay; those stored low are
     widened (a SavedModel's checkpoint, a GraphDef's constants), or else read through a cast."""
-    low = model.canonical.low_variables
+    low = model.canonical.low_variables if model.canonical is not None else ()
     widened = retargeted_weights_lines(model, None, force=False)  # a checkpoint's keys, a GraphDef's constants
     if widened:
         return widened
