@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from amp_rewrite.testing.digits import digits
 from test_cli import assert_ok, run_cli
+from test_outputs_float32 import _tf1_saved_model
 
 STEPS, LEARNING_RATE = 10, 0.1
 
@@ -97,3 +98,18 @@ def test_stored_low_again_they_are_non_trainable_again(mixed16: Path, tmp_path: 
     assert not model.trainable_variables and any(variable.dtype == tf.float16 for variable in model.variables)
     assert_ok(run_cli("convert", tmp_path / "fp16", tmp_path / "f32", "--target", "float32"))
     assert len(tf.saved_model.load(str(tmp_path / "f32")).trainable_variables) == 4
+
+
+def _tf1_trainable(path: Path) -> list[str]:
+    """A TF1 SavedModel's trainable_variables collection, as a TF1 loader restores it."""
+    with tf.compat.v1.Session(graph=tf.Graph()) as session:
+        tf.compat.v1.saved_model.loader.load(session, ["serve"], str(path))
+        return [variable.name for variable in tf.compat.v1.trainable_variables()]
+
+
+def test_a_tf1_variable_stored_low_rejoins_trainable_variables_once_widened(tmp_path: Path) -> None:
+    source, _ = _tf1_saved_model(tmp_path / "tf1")
+    assert_ok(run_cli("convert", source, tmp_path / "bf16", "--target", "bfloat16"))
+    assert _tf1_trainable(source) == ["w:0"] and _tf1_trainable(tmp_path / "bf16") == []
+    assert_ok(run_cli("convert", tmp_path / "bf16", tmp_path / "f32", "--target", "float32"))
+    assert _tf1_trainable(tmp_path / "f32") == ["w:0"]
