@@ -71,7 +71,8 @@ def test_a_run_counts_how_many_times_the_loop_runs_its_body(loop):
     """One run of the model on the feeds: the body runs once per generated token, the
     condition once more; nothing outside the loop is counted."""
     model, feeds, shapes, _ = loop
-    repeats = speed.loop_repeats(model, feeds, shapes)
+    repeats, uncounted = speed.loop_repeats(model, feeds, shapes)
+    assert uncounted == ""
     body = _body(shapes)
     (condition,) = [item for item in shapes.looped if item != body]
     assert repeats == {body: SHAPE.length - 1, condition: SHAPE.length}

@@ -176,7 +176,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     shapes = {size: infer_shapes(model.program, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
     first = min(shapes)
-    repeats = loop_repeats(model, feeds[first], shapes[first])
+    repeats, uncounted = loop_repeats(model, feeds[first], shapes[first])
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low, repeats=repeats)
     keep = keep_entries(plan.keep, node_items(model.program, model.entry_functions)) if plan.keep else {}
@@ -186,17 +186,19 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     untimeable = sum(1 for c in problem.candidates.values() if all(r is None for r in c.runs.values()))
     notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
              " their neighbours"] if untimeable else []
+    notes += [uncounted] if uncounted else []
     budget.pause()  # until the whole-model check: writing and validating are not timing
     return Tuning(model, target, result, tuned_lists, keep, plan, problem, timings, feeds, budget, weights_low,
                   tuple(notes))
 
 
-def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> dict[str, float]:
+def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> tuple[dict[str, float], str]:
     """How many times one call of the model runs each function a loop runs (``shapes.looped``):
     the model run once on ``feeds`` (each signature once), counting the elements that pass
     through a few of the function's float tensors, over every iteration
     (``statistics.collect``), over the elements each holds at its shape in ``shapes``; the
-    median over those tensors. A function none of whose tensors ran is left out (1)."""
+    median over those tensors. A function none of whose tensors ran is left out (1). Where
+    the run fails, none is counted, and the second value says so in one line."""
     elements: dict[tensor_statistics.TensorKey, int] = {}
     for item in sorted(shapes.looped):
         probes = 0
@@ -207,14 +209,19 @@ def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> dict[st
                 elements[tensor_statistics.TensorKey(item, node_def.name, 0)] = math.prod(info.shape)
                 probes += 1
     if not elements:
-        return {}
-    run = tensor_statistics.collect(model, model.program, feeds, list(elements), float(np.finfo(np.float32).tiny),
-                                    "the timing inputs")
+        return {}, ""
+    try:
+        run = tensor_statistics.collect(model, model.program, feeds, list(elements),
+                                        float(np.finfo(np.float32).tiny), "the timing inputs")
+    except ModelError as error:
+        loops = ", ".join(sorted({key.function for key in elements}))
+        return {}, (f"the iterations of {loops} could not be counted ({error}); each counts once per call, so the"
+                    " modeled speed leaves out most of the loop")
     counts: dict[str, list[float]] = {}
     for key, size in elements.items():
         if key in run.stats:
             counts.setdefault(key.function, []).append(run.stats[key].count / size)
-    return {item: statistics.median(ratios) for item, ratios in counts.items()}
+    return {item: statistics.median(ratios) for item, ratios in counts.items()}, ""
 
 
 def open_cache(path: str | os.PathLike | None | object, target: Target) -> timing_cache.TimingCache:
