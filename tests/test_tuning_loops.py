@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
 from amp_rewrite.calibration import speed
 from amp_rewrite.calibration.savedmodel import plumbing_kinds, read_model, rewrite_model
 from amp_rewrite.core.lists import load_lists
-from amp_rewrite.core.program import MAIN_GRAPH
+from amp_rewrite.core.program import MAIN_GRAPH, program_of
+from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
 from amp_rewrite.testing.decode import DecodeShape, save_decode_loop
 from amp_rewrite.tuning.decide import Plan, Problem, build_problem, plan_keeps
@@ -128,3 +131,33 @@ def test_tune_model_counts_the_loop(loop, tmp_path: Path):
                               budget_s=1e-9)
     assert tuning.problem.repeats[_body(shapes)] == SHAPE.length - 1
     assert not any("could not be timed" in note for note in tuning.notes), tuning.notes
+
+
+def test_a_reshape_in_a_loop_is_timed_at_the_shape_it_makes():
+    """A loop body folds a MatMul's output to (2 × batch, 4) and back, the shapes computed
+    from the loop value's (``tf.shape``): no static value for the shape input, but shape
+    inference knows what each Reshape makes, and that is the value it is timed with."""
+    w = np.ones((8, 8), np.float32)
+
+    @tf.function
+    def model(x: tf.Tensor) -> tf.Tensor:
+        def body(i: tf.Tensor, v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            h = tf.matmul(v, w, name="allow1")
+            folded = tf.reshape(h, tf.stack([tf.shape(h)[0] * 2, 4]), name="fold")
+            back = tf.reshape(tf.nn.relu(folded, name="clr1"), tf.shape(h), name="unfold")
+            return i + 1, tf.matmul(back, w, name="allow2")
+        return tf.while_loop(lambda i, v: i < 3, body, [0, x])[1]
+
+    function = model.get_concrete_function(tf.TensorSpec([None, 8], tf.float32, name="x"))
+    graph_def = function.graph.as_graph_def()
+    base = rewrite_graph_def(graph_def, target="bfloat16", fetches=[function.outputs[0].op.name])
+    nodes: dict[str, set[str]] = {}
+    for decision in base.report.decisions:
+        if decision.converted:
+            nodes.setdefault(decision.function, set()).add(decision.node)
+    program = program_of(graph_def)
+    problem = build_problem(program, base.program, nodes, {3: infer_shapes(program, {"x": (3, 8)})})
+    reshapes = {node: c.runs[3] for (_, node), c in problem.candidates.items() if c.op == "Reshape"}
+    assert set(reshapes) == {"while/fold", "while/unfold"}, problem.candidates.keys()
+    assert reshapes["while/fold"].first.key.startswith("Reshape(float32[3, 8], int32=[6, 4])")
+    assert reshapes["while/unfold"].first.key.startswith("Reshape(float32[6, 4], int32=[3, 8])")

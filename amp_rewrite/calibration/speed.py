@@ -183,7 +183,9 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
         else base
-    untimeable = sum(1 for c in problem.candidates.values() if all(r is None for r in c.runs.values()))
+    reached = set().union(*(found.graphs for found in shapes.values()))  # what no call reaches never runs
+    untimeable = sum(1 for c in problem.candidates.values() if c.node[0] in reached and all(
+        r is None for r in c.runs.values()))
     notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
              " their neighbours"] if untimeable else []
     notes += [uncounted] if uncounted else []

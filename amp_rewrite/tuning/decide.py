@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
+import numpy as np
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
@@ -172,6 +173,12 @@ def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], co
     return fused
 
 
+# Ops with an input that holds their output's shape: where shape inference knows the output's
+# shape but cannot fold that input's value (computed from a Shape inside a loop, say), the
+# shape is its value.
+SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1}
+
+
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
                ) -> Candidate:
     data = data_inputs(source)
@@ -181,6 +188,10 @@ def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDe
         runs[batch] = None
         if all(info is not None for info in infos):
             out = found.info(item, tensor_name(source.name, 0))
+            index = SHAPE_INPUTS.get(source.op)
+            if index is not None and index < len(infos) and infos[index].value is None and out is not None \
+                    and out.shape is not None and infos[index].shape == (len(out.shape),):
+                infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
             first, second = _form(source, infos, out), _form(low, infos, out)
             if first is not None and second is not None:
                 size = math.prod(out.shape) if out is not None and out.shape else 1
