@@ -815,8 +815,9 @@ def _restore_captured(session: tf.compat.v1.Session, model: Model) -> None:
     trackable = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
         reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
     for op in missing:
-        node = trackable.nodes[ids[op.get_attr("shared_name").decode()]]
-        key = next((a.checkpoint_key for a in node.attributes if a.name == "VARIABLE_VALUE"), None)
+        node_id = ids[op.get_attr("shared_name").decode()]
+        attributes = trackable.nodes[node_id].attributes if node_id < len(trackable.nodes) else ()
+        key = next((a.checkpoint_key for a in attributes if a.name == "VARIABLE_VALUE"), None)
         if key is None:
             continue
         with graph.as_default(), tf.name_scope(f"{PREFIX}_restore"):
