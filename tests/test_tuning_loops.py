@@ -20,6 +20,7 @@ from amp_rewrite.core.lists import load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, program_of
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import lookup_target
+from amp_rewrite.errors import ModelError
 from amp_rewrite.testing.decode import DecodeShape, save_decode_loop
 from amp_rewrite.tuning.decide import Plan, Problem, build_problem, plan_keeps
 from amp_rewrite.tuning.shapes import Shapes, infer_shapes
@@ -161,3 +162,16 @@ def test_a_reshape_in_a_loop_is_timed_at_the_shape_it_makes():
     assert set(reshapes) == {"while/fold", "while/unfold"}, problem.candidates.keys()
     assert reshapes["while/fold"].first.key.startswith("Reshape(float32[3, 8], int32=[6, 4])")
     assert reshapes["while/unfold"].first.key.startswith("Reshape(float32[6, 4], int32=[3, 8])")
+
+
+def test_a_loop_whose_run_fails_is_counted_once_and_said(loop, monkeypatch: pytest.MonkeyPatch):
+    """Where the counting run fails, each body counts once, and one line names the loop and why."""
+    model, feeds, shapes, _ = loop
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise ModelError("model/: signature 'serving_default': the model fails on the timing inputs (no kernel)")
+
+    monkeypatch.setattr(speed.tensor_statistics, "collect", failing)
+    repeats, uncounted = speed.loop_repeats(model, feeds, shapes)
+    assert repeats == {}
+    assert uncounted.startswith("the iterations of ") and _body(shapes) in uncounted and "(no kernel)" in uncounted
