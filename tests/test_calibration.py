@@ -130,6 +130,38 @@ def test_statistics_reach_function_bodies_and_every_loop_iteration() -> None:
     assert tripled_stats.max_abs == 24 * np.abs(x).max() and tripled_stats.count == x.size
 
 
+def test_a_keras_3_model_saved_in_a_module_runs_with_its_weights(tmp_path: Path) -> None:
+    """A Keras 3 model saved inside a ``tf.Module`` (as a causal LM's ``generate_step`` is
+    exported): its function reads each weight by a handle TensorFlow's v1 loader leaves
+    empty, and the run fills it from the checkpoint: the outputs are
+    ``tf.saved_model.load``'s, and the Dense layer's output has statistics."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    dense = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+
+    class Served(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = dense
+            self.call = tf.function(self._call, input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+
+        def _call(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+            return {"y": self.dense(x)}
+
+    served = Served()
+    tf.saved_model.save(served, str(tmp_path / "served"), signatures={"serving_default": served.call})
+    model = read_model(tmp_path / "served")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    keys = statistics.model_tensors(model)
+    run = statistics.collect(model, model.program, {"serving_default": [{"x": x}]}, keys, TINY)
+    expected = dense(x).numpy()
+    np.testing.assert_allclose(run.outputs["serving_default"][0]["y"], expected, rtol=1e-6)
+    assert np.abs(expected).max() > 0
+    matmuls = [s for k, s in run.stats.items() if k.node.endswith("MatMul") and k.function]
+    assert matmuls and all(s.count == expected.size for s in matmuls)
+
+
 def test_large_tensors_are_bucketed_on_a_sample_and_their_largest_value_is_exact() -> None:
     """A tensor known to hold 32768 elements per batch item is bucketed on every 32nd
     element (1024 per item), while its largest |x| comes from all of them: an outlier off

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 import yaml
 
+from amp_rewrite.calibration import statistics as tensor_statistics
 from amp_rewrite.calibration import validate
 from amp_rewrite.calibration.calibrate import keep_entries, node_items
 from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds, read_model, rewrite_model
@@ -43,7 +44,7 @@ from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.errors import AmpRewriteError, ModelError
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
-from amp_rewrite.tuning.shapes import infer_shapes, traced_inputs
+from amp_rewrite.tuning.shapes import Shapes, infer_shapes, traced_inputs
 from amp_rewrite.tuning.timing import Budget, Timings
 
 DEFAULT_BUDGET_S = 30.0
@@ -52,6 +53,7 @@ MIN_ROUNDS = 3       # whole-model rounds per batch size below which no ratio is
 MAX_ROUNDS = 15
 SLOWER = 0.95        # a result under this speed-up is called slower: within 5%, two runs of one model differ
 DEFAULT = object()   # cache=DEFAULT: the file at tuning.cache.default_path()
+LOOP_PROBES = 8      # float tensors counted per function a loop runs, for its iterations
 
 BatchFeeds = dict[int, validate.Feeds]  # batch size -> the feeds at it
 
@@ -173,18 +175,55 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     base = base or rewrite_model(model, target=target.name, lists=lists, cross_function=cross_function)
     skip = [item for item, kind in plumbing_kinds(model).items() if kind == "save/restore"]
     shapes = {size: infer_shapes(model.program, _feed_shapes(model, fed), skip) for size, fed in feeds.items()}
+    first = min(shapes)
+    repeats, uncounted = loop_repeats(model, feeds[first], shapes[first])
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
-                                          Budget(budget.left() * OP_SHARE), weights_low=weights_low)
+                                          Budget(budget.left() * OP_SHARE), weights_low=weights_low, repeats=repeats)
     keep = keep_entries(plan.keep, node_items(model.program, model.entry_functions)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
         else base
-    untimeable = sum(1 for c in problem.candidates.values() if all(r is None for r in c.runs.values()))
+    reached = set().union(*(found.graphs for found in shapes.values()))  # what no call reaches never runs
+    untimeable = sum(1 for c in problem.candidates.values() if c.node[0] in reached and all(
+        r is None for r in c.runs.values()))
     notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
              " their neighbours"] if untimeable else []
+    notes += [uncounted] if uncounted else []
     budget.pause()  # until the whole-model check: writing and validating are not timing
     return Tuning(model, target, result, tuned_lists, keep, plan, problem, timings, feeds, budget, weights_low,
                   tuple(notes))
+
+
+def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> tuple[dict[str, float], str]:
+    """How many times one call of the model runs each function a loop runs (``shapes.looped``):
+    the model run once on ``feeds`` (each signature once), counting the elements that pass
+    through a few of the function's float tensors, over every iteration
+    (``statistics.collect``), over the elements each holds at its shape in ``shapes``; the
+    median over those tensors. A function none of whose tensors ran is left out (1). Where
+    the run fails, none is counted, and the second value says so in one line."""
+    elements: dict[tensor_statistics.TensorKey, int] = {}
+    for item in sorted(shapes.looped):
+        probes = 0
+        for node_def in model.program.item(item).node:
+            info = shapes.info(item, tensor_name(node_def.name, 0))
+            if probes < LOOP_PROBES and info is not None and info.dtype == tf.float32.as_datatype_enum \
+                    and info.shape is not None and math.prod(info.shape) > 0:
+                elements[tensor_statistics.TensorKey(item, node_def.name, 0)] = math.prod(info.shape)
+                probes += 1
+    if not elements:
+        return {}, ""
+    try:
+        run = tensor_statistics.collect(model, model.program, feeds, list(elements),
+                                        float(np.finfo(np.float32).tiny), "the timing inputs")
+    except ModelError as error:
+        loops = ", ".join(sorted({key.function for key in elements}))
+        return {}, (f"the iterations of {loops} could not be counted ({error}); each counts once per call, so the"
+                    " modeled speed leaves out most of the loop")
+    counts: dict[str, list[float]] = {}
+    for key, size in elements.items():
+        if key in run.stats:
+            counts.setdefault(key.function, []).append(run.stats[key].count / size)
+    return {item: statistics.median(ratios) for item, ratios in counts.items()}, ""
 
 
 def open_cache(path: str | os.PathLike | None | object, target: Target) -> timing_cache.TimingCache:
@@ -427,7 +466,7 @@ def _check_batch(size: int, calls: tuple[Callable[[], None], Callable[[], None]]
 def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
     """One line for the check, and one per batch size where the result is slower, naming
     the converted op types that cost most there (their target time over float32's, summed)."""
-    shown = "; ".join(_shown(c) for c in checks)
+    shown = "; ".join(_shown(c, modeled_speed(tuning.plan, c.batch, c.source_s)) for c in checks)
     if not checks:
         return ["Speed against the source: not timed; nothing is converted, so the result runs as the source does"
                 f" (timing took {tuning.budget.spent():.1f} s of the {tuning.budget.seconds:g} s budget)"]
@@ -440,10 +479,21 @@ def speed_lines(tuning: Tuning, checks: Sequence[SpeedCheck]) -> list[str]:
     return lines
 
 
-def _shown(check: SpeedCheck) -> str:
+def modeled_speed(plan: Plan, batch: int, source_s: float, tuned: bool = True) -> float | None:
+    """The whole model's speed-up the timing predicts at ``batch``, for a source that takes
+    ``source_s`` per call: its converted ops' float32 seconds replaced by their seconds as
+    planned (``tuned`` False: as the lists convert them), each loop body's once per
+    iteration. None where nothing was timed or the source's time is unknown."""
+    f32, lists, planned = plan.modeled.get(batch, (0.0, 0.0, 0.0))
+    result_s = source_s - f32 + (planned if tuned else lists)
+    return source_s / result_s if f32 > 0 and source_s > 0 and result_s > 0 else None
+
+
+def _shown(check: SpeedCheck, modeled: float | None = None) -> str:
     if check.speed is not None:
-        return (f"batch {check.batch} {check.speed:.2f}x ({check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms,"
-                f" {check.rounds} rounds)")
+        model = f"modeled {modeled:.2f}x; " if modeled is not None else ""
+        return (f"batch {check.batch} {check.speed:.2f}x ({model}{check.source_s * 1e3:.1f} ->"
+                f" {check.result_s * 1e3:.1f} ms, {check.rounds} rounds)")
     why = check.unchecked or (f"{check.rounds} round(s) of {check.source_s + check.result_s:.2f} s in the budget"
                               f" left, {MIN_ROUNDS} needed")
     return f"batch {check.batch} not checked: {why} (a larger --tune-budget checks it)"

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2, op_def_pb2, types_pb2
-from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2, saved_model_pb2, trackable_object_graph_pb2
 
 from amp_rewrite.calibration import staging
 from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError, Signature, plumbing_kinds
@@ -779,6 +779,7 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
             logger.addFilter(quiet)
             try:
                 tf.compat.v1.saved_model.loader.load(session, list(model.tags), str(directory))
+                _restore_captured(session, model)
             except (ValueError, RuntimeError, tf.errors.OpError) as error:
                 raise ModelError(f"{model.path}: TensorFlow cannot load it for calibration"
                                  f" ({tensorflow_cause(error)})") from None
@@ -787,6 +788,42 @@ def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.Co
             yield session
     finally:
         session.close()
+
+
+def _restore_captured(session: tf.compat.v1.Session, model: Model) -> None:
+    """Fill the variables a Keras 3 model's exported functions read and TensorFlow's v1 loader
+    leaves empty. Such an export captures each variable in its functions by a handle named
+    as the variable (``token_embedding/embeddings``) while its restore op fills handles of
+    other names (``Variable_12``); the v2 loader joins the two through the object graph, the
+    v1 loader does not. Each handle named as exactly one SavedVariable and left uninitialized
+    gets that variable's value from the checkpoint (its key from the checkpoint's object graph)."""
+    variables = [(node_id, node.variable.name) for node_id, node in enumerate(model.meta_graph.object_graph_def.nodes)
+                 if node.HasField("variable")]
+    names = [name for _, name in variables]
+    ids = {name: node_id for node_id, name in variables if names.count(name) == 1}
+    graph = session.graph
+    handles = [op for op in graph.get_operations()
+               if op.type == "VarHandleOp" and op.get_attr("shared_name").decode() in ids]
+    if not handles:
+        return
+    with graph.as_default(), tf.name_scope(f"{PREFIX}_restore"):
+        ready = session.run([tf.raw_ops.VarIsInitializedOp(resource=op.outputs[0]) for op in handles])
+    missing = [op for op, done in zip(handles, ready) if not done]
+    if not missing:
+        return
+    reader = tf.train.load_checkpoint(str(model.path / "variables" / "variables"))
+    trackable = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
+        reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    for op in missing:
+        node_id = ids[op.get_attr("shared_name").decode()]
+        attributes = trackable.nodes[node_id].attributes if node_id < len(trackable.nodes) else ()
+        key = next((a.checkpoint_key for a in attributes if a.name == "VARIABLE_VALUE"), None)
+        if key is None:
+            continue
+        with graph.as_default(), tf.name_scope(f"{PREFIX}_restore"):
+            value = tf.compat.v1.placeholder(op.get_attr("dtype"))
+            assign = tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=value)
+        session.run(assign, {value: reader.get_tensor(key)})
 
 
 def _stage_saved_model(model: Model, graph_def: graph_pb2.GraphDef, directory: Path) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
+import numpy as np
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from amp_rewrite.core import support
@@ -65,6 +66,8 @@ class Problem:
     # tensor (item, "node:port") -> (producer, candidate readers, has other readers, is a weight, shape per batch)
     tensors: dict[tuple[str, str], tuple[Node, list[Node], bool, bool, dict[int, tuple[int, ...] | None]]] = field(
         default_factory=dict)
+    # item -> how many times one call of the model runs it (a loop's body: its iterations); 1 where absent
+    repeats: dict[str, float] = field(default_factory=dict)
 
     def pairs(self, low: int, weights_low: bool = True) -> list[Pair]:
         """Everything to time: each candidate's two forms and each boundary's casts (not a
@@ -72,7 +75,8 @@ class Problem:
         their batch size's total, so each batch size gets its share of a short budget."""
         totals = {b: sum(c.runs[b].weight for c in self.candidates.values() if c.runs.get(b)) or 1.0
                   for b in self.batch_sizes}
-        found = [replace(pair, weight=pair.weight / totals[batch]) for c in self.candidates.values()
+        found = [replace(pair, weight=pair.weight * self.repeats.get(c.node[0], 1.0) / totals[batch])
+                 for c in self.candidates.values()
                  if c.node not in self.fused for batch, pair in c.runs.items() if pair is not None]
         shapes = {shape: batch for producer, _, _, weight, by_batch in self.tensors.values()
                   if not (weight and weights_low and producer not in self.candidates)
@@ -169,6 +173,12 @@ def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], co
     return fused
 
 
+# Ops with an input that holds their output's shape: where shape inference knows the output's
+# shape but cannot fold that input's value (computed from a Shape inside a loop, say), the
+# shape is its value.
+SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1}
+
+
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
                ) -> Candidate:
     data = data_inputs(source)
@@ -178,6 +188,10 @@ def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDe
         runs[batch] = None
         if all(info is not None for info in infos):
             out = found.info(item, tensor_name(source.name, 0))
+            index = SHAPE_INPUTS.get(source.op)
+            if index is not None and index < len(infos) and infos[index].value is None and out is not None \
+                    and out.shape is not None and infos[index].shape == (len(out.shape),):
+                infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
             first, second = _form(source, infos, out), _form(low, infos, out)
             if first is not None and second is not None:
                 size = math.prod(out.shape) if out is not None and out.shape else 1
@@ -234,7 +248,8 @@ class _Costs:
             first, second = self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key]
         else:
             first, second = (rate * pair.weight for rate in self.rate(self.problem.candidates[node].op, batch))
-        return first, second / (1 + margin)
+        repeats = self.problem.repeats.get(node[0], 1.0)
+        return first * repeats, second * repeats / (1 + margin)
 
     def rate(self, op: str, batch: int) -> tuple[float, float]:
         """Median (float32, target) seconds per output element of the ``op`` candidates timed at ``batch``."""
@@ -242,6 +257,12 @@ class _Costs:
             pairs = [c.runs.get(batch) for c in self.problem.candidates.values() if c.op == op]
             self.rates[(op, batch)] = _median_rates(self.timings, [p for p in pairs if p is not None])
         return self.rates[(op, batch)] or (0.0, 0.0)
+
+    def boundary(self, key: tuple[str, str], batch: int) -> tuple[float, float]:
+        """(down, up) seconds per call of the model of the casts of tensor ``key``: once per
+        run of its item (each iteration, in a loop's body)."""
+        repeats = self.problem.repeats.get(key[0], 1.0)
+        return tuple(seconds * repeats for seconds in self.cast(self.problem.tensors[key][4][batch]))
 
     def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
         """(down, up) seconds of the casts of a tensor of ``shape``."""
@@ -274,8 +295,8 @@ def _cost(costs: _Costs, batch: int, low: set[Node], margin: float = MARGIN) -> 
     """Modeled seconds at ``batch`` of the candidates and casts, ``low`` the nodes in the
     target (their time discounted by ``margin``)."""
     total = sum(costs.node(node, batch, margin)[node in low] for node in costs.problem.candidates)
-    for producer, readers, others, weight, shapes in costs.problem.tensors.values():
-        down, up = costs.cast(shapes[batch])
+    for key, (producer, readers, others, weight, _) in costs.problem.tensors.items():
+        down, up = costs.boundary(key, batch)
         if producer in low and (others or any(r not in low for r in readers)):
             total += down
         elif producer not in low and any(r in low for r in readers) and not (weight and costs.weights_low):
@@ -302,9 +323,9 @@ def _cut(costs: _Costs, weights: Mapping[int, float]) -> set[Node]:
             first, second = costs.node(node, batch)
             add(source, node, weight * second)
             add(node, sink, weight * first)
-    for key, (producer, readers, others, weight_op, shapes) in costs.problem.tensors.items():
+    for key, (producer, readers, others, weight_op, _) in costs.problem.tensors.items():
         for batch, weight in weights.items():
-            down, up = costs.cast(shapes[batch])
+            down, up = costs.boundary(key, batch)
             if producer in costs.problem.candidates:
                 if others:
                     add(source, producer, weight * down)
@@ -418,15 +439,18 @@ def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, c
 
 
 def plan_rewrite(program: Program, base: RewriteResult, target: Target, shapes: Mapping[int, Shapes],
-                 cache: TimingCache, budget: Budget, *, weights_low: bool = True) -> tuple[Problem, Timings, Plan]:
+                 cache: TimingCache, budget: Budget, *, weights_low: bool = True,
+                 repeats: Mapping[str, float] | None = None) -> tuple[Problem, Timings, Plan]:
     """What a rewrite ``base`` of ``program``'s graph converted, timed (the cache first, then
     measured while ``budget`` lasts) at the ``shapes`` of each batch size, and the plan.
-    ``weights_low``: weights are stored in the target, so reading one costs no cast."""
+    ``weights_low``: weights are stored in the target, so reading one costs no cast.
+    ``repeats``: item -> how many times a call of the model runs it (``Problem.repeats``)."""
     nodes: dict[str, set[str]] = {}
     for decision in base.report.decisions:
         if decision.converted:
             nodes.setdefault(decision.function, set()).add(decision.node)
     problem = build_problem(program, base.program, nodes, shapes)
+    problem.repeats.update(repeats or {})
     timings = time_pairs(problem.pairs(target.dtype, weights_low), cache, budget)
     return problem, timings, plan_keeps(problem, timings, target.name, target.dtype, weights_low)
 

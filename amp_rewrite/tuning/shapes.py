@@ -6,7 +6,8 @@ paddings, a Reshape's shape, a reduction's axes). Each item is imported into a `
 of its own, which runs TensorFlow's shape inference: the main graph with its placeholders
 set to the feed shapes, then each function a call reaches, its arguments set to the call's
 input shapes (a variable handle becomes a ``VarHandleOp`` of the variable's shape, so the
-reads inside know it). A function called with several shapes is seen with the first.
+reads inside know it), a ``While``'s body and condition at the shapes of the values that
+enter the loop. A function called with several shapes is seen with the first.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# A loop's body and condition see the loop-carried values as they enter the loop: the
+# shapes of every iteration where the body keeps them (a KV cache preallocated to the full
+# length); a body that changes one is seen at its first iteration.
+LOOP_OPS = {"While": ("body", "cond"), "StatelessWhile": ("body", "cond")}
 # Non-float inputs whose value is kept (they change what an op computes, hence its speed);
 # larger ones are data, and an op reading one is not timed.
 MAX_VALUE_ELEMENTS = 64
@@ -52,6 +57,7 @@ class Shapes:
 
     graphs: dict[str, tf.Graph] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # item -> why TensorFlow could not import it
+    looped: set[str] = field(default_factory=set)  # the items a loop runs: a body, a condition, what they call
 
     def info(self, item: str, tensor: str) -> TensorInfo | None:
         """``tensor`` ("node:port") of ``item``, or None where it was not seen."""
@@ -80,10 +86,12 @@ def infer_shapes(program: Program, feed_shapes: Mapping[str, tuple[int, ...]],
     ``handles``: resource placeholders that hold a variable -> its (dtype, shape) (a
     ``tf.function``'s captured variables), so the reads know their shapes."""
     shapes = Shapes()
-    pending: list[tuple[str, list[_Arg]]] = [(MAIN_GRAPH, [])]
+    pending: list[tuple[str, list[_Arg], bool]] = [(MAIN_GRAPH, [], False)]
     seen = {MAIN_GRAPH, *skip}
     while pending:
-        item, args = pending.pop(0)
+        item, args, looped = pending.pop(0)
+        if looped:
+            shapes.looped.add(item)
         if item == MAIN_GRAPH:
             body = _main_graph(program, feed_shapes, skip, handles or {})
         else:
@@ -96,10 +104,10 @@ def infer_shapes(program: Program, feed_shapes: Mapping[str, tuple[int, ...]],
             shapes.failed[item] = str(error).splitlines()[0] if str(error) else type(error).__name__
             continue
         shapes.graphs[item] = graph
-        for callee, callee_args in _calls(graph, program):
+        for callee, callee_args, in_loop in _calls(graph, program):
             if callee not in seen:
                 seen.add(callee)
-                pending.append((callee, callee_args))
+                pending.append((callee, callee_args, looped or in_loop))
     return shapes
 
 
@@ -204,15 +212,16 @@ def _variable(tensor: tf.Tensor) -> tuple[int, tuple[int, ...] | None] | None:
     return op.get_attr("dtype").as_datatype_enum, tuple(shape.as_list()) if shape.is_fully_defined() else None
 
 
-def _calls(graph: tf.Graph, program: Program) -> list[tuple[str, list[_Arg]]]:
-    """Each function ``graph`` calls (PartitionedCall, or a call by the function's name),
-    with the shapes of the call's inputs."""
+def _calls(graph: tf.Graph, program: Program) -> list[tuple[str, list[_Arg], bool]]:
+    """Each function ``graph`` calls (PartitionedCall, a call by the function's name, a
+    ``While``'s body and condition), with the shapes of the call's inputs and whether a loop calls it."""
     found = []
     for op in graph.get_operations():
-        callee = op.get_attr("f").name if op.type in CALL_OPS else op.type if op.type in program.library else None
-        if callee is None or callee not in program.library:
-            continue
+        if op.type in LOOP_OPS:
+            callees = [op.get_attr(attr).name for attr in LOOP_OPS[op.type]]
+        else:
+            callees = [op.get_attr("f").name if op.type in CALL_OPS else op.type]
         args = [_Arg(t.dtype.as_datatype_enum, t.shape, _variable(t) if t.dtype == tf.resource else None)
                 for t in op.inputs]
-        found.append((callee, args))
+        found.extend((callee, args, op.type in LOOP_OPS) for callee in callees if callee in program.library)
     return found

@@ -44,6 +44,7 @@ SESSION_BYTES = 512 << 20  # input variables one timing Session holds before the
 RESOLUTION_S = 1e-9     # a per-op time at or under this is below what a call less the empty call's resolves
 TOO_SMALL_S = 0.0       # both forms' seconds for an op too small to time: it costs nothing measurable either way
 _FLOATS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_DOUBLE})
+_TIMED_WITHOUT_VALUE = _FLOATS | {types_pb2.DT_BOOL}  # a bool of unknown value is timed as all True
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,9 +77,10 @@ def _describe(info: TensorInfo) -> str:
 def op_run(node_def: node_def_pb2.NodeDef, inputs: Sequence[TensorInfo], chain: bool = False) -> OpRun | None:
     """``node_def`` as a timed op reading ``inputs`` (its data inputs, in order), or None
     where it cannot be timed alone: an input of unknown shape, a non-float input without a
-    static value, a function attribute. ``chain``: its output 0 has input 0's dtype and shape."""
+    static value (but a bool mask: a select's time does not depend on it), a function
+    attribute. ``chain``: its output 0 has input 0's dtype and shape."""
     for info in inputs:
-        if info.shape is None or (info.dtype not in _FLOATS and info.value is None):
+        if info.shape is None or (info.dtype not in _TIMED_WITHOUT_VALUE and info.value is None):
             return None
     run = node_def_pb2.NodeDef(name="op", op=node_def.op, input=[f"in{i}:0" for i in range(len(inputs))])
     op_def = registered_op_def(node_def.op)
@@ -200,8 +202,8 @@ def _next_chunk(queue: list[Pair]) -> list[Pair]:
 class _ChunkGraph:
     """The GraphDef of a chunk of pairs: its inputs (a variable per float dtype and shape,
     set once to values in [0.5, 1.5], where no op meets a NaN or a denormal, which would
-    time otherwise; a Const per static value), then each form as ``MAX_COPIES`` copies,
-    grouped by the first 1, 4 and 16 (``COPIES``) into NoOps."""
+    time otherwise; a Const per static value, all True for a bool of unknown value), then
+    each form as ``MAX_COPIES`` copies, grouped by the first 1, 4 and 16 (``COPIES``) into NoOps."""
 
     def __init__(self) -> None:
         self.graph_def = graph_pb2.GraphDef()
@@ -220,8 +222,9 @@ class _ChunkGraph:
         key = (info.dtype, info.shape, None if info.value is None else info.value.tobytes())
         if key not in self.inputs:
             name = f"in{len(self.inputs)}"
-            if info.value is not None:
-                self.inputs[key] = self.const(name, info.value.astype(tf.as_dtype(info.dtype).as_numpy_dtype))
+            if info.value is not None or info.dtype == types_pb2.DT_BOOL:
+                value = np.ones(info.shape, bool) if info.value is None else info.value
+                self.inputs[key] = self.const(name, value.astype(tf.as_dtype(info.dtype).as_numpy_dtype))
                 return self.inputs[key]
             f32 = types_pb2.DT_FLOAT
             handle = self.node(name, "VarHandleOp", dtype=info.dtype, shape=tf.TensorShape(info.shape),

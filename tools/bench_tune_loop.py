@@ -1,0 +1,211 @@
+"""Does ``--tune speed`` model a decode loop's speed? (issue 48, "time what a loop body really costs")
+
+``--tune speed`` times each converted op alone and predicts the whole model's speed-up
+from those times: the source's measured time with its converted ops' float32 seconds
+replaced by their seconds in the target, a loop body's ops and casts once per iteration
+(the iterations counted in one run of the model). This script checks that prediction on a
+greedy decode loop with a KV cache, converted to bfloat16 twice: ``--model decode``,
+``amp_rewrite.testing.decode``'s (a ``While`` loop, the cache preallocated, weights read in
+the body); ``--model gpt2``, keras_hub's ``GPT2CausalLM.generate_step`` (greedy, random
+weights, 4 layers 256 wide; keras_hub must be installed), prompts of 8 tokens:
+
+* ``amp-rewrite convert --target bfloat16`` (the lists alone);
+* ``amp-rewrite convert --target bfloat16 --tune speed --batch-sizes 1,8``.
+
+Then the timing's plan is read back from the cache that convert filled (nothing timed
+again), and the source and both results are called in turn (rounds, the order rotated)
+at batch 1 and 8 in this one process. For each result: the measured speed-up (median over
+rounds of the source's time / the result's) and the modeled one, and their ratio; the goal
+is modeled / measured within 10%.
+
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py             # a few minutes
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py --model gpt2 --rounds 7
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py --smoke     # a tiny loop: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BATCHES = (1, 8)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A decode loop to measure: its SavedModel (``save(path)``), its prompts at a batch size."""
+
+    title: str
+    save: Callable[[Path], Path]
+    feeds: Callable[[int], dict[str, Any]]
+    output: str
+
+
+def decode_loop(smoke: bool, width: int, length: int) -> Loop:
+    from amp_rewrite.testing.decode import DecodeShape, save_decode_loop
+
+    shape = DecodeShape(vocab=64, width=16, prompt=2, length=6) if smoke else DecodeShape(
+        vocab=512, width=width, prompt=8, length=length)
+    rng = np.random.default_rng(0)
+    return Loop(f"decode loop: vocab {shape.vocab}, width {shape.width}, prompt {shape.prompt}, {shape.length}"
+                f" tokens ({shape.length - 1} iterations)", lambda path: save_decode_loop(path, shape),
+                lambda batch: {"token_ids": rng.integers(0, shape.vocab, (batch, shape.prompt)).astype(np.int32)},
+                "tokens")
+
+
+def gpt2(smoke: bool, width: int, length: int) -> Loop:
+    """keras_hub's GPT-2 ``generate_step`` as a signature: token ids and padding mask in, token ids out."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    vocab, layers, prompt = (64, 1, 2) if smoke else (1024, 4, 8)
+    width, length = (16, 6) if smoke else (width, length)
+
+    def save(path: Path) -> Path:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=vocab, num_layers=layers, num_heads=4,
+                                                 hidden_dim=width, intermediate_dim=4 * width,
+                                                 max_sequence_length=length, dropout=0.0)
+        causal_lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        causal_lm.compile(sampler="greedy")
+        module = tf.Module()
+        module.causal_lm = causal_lm
+        module.generate = tf.function(lambda token_ids, padding_mask: {"token_ids": causal_lm.generate_step(
+            {"token_ids": token_ids, "padding_mask": padding_mask})["token_ids"]}, input_signature=[
+            tf.TensorSpec([None, length], tf.int32, name="token_ids"),
+            tf.TensorSpec([None, length], tf.bool, name="padding_mask")], autograph=False)
+        tf.saved_model.save(module, str(path), signatures={"serving_default": module.generate})
+        return path
+
+    def feeds(batch: int) -> dict[str, Any]:
+        token_ids = np.zeros((batch, length), np.int32)
+        token_ids[:, :prompt] = np.random.default_rng(0).integers(1, vocab, (batch, prompt))
+        return {"token_ids": token_ids, "padding_mask": token_ids > 0}
+
+    return Loop(f"keras_hub GPT2CausalLM.generate_step: vocab {vocab}, {layers} layers {width} wide, prompt {prompt},"
+                f" {length} tokens ({length - prompt} iterations)", save, feeds, "token_ids")
+
+
+MODELS = {"decode": decode_loop, "gpt2": gpt2}
+
+
+def convert(source: Path, destination: Path, *extra: str) -> str:
+    """``amp-rewrite convert --target bfloat16 --keep-failed`` in this process; what it printed.
+    Validation may fail (random weights: near-tied logits pick other tokens); the result is
+    written all the same, and only its speed matters here."""
+    from amp_rewrite import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["convert", str(source), str(destination), "--target", "bfloat16", "--keep-failed", *extra])
+    if code not in (0, 1) or not destination.exists():
+        raise SystemExit(f"convert {' '.join(extra)} failed: {err.getvalue().strip().splitlines()[-1:]}")
+    return out.getvalue() + err.getvalue()
+
+
+def plan_of(source: Path, cache: Path, inputs: Path) -> Any:
+    """The plan ``--tune speed --batch-sizes 1,8`` made, from its cache (nothing timed again)."""
+    from amp_rewrite.calibration import speed
+    from amp_rewrite.calibration.savedmodel import read_model
+    from amp_rewrite.core.lists import load_lists
+    from amp_rewrite.core.target import lookup_target
+
+    model = read_model(source)
+    feeds, _ = speed.batch_feeds(model, inputs, BATCHES)
+    tuning = speed.tune_model(model, feeds, target="bfloat16", lists=load_lists("bfloat16"),
+                              cache=speed.open_cache(cache, lookup_target("bfloat16")))
+    if tuning.timings.timed:
+        print(f"note: {tuning.timings.timed} op(s) were not in the cache and were timed again", file=sys.stderr)
+    return tuning.plan, tuning.problem
+
+
+def callers(paths: dict[str, Path], feeds: dict[str, Any], output: str) -> dict[str, Callable[[], Any]]:
+    """Each SavedModel's ``serving_default`` on the same prompts, as a call."""
+    import tensorflow as tf
+
+    fed = {name: tf.constant(value) for name, value in feeds.items()}
+    found = {}
+    for name, path in paths.items():
+        signature = tf.saved_model.load(str(path)).signatures["serving_default"]
+        found[name] = (lambda s: lambda: s(**fed)[output].numpy())(signature)
+    return found
+
+
+def time_rounds(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each, ``rounds`` rounds, the order rotated each round, after a warm-up call."""
+    for call in calls.values():
+        call()
+    names = list(calls)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            start = time.perf_counter()
+            calls[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny loop, 3 rounds: checks the script")
+    parser.add_argument("--model", choices=sorted(MODELS), default="decode")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--tune-budget", type=float, default=60.0, help="convert's --tune-budget (seconds)")
+    args = parser.parse_args()
+    from bench_pass import machine_line
+
+    from amp_rewrite.calibration.speed import modeled_speed
+
+    if args.model == "gpt2" and importlib.util.find_spec("keras_hub") is None:
+        print("keras_hub is not installed: --model gpt2 cannot run here", file=sys.stderr)
+        return 77
+    loop = MODELS[args.model](args.smoke, args.width, args.length)
+    rounds = 3 if args.smoke else args.rounds
+    print(machine_line())
+    print(f"{loop.title}; {rounds} rounds")
+    with tempfile.TemporaryDirectory(prefix="bench-tune-loop-") as work:
+        work = Path(work)
+        paths = {"float32": loop.save(work / "float32")}
+        cache, inputs = work / "timings.json", work / "prompts.npz"
+        np.savez(inputs, **loop.feeds(1))
+        convert(paths["float32"], work / "lists", "--inputs", str(inputs))
+        said = convert(paths["float32"], work / "tuned", "--inputs", str(inputs), "--tune", "speed", "--batch-sizes",
+                       "1,8", "--tune-cache", str(cache), "--tune-budget", str(args.tune_budget))
+        paths.update(lists=work / "lists", tuned=work / "tuned")
+        print("\n".join(line for line in said.splitlines() if line.startswith(("Timing:", "Speed against", "Note:"))))
+        plan, problem = plan_of(paths["float32"], cache, inputs)
+        loops = ", ".join(f"{item} x{count:g}" for item, count in sorted(problem.repeats.items()))
+        print(f"runs per call counted: {loops or 'none'}")
+        print("| batch | float32 ms | lists: measured | lists: modeled | modeled/measured"
+              " | tuned: measured | tuned: modeled | modeled/measured |")
+        print("|---|---|---|---|---|---|---|---|")
+        for batch in BATCHES:
+            seconds = time_rounds(callers(paths, loop.feeds(batch), loop.output), rounds)
+            source = statistics.median(seconds["float32"])
+            cells = [str(batch), f"{source * 1e3:.1f}"]
+            for name, tuned in (("lists", False), ("tuned", True)):
+                measured = statistics.median(a / b for a, b in zip(seconds["float32"], seconds[name]))
+                modeled = modeled_speed(plan, batch, source, tuned) or 1.0
+                cells += [f"{measured:.2f}x", f"{modeled:.2f}x", f"{modeled / measured:.2f}"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
