@@ -16,6 +16,7 @@ GPT-2 ``generate_step`` where keras_hub is installed.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,10 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.framework.graph_pb2 import GraphDef
 
 import amp_rewrite
+from amp_rewrite.calibration import validate
 from amp_rewrite.calibration.savedmodel import effective_lists, read_model, rewrite_model
 from amp_rewrite.calibration.validate import identical_prefixes
-from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.errors import AmpRewriteError, ModelError
 from amp_rewrite.testing.decode import CausalLMShape, DecodeShape, prompt_feeds, save_causal_lm, save_decode_loop
 from amp_rewrite.testing.loops import LOOP_OPS, casts_per_iteration
 
@@ -122,3 +124,23 @@ def test_keras_hub_gpt2_decode_loop_carries_its_cache_low(tmp_path: Path) -> Non
     assert list(casts_per_iteration(converted).values())[0] < list(casts_per_iteration(grappler).values())[0]
     feeds = prompt_feeds(LM_SHAPE, batch=2, prompt=4)
     assert mean_identical_prefix(source, tmp_path / "out", feeds) >= 0.5
+
+
+def test_a_data_dependent_stop_that_changes_the_length_is_compared_not_crashed(tmp_path: Path) -> None:
+    """Rule: sequences of another length after conversion (a loop that stops at an end token)
+    are compared by prefix agreement, the missing tokens counting as differences, and the
+    line says so; a floating output whose shape changed is refused in one line."""
+    prompt = {"token_ids": np.array([[1, 2, 3, 4]], np.int32)}
+    full = save_decode_loop(tmp_path / "full", replace(SHAPE, trim=True))
+    tokens = serve(full, prompt)[0]
+    stop = int(tokens[SHAPE.prompt + 2])  # the third generated token ends the other loop
+    assert stop not in tokens[SHAPE.prompt:SHAPE.prompt + 2], "pick a prompt whose stop token comes third"
+    stopped = save_decode_loop(tmp_path / "stopped", replace(SHAPE, stop_token=stop, trim=True))
+    (error,) = validate.validate_saved_models(read_model(full), stopped, {"serving_default": [prompt]}, random=False)
+    assert error.metric == "prefix-agreement"
+    assert error.error == pytest.approx(1 - (SHAPE.prompt + 3) / SHAPE.length)
+    assert (f"differs in length (float32 {SHAPE.length} vs converted {SHAPE.prompt + 3} tokens): a data-dependent"
+            " stop; the missing tokens count as differences") in error.describe()
+    pairs = {("serving_default", "logits"): [(np.zeros((1, 4), np.float32), np.zeros((1, 3), np.float32))]}
+    with pytest.raises(ModelError, match=r"output 'logits': float32 gives shape \(1, 4\), the conversion \(1, 3\)"):
+        validate._errors("p99-rel", pairs)

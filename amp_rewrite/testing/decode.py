@@ -5,7 +5,8 @@ one ``While`` loop whose body embeds the last token, writes its key and value in
 preallocated to the full length (``TensorScatterUpdate``), attends over the cache and
 picks the next token by argmax. The cache and the token ids are carried across
 iterations; the weights are variables read inside the body. With ``stop_token`` the
-loop also ends once every sequence has produced it: a data-dependent trip count.
+loop also ends once every sequence has produced it: a data-dependent trip count (and with
+``trim`` an output as long as the loop ran).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class DecodeShape:
     prompt: int = 4
     length: int = 16  # prompt and generated tokens together
     stop_token: int | None = None
+    trim: bool = False  # tokens only up to where the loop stopped (a data-dependent output length)
 
 
 class DecodeLoop(tf.Module):
@@ -49,9 +51,9 @@ class DecodeLoop(tf.Module):
         batch = tf.shape(token_ids)[0]
         tokens = tf.pad(token_ids, [[0, 0], [0, shape.length - shape.prompt]])
         cache = tf.zeros(tf.stack([batch, shape.length, shape.width]))
-        _, tokens, _, _ = tf.while_loop(
+        position, tokens, _, _ = tf.while_loop(
             self._running, self._step, (tf.constant(1), tokens, cache, cache), maximum_iterations=shape.length - 1)
-        return {"tokens": tokens}
+        return {"tokens": tokens[:, :position] if shape.trim else tokens}
 
     def _running(self, position: tf.Tensor, tokens: tf.Tensor, *_: tf.Tensor) -> tf.Tensor:
         if self.shape.stop_token is None:
