@@ -144,3 +144,26 @@ def test_a_data_dependent_stop_that_changes_the_length_is_compared_not_crashed(t
     pairs = {("serving_default", "logits"): [(np.zeros((1, 4), np.float32), np.zeros((1, 3), np.float32))]}
     with pytest.raises(ModelError, match=r"output 'logits': float32 gives shape \(1, 4\), the conversion \(1, 3\)"):
         validate._errors("p99-rel", pairs)
+
+
+def test_a_read_only_weights_cast_runs_once_before_the_loop(decode_loop: Path, tmp_path: Path) -> None:
+    """Rule: with loops linked, a weight the body only reads, kept float32 (here by
+    --float32-weights), is read and cast once before the loop and enters it as a loop
+    value; the body casts no weight, and the tokens are those of the cast in the body."""
+    assert_ok(run_cli("convert", decode_loop, tmp_path / "out", "--target", "bfloat16", "--float32-weights"))
+    converted = read_model(tmp_path / "out").graph_def
+    nodes = {f.signature.name: {n.name: n for n in f.node_def} for f in converted.library.function}
+    (body,) = casts_per_iteration(converted)
+    weight_casts = [n for n in nodes[body].values() if n.op == "Cast" and nodes[body].get(
+        n.input[0].split(":")[0], n).op == "ReadVariableOp"]
+    assert weight_casts == []
+    hoisted = [n for f in nodes.values() for n in f.values() if "/hoisted/" in n.name and n.op == "Cast"]
+    assert len(hoisted) == 5  # query, key, value, mix and unembedding; the embedding is gathered
+    assert loop_dtypes(converted)[-5:] == [types_pb2.DT_BFLOAT16] * 5
+    model = read_model(decode_loop)
+    in_body = rewrite_model(model, target="bfloat16", lists=effective_lists("bfloat16")).graph_def
+    assert list(casts_per_iteration(converted).values())[0] < list(casts_per_iteration(in_body).values())[0]
+    feeds = {"token_ids": np.random.default_rng(2).integers(0, SHAPE.vocab, (2, SHAPE.prompt), dtype=np.int32)}
+    stored_low = tmp_path / "low"
+    assert_ok(run_cli("convert", decode_loop, stored_low, "--target", "bfloat16"))
+    np.testing.assert_array_equal(serve(tmp_path / "out", feeds), serve(stored_low, feeds))

@@ -18,7 +18,8 @@ to the next), the calls and branches keeping grappler's boundary.
 Linked, an in-place update of a loop-carried buffer (a decode loop's KV cache written
 one position per iteration, :data:`IN_PLACE_UPDATE_OPS`) is a clear op: it passes its
 buffer's dtype through, so the cache stays in the target dtype across iterations instead
-of being cast down and up on each one. Grappler has these ops in no list (float32).
+of being cast down and up on each one. Grappler has these ops in no list (float32). A
+linked loop's casts of weights it only reads move before the loop (``hoist``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class Links:
 
     def nodes(self, item: str) -> frozenset[str]:
         return frozenset(v.node for v in self.vertices(item))
+
+    def functions(self) -> frozenset[str]:
+        """The functions with a linked slot: private, rewritten, their signatures free to change."""
+        return frozenset(item for group in self.groups for item, _ in group if item != MAIN_GRAPH)
 
 
 def _arg(function: function_pb2.FunctionDef, index: int) -> Vertex:

@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, hoist, preparation, typegraph
 from amp_rewrite.core.canonical import to_float32
 from amp_rewrite.core.colouring import PaintContext, Painting
 from amp_rewrite.core.float8 import inference as float8
@@ -266,6 +266,8 @@ def _rewrite_items(
         decisions.append(item_decisions)
         rewrite.progress(len(items) + len(stats), total)
     float8.mark_xla_must_compile(output, compiled)
+    if links.groups:  # beyond grappler: loops whose signatures may change take their weights' casts out
+        output = hoist.hoist_invariant_casts(output, links.functions())
     return output, tuple(stats), tuple(decisions)
 
 
