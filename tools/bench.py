@@ -880,6 +880,24 @@ def update_markdown(text: str | None, section: str, body: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def time_rotated(calls: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each variant: ``warmup`` untimed calls each, then ``rounds`` rounds
+    of one call each, in an order rotated per round, so a change in the machine's load
+    falls on every variant alike instead of on whichever ran at that moment."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {variant: [] for variant in calls}
+    order = list(calls)
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for variant in order[shift:] + order[:shift]:
+            start = time.perf_counter()
+            calls[variant]()
+            times[variant].append(time.perf_counter() - start)
+    return times
+
+
 def write_section(output: Path | None, name: str, section: str, smoke_dir: Path | None) -> None:
     """Replace section ``name`` of ``output`` (None: write nothing) with ``section``; a smoke
     run (``smoke_dir``) writes a copy of ``output`` there instead, leaving the file alone."""

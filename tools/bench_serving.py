@@ -41,6 +41,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import io
 import json
 import os
@@ -212,18 +213,8 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
     for regime in REGIMES:
         calls.update({variant: _serve(dirs[regime], spec["device"]) for variant, dirs in spec["per_regime"].items()})
         x = _batch(spec["model"], regime, sizes)
-        for call in calls.values():
-            for _ in range(1 + sizes.warmup):
-                call(x)
-        times: dict[str, list[float]] = collections.defaultdict(list)
-        order = list(calls)
-        for round_index in range(sizes.rounds):
-            shift = round_index % len(order)
-            for variant in order[shift:] + order[:shift]:
-                start = time.perf_counter()
-                calls[variant](x)
-                times[variant].append(time.perf_counter() - start)
-        seconds[regime] = dict(times)
+        seconds[regime] = bench.time_rotated({variant: functools.partial(call, x) for variant, call in calls.items()},
+                                             sizes.rounds, 1 + sizes.warmup)
     return {"seconds": seconds}
 
 

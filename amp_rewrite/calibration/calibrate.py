@@ -448,7 +448,7 @@ def calibrate(
     fetches: Sequence[str] = (),
     tag_set: str | None = None,
     lists: str | os.PathLike | OpLists | None = None,
-    cross_function: bool = False,
+    cross_function: bool | str = False,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     thresholds: Thresholds | None = None,
     metric: str | validate.Metric = validate.DEFAULT_METRIC,
@@ -505,7 +505,7 @@ class Options:
 
     target: Target
     lists: OpLists
-    cross_function: bool = False
+    cross_function: bool | str = False
     max_rounds: int = DEFAULT_MAX_ROUNDS
     thresholds: Thresholds | None = None
     metric: str | validate.Metric = validate.DEFAULT_METRIC

@@ -227,7 +227,7 @@ def find_divergence(
     fetches: Sequence[str] = (),
     tag_set: str | None = None,
     lists: str | os.PathLike | OpLists | None = None,
-    cross_function: bool = False,
+    cross_function: bool | str = False,
     metric: str | validate.Metric = validate.DEFAULT_METRIC,
     converted: str | os.PathLike | None = None,
 ) -> Divergence:
@@ -252,7 +252,7 @@ def find_divergence(
         else "the arrays given"))
 
 
-def rewriter(model: Model, target: Target, *, cross_function: bool = False,
+def rewriter(model: Model, target: Target, *, cross_function: bool | str = False,
              overlay: str | os.PathLike | None = None) -> Callable[[OpLists], RewriteResult]:
     """The rewrite of ``model`` to ``target`` with the lists it is given (a run that keeps
     more nodes float32): target float8's amax and lossy from ``overlay`` bound in."""

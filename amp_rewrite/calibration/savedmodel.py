@@ -333,7 +333,7 @@ def plumbing_kinds(model: Model) -> dict[str, str]:
     return kinds
 
 
-def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool = False,
+def rewrite_model(model: Model, *, target: str, lists: OpLists, cross_function: bool | str = False,
                   amax: Mapping[tuple[str, str, int], float] | None = None,
                   lossy: Mapping[tuple[str, str], str] | None = None) -> RewriteResult:
     """The rewritten graph of ``model``: its outputs and entry functions keep their dtypes.

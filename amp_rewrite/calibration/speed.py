@@ -162,7 +162,7 @@ class Tuning:
 
 
 def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: OpLists,
-               cross_function: bool = False, budget_s: float = DEFAULT_BUDGET_S,
+               cross_function: bool | str = False, budget_s: float = DEFAULT_BUDGET_S,
                cache: timing_cache.TimingCache | None = None, weights_low: bool = True,
                base: RewriteResult | None = None) -> Tuning:
     """Steps 1-3 for ``model`` at the batch sizes of ``feeds`` (``batch_feeds``). ``base``:
@@ -252,7 +252,7 @@ def tune(
     fetches: Sequence[str] = (),
     tag_set: str | None = None,
     lists: str | os.PathLike | OpLists | None = None,
-    cross_function: bool = False,
+    cross_function: bool | str = False,
     budget_s: float = DEFAULT_BUDGET_S,
     cache: str | os.PathLike | None | object = DEFAULT,
     weights_low: bool = True,

@@ -498,11 +498,40 @@ def _errors(metric: str | Metric | MetricChoice, pairs: Mapping[tuple[str, str],
         if not found:
             continue
         name, function = choice.for_output(signature, output, np.asarray(found[0][0]))
+        found, note = _same_lengths(found, name, where)
         measured = measure(function, found, where)
         if measured is not None:
             detail = agreement_detail(name, found) if name in AGREEMENTS else ""
-            errors.append(OutputError(signature, output, measured[1], measured[0], name, detail))
+            errors.append(OutputError(signature, output, measured[1], measured[0], name, detail + note))
     return errors
+
+
+def _same_lengths(pairs: list[tuple[np.ndarray, np.ndarray]], metric: str, where: str
+                  ) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
+    """The runs with both sides of one shape, and what was done to get there. A decode loop
+    with a data-dependent stop (an end token) may generate sequences of another length
+    after conversion: compared by prefix agreement, the shorter one is padded with a value
+    neither holds, so its missing tokens count as differences. Any other change of shape is refused."""
+    changed = [(np.asarray(old), np.asarray(new)) for old, new in pairs if np.shape(old) != np.shape(new)]
+    if not changed:
+        return pairs, ""
+    old, new = changed[0]
+    if metric != "prefix-agreement" or old.ndim != new.ndim or old.shape[:-1] != new.shape[:-1]:
+        raise ModelError(f"{where}: float32 gives shape {old.shape}, the conversion {new.shape}: an output whose"
+                         " size depends on its values; compare it as a sequence (--metric OUTPUT=prefix-agreement)"
+                         " if it is one, or validate with --inputs that give both one size")
+    padded = [_padded(np.asarray(a), np.asarray(b)) for a, b in pairs]
+    return padded, (f"; differs in length (float32 {old.shape[-1]} vs converted {new.shape[-1]} tokens):"
+                    " a data-dependent stop; the missing tokens count as differences")
+
+
+def _padded(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both padded on the last axis to the longer length with a value neither holds."""
+    length = max(old.shape[-1], new.shape[-1])
+    fill = min(old.min(initial=0), new.min(initial=0)) - 1
+    widths = [(0, 0)] * (old.ndim - 1)
+    return tuple(np.pad(a.astype(np.int64), [*widths, (0, length - a.shape[-1])], constant_values=fill)
+                 for a in (old, new))
 
 
 def _fails_on_inputs(where: str, error: Exception, random: bool, guessed: Sequence[str] = ()) -> ModelError:

@@ -223,8 +223,9 @@ def _common_options(sub: argparse.ArgumentParser, targets: tuple[str, ...] = TAR
     sub.add_argument("--fetch", action="append", default=[], metavar="NAME[:PORT]",
                      help="GraphDef only: an output whose dtype must not change (repeatable; default: the"
                           " nodes nothing reads)")
-    sub.add_argument("--cross-function", action="store_true",
-                     help="let low precision cross function and loop boundaries (beyond grappler)")
+    sub.add_argument("--cross-function", action="store_const", const=True, default="loops",  # core.boundaries.LOOPS
+                     help="let low precision cross function boundaries too (beyond grappler; by default it"
+                          " crosses loop boundaries only, so a loop carries its values, a KV cache, low)")
     sub.add_argument("--quiet", action="store_true", help="print only errors")
     sub.add_argument("--debug", action="store_true", help="show a traceback on errors")
 

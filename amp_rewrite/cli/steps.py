@@ -272,10 +272,21 @@ def summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
     if kept:
         where = " (model)" if kinds else ""
         lines.append(f"Stayed float32{where}: " + ", ".join(f"{rule} {count}" for rule, count in kept.most_common()))
+    lines += _loop_lines(report)
     if kinds:
         lines.append(f"Library total, TensorFlow's plumbing included (as grappler's log counts): converted"
                      f" {report.vertices_converted}/{report.nodes_before} nodes")
     return lines
+
+
+def _loop_lines(report: Report) -> list[str]:
+    """How many float32 values the model's loops carry low from one iteration to the next."""
+    carried = [d for d in report.decisions if d.op in ("While", "StatelessWhile")]
+    if not carried:
+        return []
+    low = sum(d.converted for d in carried)
+    return [f"Loops: {low} of {len(carried)} float32 loop value(s) carried in {report.target} across iterations"
+            " (loop boundaries are linked, beyond grappler; --cross-function links calls too)"]
 
 
 def store_weights(args: argparse.Namespace, model: Model,

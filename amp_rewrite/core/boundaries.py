@@ -12,11 +12,19 @@ output *j* with both branches' result *j*.
 A link is only made when every function in it is rewritten here and is private: not an
 entry point the caller names, not a gradient of record, and called only by the
 functional ops above. Everything else keeps grappler's fixed-float32 boundary.
+``cross_function="loops"`` links loops alone (the value a loop carries from one iteration
+to the next), the calls and branches keeping grappler's boundary.
+
+Linked, an in-place update of a loop-carried buffer (a decode loop's KV cache written
+one position per iteration, :data:`IN_PLACE_UPDATE_OPS`) is a clear op: it passes its
+buffer's dtype through, so the cache stays in the target dtype across iterations instead
+of being cast down and up on each one. Grappler has these ops in no list (float32). A
+linked loop's casts of weights it only reads move before the loop (``hoist``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Mapping
 
 from networkx.utils import UnionFind
@@ -25,6 +33,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 from amp_rewrite.core import colouring, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
 from amp_rewrite.core.functions import RETVAL_SUFFIX, called_functions
+from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rules import Reason, Rule
 from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
@@ -32,6 +41,24 @@ from amp_rewrite.core.typegraph import TypeAttr, TypeGraph, Vertex
 Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name
 
 _T = TypeAttr("T")
+LOOPS = "loops"  # cross_function's value that links loop boundaries only
+LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# Ops that write a slice of a buffer and return it: no arithmetic, a copy at most.
+IN_PLACE_UPDATE_OPS = {
+    "TensorScatterUpdate": "writes slices into a buffer (a KV cache); no arithmetic",
+    "XlaDynamicUpdateSlice": "writes a slice into a buffer (keras' slice_update, a KV cache); no arithmetic",
+    "TensorStridedSliceUpdate": "writes a slice into a buffer; no arithmetic",
+    "InplaceUpdate": "writes rows into a buffer; no arithmetic",
+}
+
+
+def with_in_place_updates(op_lists: OpLists) -> OpLists:
+    """``op_lists`` with the in-place update ops in no list made clear (linked painting only)."""
+    added = {op: why for op, why in IN_PLACE_UPDATE_OPS.items() if op_lists.colour(op) is None}
+    if not added:
+        return op_lists
+    return replace(op_lists, clear=op_lists.clear | added.keys(),
+                   reasons={**op_lists.reasons, **{op: f"{why} (cross-function)" for op, why in added.items()}})
 
 
 @dataclass(frozen=True)
@@ -46,6 +73,10 @@ class Links:
     def nodes(self, item: str) -> frozenset[str]:
         return frozenset(v.node for v in self.vertices(item))
 
+    def functions(self) -> frozenset[str]:
+        """The functions with a linked slot: private, rewritten, their signatures free to change."""
+        return frozenset(item for group in self.groups for item, _ in group if item != MAIN_GRAPH)
+
 
 def _arg(function: function_pb2.FunctionDef, index: int) -> Vertex:
     return Vertex(function.signature.input_arg[index].name, _T)
@@ -56,9 +87,12 @@ def _ret(function: function_pb2.FunctionDef, index: int) -> Vertex:
 
 
 def _call_groups(
-    item: str, node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
+    item: str, node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef], loops_only: bool = False,
 ) -> tuple[list[list[Slot]], set[str]]:
-    """Slot groups for one functional node, and the functions it links."""
+    """Slot groups for one functional node, and the functions it links (``loops_only``: loops' alone)."""
+    if loops_only and node.op not in LOOP_OPS:
+        return [], set()
+
     def fn(attr: str) -> function_pb2.FunctionDef:
         return library[node.attr[attr].func.name]
 
@@ -70,7 +104,7 @@ def _call_groups(
         for j in range(len(node.attr["Tout"].list.type)):
             groups.append([(item, Vertex(node.name, TypeAttr("Tout", j))), (f.signature.name, _ret(f, j))])
         return groups, {f.signature.name}
-    if node.op in ("While", "StatelessWhile"):
+    if node.op in LOOP_OPS:
         body, cond = fn("body"), fn("cond")
         for i in range(len(node.attr["T"].list.type)):
             groups.append([
@@ -90,10 +124,11 @@ def _call_groups(
 
 def find_links(
     graph_def: graph_pb2.GraphDef, rewritten: Iterable[str], entry_functions: Iterable[str],
-    library: Mapping[str, function_pb2.FunctionDef],
+    library: Mapping[str, function_pb2.FunctionDef], *, loops_only: bool = False,
 ) -> Links:
     """The float32 slot groups that may change dtype together across function boundaries;
-    ``library``: ``graph_def``'s functions by name (``Program.library``)."""
+    ``library``: ``graph_def``'s functions by name (``Program.library``); ``loops_only``:
+    across loop boundaries alone."""
     rewritten = set(rewritten)
     fixed = set(entry_functions) | {g.function_name for g in graph_def.library.gradient}
     fixed |= {g.gradient_func for g in graph_def.library.gradient}
@@ -102,7 +137,7 @@ def find_links(
     callee_slots: set[Slot] = set()
     for item, nodes in bodies:
         for node in nodes:
-            groups, callees = _call_groups(item, node, library)
+            groups, callees = _call_groups(item, node, library, loops_only)
             referenced = set(called_functions(node)) & library.keys()
             if (item != MAIN_GRAPH and item not in rewritten) or not groups:
                 fixed |= referenced  # called from a body we don't rewrite, or by an unknown op
@@ -138,7 +173,7 @@ def loop_values(types: TypeGraph) -> Iterator[Vertex]:
     We keep those values float32 unless ``cross_function`` changes the bodies with them.
     """
     for name, op in types.ops.items():
-        if op in ("While", "StatelessWhile"):
+        if op in LOOP_OPS:
             for index in range(len(types.node_defs[name].attr["T"].list.type)):
                 yield Vertex(name, typegraph.TypeAttr("T", index))
 

@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 from tensorflow.core.framework import graph_pb2, types_pb2
 
-from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, preparation, typegraph
+from amp_rewrite.core import boundaries, casts, colouring, functions, graph_io, hoist, preparation, typegraph
 from amp_rewrite.core.canonical import to_float32
 from amp_rewrite.core.colouring import PaintContext, Painting
 from amp_rewrite.core.float8 import inference as float8
@@ -83,7 +83,7 @@ def rewrite_graph_def(
     target: str | Target = "float16",
     fetches: Iterable[str] = (),
     lists: str | os.PathLike | OpLists | None = None,
-    cross_function: bool = False,
+    cross_function: bool | str = False,
     entry_functions: Iterable[str] = (),
     roots: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
@@ -106,10 +106,10 @@ def rewrite_graph_def(
     -> why`` for more nodes, in any item, that keep their dtypes as fetches do (custom gradients' ones).
     ``lists``: None (built-in), a path to an overlay YAML, or loaded ``OpLists``.
 
-    By default each function body is painted on its own, exactly like grappler, and keeps
-    its signature. ``cross_function=True`` paints across call and loop boundaries so
-    low-precision values stay low precision there; private functions' signatures may then
-    change, never those of ``entry_functions`` (e.g. a SavedModel's signature functions).
+    By default each function body is painted alone and keeps its signature, as grappler does.
+    ``cross_function=True`` paints across call and loop boundaries, ``"loops"`` loop ones only
+    (``amp-rewrite``'s default), with buffer updates (a KV cache's) clear ops (``boundaries``);
+    private functions' signatures may change, never ``entry_functions``' (a SavedModel's signatures).
     ``roots``: functions called from outside the graph (a SavedModel's restored functions),
     rewritten with what they call as if the main graph called them (``functions.reachable_functions``).
     ``progress(done, total)`` is called as items are prepared and finished.
@@ -122,7 +122,7 @@ def rewrite_graph_def(
     target = lookup_target(target, quantized=True)  # the one check of the user's string
     amax, lossy = _float8_calibration(target, amax, lossy, graph_def)
     # 1-2. The lists (float8's are float16's).
-    op_lists = load_lists(target, lists)
+    op_lists = _load_lists(target, lists, cross_function)
     log.debug("step 1-2 lists: %s", " + ".join(op_lists.sources) or "given OpLists")
     fetch_nodes = tuple(graph_io.parse_tensor_name(f).node for f in fetches)  # "x:0" fetches node x
     with gc_paused():  # the working graphs are freed when _rewrite_items returns, before GC resumes
@@ -140,7 +140,7 @@ def rewrite_graph_def(
 
 
 def _functions_and_links(program: Program, roots: tuple[str, ...], entry_functions: tuple[str, ...],
-                         cross_function: bool) -> tuple[tuple[str, ...], boundaries.Links]:
+                         cross_function: bool | str) -> tuple[tuple[str, ...], boundaries.Links]:
     """The functions to rewrite, reachable from the main graph or from ``roots``, and with
     ``cross_function`` how they link. A root is called from outside, so it keeps its
     signature as an entry function does."""
@@ -148,7 +148,17 @@ def _functions_and_links(program: Program, roots: tuple[str, ...], entry_functio
     names = tuple(functions.reachable_functions(graph_def, program.library, roots=roots))
     if not cross_function:
         return names, boundaries.Links(())
-    return names, boundaries.find_links(graph_def, names, (*entry_functions, *roots), program.library)
+    return names, boundaries.find_links(graph_def, names, (*entry_functions, *roots), program.library,
+                                        loops_only=cross_function == boundaries.LOOPS)
+
+
+def _load_lists(target: Target, lists: str | os.PathLike | OpLists | None, cross_function: bool | str) -> OpLists:
+    """Steps 1-2: the lists, with linked boundaries' in-place updates clear (``boundaries``)."""
+    if not isinstance(cross_function, bool) and cross_function != boundaries.LOOPS:
+        raise AmpRewriteError(f"cross_function={cross_function!r}: choose False (grappler's boundaries), True"
+                              f" (calls and loops) or {boundaries.LOOPS!r} (loop boundaries only)")
+    op_lists = load_lists(target, lists)
+    return boundaries.with_in_place_updates(op_lists) if cross_function else op_lists
 
 
 def _float8_calibration(target: Target, amax: Mapping[tuple[str, str, int], float] | None,
@@ -256,6 +266,8 @@ def _rewrite_items(
         decisions.append(item_decisions)
         rewrite.progress(len(items) + len(stats), total)
     float8.mark_xla_must_compile(output, compiled)
+    if links.groups:  # beyond grappler: loops whose signatures may change take their weights' casts out
+        output = hoist.hoist_invariant_casts(output, links.functions())
     return output, tuple(stats), tuple(decisions)
 
 
