@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections.abc
 import heapq
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -117,6 +118,12 @@ def replayable(batch: Sequence[Any]) -> list[tf.Tensor]:
             raise AmpRewriteError(f"cannot replay a batch given as a {type(item).__name__}: it yields each batch once;"
                                   " pass the batch's tensors (e.g. x, y = next(iterator)) so the step can run again")
     return [tf.convert_to_tensor(item) for item in flat]
+
+
+def _model_classes() -> tuple[type, ...]:
+    """The model classes whose ``fit`` calls ``Doctor``: Keras 3's, and tf_keras' where it is loaded."""
+    tf_keras = sys.modules.get("tf_keras")
+    return (keras.Model,) if tf_keras is None else (keras.Model, tf_keras.Model)
 
 
 def _settings_of(optimizer: Any) -> live.LiveRewrite:
@@ -334,15 +341,18 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
 
 
 class Doctor(keras.callbacks.Callback):
-    """For Keras 3 ``model.fit``: when training is stuck (``skips.STUCK_STEPS`` skipped
-    steps in a row at the loss scale's floor), replay that step's batch once (``diagnose_step``)
-    and warn once, with the op and the keep that fixes it; ``first_skip=True`` diagnoses the
-    first skipped step too. With FP8 training it also warns once per operand whose amax history
-    went stale, at each epoch's end (``diagnose_float8``, ``float8_findings``). Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
-    before ``TensorBoard`` to see them there). ``diagnoses``: what it found, in order.
+    """For ``model.fit`` (Keras 3 and tf_keras): when training is stuck (``skips.STUCK_STEPS``
+    skipped steps in a row at the loss scale's floor), replay that step's batch once
+    (``diagnose_step``) and warn once, with the op and the keep that fixes it; ``first_skip=True``
+    diagnoses the first skipped step too. With FP8 training it also warns once per operand whose amax
+    history went stale, at each epoch's end (``diagnose_float8``, ``float8_findings``). Adds
+    ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it before ``TensorBoard`` to see
+    them there). ``diagnoses``: what it found, in order.
 
     While on, each step keeps its batch when it is skipped (a copy, on skipped steps only), and
-    ``fit`` traces its step again at the start; off (not in ``callbacks``), nothing runs."""
+    ``fit`` traces its step again at the start; off (not in ``callbacks``), nothing runs. One class
+    for both families: tf_keras' ``CallbackList`` asks a callback which batch hooks it implements
+    (``_implements_*_batch_hooks``), the only calls Keras 3's ``Callback`` lacks."""
 
     def __init__(self, *, first_skip: bool = False) -> None:
         super().__init__()
@@ -356,19 +366,28 @@ class Doctor(keras.callbacks.Callback):
         self.float8_findings: list[doctor_float8.Float8Finding] = []  # FP8 training: stale amax histories
         self._float8_said: set[tuple[str, str]] = set()
 
+    def _implements_train_batch_hooks(self) -> bool:  # tf_keras' CallbackList: call on_train_batch_end
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
     def set_model(self, model: Any) -> None:
-        if not isinstance(model, keras.Model):  # tf_keras' fit would fail on a Keras 3 callback's missing hooks
-            raise AmpRewriteError(f"amp_rewrite.Doctor is a Keras 3 callback, which {type(model).__name__}.fit"
-                                  f" ({type(model).__module__.partition('.')[0]}) cannot call: in that loop call"
+        if not isinstance(model, _model_classes()):
+            raise AmpRewriteError(f"amp_rewrite.Doctor is a callback for model.fit of a Keras 3 or tf_keras model,"
+                                  f" not of a {type(model).__name__}: in another loop call"
                                   " amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt,"
                                   " variables=model.trainable_variables) with a skipped step's batch")
         super().set_model(model)
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer
-        if not isinstance(optimizer, optimizers.LossScaleOptimizer):
+        if not isinstance(optimizer, optimizers.loss_scale_classes()):
             raise AmpRewriteError(f"amp_rewrite.Doctor needs the optimizer enable_mixed_precision_graph_rewrite"
-                                  f" returned for a Keras 3 model, not a {type(optimizer).__name__}; compile with it")
+                                  f" returned, not a {type(optimizer).__name__}; compile the model with it")
         _settings_of(optimizer)
         if getattr(self.model, "jit_compile", False):
             raise AmpRewriteError("amp_rewrite.Doctor cannot keep a batch inside an XLA-compiled step: compile with"
@@ -378,14 +397,14 @@ class Doctor(keras.callbacks.Callback):
         original = self.model.train_step
 
         def train_step(data: Any) -> Any:
-            before = optimizer.skipped_steps
+            before = tf.convert_to_tensor(optimizer.skipped_steps)  # tf_keras: the variable, read here
             logs = original(data)
             self._structure = tf.nest.map_structure(lambda _: None, data)
 
             def keep() -> None:
                 tf.py_function(self._keep_batch, tf.nest.flatten(data), [])
 
-            tf.cond(optimizer.skipped_steps > before, keep, lambda: None)
+            tf.cond(tf.convert_to_tensor(optimizer.skipped_steps) > before, keep, lambda: None)
             return logs
 
         self.model.train_step = train_step

@@ -36,7 +36,7 @@ from amp_rewrite.training.float8_state import Float8State
 from amp_rewrite.training.keras_optimizer import (
     DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, MadeFor,
 )
-from amp_rewrite.training.skips import FIND_THE_OP_ELSEWHERE, SkipCounter, count_in_update
+from amp_rewrite.training.skips import FIND_THE_OP, FIND_THE_OP_ELSEWHERE, SkipCounter, count_in_update, tell_doctor
 
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -113,6 +113,14 @@ def _family(opt: Any) -> str:
         f'"opt" must be a Keras 3 optimizer, a tf_keras optimizer or a tf.compat.v1.train.Optimizer,'
         f" got {type(opt).__module__}.{type(opt).__name__}"
     )
+
+
+def loss_scale_classes() -> tuple[type, ...]:
+    """The wrapper classes of the families whose ``fit`` takes a callback: Keras 3's (ours), and
+    tf_keras' where it is loaded."""
+    tf_keras = sys.modules.get("tf_keras")
+    return (LossScaleOptimizer,) if tf_keras is None else (LossScaleOptimizer,
+                                                           tf_keras.mixed_precision.LossScaleOptimizer)
 
 
 def _already_wrapped(opt: Any) -> bool:
@@ -278,7 +286,8 @@ def _count_tf_keras_skips(wrapped: Any, *, dynamic: bool) -> None:
     """tf_keras' wrapper, as ours: ``skipped_steps`` (a variable: tf_keras' wrapper is not ours to
     subclass, its class is picked by a metaclass), the summaries and the stuck warning. Its fixed
     scale applies every step (as tf_keras documents), so only a dynamic one skips."""
-    skips = SkipCounter(fixed=False, hint=FIND_THE_OP_ELSEWHERE)
+    object.__setattr__(wrapped, "doctor", None)  # a training doctor (training.doctor) told when training is stuck
+    skips = SkipCounter(fixed=False, tell=tell_doctor(wrapped, FIND_THE_OP))
     if dynamic:
         count_in_update(getattr(wrapped, _tf.TF_KERAS_LOSS_SCALE), skips, step=lambda: wrapped.iterations)
     object.__setattr__(wrapped, "skipped_steps", skips.skipped)  # not tracked: no checkpoint dependency
