@@ -34,7 +34,7 @@ from amp_rewrite.core.target import LOW_DTYPES, lookup_target
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.training import doctor_float8, live, optimizers
 
-_FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
+FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
 _SCOPE = "amp_rewrite_doctor"
 GRADIENT_SCOPE = "gradient_tape/"  # where a GradientTape puts the backward pass's ops
 
@@ -103,8 +103,8 @@ def diagnose_step(loss_fn: Callable[..., Any], *batch: Any, optimizer: Any,
                                       cross_function=settings.cross_function).graph_def
         with _restored(probe.graph.variables):
             values = _run_all(rewritten, probe, flat)
-        step = _Step(rewritten, {n.name for n in graph_def.node} - set(outputs), settings.target)
-        return _diagnose(step, values, scale)
+        step = Step(rewritten, {n.name for n in graph_def.node} - set(outputs), settings.target)
+        return diagnose_values(step, values, scale)
 
 
 def replayable(batch: Sequence[Any]) -> list[tf.Tensor]:
@@ -195,7 +195,7 @@ def _run_all(graph_def: graph_pb2.GraphDef, probe: Any, batch: list[tf.Tensor]) 
         for node in graph_def.node:
             mapped = input_map.get(tensor_name(node.name, 0))  # a fed placeholder: the value fed
             for tensor in [mapped] if mapped is not None else graph.get_operation_by_name(f"{_SCOPE}/{node.name}").outputs:
-                if tensor.dtype in _FETCHED:
+                if tensor.dtype in FETCHED:
                     names.append(tensor_name(node.name, 0 if mapped is not None else tensor.value_index))
                     fetched.append(tensor)
         return fetched
@@ -238,12 +238,13 @@ def _largest_finite(values: Sequence[np.ndarray]) -> float:
 
 
 @dataclass(frozen=True)
-class _Step:
+class Step:
     """The replayed step's rewritten graph, the names of its original nodes, and its target."""
 
     rewritten: graph_pb2.GraphDef
     original: set[str]  # the step's own nodes (not the rewrite's casts, nor the replay's outputs)
     target: str
+    backward: re.Pattern = re.compile(re.escape(GRADIENT_SCOPE))  # matches the names of the backward pass's ops
 
     @property
     def largest(self) -> float:
@@ -264,7 +265,7 @@ class _Step:
         return tuple(_keep_entry(n) for n in dict.fromkeys(found) if n in self.original)
 
 
-def _diagnose(step: _Step, values: Mapping[str, np.ndarray], scale: float) -> Diagnosis:
+def diagnose_values(step: Step, values: Mapping[str, np.ndarray], scale: float) -> Diagnosis:
     """The first op of ``step`` (in execution order) whose output in ``values`` is not finite, and why."""
     rewritten = step.rewritten
     nodes = {node.name: node for node in rewritten.node}
@@ -285,7 +286,7 @@ def _diagnose(step: _Step, values: Mapping[str, np.ndarray], scale: float) -> Di
     finite, largest = _in_float32(node, rewritten, values)
     if not finite:
         cause, keep = "scale", ()
-    elif first.startswith(GRADIENT_SCOPE) and scale > 1 and largest / scale <= step.largest:
+    elif step.backward.match(first) and scale > 1 and largest / scale <= step.largest:
         cause, keep = "scale", ()  # fits at a smaller scale: a dynamic scale gets there by itself
     else:  # out of the target's range in float32 too: its readers would get it cast down, keep them too
         cause = "precision"
@@ -330,10 +331,12 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
     for attr in copy.attr.values():
         if attr.type in LOW_DTYPES:
             attr.type = types_pb2.DT_FLOAT
-    try:
-        run = tf.compat.v1.wrap_function(lambda: tf.graph_util.import_graph_def(
-            one, return_elements=["op"], name="")[0].outputs, [])
-        outputs = [np.asarray(v) for v in run()]
+    try:  # a Session of its own graph: runs alike eagerly, in a TF1 graph, and in a finalized one
+        graph = tf.Graph()
+        with graph.as_default():
+            op = tf.graph_util.import_graph_def(one, return_elements=["op"], name="")[0]
+        with tf.compat.v1.Session(graph=graph) as sess:  # the callers pause the rewrite: it runs as it is
+            outputs = [np.asarray(v) for v in sess.run(op.outputs)]
     except (tf.errors.OpError, ValueError, TypeError):
         return None, None
     floats = [v for v in outputs if v.dtype.kind == "f"]

@@ -132,6 +132,15 @@ def _already_wrapped(opt: Any) -> bool:
     return isinstance(opt, tuple(wrappers))
 
 
+@dataclass(frozen=True)
+class GraphStep:
+    """A step the v1 wrapper built in a TF1 graph: what a Session's replay fetches."""
+
+    graph: weakref.ref  # the tf.Graph it is in
+    gradients: tuple[str, ...]  # the float tensors of the unscaled gradients it applies
+    loss_scale: str  # a tensor reading the loss scale
+
+
 class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
     """A fixed scale that skips non-finite steps, as the Keras 3 wrapper's does (TF1's own
     FixedLossScale applies them)."""
@@ -160,8 +169,11 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
     def __init__(self, opt: Any, scale: Any) -> None:
         super().__init__(opt, scale)
         self._amp_rewrite_scale = scale
-        self._amp_rewrite_skips = SkipCounter(fixed=isinstance(scale, _FixedLossScale), hint=FIND_THE_OP_ELSEWHERE)
+        self.doctor = None  # a Session's training doctor (training.doctor_session) told when training is stuck
+        self._amp_rewrite_skips = SkipCounter(fixed=isinstance(scale, _FixedLossScale),
+                                              tell=tell_doctor(self, FIND_THE_OP_ELSEWHERE))
         count_in_update(scale, self._amp_rewrite_skips)
+        self.graph_step: GraphStep | None = None  # the last step built in a TF1 graph (the Session doctor's replay)
 
     @property
     def skipped_steps(self):
@@ -180,6 +192,11 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         grads_and_vars = tuple(grads_and_vars)
+        graph = tf.compat.v1.get_default_graph()
+        if not tf.executing_eagerly() and not hasattr(graph, "outer_graph"):  # a TF1 graph, run by a Session
+            gradients = [t.name for g, _ in grads_and_vars if g is not None
+                         for t in tf.nest.flatten(g, expand_composites=True) if t.dtype.is_floating]
+            self.graph_step = GraphStep(weakref.ref(graph), tuple(gradients), tf.convert_to_tensor(self.loss_scale).name)
         state = float8_state_of(self)
         if state is not None:
             _float8_apply(self, state, [v for _, v in grads_and_vars])

@@ -30,7 +30,7 @@ FIND_THE_OP = ("If the same model trains in float32, an op overflows or underflo
 FIND_THE_OP_ELSEWHERE = ("If the same model trains in float32, an op overflows or underflows in low precision:"
                          " call amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt) on a skipped step's batch"
                          " in a tf.function, or add amp_rewrite.DoctorHook(opt) to a MonitoredTrainingSession's hooks"
-                         " (or call amp_rewrite.diagnose_step(sess, feed_dict, optimizer=opt)) in a Session, to"
+                         " (or call amp_rewrite.diagnose_session_step(sess, feed_dict, optimizer=opt)) in a Session, to"
                          " name it and the keep= that fixes it.")
 
 
