@@ -15,7 +15,6 @@ which training is stuck (``skips.STUCK_STEPS``), and nothing else.
 from __future__ import annotations
 
 import collections.abc
-import heapq
 import re
 import sys
 import warnings
@@ -29,6 +28,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import _tf
 from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
+from amp_rewrite.core.instrument import first_nonfinite, is_float, is_nonfinite, largest_finite, topological_order
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import LOW_DTYPES, lookup_target
 from amp_rewrite.errors import AmpRewriteError
@@ -204,39 +204,6 @@ def _run_all(graph_def: graph_pb2.GraphDef, probe: Any, batch: list[tf.Tensor]) 
     return {name: value.numpy() for name, value in zip(names, run(*batch))}
 
 
-def execution_order(graph_def: graph_pb2.GraphDef) -> list[str]:
-    """The main graph's nodes in an order TensorFlow may run them: every node after its inputs
-    (data and control), ties in the order of the GraphDef."""
-    index = {node.name: i for i, node in enumerate(graph_def.node)}
-    consumers: dict[str, list[str]] = {name: [] for name in index}
-    waiting = {}
-    for node in graph_def.node:
-        producers = {parse_tensor_name(t).node for t in node.input} & index.keys()
-        waiting[node.name] = len(producers)
-        for producer in producers:
-            consumers[producer].append(node.name)
-    ready = [(i, name) for name, i in index.items() if not waiting[name]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, name = heapq.heappop(ready)
-        order.append(name)
-        for consumer in consumers[name]:
-            waiting[consumer] -= 1
-            if not waiting[consumer]:
-                heapq.heappush(ready, (index[consumer], consumer))
-    return order
-
-
-def _nonfinite(value: np.ndarray) -> bool:
-    return value.dtype.kind == "f" and not np.all(np.isfinite(value))
-
-
-def _largest_finite(values: Sequence[np.ndarray]) -> float:
-    finite = [np.abs(v[np.isfinite(v)].astype(np.float64)) for v in values if v is not None and v.dtype.kind == "f"]
-    return max((float(f.max()) for f in finite if f.size), default=0.0)
-
-
 @dataclass(frozen=True)
 class Step:
     """The replayed step's rewritten graph, the names of its original nodes, and its target."""
@@ -269,8 +236,7 @@ def diagnose_values(step: Step, values: Mapping[str, np.ndarray], scale: float) 
     """The first op of ``step`` (in execution order) whose output in ``values`` is not finite, and why."""
     rewritten = step.rewritten
     nodes = {node.name: node for node in rewritten.node}
-    first = next((name for name in execution_order(rewritten)
-                  if any(_nonfinite(v) for key, v in values.items() if parse_tensor_name(key).node == name)), None)
+    first = first_nonfinite(topological_order(rewritten), values)
     if first is None:
         raise AmpRewriteError(f"no value of this step is Inf or NaN at loss scale {scale:g}: nothing to diagnose (the"
                               " step was not skipped on this batch); call it for the batch of a skipped step")
@@ -280,7 +246,7 @@ def diagnose_values(step: Step, values: Mapping[str, np.ndarray], scale: float) 
                          "data" if node.op == "Placeholder" else "weights")
     inputs = _input_values(node, values)
     if first not in step.original and node.op == "Cast":  # the rewrite's cast overflows: keep its readers
-        largest = _largest_finite(inputs)
+        largest = largest_finite(inputs)
         return Diagnosis(first, "Cast", _dtype_of(node), largest, True, largest, step.low_readers(first), scale,
                          "cast", parse_tensor_name(node.input[0]).node)
     finite, largest = _in_float32(node, rewritten, values)
@@ -291,7 +257,7 @@ def diagnose_values(step: Step, values: Mapping[str, np.ndarray], scale: float) 
     else:  # out of the target's range in float32 too: its readers would get it cast down, keep them too
         cause = "precision"
         keep = (_keep_entry(first),) + (step.low_readers(first) if largest > step.largest else ())
-    return Diagnosis(first, node.op, _dtype_of(node), _largest_finite(inputs), finite, largest, keep, scale, cause)
+    return Diagnosis(first, node.op, _dtype_of(node), largest_finite(inputs), finite, largest, keep, scale, cause)
 
 
 def _input_values(node: Any, values: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -319,7 +285,7 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
     for index, value in enumerate(_input_values(node, values)):
         if value is None:
             return None, None
-        if value.dtype.kind == "f" and value.dtype != np.float64:
+        if is_float(value) and value.dtype != np.float64:
             value = value.astype(np.float32)
         inputs.append(make_node_def("Const", f"input_{index}", into=one.node,
                                     dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value).name)
@@ -339,8 +305,8 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
             outputs = [np.asarray(v) for v in sess.run(op.outputs)]
     except (tf.errors.OpError, ValueError, TypeError):
         return None, None
-    floats = [v for v in outputs if v.dtype.kind == "f"]
-    return not any(_nonfinite(v) for v in floats), _largest_finite(floats)
+    floats = [v for v in outputs if is_float(v)]
+    return not any(is_nonfinite(v) for v in floats), largest_finite(floats)
 
 
 class Doctor(keras.callbacks.Callback):

@@ -26,14 +26,17 @@ from tensorflow.core.framework import graph_pb2
 from amp_rewrite.core import support
 from amp_rewrite.core.casts import VARIABLE_OPS
 from amp_rewrite.core.functions import called_functions
-from amp_rewrite.core.graph_io import parse_tensor_name, tensor_name
+from amp_rewrite.core.graph_io import tensor_name
+from amp_rewrite.core.instrument import ancestors
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.training import doctor, live, optimizers, session
 
-# Stateful ops that only read: running them once more changes nothing the step computes next.
+# Stateful ops that only read, or give a resource's handle (a table, an iterator: the op that reads
+# the iterator is what gives a new value): running them once more changes nothing the step computes next.
 READ_ONLY = VARIABLE_OPS | {"VarIsInitializedOp", "ResourceGather", "ResourceGatherNd", "HashTableV2",
                             "MutableHashTableV2", "MutableHashTableOfTensorsV2", "LookupTableFindV2",
-                            "LookupTableSizeV2"}
+                            "LookupTableSizeV2", "OneShotIterator", "Iterator", "IteratorV2", "FIFOQueueV2",
+                            "PaddingFIFOQueueV2", "RandomShuffleQueueV2"}
 TF1_GRADIENTS = re.compile(r"(.*/)?gradients(_\d+)?/")  # tf.gradients' scope, as v1 compute_gradients names it
 
 
@@ -105,30 +108,24 @@ def _feeds(graph: tf.Graph, feed_dict: Mapping[Any, Any]) -> dict[str, np.ndarra
 def _replay_nodes(graph_def: graph_pb2.GraphDef, fetches: list[str], fed: set[str]) -> list[str]:
     """The nodes a run of ``fetches`` (fed ``fed``) executes, in the GraphDef's order; refused in
     one line when one of them gives a new value at each run."""
-    nodes = {node.name: node for node in graph_def.node}
     library = {f.signature.name: f for f in graph_def.library.function}
-    seen: set[str] = set()
-    stack = [parse_tensor_name(t).node for t in fetches]
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in nodes:
-            continue
-        seen.add(name)
-        if name in fed:
-            continue
-        _check_replayable(nodes[name], library, name)
-        stack.extend(parse_tensor_name(t).node for t in nodes[name].input)
-    return [node.name for node in graph_def.node if node.name in seen]
+    run = ancestors(graph_def, fetches, fed=fed)
+    for node in graph_def.node:
+        if node.name in run and node.name not in fed:
+            _check_replayable(node, library, node.name)
+    return [node.name for node in graph_def.node if node.name in run]
 
 
 def _check_replayable(node: Any, library: Mapping[str, Any], where: str) -> None:
     """Refuse a node (or an op of a function it calls) that gives a new value at each run."""
+    if node.op in READ_ONLY:  # an iterator's dataset function runs once, when it is made
+        return
     called = [name for name in called_functions(node) if name in library]
     for name in called:
         for inner in library[name].node_def:
             _check_replayable(inner, library, where)
     op_def = support.registered_op_def(node.op)
-    if called or op_def is None or not op_def.is_stateful or node.op in READ_ONLY:
+    if called or op_def is None or not op_def.is_stateful:
         return
     raise AmpRewriteError(f"cannot replay this step: its gradients depend on '{where}' ({node.op}), which gives a"
                           " new value at each run (an iterator, a queue, a random op); feed the step's batch through"
