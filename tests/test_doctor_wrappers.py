@@ -144,6 +144,34 @@ def test_the_v1_wrapper_counts_and_says_once_in_a_tf_function():
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, variables))
 
 
+def test_diagnose_step_names_the_op_for_the_v1_wrapper_in_a_tf_function():
+    """TF1's optimizer in a TF2 tf.function: the loss function replayed, as for Keras, names the
+    Mul of ``square`` (``variables=``: a v1 optimizer does not list them)."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.AdamOptimizer(), target="float16")
+    x, y = data("overflow", 32)
+    rng = np.random.RandomState(0)
+    variables = [tf.Variable(rng.normal(0, 0.1, shape).astype("float32")) for shape in ((64, 32), (32, 10))]
+
+    def loss_fn(x, y):
+        with tf.name_scope("square"):
+            activation = tf.nn.relu(tf.matmul(x, variables[0]))
+            squared = activation * activation * 5000.0
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(squared, variables[1])))
+
+    @tf.function
+    def step(x, y):
+        opt.minimize(lambda: loss_fn(x, y), var_list=variables)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(x, y.astype("int64"))
+    assert int(opt.skipped_steps) == 1
+    diagnosis = amp_rewrite.diagnose_step(loss_fn, x, y.astype("int64"), optimizer=opt, variables=variables)
+    assert (diagnosis.node, diagnosis.op, diagnosis.dtype, diagnosis.cause) == ("square/mul_1", "Mul", "float16",
+                                                                                "precision")
+
+
 def _session_run(wrap, steps: int, divisor: float = 16.0):
     """The issue's model in a TF1 graph run by a Session (the mirrored Session while the rewrite
     is on), ``steps`` training steps; returns (weights, skipped_steps or None, loss scale, warnings)."""
