@@ -134,3 +134,26 @@ def test_a_session_that_does_not_run_the_rewrite_is_refused_in_one_line():
     with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^this Session does not run the rewrite"):
         amp_rewrite.diagnose_session_step(sess, {}, optimizer=opt)
     sess.close()
+
+
+def test_a_step_built_under_a_strategy_is_refused_in_one_line():
+    """A v1 step built by ``strategy.run`` in a TF1 graph: its gradients are per replica, so the
+    Session doctor says in one line that it cannot diagnose it, instead of replaying one replica."""
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+        with strategy.scope():
+            opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.AdamOptimizer(),
+                                                                   target="float16")
+            weights = tf.Variable(np.ones((4, 4), "float32"))
+            x = tf.compat.v1.placeholder(tf.float32, (None, 4), name="x")
+            train = strategy.run(lambda: opt.minimize(tf.reduce_sum(tf.matmul(x, weights))))
+        init = tf.compat.v1.global_variables_initializer()
+    feed = {x: np.ones((2, 4), "float32")}
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(init)
+        sess.run(train, feed)
+        with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^the doctor cannot diagnose a Session's step built"
+                                                              r" under a tf.distribute strategy"):
+            amp_rewrite.diagnose_session_step(sess, feed, optimizer=opt)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()

@@ -87,6 +87,9 @@ def _graph_step(optimizer: Any, graph: tf.Graph) -> optimizers.GraphStep:
     if not isinstance(step, optimizers.GraphStep) or step.graph() is not graph:
         raise AmpRewriteError("pass optimizer= the v1 wrapper enable_mixed_precision_graph_rewrite returned, whose"
                               " minimize() or apply_gradients() built this Session's training step")
+    if step.distributed:
+        raise AmpRewriteError("the doctor cannot diagnose a Session's step built under a tf.distribute strategy (its"
+                              " gradients are per replica): replay the batch without the strategy to name the op")
     return step
 
 

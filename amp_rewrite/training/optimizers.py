@@ -139,6 +139,7 @@ class GraphStep:
     graph: weakref.ref  # the tf.Graph it is in
     gradients: tuple[str, ...]  # the float tensors of the unscaled gradients it applies
     loss_scale: str  # a tensor reading the loss scale
+    distributed: bool = False  # built under a tf.distribute strategy: its gradients are per replica
 
 
 class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
@@ -196,7 +197,8 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
         if not tf.executing_eagerly() and not hasattr(graph, "outer_graph"):  # a TF1 graph, run by a Session
             gradients = [t.name for g, _ in grads_and_vars if g is not None
                          for t in tf.nest.flatten(g, expand_composites=True) if t.dtype.is_floating]
-            self.graph_step = GraphStep(weakref.ref(graph), tuple(gradients), tf.convert_to_tensor(self.loss_scale).name)
+            self.graph_step = GraphStep(weakref.ref(graph), tuple(gradients), tf.convert_to_tensor(self.loss_scale).name,
+                                        tf.distribute.has_strategy())
         state = float8_state_of(self)
         if state is not None:
             _float8_apply(self, state, [v for _, v in grads_and_vars])
