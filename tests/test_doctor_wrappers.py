@@ -107,6 +107,13 @@ def test_the_doctor_in_tf_keras_fit_names_the_op_and_its_keep_stops_the_skips():
     assert not said and skipped[-1] == skipped[-2] < 24, skipped  # the scale settles, then every step applies
 
 
+def test_the_doctor_outside_fit_says_in_one_line_what_to_call_instead():
+    """``Doctor`` is a callback of Keras 3's and tf_keras' fit; handed another model it names diagnose_step."""
+    with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^amp_rewrite.Doctor is a callback for model.fit of a"
+                                                          r" Keras 3 or tf_keras model, not of a Module: .*diagnose_step"):
+        amp_rewrite.Doctor().set_model(tf.Module())
+
+
 def _v1_overflow_step(opt, x: np.ndarray, y: np.ndarray):
     """The issue's model written with TF1 ops (its weights, and the train op ``opt.minimize`` makes)."""
     rng = np.random.RandomState(0)
