@@ -139,8 +139,9 @@ class DoctorHook(tf.compat.v1.train.SessionRunHook):
     """For a ``MonitoredTrainingSession`` whose ``train_op`` the v1 wrapper built: when training is
     stuck (the wrapper's stuck line), replay that run's ``feed_dict`` once
     (``diagnose_session_step``) and warn once, with the op and the keep that fixes it;
-    ``first_skip=True`` diagnoses the first skipped step too (then each run also fetches
-    ``opt.skipped_steps``, one scalar). ``diagnoses``: what it found, in order."""
+    ``first_skip=True`` diagnoses the first skipped step too (then each run until it also fetches
+    ``opt.skipped_steps``, one scalar read alongside the step, unordered with its update: the
+    first skip is seen at its run or the next). ``diagnoses``: what it found, in order."""
 
     def __init__(self, optimizer: Any, *, first_skip: bool = False) -> None:
         if not isinstance(getattr(optimizer, "graph_step", False), (optimizers.GraphStep, type(None))):
