@@ -157,3 +157,17 @@ def test_a_step_built_under_a_strategy_is_refused_in_one_line():
                                                               r" under a tf.distribute strategy"):
             amp_rewrite.diagnose_session_step(sess, feed, optimizer=opt)
     amp_rewrite.disable_mixed_precision_graph_rewrite()
+
+
+def test_a_session_that_has_not_run_the_step_is_refused_in_one_line():
+    """A step added after the Session's first run, which has not run since: not in what it runs, said so."""
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.AdamOptimizer(), target="float16")
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        weights = tf.Variable(np.ones((4, 4), "float32"))
+        sess.run(weights.initializer)
+        opt.minimize(tf.reduce_sum(tf.matmul(tf.ones((2, 4)), weights)))
+        with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^this Session has not run the training step yet"):
+            amp_rewrite.diagnose_session_step(sess, {}, optimizer=opt)
+    amp_rewrite.disable_mixed_precision_graph_rewrite()

@@ -54,6 +54,10 @@ def _replay(mirror: session.Mirror, target: str, step: optimizers.GraphStep, fee
             ) -> doctor.Diagnosis:
     """One run of ``mirror`` on ``feed_dict``, fetching every numeric tensor ``step``'s gradients
     are computed from, and the first non-finite op."""
+    missing = [t for t in (*step.gradients, step.loss_scale) if t.partition(":")[0] not in mirror.nodes]
+    if missing:
+        raise AmpRewriteError(f"this Session has not run the training step yet (no '{missing[0]}'): call it after a"
+                              " run of the train op that was skipped")
     feeds = _feeds(mirror.graph, feed_dict)
     fed = {name.partition(":")[0] for name in feeds}
     names = _replay_nodes(mirror.result.graph_def, [*step.gradients, step.loss_scale], fed)
@@ -73,8 +77,8 @@ def _mirror_of(sess: Any) -> tuple[session.Mirror, str]:
         raise AmpRewriteError("a MonitoredSession runs its hooks at every run: add amp_rewrite.DoctorHook(opt) to"
                               " its hooks to diagnose its skipped steps")
     if not isinstance(raw, (tf.compat.v1.Session, tf.compat.v1.InteractiveSession)):
-        raise AmpRewriteError(f"diagnose_step takes a loss function or a tf.compat.v1.Session, not a"
-                              f" {type(raw).__name__}")
+        raise AmpRewriteError(f"diagnose_session_step takes the tf.compat.v1.Session that ran the step, not a"
+                              f" {type(raw).__name__} (in TF2, call diagnose_step with the step's loss function)")
     found = session.running_mirror(raw)
     if found is None:
         raise AmpRewriteError("this Session does not run the rewrite (created before enable_mixed_precision_graph_"
