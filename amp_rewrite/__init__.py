@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from amp_rewrite.core.canonical import Canonical, to_float32
     from amp_rewrite.training.doctor import Diagnosis, Doctor, diagnose_step
     from amp_rewrite.training.doctor_float8 import Float8Finding, diagnose_float8
+    from amp_rewrite.training.doctor_session import DoctorHook, diagnose_session_step
 
 _NAME_TO_MODULE = {
     "Calibration": "calibration.calibrate", "calibrate": "calibration.calibrate",
@@ -40,6 +41,7 @@ _NAME_TO_MODULE = {
     "mixed_precision": "training.live",
     "Doctor": "training.doctor", "Diagnosis": "training.doctor", "diagnose_step": "training.doctor",
     "Float8Finding": "training.doctor_float8", "diagnose_float8": "training.doctor_float8",
+    "DoctorHook": "training.doctor_session", "diagnose_session_step": "training.doctor_session",
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "Diagnosis",
     "Divergence",
     "Doctor",
+    "DoctorHook",
     "Float8Finding",
     "GraphError",
     "ListsError",
@@ -62,6 +65,7 @@ __all__ = [
     "Tuning",
     "calibrate",
     "diagnose_float8",
+    "diagnose_session_step",
     "diagnose_step",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",

@@ -9,7 +9,14 @@
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -298,3 +305,60 @@ def test_diagnose_step_in_a_tf_keras_custom_loop_names_the_op_and_its_keep_appli
     live.stop()
     moved, _ = run(keep=diagnosis.keep)
     assert moved, f"with keep={diagnosis.keep} the 20th step still was skipped"
+
+
+# The doctor under MirroredStrategy over two logical CPUs (a subprocess: devices are fixed at
+# TF start-up). bfloat16, as MirroredStrategy on CPUs places every op (float16 rewrites only
+# GPU or unplaced nodes); a layer whose values leave float32's range too (``x * x * 1e37``).
+_MIRRORED_DOCTOR = textwrap.dedent(
+    """
+    import json, warnings
+    import numpy as np
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import amp_rewrite
+    from amp_rewrite.testing.digits import digits
+
+    class Huge(keras.layers.Layer):
+        def call(self, x):
+            return x * x * 1e37
+
+    split = digits()
+    x, y = split.x_train[:128] * 4.0, split.y_train[:128]
+
+    def diagnoses(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="hidden"),
+                                      Huge(name="huge"), keras.layers.Dense(10, name="logits")], name="huge")
+            opt = amp_rewrite.enable_mixed_precision_graph_rewrite(keras.optimizers.Adam(), target="bfloat16")
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        doctor = amp_rewrite.Doctor(first_skip=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[doctor])
+        amp_rewrite.disable_mixed_precision_graph_rewrite()
+        return [[d.node, d.op, d.dtype, d.cause, d.float32_finite] for d in doctor.diagnoses]
+
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    print("RESULT " + json.dumps({"mirrored": diagnoses(mirrored), "alone": diagnoses(tf.distribute.get_strategy())}))
+    """)
+
+
+def test_the_doctor_under_mirrored_strategy_names_the_op_it_names_without():
+    """Keras 3 fit under MirroredStrategy (two logical CPUs): the first skipped step's diagnosis
+    names the same op, dtype and cause as the same fit without a strategy (the replay runs the
+    share of the batch one replica kept)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _MIRRORED_DOCTOR], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"the MirroredStrategy script failed:\n{done.stderr[-4000:]}"
+    found = json.loads(lines[-1][len("RESULT "):])
+    (mirrored, *_), (alone, *_) = found["mirrored"], found["alone"]
+    assert re.fullmatch(r"huge_\d+/huge_\d+/mul_1", mirrored[0]) and re.fullmatch(r"huge_\d+/huge_\d+/mul_1", alone[0])
+    assert mirrored[1:] == alone[1:] == ["Mul", "bfloat16", "scale", False], found

@@ -74,14 +74,44 @@ def test_tf_keras_counting_leaves_training_as_tf_keras_own_wrapper_trains():
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(weights, reference.weights))
 
 
-def test_the_doctor_in_tf_keras_fit_says_in_one_line_what_to_call_instead():
-    """``Doctor`` is a Keras 3 callback; tf_keras' fit cannot call it: one line naming diagnose_step."""
-    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(), target="float16")
-    model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(4,))])
-    model.compile(optimizer=opt, loss="mse")
-    with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^amp_rewrite.Doctor is a Keras 3 callback, which"
-                                                          r" Sequential.fit \(tf_keras\) cannot call: .*diagnose_step"):
-        model.fit(np.ones((8, 4)), np.ones((8, 3)), verbose=0, callbacks=[amp_rewrite.Doctor()])
+def _tf_keras_doctor_fit(**options):
+    """The issue's model (named ``overflow``) in tf_keras' fit with ``amp_rewrite.Doctor``; returns
+    (doctor, history, warnings)."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf_keras.optimizers.Adam(), target="float16", **options)
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu", name="hidden", input_shape=(64,)),
+                                 SquareV2(5000.0, name="square"), tf_keras.layers.Dense(10, name="logits")],
+                                name="overflow")
+    model.compile(optimizer=opt, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data("overflow")
+    doctor = amp_rewrite.Doctor()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False, callbacks=[doctor])
+    amp_rewrite.disable_mixed_precision_graph_rewrite()
+    return doctor, history, stuck_warnings(records)
+
+
+def test_the_doctor_in_tf_keras_fit_names_the_op_and_its_keep_stops_the_skips():
+    """The same ``Doctor`` class in tf_keras' fit: one stuck warning carrying the diagnosis (the
+    Mul of ``square``, in float16), the scalars in fit's logs; with its keep, the skips stop."""
+    doctor, history, said = _tf_keras_doctor_fit()
+    assert history.history["skipped_steps"] == [8, 16, 24]
+    assert len(said) == 1 and "first non-finite op of the step: overflow/square/mul_1 (Mul, float16" in said[0], said
+    (diagnosis,) = doctor.diagnoses
+    assert (diagnosis.node, diagnosis.op, diagnosis.cause, diagnosis.float32_finite) == (
+        "overflow/square/mul_1", "Mul", "precision", True)
+    assert diagnosis.keep[0] == "overflow/square/mul_1"
+    _, kept, said = _tf_keras_doctor_fit(keep=list(diagnosis.keep))
+    skipped = kept.history["skipped_steps"]
+    assert not said and skipped[-1] == skipped[-2] < 24, skipped  # the scale settles, then every step applies
+
+
+def test_the_doctor_outside_fit_says_in_one_line_what_to_call_instead():
+    """``Doctor`` is a callback of Keras 3's and tf_keras' fit; handed another model it names diagnose_step."""
+    with pytest.raises(amp_rewrite.AmpRewriteError, match=r"^amp_rewrite.Doctor is a callback for model.fit of a"
+                                                          r" Keras 3 or tf_keras model, not of a Module: .*diagnose_step"):
+        amp_rewrite.Doctor().set_model(tf.Module())
 
 
 def _v1_overflow_step(opt, x: np.ndarray, y: np.ndarray):
@@ -119,6 +149,34 @@ def test_the_v1_wrapper_counts_and_says_once_in_a_tf_function():
     assert int(opt.skipped_steps) == 20 and float(opt.loss_scale) == 1.0
     assert len(said) == 1 and "with the loss scale at 1" in said[0], said
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, variables))
+
+
+def test_diagnose_step_names_the_op_for_the_v1_wrapper_in_a_tf_function():
+    """TF1's optimizer in a TF2 tf.function: the loss function replayed, as for Keras, names the
+    Mul of ``square`` (``variables=``: a v1 optimizer does not list them)."""
+    opt = amp_rewrite.enable_mixed_precision_graph_rewrite(tf.compat.v1.train.AdamOptimizer(), target="float16")
+    x, y = data("overflow", 32)
+    rng = np.random.RandomState(0)
+    variables = [tf.Variable(rng.normal(0, 0.1, shape).astype("float32")) for shape in ((64, 32), (32, 10))]
+
+    def loss_fn(x, y):
+        with tf.name_scope("square"):
+            activation = tf.nn.relu(tf.matmul(x, variables[0]))
+            squared = activation * activation * 5000.0
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(squared, variables[1])))
+
+    @tf.function
+    def step(x, y):
+        opt.minimize(lambda: loss_fn(x, y), var_list=variables)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(x, y.astype("int64"))
+    assert int(opt.skipped_steps) == 1
+    diagnosis = amp_rewrite.diagnose_step(loss_fn, x, y.astype("int64"), optimizer=opt, variables=variables)
+    assert (diagnosis.node, diagnosis.op, diagnosis.dtype, diagnosis.cause) == ("square/mul_1", "Mul", "float16",
+                                                                                "precision")
 
 
 def _session_run(wrap, steps: int, divisor: float = 16.0):

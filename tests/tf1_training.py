@@ -503,11 +503,12 @@ def float8_saver_round_trip(workdir: Path, batches: list) -> dict:
 
 
 def readme_example(workdir: Path) -> dict:
-    """The training guide's TF1 example (the ```python block with MonitoredTrainingSession), run
-    as written with target= and its checkpoint directory replaced."""
+    """The training guide's TF1 example (the ```python block with a checkpointing
+    MonitoredTrainingSession), run as written with target= and its checkpoint directory replaced."""
     text = (ROOT / "docs" / "guides" / "training.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MonitoredTrainingSession" in b]
-    assert len(blocks) == 1, f"expected one block with MonitoredTrainingSession in docs/guides/training.md, found {len(blocks)}"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MonitoredTrainingSession(checkpoint_dir" in b]
+    assert len(blocks) == 1, ("expected one block with MonitoredTrainingSession(checkpoint_dir in"
+                              f" docs/guides/training.md, found {len(blocks)}")
     code = blocks[0]
     assert code.count("enable_mixed_precision_graph_rewrite(opt)") == 1 and code.count('"tf1_checkpoints"') == 1
     code = code.replace("enable_mixed_precision_graph_rewrite(opt)",

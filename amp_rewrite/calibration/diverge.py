@@ -40,6 +40,7 @@ from amp_rewrite.core import functions
 from amp_rewrite.core.casts import is_amp_cast
 from amp_rewrite.core.float8.inference import amp_source
 from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
+from amp_rewrite.core.instrument import execution_order
 from amp_rewrite.core.lists import OpLists, load_float8, load_lists
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.rewrite import RewriteResult
@@ -334,44 +335,10 @@ def _of_model(converted: Model, order: Sequence[Node]) -> _Conversion:
     return _Conversion(program, runs_in)
 
 
-def execution_order(program: Program) -> list[Node]:
-    """Every node of the main graph and of the functions it calls, in an order that runs
-    them: each item's nodes in topological order (GraphDef order among equals; a cyclic
-    item, a TF1 loop, in GraphDef order), a called function's body (once) before its call."""
-    order: list[Node] = []
-    seen: set[str] = set()
-
-    def visit(item: str) -> None:
-        seen.add(item)
-        body = program.item(item)
-        nodes = {node_def.name: node_def for node_def in body.node}
-        for name in _topological(body):
-            for called in functions.called_functions(nodes[name]):
-                if called in program.library and called not in seen:
-                    visit(called)
-            order.append((item, name))
-
-    visit(MAIN_GRAPH)
-    return order
-
-
 def _ops(program: Program, order: Sequence[Node]) -> Iterator[tuple[Node, str]]:
     for item in dict.fromkeys(item for item, _ in order):
         for node_def in program.item(item).node:
             yield (item, node_def.name), node_def.op
-
-
-def _topological(body: graph_pb2.GraphDef) -> list[str]:
-    """``body``'s node names in topological order, GraphDef order among equals."""
-    position = {node_def.name: index for index, node_def in enumerate(body.node)}
-    graph = nx.DiGraph()
-    graph.add_nodes_from(position)
-    graph.add_edges_from((parse_tensor_name(tensor).node, node_def.name) for node_def in body.node
-                         for tensor in node_def.input if parse_tensor_name(tensor).node in position)
-    try:
-        return list(nx.lexicographical_topological_sort(graph, key=position.__getitem__))
-    except nx.NetworkXUnfeasible:  # a cycle: a TF1 while loop
-        return list(position)
 
 
 def _error(keys: Sequence[TensorKey], high: Mapping[TensorKey, TensorStats],

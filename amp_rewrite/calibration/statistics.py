@@ -37,6 +37,7 @@ from amp_rewrite.calibration.savedmodel import GRAPH, Model, ModelError, Signatu
 from amp_rewrite.calibration.validate import Feeds
 from amp_rewrite.core import functions, graph_io
 from amp_rewrite.core.graph_io import copy_graph_def, parse_tensor_name, tensor_name
+from amp_rewrite.core.instrument import TensorStats, ancestors, tensor_stats
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 from amp_rewrite.core.typegraph import output_dtypes
 from amp_rewrite.errors import tensorflow_cause
@@ -76,35 +77,6 @@ _NO_GRAPPLER = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(
     optimizer_options=tf.compat.v1.OptimizerOptions(opt_level=tf.compat.v1.OptimizerOptions.L0))).SerializeToString()
 _STATEFUL_FORM = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case",
                   "PartitionedCall": "StatefulPartitionedCall"}
-
-
-@dataclass(frozen=True)
-class TensorStats:
-    """What the calibration inputs put through one tensor, over every run and loop iteration."""
-
-    max_abs: float   # largest finite |x|
-    nonfinite: int   # NaN and ±Inf elements
-    nonzero: int     # finite non-zero elements
-    small: int       # of those, below the threshold asked for (the target's smallest normal)
-    sum_abs: float
-    small_abs: float  # the part of sum_abs the small values carry
-    sum_sq: float
-    count: int       # elements seen
-
-    @property
-    def small_share(self) -> float:
-        """The share of non-zero values below the threshold."""
-        return self.small / self.nonzero if self.nonzero else 0.0
-
-    @property
-    def small_mass(self) -> float:
-        """The share of the magnitude (sum of |x|) that values below the threshold carry."""
-        return self.small_abs / self.sum_abs if self.sum_abs else 0.0
-
-    @property
-    def rms(self) -> float:
-        finite = self.count - self.nonfinite
-        return math.sqrt(self.sum_sq / finite) if finite else 0.0
 
 
 @dataclass(frozen=True)
@@ -153,17 +125,8 @@ def constant_stats(program: Program, keys: Iterable[TensorKey], small_below: flo
         for key in item_keys:
             node_def = nodes.get(key.node)
             if node_def is not None and node_def.op == "Const" and key.port == 0:
-                found[key] = _stats_of(tf.make_ndarray(node_def.attr["value"].tensor), small_below)
+                found[key] = tensor_stats(tf.make_ndarray(node_def.attr["value"].tensor), small_below)
     return found
-
-
-def _stats_of(value: np.ndarray, small_below: float) -> TensorStats:
-    a = np.abs(np.asarray(value, dtype=np.float64)).ravel()
-    finite = a[np.isfinite(a)]
-    nonzero = finite[finite > 0]
-    small = nonzero[nonzero < small_below]
-    return TensorStats(float(finite.max(initial=0.0)), int(a.size - finite.size), int(nonzero.size), int(small.size),
-                       float(finite.sum()), float(small.sum()), float(np.square(finite).sum()), int(a.size))
 
 
 class _Body:
@@ -435,20 +398,6 @@ def _make_stateful(graph_def: graph_pb2.GraphDef) -> None:
             del function_def.attr["_XlaMustCompile"]
 
 
-def _ancestors(graph_def: graph_pb2.GraphDef, outputs: Iterable[str]) -> set[str]:
-    """The main-graph nodes ``outputs`` depend on, control inputs included."""
-    inputs = {n.name: [parse_tensor_name(t).node for t in n.input] for n in graph_def.node}
-    seen: set[str] = set()
-    stack = [parse_tensor_name(t).node for t in outputs]
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in inputs:
-            continue
-        seen.add(name)
-        stack.extend(inputs[name])
-    return seen
-
-
 RANDOM_INPUTS = "random inputs"
 
 
@@ -492,7 +441,7 @@ class _Computations:
         placeholders = {parse_tensor_name(tensor).node: name for name, tensor in inputs.items()}
         keys: dict[str, tuple] = {}
         expanded: set[str] = set()
-        pending = sorted(_ancestors(self.graph_def, outputs.values()))
+        pending = sorted(ancestors(self.graph_def, outputs.values()))
         while pending:  # post-order without recursion: TF1 graphs can be deep
             name = pending.pop()
             if name in keys:
@@ -600,7 +549,7 @@ class Runner:
         signatures = self.model.signatures
         same = same_signatures(program, signatures, self.feeds)
         run = {key: entry for key, entry in signatures.items() if key not in same}
-        groups = [_ancestors(program.graph_def, outputs.values()) for _, outputs in run.values()]
+        groups = [ancestors(program.graph_def, outputs.values()) for _, outputs in run.values()]
         prefix = PREFIX if not self.runs else f"{PREFIX}_{self.runs}"
         instrumented, main_calls, strides = instrument(program, run_keys, small_below, groups, prefix)
         scope = self._take(instrumented)

@@ -15,8 +15,8 @@ which training is stuck (``skips.STUCK_STEPS``), and nothing else.
 from __future__ import annotations
 
 import collections.abc
-import heapq
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -28,12 +28,13 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from amp_rewrite import _tf
 from amp_rewrite.core.graph_io import data_inputs, make_node_def, parse_tensor_name, tensor_name
+from amp_rewrite.core.instrument import first_nonfinite, is_float, is_nonfinite, largest_finite, topological_order
 from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.core.target import LOW_DTYPES, lookup_target
 from amp_rewrite.errors import AmpRewriteError
 from amp_rewrite.training import doctor_float8, live, optimizers
 
-_FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
+FETCHED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
 _SCOPE = "amp_rewrite_doctor"
 GRADIENT_SCOPE = "gradient_tape/"  # where a GradientTape puts the backward pass's ops
 
@@ -102,8 +103,8 @@ def diagnose_step(loss_fn: Callable[..., Any], *batch: Any, optimizer: Any,
                                       cross_function=settings.cross_function).graph_def
         with _restored(probe.graph.variables):
             values = _run_all(rewritten, probe, flat)
-        step = _Step(rewritten, {n.name for n in graph_def.node} - set(outputs), settings.target)
-        return _diagnose(step, values, scale)
+        step = Step(rewritten, {n.name for n in graph_def.node} - set(outputs), settings.target)
+        return diagnose_values(step, values, scale)
 
 
 def replayable(batch: Sequence[Any]) -> list[tf.Tensor]:
@@ -117,6 +118,12 @@ def replayable(batch: Sequence[Any]) -> list[tf.Tensor]:
             raise AmpRewriteError(f"cannot replay a batch given as a {type(item).__name__}: it yields each batch once;"
                                   " pass the batch's tensors (e.g. x, y = next(iterator)) so the step can run again")
     return [tf.convert_to_tensor(item) for item in flat]
+
+
+def _model_classes() -> tuple[type, ...]:
+    """The model classes whose ``fit`` calls ``Doctor``: Keras 3's, and tf_keras' where it is loaded."""
+    tf_keras = sys.modules.get("tf_keras")
+    return (keras.Model,) if tf_keras is None else (keras.Model, tf_keras.Model)
 
 
 def _settings_of(optimizer: Any) -> live.LiveRewrite:
@@ -188,7 +195,7 @@ def _run_all(graph_def: graph_pb2.GraphDef, probe: Any, batch: list[tf.Tensor]) 
         for node in graph_def.node:
             mapped = input_map.get(tensor_name(node.name, 0))  # a fed placeholder: the value fed
             for tensor in [mapped] if mapped is not None else graph.get_operation_by_name(f"{_SCOPE}/{node.name}").outputs:
-                if tensor.dtype in _FETCHED:
+                if tensor.dtype in FETCHED:
                     names.append(tensor_name(node.name, 0 if mapped is not None else tensor.value_index))
                     fetched.append(tensor)
         return fetched
@@ -197,46 +204,14 @@ def _run_all(graph_def: graph_pb2.GraphDef, probe: Any, batch: list[tf.Tensor]) 
     return {name: value.numpy() for name, value in zip(names, run(*batch))}
 
 
-def execution_order(graph_def: graph_pb2.GraphDef) -> list[str]:
-    """The main graph's nodes in an order TensorFlow may run them: every node after its inputs
-    (data and control), ties in the order of the GraphDef."""
-    index = {node.name: i for i, node in enumerate(graph_def.node)}
-    consumers: dict[str, list[str]] = {name: [] for name in index}
-    waiting = {}
-    for node in graph_def.node:
-        producers = {parse_tensor_name(t).node for t in node.input} & index.keys()
-        waiting[node.name] = len(producers)
-        for producer in producers:
-            consumers[producer].append(node.name)
-    ready = [(i, name) for name, i in index.items() if not waiting[name]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, name = heapq.heappop(ready)
-        order.append(name)
-        for consumer in consumers[name]:
-            waiting[consumer] -= 1
-            if not waiting[consumer]:
-                heapq.heappush(ready, (index[consumer], consumer))
-    return order
-
-
-def _nonfinite(value: np.ndarray) -> bool:
-    return value.dtype.kind == "f" and not np.all(np.isfinite(value))
-
-
-def _largest_finite(values: Sequence[np.ndarray]) -> float:
-    finite = [np.abs(v[np.isfinite(v)].astype(np.float64)) for v in values if v is not None and v.dtype.kind == "f"]
-    return max((float(f.max()) for f in finite if f.size), default=0.0)
-
-
 @dataclass(frozen=True)
-class _Step:
+class Step:
     """The replayed step's rewritten graph, the names of its original nodes, and its target."""
 
     rewritten: graph_pb2.GraphDef
     original: set[str]  # the step's own nodes (not the rewrite's casts, nor the replay's outputs)
     target: str
+    backward: re.Pattern = re.compile(re.escape(GRADIENT_SCOPE))  # matches the names of the backward pass's ops
 
     @property
     def largest(self) -> float:
@@ -257,12 +232,11 @@ class _Step:
         return tuple(_keep_entry(n) for n in dict.fromkeys(found) if n in self.original)
 
 
-def _diagnose(step: _Step, values: Mapping[str, np.ndarray], scale: float) -> Diagnosis:
+def diagnose_values(step: Step, values: Mapping[str, np.ndarray], scale: float) -> Diagnosis:
     """The first op of ``step`` (in execution order) whose output in ``values`` is not finite, and why."""
     rewritten = step.rewritten
     nodes = {node.name: node for node in rewritten.node}
-    first = next((name for name in execution_order(rewritten)
-                  if any(_nonfinite(v) for key, v in values.items() if parse_tensor_name(key).node == name)), None)
+    first = first_nonfinite(topological_order(rewritten), values)
     if first is None:
         raise AmpRewriteError(f"no value of this step is Inf or NaN at loss scale {scale:g}: nothing to diagnose (the"
                               " step was not skipped on this batch); call it for the batch of a skipped step")
@@ -272,18 +246,18 @@ def _diagnose(step: _Step, values: Mapping[str, np.ndarray], scale: float) -> Di
                          "data" if node.op == "Placeholder" else "weights")
     inputs = _input_values(node, values)
     if first not in step.original and node.op == "Cast":  # the rewrite's cast overflows: keep its readers
-        largest = _largest_finite(inputs)
+        largest = largest_finite(inputs)
         return Diagnosis(first, "Cast", _dtype_of(node), largest, True, largest, step.low_readers(first), scale,
                          "cast", parse_tensor_name(node.input[0]).node)
     finite, largest = _in_float32(node, rewritten, values)
     if not finite:
         cause, keep = "scale", ()
-    elif first.startswith(GRADIENT_SCOPE) and scale > 1 and largest / scale <= step.largest:
+    elif step.backward.match(first) and scale > 1 and largest / scale <= step.largest:
         cause, keep = "scale", ()  # fits at a smaller scale: a dynamic scale gets there by itself
     else:  # out of the target's range in float32 too: its readers would get it cast down, keep them too
         cause = "precision"
         keep = (_keep_entry(first),) + (step.low_readers(first) if largest > step.largest else ())
-    return Diagnosis(first, node.op, _dtype_of(node), _largest_finite(inputs), finite, largest, keep, scale, cause)
+    return Diagnosis(first, node.op, _dtype_of(node), largest_finite(inputs), finite, largest, keep, scale, cause)
 
 
 def _input_values(node: Any, values: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -311,7 +285,7 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
     for index, value in enumerate(_input_values(node, values)):
         if value is None:
             return None, None
-        if value.dtype.kind == "f" and value.dtype != np.float64:
+        if is_float(value) and value.dtype != np.float64:
             value = value.astype(np.float32)
         inputs.append(make_node_def("Const", f"input_{index}", into=one.node,
                                     dtype=tf.as_dtype(value.dtype).as_datatype_enum, value=value).name)
@@ -323,26 +297,31 @@ def _in_float32(node: Any, graph_def: graph_pb2.GraphDef, values: Mapping[str, n
     for attr in copy.attr.values():
         if attr.type in LOW_DTYPES:
             attr.type = types_pb2.DT_FLOAT
-    try:
-        run = tf.compat.v1.wrap_function(lambda: tf.graph_util.import_graph_def(
-            one, return_elements=["op"], name="")[0].outputs, [])
-        outputs = [np.asarray(v) for v in run()]
+    try:  # a Session of its own graph: runs alike eagerly, in a TF1 graph, and in a finalized one
+        graph = tf.Graph()
+        with graph.as_default():
+            op = tf.graph_util.import_graph_def(one, return_elements=["op"], name="")[0]
+        with tf.compat.v1.Session(graph=graph) as sess:  # the callers pause the rewrite: it runs as it is
+            outputs = [np.asarray(v) for v in sess.run(op.outputs)]
     except (tf.errors.OpError, ValueError, TypeError):
         return None, None
-    floats = [v for v in outputs if v.dtype.kind == "f"]
-    return not any(_nonfinite(v) for v in floats), _largest_finite(floats)
+    floats = [v for v in outputs if is_float(v)]
+    return not any(is_nonfinite(v) for v in floats), largest_finite(floats)
 
 
 class Doctor(keras.callbacks.Callback):
-    """For Keras 3 ``model.fit``: when training is stuck (``skips.STUCK_STEPS`` skipped
-    steps in a row at the loss scale's floor), replay that step's batch once (``diagnose_step``)
-    and warn once, with the op and the keep that fixes it; ``first_skip=True`` diagnoses the
-    first skipped step too. With FP8 training it also warns once per operand whose amax history
-    went stale, at each epoch's end (``diagnose_float8``, ``float8_findings``). Adds ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it
-    before ``TensorBoard`` to see them there). ``diagnoses``: what it found, in order.
+    """For ``model.fit`` (Keras 3 and tf_keras): when training is stuck (``skips.STUCK_STEPS``
+    skipped steps in a row at the loss scale's floor), replay that step's batch once
+    (``diagnose_step``) and warn once, with the op and the keep that fixes it; ``first_skip=True``
+    diagnoses the first skipped step too. With FP8 training it also warns once per operand whose amax
+    history went stale, at each epoch's end (``diagnose_float8``, ``float8_findings``). Adds
+    ``loss_scale`` and ``skipped_steps`` to the epoch's logs (list it before ``TensorBoard`` to see
+    them there). ``diagnoses``: what it found, in order.
 
     While on, each step keeps its batch when it is skipped (a copy, on skipped steps only), and
-    ``fit`` traces its step again at the start; off (not in ``callbacks``), nothing runs."""
+    ``fit`` traces its step again at the start; off (not in ``callbacks``), nothing runs. One class
+    for both families: tf_keras' ``CallbackList`` asks a callback which batch hooks it implements
+    (``_implements_*_batch_hooks``), the only calls Keras 3's ``Callback`` lacks."""
 
     def __init__(self, *, first_skip: bool = False) -> None:
         super().__init__()
@@ -356,19 +335,28 @@ class Doctor(keras.callbacks.Callback):
         self.float8_findings: list[doctor_float8.Float8Finding] = []  # FP8 training: stale amax histories
         self._float8_said: set[tuple[str, str]] = set()
 
+    def _implements_train_batch_hooks(self) -> bool:  # tf_keras' CallbackList: call on_train_batch_end
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
     def set_model(self, model: Any) -> None:
-        if not isinstance(model, keras.Model):  # tf_keras' fit would fail on a Keras 3 callback's missing hooks
-            raise AmpRewriteError(f"amp_rewrite.Doctor is a Keras 3 callback, which {type(model).__name__}.fit"
-                                  f" ({type(model).__module__.partition('.')[0]}) cannot call: in that loop call"
+        if not isinstance(model, _model_classes()):
+            raise AmpRewriteError(f"amp_rewrite.Doctor is a callback for model.fit of a Keras 3 or tf_keras model,"
+                                  f" not of a {type(model).__name__}: in another loop call"
                                   " amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt,"
                                   " variables=model.trainable_variables) with a skipped step's batch")
         super().set_model(model)
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer
-        if not isinstance(optimizer, optimizers.LossScaleOptimizer):
+        if not isinstance(optimizer, optimizers.loss_scale_classes()):
             raise AmpRewriteError(f"amp_rewrite.Doctor needs the optimizer enable_mixed_precision_graph_rewrite"
-                                  f" returned for a Keras 3 model, not a {type(optimizer).__name__}; compile with it")
+                                  f" returned, not a {type(optimizer).__name__}; compile the model with it")
         _settings_of(optimizer)
         if getattr(self.model, "jit_compile", False):
             raise AmpRewriteError("amp_rewrite.Doctor cannot keep a batch inside an XLA-compiled step: compile with"
@@ -378,14 +366,14 @@ class Doctor(keras.callbacks.Callback):
         original = self.model.train_step
 
         def train_step(data: Any) -> Any:
-            before = optimizer.skipped_steps
+            before = tf.convert_to_tensor(optimizer.skipped_steps)  # tf_keras: the variable, read here
             logs = original(data)
             self._structure = tf.nest.map_structure(lambda _: None, data)
 
             def keep() -> None:
                 tf.py_function(self._keep_batch, tf.nest.flatten(data), [])
 
-            tf.cond(optimizer.skipped_steps > before, keep, lambda: None)
+            tf.cond(tf.convert_to_tensor(optimizer.skipped_steps) > before, keep, lambda: None)
             return logs
 
         self.model.train_step = train_step

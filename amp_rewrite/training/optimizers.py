@@ -36,7 +36,7 @@ from amp_rewrite.training.float8_state import Float8State
 from amp_rewrite.training.keras_optimizer import (
     DEFAULT_GROWTH_STEPS, DEFAULT_INITIAL_SCALE, LossScaleOptimizer, MadeFor,
 )
-from amp_rewrite.training.skips import FIND_THE_OP_ELSEWHERE, SkipCounter, count_in_update
+from amp_rewrite.training.skips import FIND_THE_OP, FIND_THE_OP_ELSEWHERE, SkipCounter, count_in_update, tell_doctor
 
 NEVER = 2**31 - 1  # growth steps of a fixed scale: Keras counts steps in an int32
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -115,6 +115,14 @@ def _family(opt: Any) -> str:
     )
 
 
+def loss_scale_classes() -> tuple[type, ...]:
+    """The wrapper classes of the families whose ``fit`` takes a callback: Keras 3's (ours), and
+    tf_keras' where it is loaded."""
+    tf_keras = sys.modules.get("tf_keras")
+    return (LossScaleOptimizer,) if tf_keras is None else (LossScaleOptimizer,
+                                                           tf_keras.mixed_precision.LossScaleOptimizer)
+
+
 def _already_wrapped(opt: Any) -> bool:
     wrappers: list[type] = [keras.mixed_precision.LossScaleOptimizer,
                             tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer]
@@ -122,6 +130,16 @@ def _already_wrapped(opt: Any) -> bool:
     if tf_keras is not None:
         wrappers.append(tf_keras.mixed_precision.LossScaleOptimizer)
     return isinstance(opt, tuple(wrappers))
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """A step the v1 wrapper built in a TF1 graph: what a Session's replay fetches."""
+
+    graph: weakref.ref  # the tf.Graph it is in
+    gradients: tuple[str, ...]  # the float tensors of the unscaled gradients it applies
+    loss_scale: str  # a tensor reading the loss scale
+    distributed: bool = False  # built under a tf.distribute strategy: its gradients are per replica
 
 
 class _FixedLossScale(tf.compat.v1.mixed_precision.DynamicLossScale):
@@ -152,8 +170,11 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
     def __init__(self, opt: Any, scale: Any) -> None:
         super().__init__(opt, scale)
         self._amp_rewrite_scale = scale
-        self._amp_rewrite_skips = SkipCounter(fixed=isinstance(scale, _FixedLossScale), hint=FIND_THE_OP_ELSEWHERE)
+        self.doctor = None  # a Session's training doctor (training.doctor_session) told when training is stuck
+        self._amp_rewrite_skips = SkipCounter(fixed=isinstance(scale, _FixedLossScale),
+                                              tell=tell_doctor(self, FIND_THE_OP_ELSEWHERE))
         count_in_update(scale, self._amp_rewrite_skips)
+        self.graph_step: GraphStep | None = None  # the last step built in a TF1 graph (the Session doctor's replay)
 
     @property
     def skipped_steps(self):
@@ -172,6 +193,12 @@ class _V1LossScaleOptimizer(tf.compat.v1.mixed_precision.MixedPrecisionLossScale
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         grads_and_vars = tuple(grads_and_vars)
+        graph = tf.compat.v1.get_default_graph()
+        if not tf.executing_eagerly() and not hasattr(graph, "outer_graph"):  # a TF1 graph, run by a Session
+            gradients = [t.name for g, _ in grads_and_vars if g is not None
+                         for t in tf.nest.flatten(g, expand_composites=True) if t.dtype.is_floating]
+            self.graph_step = GraphStep(weakref.ref(graph), tuple(gradients), tf.convert_to_tensor(self.loss_scale).name,
+                                        tf.distribute.has_strategy())
         state = float8_state_of(self)
         if state is not None:
             _float8_apply(self, state, [v for _, v in grads_and_vars])
@@ -278,7 +305,8 @@ def _count_tf_keras_skips(wrapped: Any, *, dynamic: bool) -> None:
     """tf_keras' wrapper, as ours: ``skipped_steps`` (a variable: tf_keras' wrapper is not ours to
     subclass, its class is picked by a metaclass), the summaries and the stuck warning. Its fixed
     scale applies every step (as tf_keras documents), so only a dynamic one skips."""
-    skips = SkipCounter(fixed=False, hint=FIND_THE_OP_ELSEWHERE)
+    object.__setattr__(wrapped, "doctor", None)  # a training doctor (training.doctor) told when training is stuck
+    skips = SkipCounter(fixed=False, tell=tell_doctor(wrapped, FIND_THE_OP))
     if dynamic:
         count_in_update(getattr(wrapped, _tf.TF_KERAS_LOSS_SCALE), skips, step=lambda: wrapped.iterations)
     object.__setattr__(wrapped, "skipped_steps", skips.skipped)  # not tracked: no checkpoint dependency

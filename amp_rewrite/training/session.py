@@ -141,6 +141,12 @@ def is_mirrored(session: Any) -> bool:
     return isinstance(session, MirroredSession)
 
 
+def running_mirror(session: Any) -> tuple[Mirror, str] | None:
+    """The mirror a mirrored ``session`` runs and its target, once a run has built it; else None."""
+    mirror = getattr(session, "_amp_rewrite_mirror", None) if is_mirrored(session) else None
+    return None if mirror is None else (mirror, session._amp_rewrite_settings.target)  # pylint: disable=protected-access
+
+
 def _without_grappler_amp(config: Any) -> Any:
     """``config`` (or the default one) with grappler's AMP off, unless it is explicitly on."""
     if config is None:

@@ -26,10 +26,12 @@ SUMMARY_LOSS_SCALE, SUMMARY_SKIPPED = "amp_rewrite/loss_scale", "amp_rewrite/ski
 FIND_THE_OP = ("If the same model trains in float32, an op overflows or underflows in low precision: add"
                " amp_rewrite.Doctor() to fit's callbacks, or call amp_rewrite.diagnose_step(...) in a custom loop,"
                " to name it and the keep= that fixes it.")
-# tf_keras' fit and TF1 graphs have no Doctor callback; diagnose_step replays a loss function.
+# TF1's optimizer: in a tf.function a loss function is replayed; a Session replays the step's feed.
 FIND_THE_OP_ELSEWHERE = ("If the same model trains in float32, an op overflows or underflows in low precision:"
                          " call amp_rewrite.diagnose_step(loss_fn, *batch, optimizer=opt) on a skipped step's batch"
-                         " (in TF2) to name it and the keep= that fixes it.")
+                         " in a tf.function, or add amp_rewrite.DoctorHook(opt) to a MonitoredTrainingSession's hooks"
+                         " (or call amp_rewrite.diagnose_session_step(sess, feed_dict, optimizer=opt)) in a Session, to"
+                         " name it and the keep= that fixes it.")
 
 
 def stuck_message(skipped: int, scale: float, *, fixed: bool) -> str:
@@ -106,6 +108,19 @@ class SkipCounter:
 
     def _warn(self, message: str) -> None:
         warnings.warn(f"{message} {self.hint}", stacklevel=2)
+
+
+def tell_doctor(owner: object, hint: str) -> Callable[[str], None]:
+    """A ``SkipCounter``'s ``tell`` for ``owner`` (a wrapper): the stuck line goes to the doctor
+    attached as ``owner.doctor`` (it warns once, with its diagnosis), else it is warned with ``hint``."""
+    def tell(message: str) -> None:
+        doctor = getattr(owner, "doctor", None)
+        if doctor is not None:
+            doctor.stuck(message)
+        else:
+            warnings.warn(f"{message} {hint}", stacklevel=2)
+
+    return tell
 
 
 def count_in_update(loss_scale: object, skips: SkipCounter, *, step: Callable[[], tf.Tensor | None] = lambda: None
