@@ -215,7 +215,7 @@ def render(rows: Sequence[SpeedRow], agreement: Agreement | None, sizes: Sizes, 
              f" generated tokens (greedy `generate_step` as a SavedModel signature); median of {sizes.rounds}"
              f" rotated calls. `--tune speed` not run (timing each op of the loop body takes longer than this run).",
              "", "| model | batch | float32 tokens/s | ours | Keras `mixed_bfloat16` | casts per iteration:"
-             " ours / grappler's boundaries |", "|---|---|---|---|---|---|"]
+             " ours as written / grappler's boundaries, weights float32 |", "|---|---|---|---|---|---|"]
     for row in rows:
         base = row.seconds["float32"]
         cells = [f"{row.tokens / row.seconds[v]:.1f} tok/s ({base / row.seconds[v]:.2f}x)" for v in VARIANTS[1:]]
@@ -229,7 +229,8 @@ def render(rows: Sequence[SpeedRow], agreement: Agreement | None, sizes: Sizes, 
                       f" texts; {agreement.prompts} held-out {PROMPT}-byte prompts, {GENERATED} tokens generated:"
                       f" first token equal to float32's in {100 * agreement.first_token:.1f}% (goal >= 98%),"
                       f" identical prefix {agreement.mean_prefix:.1f} of {GENERATED} tokens on average."]
-    lines += ["", f"`tools/bench_decode.py{' --smoke' if smoke else ''}`, {elapsed_s / 60:.0f} min.", ""]
+    command = " ".join(["tools/bench_decode.py", *sys.argv[1:]])
+    lines += ["", f"`{command}`, {elapsed_s / 60:.0f} min.", ""]
     return "\n".join(lines)
 
 
