@@ -87,13 +87,16 @@ def _export(name: str, folder: Path) -> Source:
     keras.utils.set_random_seed(0)
     backbone = BACKBONES[name]()
     backbone.export(str(folder / name), verbose=False)
-    del backbone
-    keras.backend.clear_session()
-    model = read_model(folder / name)
-    feeds, _ = validate.plan_feeds(model, None, 1)
+    feeds, _ = validate.plan_feeds(read_model(folder / name), None, 1)
     batch = feeds[SIGNATURE][0]
     np.savez(folder / f"{name}.npz", **batch)
-    return Source(folder / name, batch, folder / f"{name}.npz", _serve(folder / name, batch))
+    # float32's outputs from the Keras model itself (what the export traced), named as the signature names them
+    outputs = backbone(batch if len(batch) > 1 else next(iter(batch.values())))
+    float32 = {key: np.asarray(value) for key, value in (outputs if isinstance(outputs, dict) else
+                                                         {"output_0": outputs}).items()}
+    del backbone
+    keras.backend.clear_session()
+    return Source(folder / name, batch, folder / f"{name}.npz", float32)
 
 
 def _serve(path: Path, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
