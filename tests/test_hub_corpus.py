@@ -1,9 +1,9 @@
 """The models users serve: keras_hub backbones, each converted to every target and served.
 
-Each backbone is built from a tiny config (2 layers, 32 wide, a 100-row vocabulary or 32x32
-images) with random weights, nothing downloaded, and exported as users do
+Each backbone (BERT, DistilBERT, GPT-2, Llama, Gemma, Qwen3, Mistral, Whisper, ViT, ResNet)
+is built from a tiny config (2 layers, 32 wide, a 100-row vocabulary, 32x32 images) with random weights, nothing downloaded, and exported as users do
 (``model.export``), once per session. Each target's conversion is ``amp-rewrite convert
---validate 1`` in this process (float8 calibrated on one random batch); the result is
+--validate 1`` in this process (float8 calibrated on the random batches validation feeds); the result is
 reloaded with ``tf.saved_model.load`` and serves the batch validation drew (integer inputs
 within the tables they index, ``core/bounds.py``; BERT's segment ids within its 2-row
 table) through ``serving_default``. Each output must be finite and within the target's
@@ -66,7 +66,10 @@ BACKBONES: dict[str, Callable[[], keras.Model]] = {
     "gemma": lambda: keras_hub.models.GemmaBackbone(head_dim=16, **DECODERS),
     "qwen3": lambda: keras_hub.models.Qwen3Backbone(head_dim=16, **DECODERS),
     "mistral": lambda: keras_hub.models.MistralBackbone(sliding_window=8, **DECODERS),
-    "t5": lambda: keras_hub.models.T5Backbone(vocabulary_size=100, num_heads=2, key_value_dim=16, **TINY),
+    # the encoder-decoder: Whisper (T5 costs twice its export and conversion)
+    "whisper": lambda: keras_hub.models.WhisperBackbone(vocabulary_size=100, num_heads=2, num_mels=16,
+                                                        max_encoder_sequence_length=32,
+                                                        max_decoder_sequence_length=16, **TINY),
     "vit": lambda: keras_hub.models.ViTBackbone(image_shape=IMAGE, patch_size=8, num_layers=2, num_heads=2,
                                                hidden_dim=32, mlp_dim=64),
     "resnet": _resnet,
@@ -75,8 +78,8 @@ BACKBONES: dict[str, Callable[[], keras.Model]] = {
 
 @dataclass(frozen=True)
 class Source:
-    """A backbone exported once: its folder, the batch validation draws (``--validate 1``),
-    that batch as a calibration file, and float32's outputs on it."""
+    """A backbone exported once: its folder, the batch validation draws (``--validate 1``)
+    for ``serving_default``, the calibration file, and float32's outputs on the batch."""
     path: Path
     batch: dict[str, np.ndarray]
     calibration: Path
@@ -89,7 +92,12 @@ def _export(name: str, folder: Path) -> Source:
     backbone.export(str(folder / name), verbose=False)
     feeds, _ = validate.plan_feeds(read_model(folder / name), None, 1)
     batch = feeds[SIGNATURE][0]
-    np.savez(folder / f"{name}.npz", **batch)
+    # float8 is calibrated on every batch validation feeds (one per signature: ``serve`` and
+    # ``serving_default``), so the corpus checks conversion, not how one batch of two 2-long
+    # sequences generalizes
+    np.savez(folder / f"{name}.npz", **{key: np.concatenate([runs[0][key] for runs in feeds.values()
+                                                             if runs and key in runs[0]])
+                                        for key in batch})
     # float32's outputs from the Keras model itself (what the export traced), named as the signature names them
     outputs = backbone(batch if len(batch) > 1 else next(iter(batch.values())))
     float32 = {key: np.asarray(value) for key, value in (outputs if isinstance(outputs, dict) else
