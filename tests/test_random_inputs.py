@@ -316,3 +316,20 @@ def test_calibration_measures_an_integer_output_by_agreement() -> None:
     checks = {check.output: check for check in calibration.rounds[0].checks}
     assert checks["cls"].metric == "agreement" and 0.2 < checks["cls"].error < 0.8, checks
     assert checks["logits"].metric == "" and checks["logits"].error < 0.01, checks
+
+
+def test_two_signatures_with_the_same_inputs_get_the_same_random_batch(tmp_path: Path) -> None:
+    """Rule: ``model.export`` writes ``serve`` and ``serving_default`` for one function; both
+    are fed the same random values (one error per output, not two for one model), while an
+    input only one signature has is drawn on its own."""
+    module = tf.Module()
+    module.scale = tf.Variable(2.0)
+    double = tf.function(lambda x: {"y": x * module.scale}, input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+    other = tf.function(lambda z: {"y": z * module.scale}, input_signature=[tf.TensorSpec([None, 3], tf.float32, name="z")])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={
+        "serving_default": double, "serve": double.get_concrete_function(), "other": other})
+    feeds, _ = validate.plan_feeds(read_model(tmp_path / "m"), None, 2)
+    for run in range(2):
+        np.testing.assert_array_equal(feeds["serve"][run]["x"], feeds["serving_default"][run]["x"])
+        assert not np.array_equal(feeds["other"][run]["z"], feeds["serving_default"][run]["x"])
+    assert not np.array_equal(feeds["serve"][0]["x"], feeds["serve"][1]["x"])

@@ -457,8 +457,13 @@ def plan_feeds(model: Model, inputs: Path | Mapping[str, np.ndarray] | None, run
     rng = np.random.default_rng(0)
     for _ in range(runs):
         batch: dict[str, dict[str, np.ndarray]] = {key: {} for key in feeds}
+        drawn: dict[tuple, np.ndarray] = {}  # signatures with the same input (model.export's two) share its values
         for spec in specs:
-            batch.setdefault(spec.signature, {})[spec.name] = _sample(spec, rng, draws[(spec.signature, spec.name)])
+            draw = draws[(spec.signature, spec.name)]
+            key = (spec.name, spec.dtype, spec.shape, draw.kind, draw.low, draw.high)
+            if key not in drawn:
+                drawn[key] = _sample(spec, rng, draw)
+            batch.setdefault(spec.signature, {})[spec.name] = drawn[key]
         for key, feed in batch.items():
             feeds.setdefault(key, []).append(feed)
     return feeds, notes
