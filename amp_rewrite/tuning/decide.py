@@ -265,20 +265,24 @@ class _Costs:
         return tuple(seconds * repeats for seconds in self.cast(self.problem.tensors[key][4][batch]))
 
     def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
-        """(down, up) seconds of the casts of a tensor of ``shape``."""
+        """(down, up) seconds of the casts of a tensor of ``shape``, each at least what the
+        executor takes to run one more node (``Timings.node_s``): a cast too small to time
+        is still a node to run, in a loop's body once per iteration."""
         if shape is None:
             return 0.0, 0.0
         if shape not in self.casts:
             pair = cast_pair(shape, self.low)
+            node_s = self.timings.node_s
             if self.timings.too_small(pair):
-                self.casts[shape] = (0.0, 0.0)
+                self.casts[shape] = (node_s, node_s)
             elif self.timings.ratio(pair) is None:
                 if "casts" not in self.rates:
                     shapes = {s for *_, by_batch in self.problem.tensors.values() for s in by_batch.values() if s}
                     self.rates["casts"] = _median_rates(self.timings, [cast_pair(s, self.low) for s in shapes])
-                self.casts[shape] = tuple(r * pair.weight for r in self.rates["casts"] or (0.0, 0.0))
+                self.casts[shape] = tuple(max(r * pair.weight, node_s) for r in self.rates["casts"] or (0.0, 0.0))
             else:
-                self.casts[shape] = (self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key])
+                self.casts[shape] = (max(self.timings.seconds[pair.first.key], node_s),
+                                     max(self.timings.seconds[pair.second.key], node_s))
         return self.casts[shape]
 
 
