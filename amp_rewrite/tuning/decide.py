@@ -177,6 +177,24 @@ def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], co
 # shape but cannot fold that input's value (computed from a Shape inside a loop, say), the
 # shape is its value.
 SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1}
+# Ops with an input of indices into another: where its value is unknown (a loop's position,
+# say), it is timed as zeros, an index every table holds; the op's time hardly depends on
+# which rows it reads or writes.
+INDEX_INPUTS = {"TensorScatterUpdate": 1, "TensorScatterAdd": 1, "GatherNd": 1, "GatherV2": 1, "ResourceGather": 1}
+
+
+def _known_values(op: str, infos: list[TensorInfo], out: TensorInfo | None) -> list[TensorInfo]:
+    """``infos`` with the values an input of unknown value is timed with: a shape input
+    the shape ``out`` has (``SHAPE_INPUTS``), indices zeros (``INDEX_INPUTS``)."""
+    infos = list(infos)
+    index = SHAPE_INPUTS.get(op)
+    if index is not None and index < len(infos) and infos[index].value is None and out is not None \
+            and out.shape is not None and infos[index].shape == (len(out.shape),):
+        infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
+    index = INDEX_INPUTS.get(op)
+    if index is not None and index < len(infos) and infos[index].value is None and infos[index].shape is not None:
+        infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.zeros(infos[index].shape, np.int32))
+    return infos
 
 
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
@@ -188,10 +206,7 @@ def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDe
         runs[batch] = None
         if all(info is not None for info in infos):
             out = found.info(item, tensor_name(source.name, 0))
-            index = SHAPE_INPUTS.get(source.op)
-            if index is not None and index < len(infos) and infos[index].value is None and out is not None \
-                    and out.shape is not None and infos[index].shape == (len(out.shape),):
-                infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
+            infos = _known_values(source.op, infos, out)
             first, second = _form(source, infos, out), _form(low, infos, out)
             if first is not None and second is not None:
                 size = math.prod(out.shape) if out is not None and out.shape else 1

@@ -40,6 +40,7 @@ from amp_rewrite.tuning.cache import TimingCache
 from amp_rewrite.tuning.shapes import TensorInfo
 
 ROUNDS = 4              # interleaved rounds per pair
+PASSES = 3              # times each pair is timed while the budget lasts, the median kept
 CALLS = 2               # calls per form and round, the best counted
 CALL_SECONDS = 1e-3     # what one timed Session call should take: K copies of the op
 COPIES = (1, 4, 16)     # copies of an op per timed call: the most that keep it near CALL_SECONDS
@@ -161,8 +162,10 @@ class Timings:
 
 def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Timings:
     """Both forms of every pair: from the cache where it has both, else measured (largest
-    weight first) while the budget lasts. On a GPU a Session call returns when the device
-    is done (DirectSession syncs its devices at the end of a run), so the same calls time it."""
+    weight first) while the budget lasts, then measured again while it lasts (``PASSES``
+    times in all), each form's median kept: on a loaded machine one pass of an op can be
+    off by several times. On a GPU a Session call returns when the device is done
+    (DirectSession syncs its devices at the end of a run), so the same calls time it."""
     timings = Timings()
     todo: dict[tuple[str, str], Pair] = {}
     for pair in pairs:
@@ -173,6 +176,28 @@ def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Tim
         elif (pair.first.key, pair.second.key) not in todo:
             todo[(pair.first.key, pair.second.key)] = pair
     queue = sorted(todo.values(), key=lambda p: -p.weight)
+    found: dict[Pair, list[tuple[float, float]]] = {}
+    for index in range(PASSES):
+        left, failed = _time_queue(queue, budget, found)
+        if index == 0:
+            timings.skipped, timings.failed = len(left), failed
+        queue = [pair for pair in queue if pair in found]
+        if left or not queue:
+            break
+    for pair, measured in found.items():
+        for run, seconds in zip((pair.first, pair.second), zip(*measured)):
+            timings.seconds[run.key] = statistics.median(seconds)
+            cache.put(run.key, timings.seconds[run.key])
+        timings.timed += 1
+    timings.node_s = node_seconds(cache, budget)
+    return timings
+
+
+def _time_queue(queue: list[Pair], budget: Budget, found: dict[Pair, list[tuple[float, float]]]
+                ) -> tuple[list[Pair], int]:
+    """One measurement of each pair of ``queue`` while the budget lasts, added to ``found``;
+    the pairs left when it ran out, and how many TensorFlow could not run."""
+    queue, failed = list(queue), 0
     while queue and budget.left() > 0:
         chunk = _next_chunk(queue)
         with _TimingSession(chunk) as session:
@@ -182,15 +207,10 @@ def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Tim
                     break
                 measured = session.time_pair(index)
                 if measured is None:
-                    timings.failed += 1
-                    continue
-                for run, seconds in zip((pair.first, pair.second), measured):
-                    timings.seconds[run.key] = seconds
-                    cache.put(run.key, seconds)
-                timings.timed += 1
-    timings.skipped = len(queue)
-    timings.node_s = node_seconds(cache, budget)
-    return timings
+                    failed += 1
+                else:
+                    found.setdefault(pair, []).append(measured)
+    return queue, failed
 
 
 def node_seconds(cache: TimingCache, budget: Budget) -> float:
