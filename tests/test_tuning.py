@@ -26,7 +26,7 @@ from amp_rewrite.core.rewrite import rewrite_graph_def
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import MARGIN, Problem, build_problem, plan_keeps
 from amp_rewrite.tuning.shapes import TensorInfo, infer_shapes
-from amp_rewrite.tuning.timing import Budget, Pair, Timings, cast_pair, op_run, time_pairs
+from amp_rewrite.tuning.timing import NODE_KEY, Budget, Pair, Timings, cast_pair, op_run, time_pairs
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rules import MEASURED_PREFIX
 
@@ -237,6 +237,40 @@ def test_a_form_no_longer_than_an_empty_call_is_too_small_to_time(monkeypatch):
     monkeypatch.setattr(timing._TimingSession, "_call", lambda self, fetch: 1e-5)  # every call as long as the empty one
     with timing._TimingSession([pair]) as session:
         assert session.time_pair(0) == (timing.TOO_SMALL_S, timing.TOO_SMALL_S)
+
+
+def test_the_empty_call_is_measured_with_each_form_under_the_load_of_then(monkeypatch):
+    """Rule (timing.py): the empty call taken off a form's calls is measured between them.
+    Here the first 10 empty calls are slow (the machine was loaded), later ones fast, and
+    every call of a form 3e-5 s longer than the empty call of then: the op is timed at that,
+    not called too small to time against an empty call measured once, under load."""
+    from amp_rewrite.tuning import timing
+
+    empties = iter([1e-3] * 10 + [1e-5] * 10_000)
+    monkeypatch.setattr(timing._TimingSession, "_call",
+                        lambda self, fetch: next(empties) if fetch == "empty" else 1e-5 + 3e-5)
+    pair = timing.cast_pair((4, 16), LOW)
+    with timing._TimingSession([pair]) as session:
+        first, second = session.time_pair(0)
+    assert first > timing.TOO_SMALL_S and second == pytest.approx(first)
+    assert first * max(timing.COPIES) == pytest.approx(3e-5)
+
+
+def test_a_pair_is_timed_again_while_the_budget_lasts_and_its_median_kept(monkeypatch, tmp_path):
+    """Rule (timing.time_pairs): with budget to spare each pair is measured ``PASSES`` times
+    and each form's median kept, so one pass thrown off by the machine's load (here the
+    second, 10x) does not decide; the cache holds the medians."""
+    from amp_rewrite.tuning import timing
+
+    passes = iter([(1e-5, 2e-5), (1e-4, 2e-4), (2e-5, 3e-5)])
+    monkeypatch.setattr(timing._TimingSession, "time_pair", lambda self, index: next(passes))
+    pair = timing.cast_pair((4, 16), LOW)
+    cache = timing_cache.load_cache(tmp_path / "timings.json")
+    cache.put(NODE_KEY, 1e-7)
+    timings = time_pairs([pair], cache, Budget(60.0))
+    assert timing.PASSES == 3 and timings.timed == 1
+    assert (timings.seconds[pair.first.key], timings.seconds[pair.second.key]) == (2e-5, 3e-5)
+    assert (cache.get(pair.first.key), cache.get(pair.second.key)) == (2e-5, 3e-5)
 
 
 def test_what_the_budget_left_untimed_is_estimated_from_its_op_type():
@@ -482,6 +516,7 @@ def _ship_cache(source: Path, path: Path, slow: str, batch: int = 4) -> Path:
         op = pair.first.node_def.op
         cache.put(pair.first.key, 1e-4 if op != "Cast" else 1e-6)
         cache.put(pair.second.key, 1e-3 if op == slow else 2e-5 if op != "Cast" else 1e-6)
+    cache.put(NODE_KEY, 1e-7)  # the executor's time per node, which a machine measures once
     assert speed.save_cache(cache) == ""
     return path
 

@@ -175,3 +175,59 @@ def test_a_loop_whose_run_fails_is_counted_once_and_said(loop, monkeypatch: pyte
     repeats, uncounted = speed.loop_repeats(model, feeds, shapes)
     assert repeats == {}
     assert uncounted.startswith("the iterations of ") and _body(shapes) in uncounted and "(no kernel)" in uncounted
+
+
+def _casts_per_call(model, repeats: dict[str, float]) -> float:
+    """The casts the bfloat16 rewrite inserts that run in one call, each counted once per run
+    of its function (a loop body's once per iteration); casts of weights and constants left
+    out (a variable's reads and lookups), as convert stores those in the target."""
+    base = rewrite_model(model, target="bfloat16", lists=load_lists("bfloat16"))
+    count = 0.0
+    for item in base.program.names:
+        nodes = {node.name: node for node in base.program.item(item).node}
+        for node in nodes.values():
+            read = nodes.get(node.input[0].split(":")[0].lstrip("^")) if node.op == "Cast" and node.input else None
+            if node.op == "Cast" and "AutoMixedPrecision" in node.name and (
+                    read is None or read.op not in ("Const", "ReadVariableOp", "ResourceGather")):
+                count += repeats.get(item, 1.0)
+    return count
+
+
+def test_a_cast_too_small_to_time_costs_a_node_per_iteration(loop):
+    """Every cast too small to time (``TOO_SMALL_S``) and the ops as fast in both forms: the
+    lists' result is modeled as fast as float32 where a node costs the executor nothing,
+    and where it costs ``node_s``, slower by ``node_s`` for each cast the rewrite inserts,
+    a loop body's once per iteration; the whole-model speed falls by as much."""
+    from amp_rewrite.tuning.timing import TOO_SMALL_S
+
+    model, _, shapes, problem = loop
+    repeats = {_body(shapes): float(SHAPE.length - 1)}
+    looped = Problem(problem.batch_sizes, problem.candidates, problem.fused, problem.tensors, repeats)
+    timings = _table(looped, (1e-4, 1e-4), TOO_SMALL_S)
+    free = plan_keeps(looped, timings, "bfloat16", LOW).modeled[BATCH]
+    assert free[1] == pytest.approx(free[0])
+    timings.node_s = 2e-6
+    charged = plan_keeps(looped, timings, "bfloat16", LOW).modeled[BATCH]
+    casts = _casts_per_call(model, repeats)
+    assert casts >= SHAPE.length - 1  # at least one cast in the body
+    assert charged[0] == pytest.approx(free[0])  # float32 has no casts
+    assert charged[1] - charged[0] == pytest.approx(casts * 2e-6)
+    source_s = 10 * free[0]
+    assert speed.modeled_speed(Plan({}, {BATCH: free}), BATCH, source_s, tuned=False) == pytest.approx(1.0)
+    assert speed.modeled_speed(Plan({}, {BATCH: charged}), BATCH, source_s, tuned=False) == pytest.approx(
+        source_s / (source_s + casts * 2e-6))
+
+
+def test_a_timed_cast_costs_at_least_a_node():
+    """A cast timed faster than the executor runs a node (the noise of a loaded machine) is
+    charged the node's time; a slower one its own time."""
+    from amp_rewrite.tuning.decide import _Costs
+    from amp_rewrite.tuning.timing import cast_pair
+
+    timings = Timings(node_s=3e-6)
+    small, large = cast_pair((2, 4), LOW), cast_pair((64, 64), LOW)
+    timings.seconds.update({small.first.key: 1e-7, small.second.key: 1e-7, large.first.key: 1e-5,
+                            large.second.key: 2e-5})
+    costs = _Costs(Problem((BATCH,)), timings, LOW, True)
+    assert costs.cast((2, 4)) == (3e-6, 3e-6)
+    assert costs.cast((64, 64)) == (1e-5, 2e-5)

@@ -121,13 +121,15 @@ def plan_of(source: Path, cache: Path, inputs: Path) -> Any:
     """The plan ``--tune speed --batch-sizes 1,8`` made, from its cache (nothing timed again)."""
     from amp_rewrite.calibration import speed
     from amp_rewrite.calibration.savedmodel import read_model
+    from amp_rewrite.core.boundaries import LOOPS
     from amp_rewrite.core.lists import load_lists
     from amp_rewrite.core.target import lookup_target
 
     model = read_model(source)
     feeds, _ = speed.batch_feeds(model, inputs, BATCHES)
     tuning = speed.tune_model(model, feeds, target="bfloat16", lists=load_lists("bfloat16"),
-                              cache=speed.open_cache(cache, lookup_target("bfloat16")))
+                              cache=speed.open_cache(cache, lookup_target("bfloat16")),
+                              cross_function=LOOPS)  # convert's default: the graph it wrote
     if tuning.timings.timed:
         print(f"note: {tuning.timings.timed} op(s) were not in the cache and were timed again", file=sys.stderr)
     return tuning.plan, tuning.problem

@@ -177,6 +177,24 @@ def _fusions(item: str, body, readers: Mapping[str, Mapping[int, list[str]]], co
 # shape but cannot fold that input's value (computed from a Shape inside a loop, say), the
 # shape is its value.
 SHAPE_INPUTS = {"Reshape": 1, "BroadcastTo": 1}
+# Ops with an input of indices into another: where its value is unknown (a loop's position,
+# say), it is timed as zeros, an index every table holds; the op's time hardly depends on
+# which rows it reads or writes.
+INDEX_INPUTS = {"TensorScatterUpdate": 1, "TensorScatterAdd": 1, "GatherNd": 1, "GatherV2": 1, "ResourceGather": 1}
+
+
+def _known_values(op: str, infos: list[TensorInfo], out: TensorInfo | None) -> list[TensorInfo]:
+    """``infos`` with the values an input of unknown value is timed with: a shape input
+    the shape ``out`` has (``SHAPE_INPUTS``), indices zeros (``INDEX_INPUTS``)."""
+    infos = list(infos)
+    index = SHAPE_INPUTS.get(op)
+    if index is not None and index < len(infos) and infos[index].value is None and out is not None \
+            and out.shape is not None and infos[index].shape == (len(out.shape),):
+        infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
+    index = INDEX_INPUTS.get(op)
+    if index is not None and index < len(infos) and infos[index].value is None and infos[index].shape is not None:
+        infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.zeros(infos[index].shape, np.int32))
+    return infos
 
 
 def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDef, shapes: Mapping[int, Shapes]
@@ -188,10 +206,7 @@ def _candidate(item: str, source: node_def_pb2.NodeDef, low: node_def_pb2.NodeDe
         runs[batch] = None
         if all(info is not None for info in infos):
             out = found.info(item, tensor_name(source.name, 0))
-            index = SHAPE_INPUTS.get(source.op)
-            if index is not None and index < len(infos) and infos[index].value is None and out is not None \
-                    and out.shape is not None and infos[index].shape == (len(out.shape),):
-                infos[index] = TensorInfo(infos[index].dtype, infos[index].shape, np.array(out.shape))
+            infos = _known_values(source.op, infos, out)
             first, second = _form(source, infos, out), _form(low, infos, out)
             if first is not None and second is not None:
                 size = math.prod(out.shape) if out is not None and out.shape else 1
@@ -265,20 +280,24 @@ class _Costs:
         return tuple(seconds * repeats for seconds in self.cast(self.problem.tensors[key][4][batch]))
 
     def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
-        """(down, up) seconds of the casts of a tensor of ``shape``."""
+        """(down, up) seconds of the casts of a tensor of ``shape``, each at least what the
+        executor takes to run one more node (``Timings.node_s``): a cast too small to time
+        is still a node to run, in a loop's body once per iteration."""
         if shape is None:
             return 0.0, 0.0
         if shape not in self.casts:
             pair = cast_pair(shape, self.low)
+            node_s = self.timings.node_s
             if self.timings.too_small(pair):
-                self.casts[shape] = (0.0, 0.0)
+                self.casts[shape] = (node_s, node_s)
             elif self.timings.ratio(pair) is None:
                 if "casts" not in self.rates:
                     shapes = {s for *_, by_batch in self.problem.tensors.values() for s in by_batch.values() if s}
                     self.rates["casts"] = _median_rates(self.timings, [cast_pair(s, self.low) for s in shapes])
-                self.casts[shape] = tuple(r * pair.weight for r in self.rates["casts"] or (0.0, 0.0))
+                self.casts[shape] = tuple(max(r * pair.weight, node_s) for r in self.rates["casts"] or (0.0, 0.0))
             else:
-                self.casts[shape] = (self.timings.seconds[pair.first.key], self.timings.seconds[pair.second.key])
+                self.casts[shape] = (max(self.timings.seconds[pair.first.key], node_s),
+                                     max(self.timings.seconds[pair.second.key], node_s))
         return self.casts[shape]
 
 

@@ -7,8 +7,14 @@ per batch of ops, with one inter-op thread so the copies run one after the other
 model's chain of ops does, and without grappler and the graph optimizer, which would fold
 or merge the copies. The two forms of a pair alternate for several rounds, so a change in
 the machine's load hits both alike; the ratio is the median of the per-round ratios, each
-form's time in a round the best of a few calls (load only ever adds time). The time of a
-Session call that runs nothing is measured once and taken off.
+form's time in a round the best of a few calls (load only ever adds time), less the best
+of as many calls that run nothing, made between them (on a loaded machine an empty call's
+time changes from one second to the next: measured once, it could exceed a later round's
+calls and leave an op "too small to time").
+
+A node costs the executor some time to schedule whatever it computes (``node_seconds``:
+a chain of scalar additions, per node; measured once per machine and cached). An op too
+small to time still pays that: a cast the rewrite adds, in a loop body once per iteration.
 
 Results go into the timing cache (``cache``) by each form's key, which names the op, its
 inputs' dtypes and shapes and a digest of its attributes: identical ops are timed once,
@@ -34,6 +40,7 @@ from amp_rewrite.tuning.cache import TimingCache
 from amp_rewrite.tuning.shapes import TensorInfo
 
 ROUNDS = 4              # interleaved rounds per pair
+PASSES = 3              # times each pair is timed while the budget lasts, the median kept
 CALLS = 2               # calls per form and round, the best counted
 CALL_SECONDS = 1e-3     # what one timed Session call should take: K copies of the op
 COPIES = (1, 4, 16)     # copies of an op per timed call: the most that keep it near CALL_SECONDS
@@ -43,6 +50,8 @@ CHUNK = 24              # pairs per timing Session
 SESSION_BYTES = 512 << 20  # input variables one timing Session holds before the next one starts
 RESOLUTION_S = 1e-9     # a per-op time at or under this is below what a call less the empty call's resolves
 TOO_SMALL_S = 0.0       # both forms' seconds for an op too small to time: it costs nothing measurable either way
+NODE_KEY = "executor: one node"  # the cache's key of ``node_seconds``
+NODE_TRIES = 5          # its measurements, the median kept: it is cached, so one unlucky one would stay
 _FLOATS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_DOUBLE})
 _TIMED_WITHOUT_VALUE = _FLOATS | {types_pb2.DT_BOOL}  # a bool of unknown value is timed as all True
 
@@ -139,6 +148,7 @@ class Timings:
     cached: int = 0     # pairs the cache answered
     failed: int = 0     # pairs TensorFlow could not run alone
     skipped: int = 0    # pairs left when the budget ran out
+    node_s: float = 0.0  # what the executor takes to run one more node, however small (``node_seconds``)
 
     def too_small(self, pair: Pair) -> bool:
         """Whether the op of ``pair`` was too small to time (its two forms ``TOO_SMALL_S``): no ratio means anything."""
@@ -152,8 +162,10 @@ class Timings:
 
 def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Timings:
     """Both forms of every pair: from the cache where it has both, else measured (largest
-    weight first) while the budget lasts. On a GPU a Session call returns when the device
-    is done (DirectSession syncs its devices at the end of a run), so the same calls time it."""
+    weight first) while the budget lasts, then measured again while it lasts (``PASSES``
+    times in all), each form's median kept: on a loaded machine one pass of an op can be
+    off by several times. On a GPU a Session call returns when the device is done
+    (DirectSession syncs its devices at the end of a run), so the same calls time it."""
     timings = Timings()
     todo: dict[tuple[str, str], Pair] = {}
     for pair in pairs:
@@ -164,6 +176,28 @@ def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Tim
         elif (pair.first.key, pair.second.key) not in todo:
             todo[(pair.first.key, pair.second.key)] = pair
     queue = sorted(todo.values(), key=lambda p: -p.weight)
+    found: dict[Pair, list[tuple[float, float]]] = {}
+    for index in range(PASSES):
+        left, failed = _time_queue(queue, budget, found)
+        if index == 0:
+            timings.skipped, timings.failed = len(left), failed
+        queue = [pair for pair in queue if pair in found]
+        if left or not queue:
+            break
+    for pair, measured in found.items():
+        for run, seconds in zip((pair.first, pair.second), zip(*measured)):
+            timings.seconds[run.key] = statistics.median(seconds)
+            cache.put(run.key, timings.seconds[run.key])
+        timings.timed += 1
+    timings.node_s = node_seconds(cache, budget)
+    return timings
+
+
+def _time_queue(queue: list[Pair], budget: Budget, found: dict[Pair, list[tuple[float, float]]]
+                ) -> tuple[list[Pair], int]:
+    """One measurement of each pair of ``queue`` while the budget lasts, added to ``found``;
+    the pairs left when it ran out, and how many TensorFlow could not run."""
+    queue, failed = list(queue), 0
     while queue and budget.left() > 0:
         chunk = _next_chunk(queue)
         with _TimingSession(chunk) as session:
@@ -173,14 +207,26 @@ def time_pairs(pairs: Iterable[Pair], cache: TimingCache, budget: Budget) -> Tim
                     break
                 measured = session.time_pair(index)
                 if measured is None:
-                    timings.failed += 1
-                    continue
-                for run, seconds in zip((pair.first, pair.second), measured):
-                    timings.seconds[run.key] = seconds
-                    cache.put(run.key, seconds)
-                timings.timed += 1
-    timings.skipped = len(queue)
-    return timings
+                    failed += 1
+                else:
+                    found.setdefault(pair, []).append(measured)
+    return queue, failed
+
+
+def node_seconds(cache: TimingCache, budget: Budget) -> float:
+    """Seconds the executor takes per node of a chain of scalar float32 additions (each
+    waits for the one before, as a cast between two ops does): the cache's, else measured
+    while the budget lasts (0 where it cannot be)."""
+    known = cache.get(NODE_KEY)
+    if known is not None or budget.left() <= 0:
+        return known or 0.0
+    scalar = TensorInfo(types_pb2.DT_FLOAT, ())
+    run = op_run(make_node_def("AddV2", "", T=types_pb2.DT_FLOAT), [scalar, scalar], chain=True)
+    with _TimingSession([Pair(run, run)]) as session:
+        measured = [session.time_pair(0) for _ in range(NODE_TRIES)]
+    seconds = statistics.median(found[0] if found else 0.0 for found in measured)
+    cache.put(NODE_KEY, seconds)
+    return seconds
 
 
 def _bytes(info: TensorInfo) -> int:
@@ -272,7 +318,6 @@ class _TimingSession:
         config.graph_options.rewrite_options.disable_meta_optimizer = True
         self.session = tf.compat.v1.Session(graph=graph, config=config)
         self.session.run("initialize")
-        self.overhead = min(self._call("empty") for _ in range(10))
 
     def _import(self, pairs: Sequence[Pair]) -> tf.Graph | None:
         """The graph of ``pairs`` (``groups``: each pair's forms' nodes), or None if TensorFlow refuses it."""
@@ -316,7 +361,7 @@ class _TimingSession:
             single = [first_groups[1], second_groups[1]]
             for fetch in single:  # the first call creates kernels and their caches
                 self._call(fetch)
-            alone = max(self._call(fetch) for fetch in single) - self.overhead
+            alone = max(self._best(fetch) for fetch in single)
             copies = max((c for c in COPIES if c * max(alone, 1e-6) <= CALL_SECONDS), default=1)
             copies = max(copies, CHAIN_COPIES) if chain else copies
             for fetch in (first_groups[copies], second_groups[copies]):
@@ -342,8 +387,17 @@ class _TimingSession:
         chain, less the first copy's call, so what is left runs on an input it may overwrite,
         as the op does in a model where nothing else reads that input (TensorFlow then gives
         it the input's buffer: no allocation, which for a large tensor means page faults)."""
-        many = min(self._call(groups[copies]) for _ in range(CALLS)) - self.overhead
+        many = self._best(groups[copies])
         if not chain:
             return max(many, RESOLUTION_S) / copies
-        one = min(self._call(groups[1]) for _ in range(CALLS)) - self.overhead
+        one = self._best(groups[1])
         return max(many - one, RESOLUTION_S) / (copies - 1)
+
+    def _best(self, fetch: str) -> float:
+        """The best of ``CALLS`` calls of ``fetch`` less the best of as many empty calls
+        between them: the empty call measured now, under the machine's load of now."""
+        calls, empty = [], []
+        for _ in range(CALLS):
+            empty.append(self._call("empty"))
+            calls.append(self._call(fetch))
+        return min(calls) - min(empty)
