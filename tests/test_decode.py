@@ -167,3 +167,26 @@ def test_a_read_only_weights_cast_runs_once_before_the_loop(decode_loop: Path, t
     stored_low = tmp_path / "low"
     assert_ok(run_cli("convert", decode_loop, stored_low, "--target", "bfloat16"))
     np.testing.assert_array_equal(serve(tmp_path / "out", feeds), serve(stored_low, feeds))
+
+
+def test_a_weight_the_loop_writes_is_cast_inside_it_every_iteration(tmp_path: Path) -> None:
+    """Rule: only a weight the body merely reads is cast once before the loop; one the body
+    also writes (here halved each iteration) changes between iterations, so its read and
+    cast stay in the body, and the result equals float32's at the target's tolerance."""
+    module = tf.Module()
+    module.weight = tf.Variable(np.eye(8, dtype=np.float32) * 1.5)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32, name="x")])
+    def decay(x: tf.Tensor) -> dict[str, tf.Tensor]:
+        def body(step: tf.Tensor, value: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            value = tf.matmul(value, module.weight)
+            module.weight.assign(module.weight * 0.5)
+            return step + 1, value
+        return {"y": tf.while_loop(lambda step, _: step < 4, body, (tf.constant(0), x))[1]}
+
+    tf.saved_model.save(module, str(tmp_path / "source"), signatures={"serving_default": decay})
+    assert_ok(run_cli("convert", tmp_path / "source", tmp_path / "out", "--target", "bfloat16"))
+    converted = read_model(tmp_path / "out").graph_def
+    assert not [n for f in converted.library.function for n in f.node_def if "/hoisted/" in n.name]
+    feeds = {"x": np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)}
+    np.testing.assert_allclose(serve(tmp_path / "out", feeds), serve(tmp_path / "source", feeds), rtol=0.05, atol=0.02)
