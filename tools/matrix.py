@@ -6,9 +6,9 @@ picks for them alone), then this package with its test extras, as ``pip install`
 it (built, not editable), TensorFlow held at the release (an extra that needs another one
 fails the install instead of replacing it) and nothing else pinned by hand: pip settles the
 rest (protobuf, say) by what each package declares. keras-hub, in the test extra for
-tests/test_hub_corpus.py, installs only beside TensorFlow 2.20 and 2.21 (``HUB_RELEASES``:
+the corpus (tests/test_hub_corpus_*.py), installs only beside TensorFlow 2.20 and 2.21 (``HUB_RELEASES``:
 it needs tensorflow-text 2.20.1+, which pins TensorFlow to its own release): for 2.16-2.19
-the test extra is installed without it, the corpus module is deselected (``--deselect``,
+the test extra is installed without it, the corpus modules are deselected (``--deselect``,
 and ``AMP_HUB_CORPUS=deselected``, which the module reads), and the row says so. It runs the suite there as ``make test`` does, and at
 the end prints one table row per release: the exact versions installed, passed/failed/
 skipped/errors and the time. The releases run one after the other (the suite takes both
@@ -44,8 +44,8 @@ VERSIONS_SHOWN = ("tensorflow", "keras", "tf_keras", "protobuf")
 # The releases keras-hub 0.32 installs beside: its tensorflow-text>=2.20.1 pins TensorFlow
 # 2.20.x (tensorflow-text 2.20.1) or 2.21.x (2.21.x); before 2.20 it would replace TensorFlow.
 HUB_RELEASES = ("2.20", "2.21")
-HUB_CORPUS = "tests/test_hub_corpus.py"
-HUB_LEFT_OUT = f"keras-hub left out (tensorflow-text pins TensorFlow 2.20+), {HUB_CORPUS} deselected"
+HUB_CORPUS = ("tests/test_hub_corpus_text.py", "tests/test_hub_corpus_decoders.py")
+HUB_LEFT_OUT = "keras-hub left out (tensorflow-text pins TensorFlow 2.20+), tests/test_hub_corpus_*.py deselected"
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def run_suite(python: Path, tests: list[str], out, workers: int = 2, *, hub: boo
     environ = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     if not hub:
         environ["AMP_HUB_CORPUS"] = "deselected"
-        tests = [f"--deselect={HUB_CORPUS}", *tests]
+        tests = [*(f"--deselect={module}" for module in HUB_CORPUS), *tests]
     test = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "-n", str(workers), "--dist", "loadfile", *tests],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=environ)
     out.write(test.stdout)

@@ -1,23 +1,28 @@
 """The models users serve: keras_hub backbones, each converted to every target and served.
 
-Each backbone (BERT, DistilBERT, GPT-2, Llama, Gemma, Qwen3, Mistral, Whisper, ViT, ResNet)
-is built from a tiny config (2 layers, 32 wide, a 100-row vocabulary, 32x32 images) with random weights, nothing downloaded, and exported as users do
-(``model.export``), once per session. Each target's conversion is ``amp-rewrite convert
---validate 1`` in this process (float8 calibrated on the random batches validation feeds); the result is
-reloaded with ``tf.saved_model.load`` and serves the batch validation drew (integer inputs
-within the tables they index, ``core/bounds.py``; BERT's segment ids within its 2-row
-table) through ``serving_default``. Each output must be finite and within the target's
-tolerance of float32, and its error must be the one the validation line printed.
+Shared by the corpus's two test modules, ``test_hub_corpus_text.py`` (BERT, DistilBERT,
+GPT-2, Whisper, ViT, ResNet) and ``test_hub_corpus_decoders.py`` (Llama, Gemma, Qwen3,
+Mistral), split so that ``--dist loadfile`` runs them on both workers.
 
-keras_hub is in the ``test`` extra: without it this module fails to import, unless
-``tools/matrix.py`` says it deselected the module (``AMP_HUB_CORPUS=deselected``) for a
+Each backbone is built from a tiny config (2 layers, 32 wide, a 100-row vocabulary, 32x32
+images) with random weights, nothing downloaded, and exported as users do
+(``model.export``), once per module. Each target's conversion is ``amp-rewrite convert
+--validate 1`` in this process (float8 calibrated on the random batches validation feeds:
+without ``--calibrate`` convert refuses float8, which needs each matmul input's amax); the result is reloaded with
+``tf.saved_model.load`` and serves the batch validation drew (integer inputs within the
+tables they index, ``core/bounds.py``; BERT's segment ids within its 2-row table) through
+``serving_default``. Each output must be finite and within the target's tolerance of
+float32, and its error must be the one the validation line printed.
+
+keras_hub is in the ``test`` extra: without it the corpus fails to import, unless
+``tools/matrix.py`` says it deselected the corpus (``AMP_HUB_CORPUS=deselected``) for a
 TensorFlow release keras-hub cannot be installed beside.
 """
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +79,12 @@ BACKBONES: dict[str, Callable[[], keras.Model]] = {
                                                hidden_dim=32, mlp_dim=64),
     "resnet": _resnet,
 }
+# the corpus's two test modules, one per xdist worker (``--dist loadfile``): float8's
+# calibration dominates, and costs most on the decoder-only LLMs
+HALVES: dict[str, tuple[str, ...]] = {
+    "text": ("bert", "distil_bert", "gpt2", "whisper", "vit", "resnet"),
+    "decoders": ("llama", "gemma", "qwen3", "mistral"),
+}
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,8 @@ def _serve(path: Path, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {key: value.numpy() for key, value in outputs.items()}
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Source]]:
+def exporter(folder: Path) -> Callable[[str], Source]:
     """Each backbone exported on first use; the tests run model by model, so one is kept."""
-    folder = tmp_path_factory.mktemp("hub_corpus")
     kept: dict[str, Source] = {}
 
     def source(name: str) -> Source:
@@ -125,7 +134,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str]
             kept[name] = _export(name, folder)
         return kept[name]
 
-    yield source
+    return source
 
 
 def _validation_errors(out: str) -> dict[str, tuple[str, float]]:
@@ -134,19 +143,21 @@ def _validation_errors(out: str) -> dict[str, tuple[str, float]]:
     return {output: (status, float(error)) for status, output, error in found}
 
 
-def _convert(source: Source, target: str, destination: Path) -> Any:
+def _convert(source: Source, name: str, target: str, destination: Path) -> Any:
     calibration = ("--calibrate", source.calibration) if target == FLOAT8.name else ()
     return run_cli("convert", source.path, destination, "--target", target, "--validate", 1, *calibration)
 
 
-@pytest.mark.parametrize("target", [*TARGETS, pytest.param(FLOAT8.name, marks=NEEDS_FLOAT8)])
-@pytest.mark.parametrize("name", list(BACKBONES))
-def test_backbone_converts_validates_reloads_and_serves(sources, tmp_path: Path, name: str, target: str) -> None:
-    """Rule: a keras_hub backbone converts (nodes converted), validates on random inputs it
+def targets() -> list[Any]:
+    """Every target a backbone converts to: float16, bfloat16 and (where TensorFlow has it) float8."""
+    return [*TARGETS, pytest.param(FLOAT8.name, marks=NEEDS_FLOAT8)]
+
+
+def check_backbone(source: Source, name: str, target: str, destination: Path) -> None:
+    """A keras_hub backbone converts (nodes converted), validates on random inputs it
     accepts (p99-rel within the target's tolerance), and its reloaded result serves that
     batch with the error validation printed."""
-    source = sources(name)
-    run = _convert(source, target, tmp_path / "converted")
+    run = _convert(source, name, target, destination)
     assert_ok(run)
     converted = re.search(r"^Model: converted (\d+)/\d+ nodes", run.out, re.MULTILINE)
     assert converted and int(converted.group(1)) > 0, run.out
@@ -155,7 +166,7 @@ def test_backbone_converts_validates_reloads_and_serves(sources, tmp_path: Path,
     assert "a guess" not in run.out, run.out  # every integer input bounded by a table, or a mask
     printed = _validation_errors(run.out)
     assert set(printed) == set(source.float32), run.out
-    served = _serve(tmp_path / "converted", source.batch)
+    served = _serve(destination, source.batch)
     for output, want in source.float32.items():
         got = served[output]
         assert got.dtype == want.dtype and got.shape == want.shape, output
