@@ -51,6 +51,7 @@ SIGNATURE = "serving_default"
 BATCHES = (1, 8)
 VARIANTS = ("float32", "ours", "ours-tuned", "keras-policy")
 LABELS = {"ours": "ours", "ours-tuned": "ours `--tune speed`", "keras-policy": "Keras `mixed_bfloat16`"}
+ALL_FLOAT32 = "nothing is converted"  # convert's Speed line where tuning kept every node float32
 DEFAULT_MODELS = "gpt2,llama,distil_bert,vit,resnet,gemma,qwen3"
 
 
@@ -106,6 +107,18 @@ def feeds(signature: Any, sizes: Sizes, batch: int) -> dict[str, np.ndarray]:
     return drawn
 
 
+def named(signature: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` keyed as ``signature`` names its inputs: a one-input Keras model's input is
+    named by a session counter (``keras_tensor``, ``keras_tensor_44``), so the policy's
+    export names it differently from float32's."""
+    names = list(signature.structured_input_signature[1])
+    if set(names) == set(given):
+        return given
+    if len(names) == len(given) == 1:
+        return {names[0]: next(iter(given.values()))}
+    raise ValueError(f"inputs {sorted(given)} do not match the signature's {sorted(names)}")
+
+
 def export(name: str, sizes: Sizes, workdir: Path) -> dict[str, Path]:
     """float32's export and the Keras policy's with the same weights."""
     import keras
@@ -146,7 +159,8 @@ def measure(name: str, sizes: Sizes, workdir: Path, smoke: bool) -> ModelRow:
         signatures[variant] = tf.saved_model.load(str(dirs[variant])).signatures[SIGNATURE]
     for batch in BATCHES:
         given = {key: tf.constant(value) for key, value in feeds(signatures["float32"], sizes, batch).items()}
-        times = bench.time_rotated({v: (lambda s=s: s(**given)) for v, s in signatures.items()}, sizes.rounds)
+        calls = {v: (lambda s=s, f=named(s, given): s(**f)) for v, s in signatures.items()}
+        times = bench.time_rotated(calls, sizes.rounds)
         row.seconds[batch] = {variant: statistics.median(t) for variant, t in times.items()}
         print(f"{name} batch {batch}: {row.seconds[batch]}", file=sys.stderr, flush=True)
     return row
@@ -176,6 +190,11 @@ def render(rows: Sequence[ModelRow], sizes: Sizes, elapsed_s: float) -> str:
         for batch in sorted(row.seconds):
             cells = " | ".join(_cell(row, batch, v) for v in VARIANTS[1:])
             lines.append(f"| {row.model} | {batch} | {1e3 * row.seconds[batch]['float32']:.1f} ms | {cells} |")
+    unconverted = [row.model for row in rows if ALL_FLOAT32 in row.tuned_lines]
+    if unconverted:
+        lines += ["", f"`--tune speed` kept every node float32 in {', '.join(unconverted)}: that column runs"
+                      " float32's graph, so its distance from 1.00x there is this run's noise (load from other"
+                      " sessions), not a speed-up."]
     lines += ["", "What `--tune speed` said (convert with tuning, seconds in all):", ""]
     lines += [f"- {row.model}: {row.tune_s:.0f} s. {row.tuned_lines or '(no Timing line)'}" for row in rows
               if row.seconds]
