@@ -193,8 +193,9 @@ def render(rows: Sequence[ModelRow], sizes: Sizes, elapsed_s: float) -> str:
     unconverted = [row.model for row in rows if ALL_FLOAT32 in row.tuned_lines]
     if unconverted:
         lines += ["", f"`--tune speed` kept every node float32 in {', '.join(unconverted)}: that column runs"
-                      " float32's graph, so its distance from 1.00x there is this run's noise (load from other"
-                      " sessions), not a speed-up."]
+                      " float32's ops in the graph convert rewrote, so its distance from 1.00x there is not"
+                      " bfloat16: load from other sessions, or how the rewritten SavedModel runs float32 (this"
+                      " run does not tell the two apart)."]
     lines += ["", "What `--tune speed` said (convert with tuning, seconds in all):", ""]
     lines += [f"- {row.model}: {row.tune_s:.0f} s. {row.tuned_lines or '(no Timing line)'}" for row in rows
               if row.seconds]
