@@ -42,7 +42,7 @@ demo: install
 
 # Pass time vs grappler, bfloat16 vs float32 op kernels, model speed-ups vs float32 (writes BENCHMARKS.md), then
 # calibration's cost on ResNet50 and BERT-base, then serving converted SavedModels, then serving a model
-# trained under mixed_float16, retargeted, then LLM decode loops (each writes BENCHMARKS.md); all run, and a failing status is kept. Run on a quiet machine.
+# trained under mixed_float16, retargeted, then LLM decode loops, then keras_hub backbones served (each writes BENCHMARKS.md); all run, and a failing status is kept. Run on a quiet machine.
 bench: install
 	status=0; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_pass.py || status=$$?; \
@@ -52,6 +52,7 @@ bench: install
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_serving.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_retarget.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_decode.py || status=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_hub_serving.py || status=$$?; \
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) tools/bench_memory.py --dir $${AMP_BIG_DIR:-/tmp} || status=$$?; \
 	exit $$status
 
