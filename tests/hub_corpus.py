@@ -34,7 +34,7 @@ if os.environ.get("AMP_HUB_CORPUS") == "deselected":
     pytest.skip("tools/matrix.py deselected the keras_hub corpus for this TensorFlow release",
                 allow_module_level=True)
 try:
-    import keras_hub
+    import keras_hub  # noqa: F401  (imported here to fail early; testing.hub builds the backbones)
 except ImportError as error:
     raise ImportError("the keras_hub corpus needs keras-hub, which the test extra installs:"
                       " pip install -e '.[test]'") from error
@@ -44,41 +44,12 @@ import tensorflow as tf
 from amp_rewrite.calibration import validate
 from amp_rewrite.calibration.savedmodel import read_model
 from amp_rewrite.core.target import FLOAT8, TARGETS, lookup_target
+from amp_rewrite.testing import hub
 
 from conftest import NEEDS_FLOAT8
 from test_cli import assert_ok, run_cli
 
 SIGNATURE = "serving_default"
-TINY = {"num_layers": 2, "hidden_dim": 32, "intermediate_dim": 64}
-DECODERS = {**TINY, "vocabulary_size": 100, "num_query_heads": 2, "num_key_value_heads": 1}
-IMAGE = (32, 32, 3)
-
-
-def _resnet() -> keras.Model:
-    return keras_hub.models.ResNetBackbone(
-        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
-        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
-        use_pre_activation=False, image_shape=IMAGE)
-
-
-# name -> a tiny backbone with random weights
-BACKBONES: dict[str, Callable[[], keras.Model]] = {
-    "bert": lambda: keras_hub.models.BertBackbone(vocabulary_size=100, num_heads=2, max_sequence_length=16, **TINY),
-    "distil_bert": lambda: keras_hub.models.DistilBertBackbone(vocabulary_size=100, num_heads=2,
-                                                               max_sequence_length=16, **TINY),
-    "gpt2": lambda: keras_hub.models.GPT2Backbone(vocabulary_size=100, num_heads=2, max_sequence_length=16, **TINY),
-    "llama": lambda: keras_hub.models.LlamaBackbone(**DECODERS),
-    "gemma": lambda: keras_hub.models.GemmaBackbone(head_dim=16, **DECODERS),
-    "qwen3": lambda: keras_hub.models.Qwen3Backbone(head_dim=16, **DECODERS),
-    "mistral": lambda: keras_hub.models.MistralBackbone(sliding_window=8, **DECODERS),
-    # the encoder-decoder: Whisper (T5 costs twice its export and conversion)
-    "whisper": lambda: keras_hub.models.WhisperBackbone(vocabulary_size=100, num_heads=2, num_mels=16,
-                                                        max_encoder_sequence_length=32,
-                                                        max_decoder_sequence_length=16, **TINY),
-    "vit": lambda: keras_hub.models.ViTBackbone(image_shape=IMAGE, patch_size=8, num_layers=2, num_heads=2,
-                                               hidden_dim=32, mlp_dim=64),
-    "resnet": _resnet,
-}
 # the corpus's two test modules, one per xdist worker (``--dist loadfile``): float8's
 # calibration dominates, and costs most on the decoder-only LLMs
 HALVES: dict[str, tuple[str, ...]] = {
@@ -99,7 +70,7 @@ class Source:
 
 def _export(name: str, folder: Path) -> Source:
     keras.utils.set_random_seed(0)
-    backbone = BACKBONES[name]()
+    backbone = hub.backbone(name)  # the tiny defaults
     backbone.export(str(folder / name), verbose=False)
     feeds, _ = validate.plan_feeds(read_model(folder / name), None, 1)
     batch = feeds[SIGNATURE][0]

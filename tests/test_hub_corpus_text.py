@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hub_corpus import BACKBONES, HALVES, Source, check_backbone, exporter, targets
+from amp_rewrite.testing.hub import BACKBONES
+from hub_corpus import HALVES, Source, check_backbone, exporter, targets
 
 
 @pytest.fixture(scope="module")
