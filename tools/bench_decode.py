@@ -251,11 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = Sizes(CausalLMShape(args.vocab, args.width, args.layers, args.heads, args.length), args.prompt,
                   args.rounds, args.train_s)
-    if args.smoke:
-        sizes = Sizes(CausalLMShape(64, 32, 2, 2, 16), 4, 2, 5.0)
+    models = args.models.split(",")
+    if args.smoke:  # one model: the others take the same path (tests/test_tools.py runs this in make test)
+        sizes, models = Sizes(CausalLMShape(64, 32, 2, 2, 16), 4, 2, 2.0), models[:1]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="amp-rewrite-decode-") as workdir:
-        rows = [row for name in args.models.split(",") for row in measure_model(name, sizes, Path(workdir))]
+        rows = [row for name in models for row in measure_model(name, sizes, Path(workdir))]
         agreement = measure_agreement(sizes, Path(workdir)) if sizes.train_s > 0 else None
         section = render(rows, agreement, sizes, time.perf_counter() - started, args.smoke)
         print(section)
