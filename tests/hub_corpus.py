@@ -146,3 +146,20 @@ def check_backbone(source: Source, name: str, target: str, destination: Path) ->
         status, shown = printed[output]
         assert status == "ok" and error <= tolerance, f"{name} {target} {output}: p99-rel {error:.3g}\n{run.out}"
         assert error == pytest.approx(shown, rel=0.01, abs=1e-6), f"{output}: served {error:.3g}, validation {shown}"
+
+
+def half(which: str) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """One test module's fixture and test for the backbones of ``HALVES[which]``: each module
+    assigns them (``sources, test_... = half("text")``), so pytest collects them there."""
+    @pytest.fixture(scope="module")
+    def sources(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Source]:
+        return exporter(tmp_path_factory.mktemp(f"hub_corpus_{which}"))
+
+    @pytest.mark.parametrize("target", targets())
+    @pytest.mark.parametrize("name", HALVES[which])
+    def test(sources: Callable[[str], Source], tmp_path: Path, name: str, target: str) -> None:
+        """Rule: a keras_hub backbone converts (nodes converted), validates on random inputs it
+        accepts (p99-rel within the target's tolerance), and its reloaded result serves that
+        batch with the error validation printed."""
+        check_backbone(sources(name), name, target, tmp_path / "converted")
+    return sources, test
