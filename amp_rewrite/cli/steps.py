@@ -22,7 +22,7 @@ from amp_rewrite.cli import weights
 from amp_rewrite.cli.options import Progress, say
 from amp_rewrite.core.canonical import low_dtypes
 from amp_rewrite.core.float8 import inference as float8
-from amp_rewrite.core.functions import split_scope
+from amp_rewrite.core.functions import LOOP_OPS, split_scope
 from amp_rewrite.core.lists import OpLists, load_float8
 from amp_rewrite.core.graph_io import every_node
 from amp_rewrite.core.precision import already_low, source_precision
@@ -281,7 +281,7 @@ def summary_lines(model: Model, report: Report, lists: OpLists) -> list[str]:
 
 def _loop_lines(report: Report) -> list[str]:
     """How many float32 values the model's loops carry low from one iteration to the next."""
-    carried = [d for d in report.decisions if d.op in ("While", "StatelessWhile")]
+    carried = [d for d in report.decisions if d.op in LOOP_OPS]
     if not carried:
         return []
     low = sum(d.converted for d in carried)

@@ -32,7 +32,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, typ
 
 from amp_rewrite.core import colouring, typegraph
 from amp_rewrite.core.colouring import PaintContext, Painting
-from amp_rewrite.core.functions import RETVAL_SUFFIX, called_functions
+from amp_rewrite.core.functions import LOOP_OPS, RETVAL_SUFFIX, called_functions
 from amp_rewrite.core.lists import OpLists
 from amp_rewrite.core.program import MAIN_GRAPH
 from amp_rewrite.core.rules import Reason, Rule
@@ -42,7 +42,6 @@ Slot = tuple[str, Vertex]  # (item, vertex): MAIN_GRAPH or a function name
 
 _T = TypeAttr("T")
 LOOPS = "loops"  # cross_function's value that links loop boundaries only
-LOOP_OPS = frozenset({"While", "StatelessWhile"})
 # Ops that write a slice of a buffer and return it: no arithmetic, a copy at most.
 IN_PLACE_UPDATE_OPS = {
     "TensorScatterUpdate": "writes slices into a buffer (a KV cache); no arithmetic",

@@ -20,6 +20,7 @@ from amp_rewrite.core.graph_io import CONTROL, arg_port_count, make_node_def, pa
 from amp_rewrite.errors import GraphError
 
 RETVAL_SUFFIX = "_RetVal"
+LOOP_OPS = frozenset({"While", "StatelessWhile"})  # functional loops: a body and a cond function
 # A traced tf.function's name: TensorFlow's prefix, the Python name, then a process-wide
 # counter (two for a backward function), which a new process or another export changes.
 _TRACED_NAME = re.compile(r"(__inference_|__forward_|__backward_)(.+?)((?:_\d+){1,2})")

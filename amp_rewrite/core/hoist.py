@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, tensor_shape_pb2, types_pb2
 
 from amp_rewrite.core.casts import is_amp_cast
-from amp_rewrite.core.functions import called_functions
+from amp_rewrite.core.functions import LOOP_OPS, called_functions
 from amp_rewrite.core.graph_io import copy_graph_def, make_node_def
 
-LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _UNKNOWN = tensor_shape_pb2.TensorShapeProto(unknown_rank=True)
 
 

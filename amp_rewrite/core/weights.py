@@ -36,6 +36,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2, op_
 from tensorflow.core.protobuf import saved_object_graph_pb2
 
 from amp_rewrite.core import functions
+from amp_rewrite.core.functions import LOOP_OPS
 from amp_rewrite.core.graph_io import CONTROL, LEFT_IN_FILE, TensorRef, copy_graph_def, input_node, \
     is_left_in_file, make_node_def, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
@@ -56,7 +57,6 @@ FORWARD_OPS = frozenset({"Identity", "Snapshot"})  # output = input: a handle or
 SHAPE_OPS = frozenset({"Shape", "Size", "Rank"})   # read a value's shape only: any dtype gives the same answer
 T_OPS = FORWARD_OPS | SHAPE_OPS                     # the ops of those whose dtype attr is T
 VALUE_OPS = READ_OPS | FORWARD_OPS                  # what gives a variable's value
-LOOP_OPS = frozenset({"While", "StatelessWhile"})
 MARKED_OPS = frozenset({"VarHandleOp", "_Arg", "Const", "RestoreV2", *LOOP_OPS})  # indexed by op: the walks' starts
 SHOWN_KEPT = 5  # float32 variables named, one per line, with their reason; the rest counted
 

@@ -30,6 +30,7 @@ from tensorflow.core.framework.graph_pb2 import GraphDef
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from amp_rewrite.core.casts import is_amp_cast
+from amp_rewrite.core.functions import LOOP_OPS
 from amp_rewrite.core.graph_io import parse_tensor_name
 from amp_rewrite.core.program import Program, program_of
 from amp_rewrite.testing.models import (
@@ -41,7 +42,6 @@ from amp_rewrite.testing.models import (
 )
 
 LOOP_GRAPH_NAMES: tuple[str, ...] = ("lstm", "gru", "while_loop")
-LOOP_OPS = frozenset({"While", "StatelessWhile"})
 
 _RECURRENT = {"seq_len": 8, "features": 16, "units": 32}
 _WHILE_LOOP = {"width": 16, "iterations": 6}
