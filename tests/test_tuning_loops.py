@@ -132,6 +132,8 @@ def test_tune_model_counts_the_loop(loop, tmp_path: Path):
                               budget_s=1e-9)
     assert tuning.problem.repeats[_body(shapes)] == SHAPE.length - 1
     assert not any("could not be timed" in note for note in tuning.notes), tuning.notes
+    assert "the loops were not run whole (no time left in the budget)" in " ".join(tuning.notes)
+    assert tuning.problem.loop_scale == {}
 
 
 def test_a_reshape_in_a_loop_is_timed_at_the_shape_it_makes():
@@ -231,3 +233,76 @@ def test_a_timed_cast_costs_at_least_a_node():
     costs = _Costs(Problem((BATCH,)), timings, LOW, True)
     assert costs.cast((2, 4)) == (3e-6, 3e-6)
     assert costs.cast((64, 64)) == (1e-5, 2e-5)
+
+
+def test_a_loop_run_whole_scales_what_its_body_costs_in_the_target(loop):
+    """Timed alone, every bfloat16 op is 10% faster and the lists' conversion is planned; run
+    whole, the conversion takes 2 ms more than the source: the extra the ops did not
+    show lands on the body's bfloat16 seconds (``loop_scale``), the calibrated model
+    gives the measured extra back, and every node is kept float32."""
+    from amp_rewrite.tuning.decide import loop_scale
+
+    _, _, shapes, problem = loop
+    looped = Problem(problem.batch_sizes, problem.candidates, problem.fused, problem.tensors,
+                     {_body(shapes): float(SHAPE.length - 1)})
+    timings = _table(looped, (1e-4, 0.9e-4), 0.0)
+    alone = plan_keeps(looped, timings, "bfloat16", LOW)
+    assert alone.keep == {}
+    f32, lists, _ = alone.modeled[BATCH]
+    source_s = 0.05
+    scale = loop_scale(looped, timings, LOW, True, BATCH, source_s=source_s, lists_s=source_s + 0.002)
+    assert scale == pytest.approx(1 + (0.002 - (lists - f32)) / lists)  # every bfloat16 second is in the body
+    looped.loop_scale[BATCH] = scale
+    run = plan_keeps(looped, timings, "bfloat16", LOW)
+    assert run.modeled[BATCH][1] - run.modeled[BATCH][0] == pytest.approx(0.002)
+    assert set(run.keep) == set(looped.candidates)
+    assert speed.modeled_speed(run, BATCH, source_s, tuned=False) == pytest.approx(source_s / (source_s + 0.002))
+
+
+def test_a_loop_scale_stays_within_its_bounds(loop):
+    """A whole run far off what any scale of the body's seconds could give (noise) moves the
+    scale to its bound, not past it; a problem with nothing timed in a loop has none."""
+    from amp_rewrite.tuning.decide import LOOP_SCALES, loop_scale
+
+    _, _, shapes, problem = loop
+    looped = Problem(problem.batch_sizes, problem.candidates, problem.fused, problem.tensors,
+                     {_body(shapes): float(SHAPE.length - 1)})
+    timings = _table(looped, (1e-4, 1e-4), 0.0)
+    assert loop_scale(looped, timings, LOW, True, BATCH, source_s=1.0, lists_s=0.5) == LOOP_SCALES[0]
+    assert loop_scale(looped, timings, LOW, True, BATCH, source_s=0.5, lists_s=9.0) == LOOP_SCALES[1]
+    assert loop_scale(looped, Timings(), LOW, True, BATCH, source_s=0.5, lists_s=0.6) is None
+    outside = Problem(problem.batch_sizes, problem.candidates, problem.fused, problem.tensors)
+    assert loop_scale(outside, timings, LOW, True, BATCH, source_s=0.5, lists_s=0.6) is None
+
+
+def test_tune_model_runs_a_converted_loop_whole(loop, tmp_path: Path):
+    """With time in the budget, ``tune_model`` runs the source and the lists' conversion of
+    the decode loop whole: the batch gets a scale within bounds, and a note says what ran."""
+    from amp_rewrite.tuning.decide import LOOP_SCALES
+
+    model, feeds, _, _ = loop
+    cache = speed.open_cache(tmp_path / "timings.json", lookup_target("bfloat16"))
+    tuning = speed.tune_model(model, {BATCH: feeds}, target="bfloat16", lists=load_lists("bfloat16"), cache=cache,
+                              budget_s=6.0)
+    assert LOOP_SCALES[0] <= tuning.problem.loop_scale[BATCH] <= LOOP_SCALES[1]
+    (note,) = [note for note in tuning.notes if "run whole" in note]
+    assert note.startswith("the source and the lists' conversion were run whole") and f"batch {BATCH} " in note
+
+
+def test_a_cast_back_to_float32_costs_what_the_cast_back_was_timed():
+    """A converted producer read by a float32 node pays the cast back to float32; a float32
+    producer read by a converted node the cast down; each its own timing."""
+    from amp_rewrite.tuning.decide import Candidate, modeled_seconds
+    from amp_rewrite.tuning.timing import cast_pair
+
+    shape = (4, 4)
+    pair = cast_pair(shape, LOW)
+    assert pair.first.node_def.attr["SrcT"].type == types_pb2.DT_FLOAT  # the first form casts down
+    timings = Timings()
+    timings.seconds.update({pair.first.key: 1e-5, pair.second.key: 3e-5})
+    producer, reader = ("g", "a"), ("g", "b")
+    problem = Problem((1,), candidates={producer: Candidate(producer, "Relu", {1: None}),
+                                        reader: Candidate(reader, "Relu", {1: None})},
+                      tensors={("g", "a:0"): (producer, [reader], True, False, {1: shape})})
+    assert modeled_seconds(problem, timings, LOW, True, 1, {producer}) == pytest.approx(3e-5)  # back, once
+    assert modeled_seconds(problem, timings, LOW, True, 1, {reader}) == pytest.approx(1e-5)  # down

@@ -12,11 +12,14 @@ weights, 4 layers 256 wide; keras_hub must be installed), prompts of 8 tokens:
 * ``amp-rewrite convert --target bfloat16`` (the lists alone);
 * ``amp-rewrite convert --target bfloat16 --tune speed --batch-sizes 1,8``.
 
-Then the timing's plan is read back from the cache that convert filled (nothing timed
-again), and the source and both results are called in turn (rounds, the order rotated)
-at batch 1 and 8 in this one process. For each result: the measured speed-up (median over
-rounds of the source's time / the result's) and the modeled one, and their ratio; the goal
-is modeled / measured within 10%.
+Then the timing's plan is read back from the cache that convert filled (no op timed
+again; the loop is run whole again, as ``--tune speed`` runs it to scale what a body costs
+in bfloat16). A third result checks the model where nothing calibrated it: "between", the
+op type the model finds costliest kept float32 (``--lists`` overlay), its modeled time the
+plan's seconds with just those nodes in float32. The source and the three results are
+called in turn (rounds, the order rotated) at batch 1 and 8 in this one process. For each:
+the measured speed-up (median over rounds of the source's time / the result's) and the
+modeled one, and their ratio; the goal is modeled / measured within 10%.
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py             # a few minutes
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py --model gpt2 --rounds 7
@@ -117,8 +120,9 @@ def convert(source: Path, destination: Path, *extra: str) -> str:
     return out.getvalue() + err.getvalue()
 
 
-def plan_of(source: Path, cache: Path, inputs: Path) -> Any:
-    """The plan ``--tune speed --batch-sizes 1,8`` made, from its cache (nothing timed again)."""
+def tuning_of(source: Path, cache: Path, inputs: Path) -> Any:
+    """What ``--tune speed --batch-sizes 1,8`` computed (its plan, problem, timings), from its
+    cache: no op timed again; the loops run whole again (their scale is measured each time)."""
     from amp_rewrite.calibration import speed
     from amp_rewrite.calibration.savedmodel import read_model
     from amp_rewrite.core.boundaries import LOOPS
@@ -132,7 +136,51 @@ def plan_of(source: Path, cache: Path, inputs: Path) -> Any:
                               cross_function=LOOPS)  # convert's default: the graph it wrote
     if tuning.timings.timed:
         print(f"note: {tuning.timings.timed} op(s) were not in the cache and were timed again", file=sys.stderr)
-    return tuning.plan, tuning.problem
+    return tuning
+
+
+def between(tuning: Any, work: Path) -> tuple[Path, set, str]:
+    """A plan neither the lists' nor the tuned one, to check the model where it was not
+    calibrated: the converted op type the model thinks costliest in float32 at batch 1 kept
+    float32 (an overlay for ``--lists``). Returns the overlay, the nodes that rewrite
+    converts, and the op type."""
+    from dataclasses import replace
+
+    import yaml
+
+    from amp_rewrite.calibration.calibrate import keep_entries, node_items
+    from amp_rewrite.calibration.savedmodel import rewrite_model
+    from amp_rewrite.core.boundaries import LOOPS
+    from amp_rewrite.core.lists import load_lists
+    from amp_rewrite.tuning.decide import modeled_seconds
+
+    problem, low = tuning.problem, tuning.target.dtype
+    ops = {candidate.op for candidate in problem.candidates.values()}
+    by_op = {op: modeled_seconds(replace(problem, tensors={}, candidates={
+        node: c for node, c in problem.candidates.items() if c.op == op}), tuning.timings, low, True, 1, set())
+        for op in ops}  # each op type's float32 seconds, its casts left out
+    op = max(by_op, key=by_op.get)
+    keep = {node: f"bench: every {op} kept float32" for node, c in problem.candidates.items() if c.op == op}
+    entries = keep_entries(keep, node_items(tuning.model.program, tuning.model.entry_functions))
+    overlay = work / "between.yaml"
+    overlay.write_text(yaml.safe_dump({"keep_nodes": dict(entries)}))
+    result = rewrite_model(tuning.model, target="bfloat16", lists=load_lists("bfloat16").keeping(entries),
+                           cross_function=LOOPS)
+    converted = {(d.function, d.node) for d in result.report.decisions if d.converted}
+    return overlay, converted & set(problem.candidates), op
+
+
+def modeled_of(tuning: Any, name: str, converted: set, batch: int, source_s: float) -> float:
+    """The model's speed-up at ``batch`` for a source of ``source_s`` a call: the lists' or
+    the tuned plan's (``Plan.modeled``), or ``converted`` in the target (``between``)."""
+    from amp_rewrite.calibration.speed import modeled_speed
+    from amp_rewrite.tuning.decide import Plan, modeled_seconds
+
+    plan = tuning.plan
+    if name == "between":
+        seconds = modeled_seconds(tuning.problem, tuning.timings, tuning.target.dtype, True, batch, converted)
+        plan = Plan({}, {batch: (plan.modeled[batch][0], seconds, seconds)})
+    return modeled_speed(plan, batch, source_s, tuned=name != "lists") or 1.0
 
 
 def callers(paths: dict[str, Path], feeds: dict[str, Any], output: str) -> dict[str, Callable[[], Any]]:
@@ -172,8 +220,6 @@ def main() -> int:
     args = parser.parse_args()
     from bench_pass import machine_line
 
-    from amp_rewrite.calibration.speed import modeled_speed
-
     if args.model == "gpt2" and importlib.util.find_spec("keras_hub") is None:
         print("keras_hub is not installed: --model gpt2 cannot run here", file=sys.stderr)
         return 77
@@ -191,19 +237,23 @@ def main() -> int:
                        "1,8", "--tune-cache", str(cache), "--tune-budget", str(args.tune_budget))
         paths.update(lists=work / "lists", tuned=work / "tuned")
         print("\n".join(line for line in said.splitlines() if line.startswith(("Timing:", "Speed against", "Note:"))))
-        plan, problem = plan_of(paths["float32"], cache, inputs)
-        loops = ", ".join(f"{item} x{count:g}" for item, count in sorted(problem.repeats.items()))
-        print(f"runs per call counted: {loops or 'none'}")
-        print("| batch | float32 ms | lists: measured | lists: modeled | modeled/measured"
-              " | tuned: measured | tuned: modeled | modeled/measured |")
-        print("|---|---|---|---|---|---|---|---|")
+        tuning = tuning_of(paths["float32"], cache, inputs)
+        overlay, converted, op = between(tuning, work)
+        convert(paths["float32"], work / "between", "--inputs", str(inputs), "--lists", str(overlay))
+        paths["between"] = work / "between"
+        loops = ", ".join(f"{item} x{count:g}" for item, count in sorted(tuning.problem.repeats.items()))
+        print(f"runs per call counted: {loops or 'none'}; between: every {op} kept float32,"
+              f" {len(converted)} of {len(tuning.problem.candidates)} converted")
+        print("| batch | float32 ms | lists: measured | modeled | modeled/measured | between: measured | modeled"
+              " | modeled/measured | tuned: measured | modeled | modeled/measured |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for batch in BATCHES:
             seconds = time_rounds(callers(paths, loop.feeds(batch), loop.output), rounds)
             source = statistics.median(seconds["float32"])
             cells = [str(batch), f"{source * 1e3:.1f}"]
-            for name, tuned in (("lists", False), ("tuned", True)):
+            for name in ("lists", "between", "tuned"):
                 measured = statistics.median(a / b for a, b in zip(seconds["float32"], seconds[name]))
-                modeled = modeled_speed(plan, batch, source, tuned) or 1.0
+                modeled = modeled_of(tuning, name, converted, batch, source)
                 cells += [f"{measured:.2f}x", f"{modeled:.2f}x", f"{modeled / measured:.2f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
     return 0

@@ -17,12 +17,13 @@ then time the whole result against the source (README, "Tuning for speed").
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 import yaml
+from tensorflow.core.framework import graph_pb2
 
 from amp_rewrite.calibration import statistics as tensor_statistics
 from amp_rewrite.calibration import validate
@@ -43,7 +45,7 @@ from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.core.target import Target, lookup_target
 from amp_rewrite.errors import AmpRewriteError, ModelError
 from amp_rewrite.tuning import cache as timing_cache
-from amp_rewrite.tuning.decide import Plan, Problem, costliest, plan_rewrite
+from amp_rewrite.tuning.decide import Plan, Problem, costliest, loop_scale, plan_keeps, plan_rewrite
 from amp_rewrite.tuning.shapes import Shapes, infer_shapes, traced_inputs
 from amp_rewrite.tuning.timing import Budget, Timings
 
@@ -54,6 +56,7 @@ MAX_ROUNDS = 15
 SLOWER = 0.95        # a result under this speed-up is called slower: within 5%, two runs of one model differ
 DEFAULT = object()   # cache=DEFAULT: the file at tuning.cache.default_path()
 LOOP_PROBES = 8      # float tensors counted per function a loop runs, for its iterations
+LOOP_SHARE = 0.5     # of the budget the op timing left, for running a model with converted loops whole
 
 BatchFeeds = dict[int, validate.Feeds]  # batch size -> the feeds at it
 
@@ -179,6 +182,10 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     repeats, uncounted = loop_repeats(model, feeds[first], shapes[first])
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low, repeats=repeats)
+    looped = run_loops(model, base, feeds, problem, timings=timings, target=target, weights_low=weights_low,
+                       budget=budget)
+    if problem.loop_scale:
+        plan = plan_keeps(problem, timings, target.name, target.dtype, weights_low)
     keep = keep_entries(plan.keep, node_items(model.program, model.entry_functions)) if plan.keep else {}
     tuned_lists = lists.keeping(keep) if keep else lists
     result = rewrite_model(model, target=target.name, lists=tuned_lists, cross_function=cross_function) if keep \
@@ -188,10 +195,56 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
         r is None for r in c.runs.values()))
     notes = [f"{untimeable} converted node(s) could not be timed alone (unknown shapes or values); they follow"
              " their neighbours"] if untimeable else []
-    notes += [uncounted] if uncounted else []
+    notes += [line for line in (uncounted, looped) if line]
     budget.pause()  # until the whole-model check: writing and validating are not timing
     return Tuning(model, target, result, tuned_lists, keep, plan, problem, timings, feeds, budget, weights_low,
                   tuple(notes))
+
+
+def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Problem, *, timings: Timings,
+              target: Target, weights_low: bool, budget: Budget) -> str:
+    """Where loop bodies hold converted ops: the source and the lists' conversion (``base``)
+    run whole at each batch size, in turn, for ``LOOP_SHARE`` of what ``budget`` has left;
+    what a loop costs as it runs sets ``problem.loop_scale`` (``decide.loop_scale``). One
+    line for the user ("" where no loop holds a converted op)."""
+    if not any(problem.looped(item) for item, _ in problem.candidates):
+        return ""
+    if budget.left() <= 0:
+        return "the loops were not run whole (no time left in the budget): a loop body's ops count as timed alone"
+    end = time.perf_counter() + budget.left() * LOOP_SHARE
+    shown, took, last = [], 0.0, 0
+    with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
+        for index, (size, fed) in enumerate(feeds.items()):
+            share = (end - time.perf_counter()) / (len(feeds) - index)
+            expected = took * max(size / last, 1.0) if last else 0.0
+            check, took = _check_batch(size, (source(fed), lists(fed)), time.perf_counter() + share, expected)
+            last = size
+            scale = None if check.speed is None else loop_scale(
+                problem, timings, target.dtype, weights_low, size,
+                source_s=check.source_s, lists_s=check.source_s / check.speed)
+            if scale is None:
+                shown.append(f"batch {size} not run: {check.unchecked or 'too few rounds fit in the budget'}"
+                             if check.speed is None else f"batch {size}: nothing in a loop was timed")
+                continue
+            problem.loop_scale[size] = scale
+            shown.append(f"batch {size} {check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms, a body's"
+                         f" {target.name} seconds count x{scale:.2f}")
+    return ("the source and the lists' conversion were run whole, to count what a loop body costs as it runs"
+            f" (its ops timed alone say least): {'; '.join(shown)}")
+
+
+@contextlib.contextmanager
+def _in_session(model: Model, graph_def: graph_pb2.GraphDef) -> Iterator[Callable[[validate.Feeds], Callable[[], Any]]]:
+    """``graph_def`` loaded as ``model`` in a TF1 Session, grappler on as in serving; given
+    feeds, one call of the signature ``_loaded`` would call."""
+    with tensor_statistics.model_session(model, graph_def, tf.compat.v1.ConfigProto()) as session:
+        def bind(feeds: validate.Feeds) -> Callable[[], Any]:
+            key = "serving_default" if "serving_default" in feeds else min(feeds)
+            inputs, outputs = model.signatures[key]
+            fed = {inputs[name]: value for name, value in feeds[key][0].items()}
+            fetches = list(outputs.values())
+            return lambda: session.run(fetches, feed_dict=fed)
+        yield bind
 
 
 def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> tuple[dict[str, float], str]:

@@ -620,7 +620,8 @@ class Runner:
 def _load(model: Model, graph_def: graph_pb2.GraphDef) -> _Loaded:
     """A session with ``graph_def`` loaded as ``model`` would be, with what it loaded."""
     with contextlib.ExitStack() as stack:
-        session = stack.enter_context(_loaded(model, graph_def, tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)))
+        config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
+        session = stack.enter_context(model_session(model, graph_def, config))
         return _Loaded(session, {f.signature.name: f.SerializeToString(deterministic=True)
                                  for f in graph_def.library.function},
                        {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node}, stack.pop_all())
@@ -710,7 +711,7 @@ class _WithoutDeprecations(logging.Filter):
 
 
 @contextlib.contextmanager
-def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
+def model_session(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
     """A Session with ``graph_def`` loaded as ``model`` would be; closed on exit. Neither it
     nor its graph is made the default while it is open: the caller's code between runs
     stays as eager as it was."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -68,6 +68,12 @@ class Problem:
         default_factory=dict)
     # item -> how many times one call of the model runs it (a loop's body: its iterations); 1 where absent
     repeats: dict[str, float] = field(default_factory=dict)
+    # batch -> what the target's seconds in a loop's body (its ops', its casts') count for: the
+    # loop run whole against the same ops timed alone (``loop_scale``); 1 where absent
+    loop_scale: dict[int, float] = field(default_factory=dict)
+
+    def looped(self, item: str) -> bool:
+        return self.repeats.get(item, 1.0) > 1
 
     def pairs(self, low: int, weights_low: bool = True) -> list[Pair]:
         """Everything to time: each candidate's two forms and each boundary's casts (not a
@@ -264,7 +270,11 @@ class _Costs:
         else:
             first, second = (rate * pair.weight for rate in self.rate(self.problem.candidates[node].op, batch))
         repeats = self.problem.repeats.get(node[0], 1.0)
-        return first * repeats, second * repeats / (1 + margin)
+        return first * repeats, second * repeats * self.scale(node[0], batch) / (1 + margin)
+
+    def scale(self, item: str, batch: int) -> float:
+        """What a second of the target's counts for in ``item`` (``Problem.loop_scale``)."""
+        return self.problem.loop_scale.get(batch, 1.0) if self.problem.looped(item) else 1.0
 
     def rate(self, op: str, batch: int) -> tuple[float, float]:
         """Median (float32, target) seconds per output element of the ``op`` candidates timed at ``batch``."""
@@ -274,13 +284,15 @@ class _Costs:
         return self.rates[(op, batch)] or (0.0, 0.0)
 
     def boundary(self, key: tuple[str, str], batch: int) -> tuple[float, float]:
-        """(down, up) seconds per call of the model of the casts of tensor ``key``: once per
-        run of its item (each iteration, in a loop's body)."""
-        repeats = self.problem.repeats.get(key[0], 1.0)
-        return tuple(seconds * repeats for seconds in self.cast(self.problem.tensors[key][4][batch]))
+        """(back, down) seconds per call of the model of the casts of tensor ``key``: back to
+        float32 (its producer in the target, a reader float32), down to the target (the other
+        way round); once per run of its item (each iteration, in a loop's body)."""
+        repeats = self.problem.repeats.get(key[0], 1.0) * self.scale(key[0], batch)
+        down, back = self.cast(self.problem.tensors[key][4][batch])
+        return back * repeats, down * repeats
 
     def cast(self, shape: tuple[int, ...] | None) -> tuple[float, float]:
-        """(down, up) seconds of the casts of a tensor of ``shape``, each at least what the
+        """(down, back) seconds of the casts of a tensor of ``shape``, each at least what the
         executor takes to run one more node (``Timings.node_s``): a cast too small to time
         is still a node to run, in a loop's body once per iteration."""
         if shape is None:
@@ -310,17 +322,61 @@ def _median_rates(timings: Timings, pairs: Sequence[Pair]) -> tuple[float, float
             statistics.median(timings.seconds[p.second.key] / p.weight for p in timed))
 
 
-def _cost(costs: _Costs, batch: int, low: set[Node], margin: float = MARGIN) -> float:
-    """Modeled seconds at ``batch`` of the candidates and casts, ``low`` the nodes in the
-    target (their time discounted by ``margin``)."""
+def _cost(costs: _Costs, batch: int, low: set[Node], margin: float = MARGIN,
+          tensors: Callable[[tuple[str, str]], bool] = lambda key: True) -> float:
+    """Modeled seconds at ``batch`` of the candidates and casts (at the ``tensors`` it holds
+    for), ``low`` the nodes in the target (their time discounted by ``margin``)."""
     total = sum(costs.node(node, batch, margin)[node in low] for node in costs.problem.candidates)
     for key, (producer, readers, others, weight, _) in costs.problem.tensors.items():
-        down, up = costs.boundary(key, batch)
+        if not tensors(key):
+            continue
+        back, down = costs.boundary(key, batch)
         if producer in low and (others or any(r not in low for r in readers)):
-            total += down
+            total += back
         elif producer not in low and any(r in low for r in readers) and not (weight and costs.weights_low):
-            total += up
+            total += down
     return total
+
+
+LOOP_SCALES = (0.25, 10.0)  # the least and most a loop's run whole may scale its target seconds by
+
+
+def loop_scale(problem: Problem, timings: Timings, low: int, weights_low: bool, batch: int, *,
+               source_s: float, lists_s: float) -> float | None:
+    """What the target's seconds in loop bodies count for at ``batch``, from one whole run:
+    the source took ``source_s`` a call and the lists' conversion ``lists_s``. Ops timed
+    alone model the lists' extra seconds; what the run shows beyond that is put on the
+    target's seconds in the loops (their ops' and casts'), the place where ops timed alone
+    say least (a body's ops are small, and run thousands of times). The casts of weights
+    read low, which the run pays and a written model does not (it stores them low), come
+    off first. None: no target seconds in a loop to scale (nothing timed there)."""
+    unscaled = replace(problem, loop_scale={})
+    costs = _Costs(unscaled, timings, low, weights_low)
+    everything = set(problem.candidates)
+    looped = {node for node in everything if problem.looped(node[0])}
+    in_loops = sum(costs.node(node, batch, 0.0)[1] for node in looped) + _casts(
+        costs, batch, everything, lambda key: problem.looped(key[0]))
+    if in_loops <= 0:
+        return None
+    modeled = _cost(costs, batch, everything, 0.0) - _cost(costs, batch, set(), 0.0)
+    weight_casts = sum(costs.cast(by_batch[batch])[0] for producer, readers, others, weight, by_batch
+                       in problem.tensors.values()
+                       if weight and weights_low and producer not in everything and readers and not others)
+    measured = lists_s - source_s - weight_casts
+    return min(max(1.0 + (measured - modeled) / in_loops, LOOP_SCALES[0]), LOOP_SCALES[1])
+
+
+def modeled_seconds(problem: Problem, timings: Timings, low: int, weights_low: bool, batch: int,
+                    low_nodes: set[Node]) -> float:
+    """Modeled seconds at ``batch`` of the candidates and their casts with ``low_nodes`` in
+    the target and the rest float32 (the plan's own figures are ``Plan.modeled``)."""
+    return _cost(_Costs(problem, timings, low, weights_low), batch, low_nodes, 0.0)
+
+
+def _casts(costs: _Costs, batch: int, low: set[Node], where: Callable[[tuple[str, str]], bool]) -> float:
+    """Seconds of the casts ``low`` needs at the tensors ``where`` holds for."""
+    return _cost(costs, batch, low, 0.0, where) - sum(
+        costs.node(n, batch, 0.0)[n in low] for n in costs.problem.candidates)
 
 
 def _cut(costs: _Costs, weights: Mapping[int, float]) -> set[Node]:
@@ -344,17 +400,17 @@ def _cut(costs: _Costs, weights: Mapping[int, float]) -> set[Node]:
             add(node, sink, weight * first)
     for key, (producer, readers, others, weight_op, _) in costs.problem.tensors.items():
         for batch, weight in weights.items():
-            down, up = costs.boundary(key, batch)
+            back, down = costs.boundary(key, batch)
             if producer in costs.problem.candidates:
                 if others:
-                    add(source, producer, weight * down)
+                    add(source, producer, weight * back)
                 elif readers:
-                    add(("down", key), producer, weight * down)
+                    add(("back", key), producer, weight * back)
             if readers and not (weight_op and costs.weights_low and producer not in costs.problem.candidates):
-                add(producer if producer in costs.problem.candidates else source, ("up", key), weight * up)
+                add(producer if producer in costs.problem.candidates else source, ("down", key), weight * down)
         for reader in readers:
-            graph.add_edge(reader, ("down", key), capacity=math.inf)
-            graph.add_edge(("up", key), reader, capacity=math.inf)
+            graph.add_edge(reader, ("back", key), capacity=math.inf)
+            graph.add_edge(("down", key), reader, capacity=math.inf)
     if source not in graph or sink not in graph:
         return set(costs.problem.candidates)
     _, (_, target_side) = nx.minimum_cut(graph, source, sink)
@@ -450,8 +506,7 @@ def costliest(problem: Problem, timings: Timings, low: int, weights_low: bool, c
         first, second = costs.node(node, batch, margin=0.0)
         if first > 0:
             extra.setdefault(problem.candidates[node].op, []).append(second - first)
-    casts = _cost(costs, batch, converted, 0.0) - sum(costs.node(n, batch, 0.0)[n in converted]
-                                                       for n in problem.candidates)
+    casts = _casts(costs, batch, converted, lambda key: True)
     ranked = sorted(((sum(v), op, len(v)) for op, v in extra.items() if sum(v) > 0), reverse=True)[:count]
     parts = [f"{op} +{total * 1e3:.2f} ms over float32 ({n} node(s))" for total, op, n in ranked]
     return ", ".join(parts + [f"casts {casts * 1e3:.2f} ms" + ("" if parts else "; no converted op is slower alone")])
