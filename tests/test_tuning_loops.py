@@ -306,3 +306,27 @@ def test_a_cast_back_to_float32_costs_what_the_cast_back_was_timed():
                       tensors={("g", "a:0"): (producer, [reader], True, False, {1: shape})})
     assert modeled_seconds(problem, timings, LOW, True, 1, {producer}) == pytest.approx(3e-5)  # back, once
     assert modeled_seconds(problem, timings, LOW, True, 1, {reader}) == pytest.approx(1e-5)  # down
+
+
+def test_a_loop_that_fails_run_whole_counts_its_ops_as_timed_alone(loop, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    """The conversion failing in the whole run (here: TensorFlow refuses a feed) leaves no
+    scale, and one note says why; the plan is made from the ops timed alone."""
+    import contextlib
+
+    model, feeds, _, _ = loop
+
+    @contextlib.contextmanager
+    def failing(model, graph_def):
+        def bind(fed):
+            def call():
+                raise tf.errors.InvalidArgumentError(None, None, "the feed is refused")
+            return call
+        yield bind
+    monkeypatch.setattr(speed, "_in_session", failing)
+    cache = speed.open_cache(tmp_path / "timings.json", lookup_target("bfloat16"))
+    tuning = speed.tune_model(model, {BATCH: feeds}, target="bfloat16", lists=load_lists("bfloat16"), cache=cache,
+                              budget_s=6.0)
+    assert tuning.problem.loop_scale == {}
+    assert "the loops could not be run whole (the feed is refused): a loop body's ops count as timed alone" \
+        in tuning.notes

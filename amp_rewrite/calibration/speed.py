@@ -43,7 +43,7 @@ from amp_rewrite.core.lists import OpLists, load_lists
 from amp_rewrite.core.program import program_of
 from amp_rewrite.core.rewrite import RewriteResult, rewrite_graph_def
 from amp_rewrite.core.target import Target, lookup_target
-from amp_rewrite.errors import AmpRewriteError, ModelError
+from amp_rewrite.errors import AmpRewriteError, ModelError, tensorflow_cause
 from amp_rewrite.tuning import cache as timing_cache
 from amp_rewrite.tuning.decide import Plan, Problem, costliest, loop_scale, plan_keeps, plan_rewrite
 from amp_rewrite.tuning.shapes import Shapes, infer_shapes, traced_inputs
@@ -212,25 +212,38 @@ def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Pro
     if budget.left() <= 0:
         return "the loops were not run whole (no time left in the budget): a loop body's ops count as timed alone"
     end = time.perf_counter() + budget.left() * LOOP_SHARE
-    shown, took, last = [], 0.0, 0
-    with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
-        for index, (size, fed) in enumerate(feeds.items()):
-            share = (end - time.perf_counter()) / (len(feeds) - index)
-            expected = took * max(size / last, 1.0) if last else 0.0
-            check, took = _check_batch(size, (source(fed), lists(fed)), time.perf_counter() + share, expected)
-            last = size
-            scale = None if check.speed is None else loop_scale(
-                problem, timings, target.dtype, weights_low, size,
-                source_s=check.source_s, lists_s=check.source_s / check.speed)
-            if scale is None:
-                shown.append(f"batch {size} not run: {check.unchecked or 'too few rounds fit in the budget'}"
-                             if check.speed is None else f"batch {size}: nothing in a loop was timed")
-                continue
-            problem.loop_scale[size] = scale
-            shown.append(f"batch {size} {check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms, a body's"
-                         f" {target.name} seconds count x{scale:.2f}")
+    try:
+        with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
+            shown = _scale_loops(problem, feeds, (source, lists), end, timings=timings, target=target,
+                                 weights_low=weights_low)
+    except (tf.errors.OpError, ValueError, ModelError) as error:
+        problem.loop_scale.clear()
+        cause = str(error) if isinstance(error, ModelError) else tensorflow_cause(error)
+        return f"the loops could not be run whole ({cause}): a loop body's ops count as timed alone"
     return ("the source and the lists' conversion were run whole, to count what a loop body costs as it runs"
             f" (its ops timed alone say least): {'; '.join(shown)}")
+
+
+def _scale_loops(problem: Problem, feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float, *,
+                 timings: Timings, target: Target, weights_low: bool) -> list[str]:
+    """``run_loops`` at each batch size, its share of the time to ``end``: the scale set, and what was seen."""
+    shown, took, last = [], 0.0, 0
+    for index, (size, fed) in enumerate(feeds.items()):
+        share = (end - time.perf_counter()) / (len(feeds) - index)
+        expected = took * max(size / last, 1.0) if last else 0.0
+        check, took = _check_batch(size, (calls[0](fed), calls[1](fed)), time.perf_counter() + share, expected)
+        last = size
+        scale = None if check.speed is None else loop_scale(
+            problem, timings, target.dtype, weights_low, size,
+            source_s=check.source_s, lists_s=check.source_s / check.speed)
+        if scale is None:
+            shown.append(f"batch {size} not run: {check.unchecked or 'too few rounds fit in the budget'}"
+                         if check.speed is None else f"batch {size}: nothing in a loop was timed")
+            continue
+        problem.loop_scale[size] = scale
+        shown.append(f"batch {size} {check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms, a body's"
+                     f" {target.name} seconds count x{scale:.2f}")
+    return shown
 
 
 @contextlib.contextmanager
