@@ -1,25 +1,24 @@
 """Does ``--tune speed`` model a decode loop's speed? (issue 48, "time what a loop body really costs")
 
-``--tune speed`` times each converted op alone and predicts the whole model's speed-up
-from those times: the source's measured time with its converted ops' float32 seconds
-replaced by their seconds in the target, a loop body's ops and casts once per iteration
-(the iterations counted in one run of the model). This script checks that prediction on a
-greedy decode loop with a KV cache, converted to bfloat16 twice: ``--model decode``,
+``--tune speed`` times each converted op alone, runs a model whose loops hold converted
+ops whole (the source and the lists' conversion, in turn) to scale what a loop body costs
+in the target, and predicts the whole model's speed-up: the source's measured time with
+its converted ops' float32 seconds replaced by their seconds in the target, a loop body's
+ops and casts once per iteration (the iterations counted in one run of the model). This
+script checks that prediction on a greedy decode loop with a KV cache: ``--model decode``,
 ``amp_rewrite.testing.decode``'s (a ``While`` loop, the cache preallocated, weights read in
 the body); ``--model gpt2``, keras_hub's ``GPT2CausalLM.generate_step`` (greedy, random
-weights, 4 layers 256 wide; keras_hub must be installed), prompts of 8 tokens:
+weights, 4 layers 256 wide; keras_hub must be installed), prompts of 8 tokens.
 
-* ``amp-rewrite convert --target bfloat16`` (the lists alone);
-* ``amp-rewrite convert --target bfloat16 --tune speed --batch-sizes 1,8``.
-
-Then the timing's plan is read back from the cache that convert filled (no op timed
-again; the loop is run whole again, as ``--tune speed`` runs it to scale what a body costs
-in bfloat16). A third result checks the model where nothing calibrated it: "between", the
-op type the model finds costliest kept float32 (``--lists`` overlay), its modeled time the
-plan's seconds with just those nodes in float32. The source and the three results are
-called in turn (rounds, the order rotated) at batch 1 and 8 in this one process. For each:
-the measured speed-up (median over rounds of the source's time / the result's) and the
-modeled one, and their ratio; the goal is modeled / measured within 10%.
+The timing runs once in this process (``amp_rewrite.calibration.speed.tune_model`` at batch
+1 and 8, what ``convert --tune speed --batch-sizes 1,8`` runs; its lines are printed), and
+three results are written with ``amp-rewrite convert --target bfloat16``, each with the plan
+its model is for: "lists" (the lists alone); "tuned" (the timing's keeps as a ``--lists``
+overlay, which reproduces the tuned graph); "between", where nothing calibrated the model
+(the op type it finds costliest in float32 kept float32; modeled with just those nodes in
+float32). The source and the three are called in turn (rounds, the order rotated) at
+batch 1 and 8. For each: the measured speed-up (median over rounds of the source's time /
+the result's) and the modeled one, and their ratio; the goal is modeled / measured within 10%.
 
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py             # a few minutes
     TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python tools/bench_tune_loop.py --model gpt2 --rounds 7
@@ -120,9 +119,9 @@ def convert(source: Path, destination: Path, *extra: str) -> str:
     return out.getvalue() + err.getvalue()
 
 
-def tuning_of(source: Path, cache: Path, inputs: Path) -> Any:
-    """What ``--tune speed --batch-sizes 1,8`` computed (its plan, problem, timings), from its
-    cache: no op timed again; the loops run whole again (their scale is measured each time)."""
+def tuning_of(source: Path, cache: Path, inputs: Path, budget_s: float) -> Any:
+    """What ``convert --tune speed --batch-sizes 1,8`` computes (its plan, problem, timings):
+    ops timed into ``cache``, loops run whole, in ``budget_s`` seconds."""
     from amp_rewrite.calibration import speed
     from amp_rewrite.calibration.savedmodel import read_model
     from amp_rewrite.core.boundaries import LOOPS
@@ -132,10 +131,8 @@ def tuning_of(source: Path, cache: Path, inputs: Path) -> Any:
     model = read_model(source)
     feeds, _ = speed.batch_feeds(model, inputs, BATCHES)
     tuning = speed.tune_model(model, feeds, target="bfloat16", lists=load_lists("bfloat16"),
-                              cache=speed.open_cache(cache, lookup_target("bfloat16")),
-                              cross_function=LOOPS)  # convert's default: the graph it wrote
-    if tuning.timings.timed:
-        print(f"note: {tuning.timings.timed} op(s) were not in the cache and were timed again", file=sys.stderr)
+                              cache=speed.open_cache(cache, lookup_target("bfloat16")), budget_s=budget_s,
+                              cross_function=LOOPS)  # convert's default: the graph it writes
     return tuning
 
 
@@ -232,12 +229,12 @@ def main() -> int:
         paths = {"float32": loop.save(work / "float32")}
         cache, inputs = work / "timings.json", work / "prompts.npz"
         np.savez(inputs, **loop.feeds(1))
+        tuning = tuning_of(paths["float32"], cache, inputs, args.tune_budget)
+        print("\n".join([tuning.summary(), *[f"Note: {note}" for note in tuning.notes]]))
+        (work / "tuned.yaml").write_text(tuning.overlay())
         convert(paths["float32"], work / "lists", "--inputs", str(inputs))
-        said = convert(paths["float32"], work / "tuned", "--inputs", str(inputs), "--tune", "speed", "--batch-sizes",
-                       "1,8", "--tune-cache", str(cache), "--tune-budget", str(args.tune_budget))
+        convert(paths["float32"], work / "tuned", "--inputs", str(inputs), "--lists", str(work / "tuned.yaml"))
         paths.update(lists=work / "lists", tuned=work / "tuned")
-        print("\n".join(line for line in said.splitlines() if line.startswith(("Timing:", "Speed against", "Note:"))))
-        tuning = tuning_of(paths["float32"], cache, inputs)
         overlay, converted, op = between(tuning, work)
         convert(paths["float32"], work / "between", "--inputs", str(inputs), "--lists", str(overlay))
         paths["between"] = work / "between"

@@ -204,16 +204,16 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
 def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Problem, *, timings: Timings,
               target: Target, weights_low: bool, budget: Budget) -> str:
     """Where loop bodies hold converted ops: the source and the lists' conversion (``base``)
-    run whole at each batch size, in turn, for ``LOOP_SHARE`` of what ``budget`` has left;
-    what a loop costs as it runs sets ``problem.loop_scale`` (``decide.loop_scale``). One
-    line for the user ("" where no loop holds a converted op)."""
+    run whole at each batch size, in turn, for ``LOOP_SHARE`` of what ``budget`` has left
+    once both are loaded; what a loop costs as it runs sets ``problem.loop_scale``
+    (``decide.loop_scale``). One line for the user ("" where no loop holds a converted op)."""
     if not any(problem.looped(item) for item, _ in problem.candidates):
         return ""
     if budget.left() <= 0:
         return "the loops were not run whole (no time left in the budget): a loop body's ops count as timed alone"
-    end = time.perf_counter() + budget.left() * LOOP_SHARE
     try:
         with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
+            end = time.perf_counter() + max(budget.left(), 0.0) * LOOP_SHARE  # loading both took what it took
             shown = _scale_loops(problem, feeds, (source, lists), end, timings=timings, target=target,
                                  weights_low=weights_low)
     except (tf.errors.OpError, ValueError, ModelError) as error:
