@@ -132,7 +132,8 @@ def test_tune_model_counts_the_loop(loop, tmp_path: Path):
                               budget_s=1e-9)
     assert tuning.problem.repeats[_body(shapes)] == SHAPE.length - 1
     assert not any("could not be timed" in note for note in tuning.notes), tuning.notes
-    assert "the loops were not run whole (no time left in the budget)" in " ".join(tuning.notes)
+    assert (f"the loops were not run whole (batch {BATCH} not run: no time left in the budget): a loop body's ops"
+            " count as timed alone") in tuning.notes
     assert tuning.problem.loop_scale == {}
 
 
@@ -277,7 +278,9 @@ def test_a_loop_scale_stays_within_its_bounds(loop):
 
 def test_tune_model_runs_a_converted_loop_whole(loop, tmp_path: Path):
     """With time in the budget, ``tune_model`` runs the source and the lists' conversion of
-    the decode loop whole: the batch gets a scale within bounds, and a note says what ran."""
+    the decode loop whole: the batch gets a scale within bounds, and a note says what ran.
+    A second conversion with the same cache and no time to run anything takes the whole
+    run's seconds from the cache, and decides as the first."""
     from amp_rewrite.tuning.decide import LOOP_SCALES
 
     model, feeds, _, _ = loop
@@ -287,6 +290,13 @@ def test_tune_model_runs_a_converted_loop_whole(loop, tmp_path: Path):
     assert LOOP_SCALES[0] <= tuning.problem.loop_scale[BATCH] <= LOOP_SCALES[1]
     (note,) = [note for note in tuning.notes if "run whole" in note]
     assert note.startswith("the source and the lists' conversion were run whole") and f"batch {BATCH} " in note
+    assert speed.save_cache(cache) == ""
+    again = speed.tune_model(model, {BATCH: feeds}, target="bfloat16", lists=load_lists("bfloat16"),
+                             cache=speed.open_cache(tmp_path / "timings.json", lookup_target("bfloat16")),
+                             budget_s=1e-9)  # no time to run anything: the cache's whole run decides
+    assert again.problem.loop_scale == tuning.problem.loop_scale
+    assert again.plan.keep == tuning.plan.keep
+    assert "(the timing cache)" in " ".join(again.notes)
 
 
 def test_a_cast_back_to_float32_costs_what_the_cast_back_was_timed():

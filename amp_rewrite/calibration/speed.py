@@ -18,6 +18,7 @@ then time the whole result against the source (README, "Tuning for speed").
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import statistics
@@ -183,7 +184,7 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
     problem, timings, plan = plan_rewrite(model.program, base, target, shapes, cache,
                                           Budget(budget.left() * OP_SHARE), weights_low=weights_low, repeats=repeats)
     looped = run_loops(model, base, feeds, problem, timings=timings, target=target, weights_low=weights_low,
-                       budget=budget)
+                       budget=budget, cache=cache)
     if problem.loop_scale:
         plan = plan_keeps(problem, timings, target.name, target.dtype, weights_low)
     keep = keep_entries(plan.keep, node_items(model.program, model.entry_functions)) if plan.keep else {}
@@ -202,48 +203,74 @@ def tune_model(model: Model, feeds: BatchFeeds, *, target: str | Target, lists: 
 
 
 def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Problem, *, timings: Timings,
-              target: Target, weights_low: bool, budget: Budget) -> str:
+              target: Target, weights_low: bool, budget: Budget, cache: timing_cache.TimingCache) -> str:
     """Where loop bodies hold converted ops: the source and the lists' conversion (``base``)
     run whole at each batch size, in turn, for ``LOOP_SHARE`` of what ``budget`` has left
-    once both are loaded; what a loop costs as it runs sets ``problem.loop_scale``
-    (``decide.loop_scale``). One line for the user ("" where no loop holds a converted op)."""
+    once both are loaded (or their seconds from ``cache``, where this model ran whole on
+    this machine before: a second conversion decides as the first); what a loop costs as
+    it runs sets ``problem.loop_scale`` (``decide.loop_scale``). One line for the user (""
+    where no loop holds a converted op)."""
     if not any(problem.looped(item) for item, _ in problem.candidates):
         return ""
-    if budget.left() <= 0:
-        return "the loops were not run whole (no time left in the budget): a loop body's ops count as timed alone"
-    try:
-        with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
-            end = time.perf_counter() + max(budget.left(), 0.0) * LOOP_SHARE  # loading both took what it took
-            shown = _scale_loops(problem, feeds, (source, lists), end, timings=timings, target=target,
-                                 weights_low=weights_low)
-    except (tf.errors.OpError, ValueError, ModelError) as error:
-        problem.loop_scale.clear()
-        cause = str(error) if isinstance(error, ModelError) else tensorflow_cause(error)
-        return f"the loops could not be run whole ({cause}): a loop body's ops count as timed alone"
+    keys = {size: _loop_key(model, base, fed) for size, fed in feeds.items()}
+    runs = {size: (cache.get(f"{key}: source"), cache.get(f"{key}: lists")) for size, key in keys.items()}
+    missing = {size: fed for size, fed in feeds.items() if None in runs[size]}
+    shown: dict[int, str] = {}
+    if missing and budget.left() <= 0:
+        shown.update((size, f"batch {size} not run: no time left in the budget") for size in missing)
+    elif missing:
+        try:
+            with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
+                end = time.perf_counter() + max(budget.left(), 0.0) * LOOP_SHARE  # loading both took what it took
+                checks = _run_whole(missing, (source, lists), end)
+        except (tf.errors.OpError, ValueError, ModelError) as error:
+            cause = str(error) if isinstance(error, ModelError) else tensorflow_cause(error)
+            return f"the loops could not be run whole ({cause}): a loop body's ops count as timed alone"
+        for size, check in checks.items():
+            if check.speed is None:
+                shown[size] = f"batch {size} not run: {check.unchecked or 'too few rounds fit in the budget'}"
+                continue
+            runs[size] = (check.source_s, check.source_s / check.speed)
+            cache.put(f"{keys[size]}: source", runs[size][0])
+            cache.put(f"{keys[size]}: lists", runs[size][1])
+    for size, (source_s, lists_s) in runs.items():
+        if size in shown:
+            continue
+        scale = loop_scale(problem, timings, target.dtype, weights_low, size, source_s=source_s, lists_s=lists_s)
+        if scale is None:
+            shown[size] = f"batch {size}: nothing in a loop was timed"
+            continue
+        problem.loop_scale[size] = scale
+        shown[size] = (f"batch {size} {source_s * 1e3:.1f} -> {lists_s * 1e3:.1f} ms"
+                       f"{'' if size in missing else ' (the timing cache)'}, a body's {target.name} seconds count"
+                       f" x{scale:.2f}")
+    said = "; ".join(shown[size] for size in sorted(shown))
+    if not problem.loop_scale:
+        return f"the loops were not run whole ({said}): a loop body's ops count as timed alone"
     return ("the source and the lists' conversion were run whole, to count what a loop body costs as it runs"
-            f" (its ops timed alone say least): {'; '.join(shown)}")
+            f" (its ops timed alone say least): {said}")
 
 
-def _scale_loops(problem: Problem, feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float, *,
-                 timings: Timings, target: Target, weights_low: bool) -> list[str]:
-    """``run_loops`` at each batch size, its share of the time to ``end``: the scale set, and what was seen."""
-    shown, took, last = [], 0.0, 0
+def _loop_key(model: Model, base: RewriteResult, feeds: validate.Feeds) -> str:
+    """The timing cache's key of a whole run: the source's graph, the conversion's, the feeds."""
+    digest = hashlib.sha256()
+    for graph_def in (model.graph_def, base.graph_def):
+        digest.update(graph_def.SerializeToString(deterministic=True))
+    for key, runs in sorted(feeds.items()):
+        for name, array in sorted(runs[0].items()):
+            digest.update(f"{key}/{name}{array.shape}{array.dtype}".encode() + np.ascontiguousarray(array).tobytes())
+    return f"loop run whole {digest.hexdigest()[:16]}"
+
+
+def _run_whole(feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float) -> dict[int, SpeedCheck]:
+    """``calls`` (source, conversion) in turn at each batch size, each its share of the time to ``end``."""
+    checks, took, last = {}, 0.0, 0
     for index, (size, fed) in enumerate(feeds.items()):
         share = (end - time.perf_counter()) / (len(feeds) - index)
         expected = took * max(size / last, 1.0) if last else 0.0
-        check, took = _check_batch(size, (calls[0](fed), calls[1](fed)), time.perf_counter() + share, expected)
+        checks[size], took = _check_batch(size, (calls[0](fed), calls[1](fed)), time.perf_counter() + share, expected)
         last = size
-        scale = None if check.speed is None else loop_scale(
-            problem, timings, target.dtype, weights_low, size,
-            source_s=check.source_s, lists_s=check.source_s / check.speed)
-        if scale is None:
-            shown.append(f"batch {size} not run: {check.unchecked or 'too few rounds fit in the budget'}"
-                         if check.speed is None else f"batch {size}: nothing in a loop was timed")
-            continue
-        problem.loop_scale[size] = scale
-        shown.append(f"batch {size} {check.source_s * 1e3:.1f} -> {check.result_s * 1e3:.1f} ms, a body's"
-                     f" {target.name} seconds count x{scale:.2f}")
-    return shown
+    return checks
 
 
 @contextlib.contextmanager
