@@ -19,7 +19,7 @@ block in ``bash -euo pipefail`` (a console block: its ``$`` lines), this environ
 mode, a rewrite left enabled, Keras' layer-name counters, which give the README's model the
 node names ``sequential_1/dense_1/MatMul`` the pages use) reaches a later block or another
 page. Each of these processes is a fork of one that imported numpy, TensorFlow and Keras once
-(``Forks``, ``tests/docs_worker.py``), made before any TensorFlow runtime starts: a Python
+(``tests/forks.py``, ``tests/docs_worker.py``), made before any TensorFlow runtime starts: a Python
 block's, and each ``amp-rewrite`` command's of a shell block (a shim first on its PATH asks
 for it), so no block pays a TensorFlow import (7 s of CPU; half of these tests' time) and
 still nothing one block does reaches another; other commands (``python tools/...``) start a
@@ -51,7 +51,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ import tensorflow as tf
 import yaml
 
 from amp_rewrite._tf import tensorflow_version
+from forks import Forks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -163,37 +163,6 @@ def _environment(cache: Path, forks: Forks | None = None) -> dict[str, str]:
             "PATH": os.pathsep.join([*first, str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
 
-class Forks:
-    """A ``tests/docs_worker.py --serve`` process, which has imported TensorFlow once: each block's
-    process is a fork of it (docs_worker.py says how), a Python block's and each ``amp-rewrite``
-    command's of a shell block (``shims/amp-rewrite``, first on the block's PATH, asks for it).
-    That saves a TensorFlow import, 7 s of CPU, per block and per command: about half of the
-    docs tests' time. ``close`` ends it."""
-
-    def __init__(self, cache: Path) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="amp-docs-"))  # short: a Unix socket's path has 107 bytes
-        self.socket = self.folder / "forks.sock"
-        self.shims = self.folder / "shims"
-        self.shims.mkdir()
-        command = Path(sys.executable).parent / "amp-rewrite"  # what the reader's PATH finds first
-        shim = self.shims / "amp-rewrite"
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{WORKER}" --client "{self.socket}" script "{command}"'
-                        ' "$@"\n', encoding="utf-8")
-        shim.chmod(0o755)
-        with (self.folder / "server.log").open("wb") as log:
-            self._server = subprocess.Popen([sys.executable, str(WORKER), "--serve", str(self.socket)], cwd=self.folder,
-                                            env=_environment(cache), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-
-    def command(self, block: Block) -> list[str]:
-        """A Python block's command: the client that asks for its fork (its code on stdin)."""
-        return [sys.executable, str(WORKER), "--client", str(self.socket), "python", str(block.path), str(block.line)]
-
-    def close(self) -> None:
-        self._server.kill()
-        self._server.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 def _shell_script(block: Block) -> str:
     """A shell block as it is; a console block's ``$ `` lines (and their ``\\`` continuations)."""
     if block.language != "console":
@@ -208,11 +177,11 @@ def _shell_script(block: Block) -> str:
 
 
 def run_block(block: Block, cwd: Path, cache: Path, forks: Forks | None = None) -> str | None:
-    """Runs the block in ``cwd`` in a process of its own (``forks``: forked, see ``Forks``); None
+    """Runs the block in ``cwd`` in a process of its own (``forks``: forked, tests/forks.py); None
     if it exits 0, else why it failed, naming its page and line, with the end of its output."""
     if RUN_LANGUAGES[block.language] == "python":
-        command = forks.command(block) if forks is not None else [sys.executable, str(WORKER), str(block.path),
-                                                                   str(block.line)]
+        command = (forks.python_block(block.path, block.line) if forks is not None
+                   else [sys.executable, str(WORKER), str(block.path), str(block.line)])
         stdin, shown = block.code, ""
     else:
         script = _shell_script(block)
@@ -353,7 +322,7 @@ class DocsRun:
 @pytest.fixture(scope="module")
 def docs_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsRun]:
     base = tmp_path_factory.mktemp("pages")
-    forks = Forks(base / "xdg-cache")
+    forks = Forks(_environment(base / "xdg-cache"))
     try:
         yield DocsRun(base, forks=forks)
     finally:
@@ -480,7 +449,7 @@ def test_a_forked_block_passes_and_fails_as_its_own_process_would(tmp_path: Path
     """With ``Forks``, as the suite runs the pages: a block sees its folder and its shell's
     environment; a Python block's traceback names its page and line; an ``amp-rewrite`` command
     is the shim's fork, whose exit status and error line the block gets."""
-    forks = Forks(tmp_path / "cache")
+    forks = Forks(_environment(tmp_path / "cache"))
     try:
         docs = DocsRun(tmp_path / "run", readme=_made_up_readme(tmp_path), forks=forks)
         page = tmp_path / "page.md"
