@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from cli_models import (
 )
 
 from conftest import TARGET_TO_DTYPE, TARGET_TO_TOLERANCE, TARGETS
+from forks import Forks
 
 MODELS = ("keras", "module")
 BIN = Path(sys.executable).parent
@@ -105,6 +106,15 @@ def listing(directory: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    """TensorFlow's ``saved_model_cli``, each run a fork of one process that imported TensorFlow
+    (tests/forks.py): 7 s of CPU saved per run, seven runs."""
+    server = Forks(dict(os.environ))
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -304,11 +314,11 @@ def test_converted_function_bodies_compute_matmul_and_conv_in_target_dtype(
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_saved_model_cli_shows_converted_model(conversions: Conversions, model: str) -> None:
+def test_saved_model_cli_shows_converted_model(conversions: Conversions, model: str, forks: Forks) -> None:
     """TensorFlow's own tool reads the result (both targets, run side by side)."""
     dsts = [converted(conversions, model, target).dst for target in TARGETS]
     processes = [
-        subprocess.Popen([str(BIN / "saved_model_cli"), "show", "--all", "--dir", str(dst)],
+        subprocess.Popen(forks.script(BIN / "saved_model_cli", "show", "--all", "--dir", dst),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for dst in dsts
     ]
@@ -805,7 +815,7 @@ def two_tag_model(workspace: Path) -> Path:
 
 @pytest.mark.parametrize("tag_set", [None, *TWO_TAG_SETS])
 def test_tag_set_chooses_the_meta_graph_converted_and_says_which(
-    workspace: Path, two_tag_model: Path, tag_set: str | None
+    workspace: Path, two_tag_model: Path, tag_set: str | None, forks: Forks
 ) -> None:
     """Default ``serve`` (what TF Serving loads), although ``train`` comes first in the file;
     the other MetaGraphDef is byte-identical to the source's, and the output names both."""
@@ -818,8 +828,9 @@ def test_tag_set_chooses_the_meta_graph_converted_and_says_which(
     before, after = meta_graphs_of(two_tag_model), meta_graphs_of(dst)
     assert matmul_dtypes(after[chosen]) == [types_pb2.DT_HALF]
     assert after[other].SerializeToString(deterministic=True) == before[other].SerializeToString(deterministic=True)
-    shown = subprocess.run([str(BIN / "saved_model_cli"), "show", "--dir", str(dst), "--tag_set", chosen,
-                            "--signature_def", "serving_default"], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(forks.script(BIN / "saved_model_cli", "show", "--dir", dst, "--tag_set", chosen,
+                                        "--signature_def", "serving_default"), capture_output=True, text=True,
+                           timeout=120)
     assert shown.returncode == 0 and "DT_FLOAT" in shown.stdout, shown.stderr[-2000:]
 
 

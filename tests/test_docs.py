@@ -18,13 +18,15 @@ block in ``bash -euo pipefail`` (a console block: its ``$`` lines), this environ
 ``python`` and ``amp-rewrite`` first on PATH. So nothing a block does to its process (graph
 mode, a rewrite left enabled, Keras' layer-name counters, which give the README's model the
 node names ``sequential_1/dense_1/MatMul`` the pages use) reaches a later block or another
-page. This costs one TensorFlow import per Python block (4 to 6 s on two shared cores), as
-each ``amp-rewrite`` command of a shell block already does; the README's model is built
-once per session and copied. One process per page (or per session) would save those
-imports, about a minute of the docs tests, but a block that changed it would have to be
-found and the process restarted, and Keras' counters would still differ from a reader's run.
-The one difference from a reader's shell: ``XDG_CACHE_HOME`` is a folder of the session, so
-``--tune speed``'s timing cache is not written into your home.
+page. Each of these processes is a fork of one that imported numpy, TensorFlow and Keras once
+(``tests/forks.py``, ``tests/docs_worker.py``), made before any TensorFlow runtime starts: a Python
+block's, and each ``amp-rewrite`` command's of a shell block (a shim first on its PATH asks
+for it), so no block pays a TensorFlow import (7 s of CPU; half of these tests' time) and
+still nothing one block does reaches another; other commands (``python tools/...``) start a
+Python of their own. The README's model is built once per session and copied.
+The differences from a reader's shell: ``amp-rewrite`` is that shim (its fork runs the same
+console script), and ``XDG_CACHE_HOME`` is a folder of the session, so ``--tune speed``'s
+timing cache is not written into your home.
 
 **Failures.** A block that fails names its page and line, with the end of its output. The
 blocks after it on its page are not run and are reported as skipped, naming the block that
@@ -58,6 +60,7 @@ import tensorflow as tf
 import yaml
 
 from amp_rewrite._tf import tensorflow_version
+from forks import Forks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -151,11 +154,13 @@ BLOCKS = [block for block in ALL_BLOCKS if block.language in RUN_LANGUAGES or bl
 # Running a block as a reader would
 
 
-def _environment(cache: Path) -> dict[str, str]:
-    """The reader's shell: this environment's python and amp-rewrite first on PATH; caches kept
-    in the session's folder, not the home of whoever runs the suite."""
+def _environment(cache: Path, forks: Forks | None = None) -> dict[str, str]:
+    """The reader's shell: this environment's python and amp-rewrite first on PATH (with
+    ``forks``, its ``amp-rewrite`` before them); caches kept in the session's folder, not the
+    home of whoever runs the suite."""
+    first = [str(forks.shims)] if forks is not None else []
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "XDG_CACHE_HOME": str(cache),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+            "PATH": os.pathsep.join([*first, str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
 
 def _shell_script(block: Block) -> str:
@@ -171,16 +176,18 @@ def _shell_script(block: Block) -> str:
     return "\n".join(commands) + "\n"
 
 
-def run_block(block: Block, cwd: Path, cache: Path) -> str | None:
-    """Runs the block in ``cwd`` in a process of its own; None if it exits 0, else why it failed,
-    naming its page and line, with the end of its output."""
+def run_block(block: Block, cwd: Path, cache: Path, forks: Forks | None = None) -> str | None:
+    """Runs the block in ``cwd`` in a process of its own (``forks``: forked, tests/forks.py); None
+    if it exits 0, else why it failed, naming its page and line, with the end of its output."""
     if RUN_LANGUAGES[block.language] == "python":
-        command, stdin, shown = [sys.executable, str(WORKER), str(block.path), str(block.line)], block.code, ""
+        command = (forks.python_block(block.path, block.line) if forks is not None
+                   else [sys.executable, str(WORKER), str(block.path), str(block.line)])
+        stdin, shown = block.code, ""
     else:
         script = _shell_script(block)
         command, stdin, shown = ["bash", "-euo", "pipefail", "-c", script], None, f"--- script\n{script}"
     try:
-        completed = subprocess.run(command, input=stdin, cwd=cwd, env=_environment(cache), capture_output=True,
+        completed = subprocess.run(command, input=stdin, cwd=cwd, env=_environment(cache, forks), capture_output=True,
                                    text=True, timeout=BLOCK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return f"{block.where}: the {block.language} block ran over {BLOCK_TIMEOUT_S} s (in {cwd})\n{shown}"
@@ -226,10 +233,11 @@ class DocsRun:
     README's folder taken when its blocks had made ``my_model/``; every page but the README
     starts from that copy."""
 
-    def __init__(self, base: Path, readme: Path = README) -> None:
+    def __init__(self, base: Path, readme: Path = README, forks: Forks | None = None) -> None:
         self._base = base
         self._readme = readme
         self._cache = base / "xdg-cache"
+        self._forks = forks
         self._folders: dict[Path, Path] = {}
         self._outcomes: dict[tuple[Path, int], Outcome] = {}
         self._reported: set[str] = set()  # the failures a test has failed with: later ones say "not run"
@@ -278,7 +286,7 @@ class DocsRun:
         key = (block.path, block.line)
         if key not in self._outcomes:
             cwd = self._checkout(block.path) if "checkout" in block.options else self.folder(block.path)
-            self._outcomes[key] = Outcome(block.where, run_block(block, cwd, self._cache))
+            self._outcomes[key] = Outcome(block.where, run_block(block, cwd, self._cache, self._forks))
             if block.path == self._readme and self._quick_start is None and (cwd / QUICK_START_MAKES).is_file():
                 self._quick_start = self._base / "quick-start"
                 shutil.copytree(cwd, self._quick_start, symlinks=True)
@@ -312,8 +320,13 @@ class DocsRun:
 
 
 @pytest.fixture(scope="module")
-def docs_run(tmp_path_factory: pytest.TempPathFactory) -> DocsRun:
-    return DocsRun(tmp_path_factory.mktemp("pages"))
+def docs_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsRun]:
+    base = tmp_path_factory.mktemp("pages")
+    forks = Forks(_environment(base / "xdg-cache"))
+    try:
+        yield DocsRun(base, forks=forks)
+    finally:
+        forks.close()
 
 
 def _report(verdict: Verdict) -> None:
@@ -430,6 +443,31 @@ def test_a_block_using_a_file_no_block_made_fails_naming_its_page_and_line(tmp_p
     assert verdict.state == "failed", verdict
     assert verdict.message.startswith(f"{python_page}:{python.line}: the python block exited 1")
     assert f'File "{python_page}", line {python.line + 2}' in verdict.message and "batch.npz" in verdict.message
+
+
+def test_a_forked_block_passes_and_fails_as_its_own_process_would(tmp_path: Path) -> None:
+    """With ``Forks``, as the suite runs the pages: a block sees its folder and its shell's
+    environment; a Python block's traceback names its page and line; an ``amp-rewrite`` command
+    is the shim's fork, whose exit status and error line the block gets."""
+    forks = Forks(_environment(tmp_path / "cache"))
+    try:
+        docs = DocsRun(tmp_path / "run", readme=_made_up_readme(tmp_path), forks=forks)
+        page = tmp_path / "page.md"
+        passing, raising, failing = _made_up(
+            page, "```python\nimport os, pathlib\nassert pathlib.Path('my_model/saved_model.pb').is_file()\n"
+                  "assert os.environ['XDG_CACHE_HOME'].endswith('cache')\n```\n",
+            "```python\nimport numpy\n\nnumpy.load('batch.npz')\n```\n",
+            "```console\n$ test \"$(command -v amp-rewrite)\" = " + f'"{forks.shims / "amp-rewrite"}"\n'
+            "$ amp-rewrite inspect no_such_model/\n```\n")
+        assert docs.check(passing) == Verdict("passed")
+        verdict = docs.check(raising)
+        assert verdict.state == "failed" and verdict.message.startswith(f"{raising.where}: the python block exited 1")
+        assert f'File "{page}", line {raising.line + 2}' in verdict.message and "batch.npz" in verdict.message
+        verdict = run_block(failing, docs.folder(page), tmp_path / "cache", forks)
+        assert verdict is not None and verdict.startswith(f"{failing.where}: the console block exited 2"), verdict
+        assert "amp-rewrite: error:" in verdict and "no_such_model" in verdict, verdict
+    finally:
+        forks.close()
 
 
 def test_a_failure_stops_the_later_blocks_of_its_page_and_says_so(tmp_path: Path) -> None:

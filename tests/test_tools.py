@@ -6,7 +6,8 @@ where this machine cannot run it, saying why on stderr (no Chromium; a TensorFlo
 float8). A tool added without ``--smoke`` fails here, and so does one that writes into the
 checkout (``git status``, ignored paths included, before and after it).
 
-Each tool runs as ``python tools/X.py --smoke`` from the checkout's root would run it,
+Each tool runs as ``python tools/X.py --smoke`` from the checkout's root would run it
+(with the arguments ``SMOKE_ARGUMENTS`` adds, where a test checks what it wrote),
 with its own TMPDIR, in a process of its own: one runner imports TensorFlow, Keras and
 the package once, then forks a child per tool (the fork happens before any TensorFlow
 runtime starts, so each child starts its own), which saves each tool the seconds of those
@@ -34,6 +35,9 @@ TIMEOUT_S = 600  # one tool's smoke run
 # Tools whose --smoke another branch of this round adds (its owner): until that branch is
 # merged they are not run, and then this test says their entry must go.
 AWAITING_SMOKE: dict[str, str] = {}
+# More arguments for a tool's smoke run, ``{folder}`` the fixture's folder (kept for the tests):
+# bench_fp8_gpu.py dumps its HLO there, which a test below counts.
+SMOKE_ARGUMENTS: dict[str, tuple[str, ...]] = {"bench_fp8_gpu.py": ("--dump", "{folder}/fp8_hlo")}
 
 RUNNER = r'''
 import json, os, runpy, subprocess, sys, tempfile, time, traceback
@@ -53,7 +57,7 @@ def checkout_state():
     return {line for line in listed.splitlines() if not any(name in line for name in IGNORED)}
 
 
-def child(tool, log, tmp):
+def child(tool, log, tmp, extra):
     code = 1
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -61,7 +65,7 @@ def child(tool, log, tmp):
         os.dup2(fd, 2)
         os.environ["TMPDIR"] = str(tmp)
         tempfile.tempdir = None
-        sys.argv, sys.path[0] = [str(tool), "--smoke"], str(tool.parent)
+        sys.argv, sys.path[0] = [str(tool), "--smoke", *extra], str(tool.parent)
         try:
             runpy.run_path(str(tool), run_name="__main__")
             code = 0
@@ -76,11 +80,12 @@ def child(tool, log, tmp):
 
 
 for line in sys.stdin:
-    tool, log, tmp = (Path(part) for part in line.rstrip("\n").split("\t"))
+    tool, log, tmp, *extra = line.rstrip("\n").split("\t")
+    tool, log, tmp = Path(tool), Path(log), Path(tmp)
     before, started = checkout_state(), time.monotonic()
     pid = os.fork()
     if pid == 0:
-        child(tool, log, tmp)
+        child(tool, log, tmp, extra)
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -101,7 +106,7 @@ for line in sys.stdin:
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Every tool's smoke run: tool name -> {"code", "seconds", "wrote", "log"}."""
+    """Every tool's smoke run: tool name -> {"code", "seconds", "wrote", "log", "folder"}."""
     folder = tmp_path_factory.mktemp("tools")
     results = folder / "results.jsonl"
     # Each tool's TMPDIR is short, in the system's temporary directory: Chromium puts a Unix
@@ -111,7 +116,9 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for tool in TOOLS:
         if tool.name not in AWAITING_SMOKE:
             (temporary / tool.stem).mkdir()
-            lines.append(f"{tool}\t{folder / f'{tool.stem}.log'}\t{temporary / tool.stem}\n")
+            extra = (argument.format(folder=folder) for argument in SMOKE_ARGUMENTS.get(tool.name, ()))
+            lines.append("\t".join([str(tool), str(folder / f"{tool.stem}.log"), str(temporary / tool.stem), *extra])
+                         + "\n")
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     try:
         subprocess.run([sys.executable, "-c", RUNNER, str(ROOT), str(results), str(TIMEOUT_S)], input="".join(lines),
@@ -121,7 +128,8 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {}
     for line in results.read_text(encoding="utf-8").splitlines() if results.exists() else ():
         run = json.loads(line)
-        runs[run["tool"]] = {**run, "log": (folder / f"{Path(run['tool']).stem}.log").read_text(errors="replace")}
+        runs[run["tool"]] = {**run, "log": (folder / f"{Path(run['tool']).stem}.log").read_text(errors="replace"),
+                             "folder": folder}
     return runs
 
 
@@ -138,6 +146,22 @@ def test_the_tool_runs_in_its_smoke_mode(tool: Path, smoke_runs: dict[str, dict]
         pytest.skip(f"{tool.name} cannot run here: {(output.strip().splitlines() or ['(no reason)'])[-1]}")
     assert run["code"] == 0, f"{tool.name} --smoke exited {run['code']} after {run['seconds']:.0f} s:\n{output}"
     assert not run["wrote"], f"{tool.name} --smoke wrote into the checkout: {run['wrote']}"
+
+
+def test_the_fp8_gpu_check_runs_its_whole_path_on_tiny_models_with_smoke(smoke_runs: dict[str, dict]) -> None:
+    """Rule: tools/bench_fp8_gpu.py --smoke builds, calibrates, rewrites, dumps HLO and times all
+    three variants on the CPU (inference rows; the training rows' XLA compiles take minutes on a
+    CPU). The fixture's smoke run is the one checked: a second run in a process of its own, as
+    tests/test_float8.py had, costs 20 s and checks nothing more."""
+    run = smoke_runs["bench_fp8_gpu.py"]
+    if run["code"] == CANNOT_RUN:
+        pytest.skip(f"bench_fp8_gpu.py cannot run here: {(run['log'].strip().splitlines() or ['(no reason)'])[-1]}")
+    assert run["code"] == 0, run["log"][-2000:]
+    rows = [line for line in run["log"].splitlines() if line.startswith("| ") and "x |" in line]
+    assert [row.split(" | ")[:2] for row in rows] == [["| " + m, v] for m in ("bert", "mlp")
+                                                       for v in ("float32", "float16", "float8")]
+    assert sorted(p.name for p in (run["folder"] / "fp8_hlo").iterdir()) == sorted(
+        f"{m}-{v}.txt" for m in ("bert", "mlp") for v in ("float32", "float16", "float8"))
 
 
 def test_the_gpu_script_refuses_in_one_line_without_a_gpu(tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ The markdown goes to stdout and replaces the ``cpu-bfloat16-decode`` section of 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import subprocess
@@ -82,11 +84,20 @@ def save(causal_lm, path: Path, length: int) -> Path:
     return path
 
 
-def convert(source: Path, destination: Path) -> str:
-    """``amp-rewrite convert --target bfloat16``; its summary."""
-    done = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", str(source), str(destination),
-                           "--target", "bfloat16"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+def convert(source: Path, destination: Path, in_process: bool = False) -> str:
+    """``amp-rewrite convert --target bfloat16``; its summary. ``in_process`` (--smoke):
+    ``amp_rewrite.cli.main`` in this process, which saves a TensorFlow import per conversion."""
+    args = ["convert", str(source), str(destination), "--target", "bfloat16"]
+    if in_process:
+        from amp_rewrite import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(args)
+        done = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    else:
+        done = subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"convert {source} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -117,15 +128,15 @@ class SpeedRow:
     loops_line: str
 
 
-def measure_model(name: str, sizes: Sizes, workdir: Path) -> list[SpeedRow]:
-    """The three variants of one model, timed at each batch."""
+def measure_model(name: str, sizes: Sizes, workdir: Path, in_process: bool = False) -> list[SpeedRow]:
+    """The three variants of one model, timed at each batch (``in_process``: see ``convert``)."""
     shape = sizes.shape
     float32 = build_causal_lm(name, shape, seed=0)
     source = save(float32, workdir / f"{name}-float32", shape.length)
     policy = build_causal_lm(name, shape, seed=0, dtype="mixed_bfloat16")
     policy.set_weights(float32.get_weights())
     dirs = {"float32": source, "keras-policy": save(policy, workdir / f"{name}-policy", shape.length)}
-    summary = convert(source, workdir / f"{name}-ours")
+    summary = convert(source, workdir / f"{name}-ours", in_process)
     dirs["ours"] = workdir / f"{name}-ours"
     loops_line = next((line for line in summary.splitlines() if line.startswith("Loops:")), "Loops: (none)")
     casts = (sum(casts_per_iteration(read_model(dirs["ours"]).graph_def).values()), loop_casts(source, False))
@@ -177,14 +188,14 @@ class Agreement:
     corpus_bytes: int
 
 
-def measure_agreement(sizes: Sizes, workdir: Path, prompts: int = 128) -> Agreement:
+def measure_agreement(sizes: Sizes, workdir: Path, prompts: int = 128, in_process: bool = False) -> Agreement:
     shape = CausalLMShape(vocab=256, width=128, layers=2, heads=4, length=PROMPT + GENERATED)
     if sizes.train_s < 30:
         shape = replace(shape, width=32)
     text = corpus()
     causal_lm, steps = train_byte_lm(text[: len(text) * 9 // 10], shape, sizes.train_s)
     source = save(causal_lm, workdir / "trained-float32", shape.length)
-    convert(source, workdir / "trained-ours")
+    convert(source, workdir / "trained-ours", in_process)
     held_out = np.frombuffer(text[len(text) * 9 // 10:], np.uint8).astype(np.int32)
     starts = np.random.default_rng(1).integers(0, len(held_out) - PROMPT, prompts)
     token_ids = np.zeros((prompts, shape.length), np.int32)
@@ -256,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes, models = Sizes(CausalLMShape(64, 32, 2, 2, 16), 4, 2, 2.0), models[:1]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="amp-rewrite-decode-") as workdir:
-        rows = [row for name in models for row in measure_model(name, sizes, Path(workdir))]
-        agreement = measure_agreement(sizes, Path(workdir)) if sizes.train_s > 0 else None
+        rows = [row for name in models for row in measure_model(name, sizes, Path(workdir), args.smoke)]
+        agreement = measure_agreement(sizes, Path(workdir), in_process=args.smoke) if sizes.train_s > 0 else None
         section = render(rows, agreement, sizes, time.perf_counter() - started, args.smoke)
         print(section)
         bench.write_section(None if args.no_write else args.output, SECTION, section,

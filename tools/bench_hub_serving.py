@@ -152,8 +152,8 @@ def measure(name: str, sizes: Sizes, workdir: Path, smoke: bool) -> ModelRow:
             return row
         if variant == "ours-tuned":
             row.tune_s = seconds
-            row.tuned_lines = " ".join(x.strip() for x in line.removeprefix("ok: ").splitlines()
-                                       if x.startswith(("Timing:", "Speed")))
+            row.tuned_lines = ". ".join(x.strip().removesuffix(".") for x in line.removeprefix("ok: ").splitlines()
+                                        if x.startswith(("Timing:", "Speed")))  # one sentence each
         print(f"{name}: converted {variant} in {seconds:.0f} s", file=sys.stderr, flush=True)
     for variant in VARIANTS[1:]:
         signatures[variant] = tf.saved_model.load(str(dirs[variant])).signatures[SIGNATURE]

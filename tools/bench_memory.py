@@ -37,12 +37,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import runpy
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,22 +63,61 @@ class Run:
     peak: int   # bytes
     code: int
     err: str
+    out: str
 
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT)}  # with cwd=ROOT: this checkout's code
 
 
-def run(*command: object) -> Run:
-    """One process, its wall time and peak RSS."""
+def run(*command: object, forked: bool = False) -> Run:
+    """One process, its wall time, peak RSS and output. ``forked`` (--smoke): a fork of this process
+    runs the command instead of a new Python, its numbers meaningless; where TensorFlow is already
+    imported (tests/test_tools.py's runner imports it before it forks this tool), the fork skips its
+    import, 7 s of CPU per command, most of the smoke run's 12 commands."""
     started = time.perf_counter()
-    with tempfile.TemporaryFile() as err:
-        process = subprocess.Popen([str(part) for part in command], stdout=subprocess.DEVNULL, stderr=err, env=ENV,
-                                   cwd=ROOT)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        text = err.read().decode(errors="replace")
-    return Run(time.perf_counter() - started, usage.ru_maxrss * 1024, process.returncode, text)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        if forked:
+            pid = _fork(command[1:], out.fileno(), err.fileno())
+        else:
+            pid = subprocess.Popen([str(part) for part in command], stdout=out, stderr=err, env=ENV, cwd=ROOT).pid
+        _, status, usage = os.wait4(pid, 0)
+        texts = []
+        for file in (out, err):
+            file.seek(0)
+            texts.append(file.read().decode(errors="replace"))
+    return Run(time.perf_counter() - started, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), texts[1],
+               texts[0])
+
+
+def _fork(arguments: tuple[object, ...], out: int, err: int) -> int:
+    """``python ARGUMENTS`` (``-c SCRIPT ...`` or ``-m MODULE ...``) in a fork of this process: its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.chdir(ROOT)
+        os.environ.update(ENV)
+        flag, first, *rest = (str(part) for part in arguments)
+        sys.argv, sys.path[0] = [flag if flag == "-c" else first, *rest], str(ROOT)  # as ``python -c/-m`` in ROOT
+        try:
+            if flag == "-c":
+                exec(compile(first, "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                runpy.run_module(first, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:  # the child's top level: shown as Python shows it, then exit 1
+            traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 GENERATE = textwrap.dedent('''
@@ -208,13 +249,13 @@ STEPS = textwrap.dedent('''
 ''')
 
 
-def python(script: str, *args: object) -> Run:
-    return run(sys.executable, "-c", script, *args)
+def python(script: str, *args: object, forked: bool = False) -> Run:
+    return run(sys.executable, "-c", script, *args, forked=forked)
 
 
-def convert(source: Path, destination: Path, *flags: str) -> Run:
+def convert(source: Path, destination: Path, *flags: str, forked: bool = False) -> Run:
     found = run(sys.executable, "-m", "amp_rewrite", "convert", source, destination, "--target", "bfloat16",
-                "--quiet", *flags)
+                "--quiet", *flags, forked=forked)
     shutil.rmtree(destination, ignore_errors=True)
     return found
 
@@ -231,31 +272,31 @@ def _failed(label: str, found: Run) -> str:
     return f"{label} failed (exit {found.code}): {found.err.strip().splitlines()[-1] if found.err.strip() else ''}"
 
 
-def generate(script: str, source: Path, size: float, width: int, what: str) -> tuple[int, int]:
+def generate(script: str, source: Path, size: float, width: int, what: str, forked: bool) -> tuple[int, int]:
     """A model of about ``size`` GB of float32 kernels written at ``source`` by ``script``: (layers, bytes)."""
     layers = max(1, round(size * GB / (width * width * 4)))
-    generated = python(script, source, layers, width)
+    generated = python(script, source, layers, width, forked=forked)
     if generated.code:
         raise SystemExit(_failed(what, generated))
     return layers, layers * width * width * 4
 
 
-def inspect_baseline(source: Path) -> Run:
+def inspect_baseline(source: Path, forked: bool) -> Run:
     """The baseline: TensorFlow imported, the graph read and rewritten, nothing written."""
     return run(sys.executable, "-m", "amp_rewrite", "inspect", source, "--target", "bfloat16", "--quiet",
-               "--float32-weights")
+               "--float32-weights", forked=forked)
 
 
-def measure_size(directory: Path, size: float, width: int, huge: bool, validate: bool = True) -> tuple[list[str], bool]:
-    """Rows for one model size; whether its goals were met (``validate``: also --validate 1)."""
+def measure_size(directory: Path, size: float, width: int, huge: bool, smoke: bool = False) -> tuple[list[str], bool]:
+    """Rows for one model size; whether its goals were met (``smoke``: no --validate 1, commands forked)."""
     source = directory / f"model-{size:g}GB"
-    layers, variables = generate(GENERATE, source, size, width, "generating")
+    layers, variables = generate(GENERATE, source, size, width, "generating", smoke)
     try:
-        baseline = inspect_baseline(source)
-        ours = convert(source, directory / "out")
-        tf_own = None if huge else python(LOAD_SAVE, source, directory / "out")
+        baseline = inspect_baseline(source, smoke)
+        ours = convert(source, directory / "out", forked=smoke)
+        tf_own = None if huge else python(LOAD_SAVE, source, directory / "out", forked=smoke)
         shutil.rmtree(directory / "out", ignore_errors=True)
-        validated = convert(source, directory / "out", "--validate", "1") if validate else None
+        validated = None if smoke else convert(source, directory / "out", "--validate", "1")
     finally:
         shutil.rmtree(source, ignore_errors=True)
     for label, found in (("inspect", baseline), ("convert", ours), ("load+save", tf_own)):
@@ -273,15 +314,15 @@ def measure_size(directory: Path, size: float, width: int, huge: bool, validate:
     return rows, ok
 
 
-def measure_frozen(directory: Path, size: float, width: int) -> tuple[str, bool]:
-    """The row of one frozen GraphDef; whether its goal was met."""
+def measure_frozen(directory: Path, size: float, width: int, smoke: bool = False) -> tuple[str, bool]:
+    """The row of one frozen GraphDef; whether its goal was met (``smoke``: commands forked)."""
     source, destination = directory / f"frozen-{size:g}GB.pb", directory / "frozen-out.pb"
-    layers, constants = generate(FROZEN, source, size, width, "generating the frozen graph")
+    layers, constants = generate(FROZEN, source, size, width, "generating the frozen graph", smoke)
     try:
-        baseline = inspect_baseline(source)
-        ours = convert(source, destination)
+        baseline = inspect_baseline(source, smoke)
+        ours = convert(source, destination, forked=smoke)
         destination.unlink(missing_ok=True)
-        protobuf = python(PROTOBUF, source, destination)
+        protobuf = python(PROTOBUF, source, destination, forked=smoke)
     finally:
         source.unlink(missing_ok=True)
         destination.unlink(missing_ok=True)
@@ -300,21 +341,21 @@ def _validated(found: Run, baseline: Run, variables: int) -> str:
     return f"{found.peak / GB:.2f} GB ({(found.peak - baseline.peak) / variables:.2f}x), {found.seconds:.1f} s"
 
 
-def measure_blocks(directory: Path, blocks: int) -> tuple[str, bool]:
+def measure_blocks(directory: Path, blocks: int, smoke: bool = False) -> tuple[str, bool]:
     source = directory / f"mlp-{blocks}"
-    exported = python(MLP, blocks, source)
+    exported = python(MLP, blocks, source, forked=smoke)
     if exported.code:
         raise SystemExit(_failed("exporting the MLP", exported))
     try:
-        found = subprocess.run([sys.executable, "-c", STEPS, str(source)], capture_output=True, text=True, env=ENV,
-                               cwd=ROOT, check=True)
-        low, float32 = convert(source, directory / "out"), convert(source, directory / "out", "--float32-weights")
+        found = python(STEPS, source, forked=smoke)
+        low = convert(source, directory / "out", forked=smoke)
+        float32 = convert(source, directory / "out", "--float32-weights", forked=smoke)
     finally:
         shutil.rmtree(source, ignore_errors=True)
-    for label, ran in (("convert", low), ("convert --float32-weights", float32)):
+    for label, ran in (("the weights step", found), ("convert", low), ("convert --float32-weights", float32)):
         if ran.code:
             raise SystemExit(_failed(label, ran))
-    step, total, floor = map(float, found.stdout.split()[-3:])
+    step, total, floor = map(float, found.out.split()[-3:])
     share = step / total
     return (f"| {blocks} | {step:.2f} | {total:.2f} | {share:.1%} | {floor:.2f} ({floor / total:.1%}) |"
             f" {low.seconds:.1f} | {float32.seconds:.1f} | {(low.seconds - float32.seconds) / low.seconds:.1%} |",
@@ -358,7 +399,7 @@ def main() -> int:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         ok = True
         for size, is_huge in [*((size, False) for size in sizes), *(((huge, True),) if huge else ())]:
-            rows, met = measure_size(directory, size, width, is_huge, validate=not args.smoke)
+            rows, met = measure_size(directory, size, width, is_huge, args.smoke)
             print(*rows, sep="\n", flush=True)
             ok = ok and met
         if frozen:
@@ -366,7 +407,7 @@ def main() -> int:
                   " | convert (s) | protobuf parse+write peak (GB) | protobuf (s) |")
             print("|---|---:|---:|---:|---:|---:|---:|")
         for size in frozen:
-            row, met = measure_frozen(directory, size, width)
+            row, met = measure_frozen(directory, size, width, args.smoke)
             print(row, flush=True)
             ok = ok and met
         if blocks:
@@ -374,7 +415,7 @@ def main() -> int:
                   " `convert` (s) | `--float32-weights` (s) | their difference / `convert` |"
                   "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
         for count in blocks:
-            row, met = measure_blocks(directory, count)
+            row, met = measure_blocks(directory, count, args.smoke)
             print(row, flush=True)
             ok = ok and met
     print(f"\nGoals: peak at most baseline + {MEMORY_GOAL}x the variables, convert at most load+save, --validate at"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2, tensor_shape_pb2
 
+from amp_rewrite.core.functions import LOOP_OPS
 from amp_rewrite.core.graph_io import data_inputs, parse_tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program
 
@@ -98,7 +99,7 @@ class _Walk:
         library = self.program.library
         if node.op in CALL_OPS:
             return [_Callee(node.attr["f"].func.name, 0, True)]
-        if node.op in ("While", "StatelessWhile"):
+        if node.op in LOOP_OPS:
             return [_Callee(node.attr["body"].func.name, 0, True), _Callee(node.attr["cond"].func.name, 0, False)]
         if node.op in ("If", "StatelessIf"):
             return [_Callee(node.attr[b].func.name, 1, True) for b in ("then_branch", "else_branch")]

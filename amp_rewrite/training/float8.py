@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 BASE_PRECISIONS = ("bfloat16", "float16")
 _REPLICA = re.compile(r"^replica_\d+/")  # MirroredStrategy's prefix on the ops of replicas after the first
-_LOOPS = float8_loops.LOOPS
+_LOOPS = functions.LOOP_OPS
 _CONTROL_FLOW = _LOOPS | {"If", "StatelessIf", "Case", "StatelessCase"}
 SUMMARY_AMAX_PREFIX = "amp_rewrite/amax"  # tf.summary scalars amp_rewrite/amax/<forward matmul>/<operand>
 

@@ -37,13 +37,11 @@ from amp_rewrite.core.float8.training import (
     BACKWARD_OPS, BASE_DTYPES, OPERAND_POSITIONS, STATE_SCOPE, Backward, ChainBuilder, Matmul, Plan, State, Workers,
     forward_names, in_gradient_scope, quantize_training_step, variable_handle, weight_of,
 )
-from amp_rewrite.core.functions import RETVAL_SUFFIX, scoped_name, to_function_def
+from amp_rewrite.core.functions import LOOP_OPS, RETVAL_SUFFIX, scoped_name, to_function_def
 from amp_rewrite.core.graph_io import copy_graph_def, data_inputs, make_node_def, parse_tensor_name, tensor_name
 from amp_rewrite.core.program import MAIN_GRAPH, Program, program_of
 from amp_rewrite.core.report import Report
 from amp_rewrite.core.rules import Reason, Rule
-
-LOOPS = frozenset({"While", "StatelessWhile"})
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def find_loops(program: Program, function: str, converted: Callable[[str], froze
     looked into."""
     step = program.item(function)
     step_nodes = {node.name: node for node in step.node}
-    loops = [node for node in step.node if node.op in LOOPS]
+    loops = [node for node in step.node if node.op in LOOP_OPS]
     found = []
     for node in loops:
         body = node.attr["body"].func.name
