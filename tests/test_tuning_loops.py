@@ -333,7 +333,7 @@ def test_a_loop_that_fails_run_whole_counts_its_ops_as_timed_alone(loop, tmp_pat
                 raise tf.errors.InvalidArgumentError(None, None, "the feed is refused")
             return call
         yield bind
-    monkeypatch.setattr(speed, "_in_session", failing)
+    monkeypatch.setattr(speed, "_conversion_loaded", failing)
     cache = speed.open_cache(tmp_path / "timings.json", lookup_target("bfloat16"))
     tuning = speed.tune_model(model, {BATCH: feeds}, target="bfloat16", lists=load_lists("bfloat16"), cache=cache,
                               budget_s=6.0)

@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ import yaml
 from tensorflow.core.framework import graph_pb2
 
 from amp_rewrite.calibration import statistics as tensor_statistics
-from amp_rewrite.calibration import validate
+from amp_rewrite.calibration import staging, validate
 from amp_rewrite.calibration.calibrate import keep_entries, node_items
 from amp_rewrite.calibration.savedmodel import Model, plumbing_kinds, read_model, rewrite_model
 from amp_rewrite.calibration.staging import write_text_atomically
@@ -220,10 +220,11 @@ def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Pro
         shown.update((size, f"batch {size} not run: no time left in the budget") for size in missing)
     elif missing:
         try:
-            with _in_session(model, model.graph_def) as source, _in_session(model, base.graph_def) as lists:
+            with _conversion_loaded(model, base.graph_def) as lists:
+                source = _loaded(model, model.path)
                 end = time.perf_counter() + max(budget.left(), 0.0) * LOOP_SHARE  # loading both took what it took
                 checks = _run_whole(missing, (source, lists), end)
-        except (tf.errors.OpError, ValueError, ModelError) as error:
+        except (tf.errors.OpError, ValueError, KeyError, ModelError) as error:
             cause = str(error) if isinstance(error, ModelError) else tensorflow_cause(error)
             return f"the loops could not be run whole ({cause}): a loop body's ops count as timed alone"
         for size, check in checks.items():
@@ -274,17 +275,16 @@ def _run_whole(feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float) 
 
 
 @contextlib.contextmanager
-def _in_session(model: Model, graph_def: graph_pb2.GraphDef) -> Iterator[Callable[[validate.Feeds], Callable[[], Any]]]:
-    """``graph_def`` loaded as ``model`` in a TF1 Session, grappler on as in serving; given
-    feeds, one call of the signature ``_loaded`` would call."""
-    with tensor_statistics.model_session(model, graph_def, tf.compat.v1.ConfigProto()) as session:
-        def bind(feeds: validate.Feeds) -> Callable[[], Any]:
-            key = "serving_default" if "serving_default" in feeds else min(feeds)
-            inputs, outputs = model.signatures[key]
-            fed = {inputs[name]: value for name, value in feeds[key][0].items()}
-            fetches = list(outputs.values())
-            return lambda: session.run(fetches, feed_dict=fed)
-        yield bind
+def _conversion_loaded(model: Model, graph_def: graph_pb2.GraphDef) -> Iterator[Callable]:
+    """``graph_def``, a rewrite of ``model``'s graph (its weights float32), loaded as
+    ``_loaded`` loads a written result: a SavedModel staged in a temporary folder (the
+    source's variables linked) for TensorFlow's loader; a GraphDef in a Session."""
+    if model.kind != "savedmodel":
+        yield _loaded(replace(model, graph_def=graph_def), model.path)
+        return
+    with staging.temporary_directory("amp-rewrite-timing-") as directory:
+        tensor_statistics.stage_saved_model(model, graph_def, directory)
+        yield _loaded(model, directory)
 
 
 def loop_repeats(model: Model, feeds: validate.Feeds, shapes: Shapes) -> tuple[dict[str, float], str]:

@@ -621,7 +621,7 @@ def _load(model: Model, graph_def: graph_pb2.GraphDef) -> _Loaded:
     """A session with ``graph_def`` loaded as ``model`` would be, with what it loaded."""
     with contextlib.ExitStack() as stack:
         config = tf.compat.v1.ConfigProto.FromString(_NO_GRAPPLER)
-        session = stack.enter_context(model_session(model, graph_def, config))
+        session = stack.enter_context(_loaded(model, graph_def, config))
         return _Loaded(session, {f.signature.name: f.SerializeToString(deterministic=True)
                                  for f in graph_def.library.function},
                        {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node}, stack.pop_all())
@@ -711,7 +711,7 @@ class _WithoutDeprecations(logging.Filter):
 
 
 @contextlib.contextmanager
-def model_session(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
+def _loaded(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat.v1.ConfigProto):
     """A Session with ``graph_def`` loaded as ``model`` would be; closed on exit. Neither it
     nor its graph is made the default while it is open: the caller's code between runs
     stays as eager as it was."""
@@ -724,7 +724,7 @@ def model_session(model: Model, graph_def: graph_pb2.GraphDef, config: tf.compat
             yield session
             return
         with staging.temporary_directory("amp-rewrite-calibration-") as directory:
-            _stage_saved_model(model, graph_def, directory)
+            stage_saved_model(model, graph_def, directory)
             quiet, logger = _WithoutDeprecations(), tf.get_logger()
             logger.addFilter(quiet)
             try:
@@ -776,7 +776,7 @@ def _restore_captured(session: tf.compat.v1.Session, model: Model) -> None:
         session.run(assign, {value: reader.get_tensor(key)})
 
 
-def _stage_saved_model(model: Model, graph_def: graph_pb2.GraphDef, directory: Path) -> None:
+def stage_saved_model(model: Model, graph_def: graph_pb2.GraphDef, directory: Path) -> None:
     """``model`` with ``graph_def`` as its graph, in ``directory``: its variables and assets linked."""
     saved_model = saved_model_pb2.SavedModel()
     saved_model.CopyFrom(model.saved_model)
