@@ -600,11 +600,27 @@ def run_group(jobs: Sequence[Job], workdir: Path, first_index: int) -> list[Outc
     return [child.finish() for child in children]
 
 
+def amp_rewrite_cli(args: Sequence[str], in_process: bool = False) -> subprocess.CompletedProcess:
+    """``amp-rewrite ARGS`` as a user runs it, a Python of its own from this checkout; or
+    (``in_process``, for a --smoke run) ``amp_rewrite.cli.main`` in this process, its output
+    captured, which saves a TensorFlow import."""
+    if not in_process:
+        return subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    import io
+
+    from amp_rewrite import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def convert_savedmodel(source: str, destination: str, target: str) -> tuple[float, str]:
     """``amp-rewrite convert``, exactly as a user runs it; returns (seconds, error or "")."""
     start = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "amp_rewrite", "convert", source, destination,
-                            "--target", target, "--quiet"], capture_output=True, text=True, cwd=REPO, check=False)
+    child = amp_rewrite_cli(["convert", source, destination, "--target", target, "--quiet"])
     error = "" if child.returncode == 0 else (child.stderr.strip().splitlines() or ["failed"])[-1]
     return time.perf_counter() - start, error
 

@@ -35,11 +35,8 @@ The markdown goes to stdout and replaces the ``cpu-bfloat16-decode`` section of 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,17 +84,7 @@ def save(causal_lm, path: Path, length: int) -> Path:
 def convert(source: Path, destination: Path, in_process: bool = False) -> str:
     """``amp-rewrite convert --target bfloat16``; its summary. ``in_process`` (--smoke):
     ``amp_rewrite.cli.main`` in this process, which saves a TensorFlow import per conversion."""
-    args = ["convert", str(source), str(destination), "--target", "bfloat16"]
-    if in_process:
-        from amp_rewrite import cli
-
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(args)
-        done = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-    else:
-        done = subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    done = bench.amp_rewrite_cli(["convert", str(source), str(destination), "--target", "bfloat16"], in_process)
     if done.returncode != 0:
         raise RuntimeError(f"convert {source} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout

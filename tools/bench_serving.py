@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import datetime
 import functools
-import io
 import json
 import os
 import re
@@ -291,17 +289,7 @@ def convert(source: Path, destination: Path, target: str, *extra: str, in_proces
     """``amp-rewrite convert`` as a user runs it (``in_process``, --smoke: ``amp_rewrite.cli.main``);
     (seconds, "ok: " and its Weights block, or the error line)."""
     start = time.perf_counter()
-    args = ["convert", str(source), str(destination), "--target", target, *extra]
-    if in_process:
-        from amp_rewrite import cli
-
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(args)
-        child = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-    else:
-        child = subprocess.run([sys.executable, "-m", "amp_rewrite", *args], capture_output=True, text=True, cwd=REPO,
-                               check=False)
+    child = bench.amp_rewrite_cli(["convert", str(source), str(destination), "--target", target, *extra], in_process)
     if child.returncode != 0:
         return time.perf_counter() - start, (child.stderr.strip().splitlines() or ["failed"])[-1]
     lines = child.stdout.splitlines()
