@@ -365,6 +365,25 @@ def test_validate_compares_the_fetched_output_port(workspace: Path) -> None:
     assert any(l.split()[:2] == ["FAIL", "graph/pair:0:"] for l in first.out.splitlines()), first.out
 
 
+def test_a_placeholder_nothing_reads_needs_no_array(workspace: Path) -> None:
+    """A frozen graph can hold placeholders nothing reads (TensorFlow's freezing of a loop
+    leaves ``unused_control_flow_input`` ones): --inputs without them validates the fetched
+    output; a placeholder the output does read is still asked for by name."""
+    graph_def = two_output_graph_def()
+    unused = graph_def.node.add(name="unused_control_flow_input", op="Placeholder")
+    unused.attr["dtype"].type = types_pb2.DT_FLOAT
+    source = write_graph_def(graph_def, workspace / "unused_placeholder.pb")
+    inputs = workspace / "x_only.npz"
+    np.savez(inputs, x=np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32))
+    run = run_cli("convert", source, workspace / "unused_placeholder_out.pb", "--fetch", "pair:1", "--inputs", inputs)
+    assert_ok(run)
+    assert any(l.split()[:2] == ["ok", "graph/pair:1:"] for l in run.out.splitlines()), run.out
+    empty = workspace / "nothing.npz"
+    np.savez(empty, other=np.zeros(1, np.float32))
+    lacking = run_cli("convert", source, workspace / "lacking.pb", "--fetch", "pair:1", "--inputs", empty)
+    assert "no array for placeholder(s) x" in error_line(lacking, code=2)
+
+
 def test_inputs_npz_feeds_every_signature(workspace: Path, saved_models: Paths) -> None:
     inputs = workspace / "inputs.npz"
     rng = np.random.default_rng(2)

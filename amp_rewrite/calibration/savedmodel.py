@@ -23,7 +23,7 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2, struct_pb2
 from amp_rewrite import _tf
 from amp_rewrite.calibration import frozen
 from amp_rewrite.calibration.staging import check_destination, check_room, staged, step
-from amp_rewrite.core import colouring, functions, graph_io, support
+from amp_rewrite.core import colouring, functions, graph_io, instrument, support
 from amp_rewrite.core.canonical import Canonical, function_called, to_float32, widen_outputs
 from amp_rewrite.core.graph_io import arg_port_count, parse_tensor_name, tensor_name
 from amp_rewrite.core.report import dtype_name
@@ -88,11 +88,22 @@ class Model:
                      for port in range(output_count(self.graph_def, nodes[name])))
 
     @functools.cached_property
+    def placeholders(self) -> tuple[Any, ...]:
+        """A GraphDef file's placeholders a run of its compared outputs reads (a frozen loop's
+        ``unused_control_flow_input`` ones, which nothing reads, need no array); all of them
+        where no output is known."""
+        found = [n for n in self.graph_def.node if n.op == "Placeholder"]
+        if not self.compared_outputs:
+            return tuple(found)
+        needed = instrument.ancestors(self.graph_def, self.compared_outputs)
+        return tuple(n for n in found if n.name in needed)
+
+    @functools.cached_property
     def signatures(self) -> Mapping[str, Signature]:
         """Per signature (a GraphDef file's is ``GRAPH``: its placeholders and
         ``compared_outputs``), its inputs and outputs, name -> tensor."""
         if self.kind == "graphdef":
-            placeholders = [n.name for n in self.graph_def.node if n.op == "Placeholder"]
+            placeholders = [n.name for n in self.placeholders]
             return {GRAPH: ({name: f"{name}:0" for name in placeholders},
                             {name: tensor_name(*parse_tensor_name(name)) for name in self.compared_outputs})}
         return {key: ({name: info.name for name, info in signature.inputs.items()},

@@ -255,7 +255,7 @@ def input_specs(model: Model) -> list[InputSpec]:
                 for name, info in sorted(signature.inputs.items())]
     return [InputSpec(GRAPH, node.name, tf.as_dtype(node.attr["dtype"].type),
                       _shape(node.attr["shape"].shape) if "shape" in node.attr else None)
-            for node in model.graph_def.node if node.op == "Placeholder"]
+            for node in model.placeholders]
 
 
 def load_inputs(path: Path) -> Mapping[str, np.ndarray]:
