@@ -248,6 +248,22 @@ MUTANTS = (
           "        return tf.identity(run)\n"),),
         ("tests/test_doctor.py::test_the_issue_s_model_is_stuck_and_says_so_once",),
     ),
+    Mutant(
+        "loop-scale-unused",
+        "--tune speed runs a loop whole and then models its body from the ops timed alone all the same",
+        "amp_rewrite/tuning/decide.py",
+        (("        return self.problem.loop_scale.get(batch, 1.0) if self.problem.looped(item) else 1.0\n",
+          "        return 1.0\n"),),
+        ("tests/test_tuning_loops.py",),
+    ),
+    Mutant(
+        "casts-swapped",
+        "the cast back to float32 is charged the cast down's timing, and the other way round",
+        "amp_rewrite/tuning/decide.py",
+        (("        return back * repeats, down * repeats\n",
+          "        return down * repeats, back * repeats\n"),),
+        ("tests/test_tuning_loops.py", "tests/test_tuning.py"),
+    ),
 )
 # --smoke: a mutant and a single test that catches it in seconds.
 SMOKE_MUTANT, SMOKE_TEST = "flip-list-entry", "tests/test_lists.py::test_builtin_lists_equal_grappler_dump"
