@@ -212,7 +212,7 @@ def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Pro
     where no loop holds a converted op)."""
     if not any(problem.looped(item) for item, _ in problem.candidates):
         return ""
-    keys = {size: _loop_key(model, base, fed) for size, fed in feeds.items()}
+    keys = _loop_keys(model, base, feeds)
     runs = {size: (cache.get(f"{key}: source"), cache.get(f"{key}: lists")) for size, key in keys.items()}
     missing = {size: fed for size, fed in feeds.items() if None in runs[size]}
     shown: dict[int, str] = {}
@@ -252,15 +252,21 @@ def run_loops(model: Model, base: RewriteResult, feeds: BatchFeeds, problem: Pro
             f" (its ops timed alone say least): {said}")
 
 
-def _loop_key(model: Model, base: RewriteResult, feeds: validate.Feeds) -> str:
-    """The timing cache's key of a whole run: the source's graph, the conversion's, the feeds."""
-    digest = hashlib.sha256()
+def _loop_keys(model: Model, base: RewriteResult, feeds: BatchFeeds) -> dict[int, str]:
+    """The timing cache's key of a whole run at each batch size: the source's graph, the
+    conversion's (serialized once), the feeds."""
+    graphs = hashlib.sha256()
     for graph_def in (model.graph_def, base.graph_def):
-        digest.update(graph_def.SerializeToString(deterministic=True))
-    for key, runs in sorted(feeds.items()):
-        for name, array in sorted(runs[0].items()):
-            digest.update(f"{key}/{name}{array.shape}{array.dtype}".encode() + np.ascontiguousarray(array).tobytes())
-    return f"loop run whole {digest.hexdigest()[:16]}"
+        graphs.update(graph_def.SerializeToString(deterministic=True))
+    keys = {}
+    for size, fed in feeds.items():
+        digest = graphs.copy()
+        for key, runs in sorted(fed.items()):
+            for name, array in sorted(runs[0].items()):
+                digest.update(f"{key}/{name}{array.shape}{array.dtype}".encode())
+                digest.update(np.ascontiguousarray(array).tobytes())
+        keys[size] = f"loop run whole {digest.hexdigest()[:16]}"
+    return keys
 
 
 def _run_whole(feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float) -> dict[int, SpeedCheck]:
@@ -268,7 +274,7 @@ def _run_whole(feeds: BatchFeeds, calls: tuple[Callable, Callable], end: float) 
     checks, took, last = {}, 0.0, 0
     for index, (size, fed) in enumerate(feeds.items()):
         share = (end - time.perf_counter()) / (len(feeds) - index)
-        expected = took * max(size / last, 1.0) if last else 0.0
+        expected = took * max(size / last, 1.0) if last else 0.0  # a larger batch: up to as much longer
         checks[size], took = _check_batch(size, (calls[0](fed), calls[1](fed)), time.perf_counter() + share, expected)
         last = size
     return checks
@@ -521,14 +527,7 @@ def _check_batches(tuning: Tuning, written: Path, end: float) -> list[SpeedCheck
         return unchecked(f"loading the result (about {load_s:.1f} s, as the source's load took) does not fit in"
                          " the budget left")
     result = _loaded(tuning.model, written)
-    checks, took, last = [], 0.0, 0
-    for index, (size, feeds) in enumerate(tuning.feeds.items()):
-        share = (end - time.perf_counter()) / (len(tuning.feeds) - index)
-        expected = took * max(size / last, 1.0) if last else 0.0  # a larger batch: up to as much longer
-        check, took = _check_batch(size, (source(feeds), result(feeds)), time.perf_counter() + share, expected)
-        checks.append(check)
-        last = size
-    return checks
+    return list(_run_whole(tuning.feeds, (source, result), end).values())
 
 
 def _check_batch(size: int, calls: tuple[Callable[[], None], Callable[[], None]], end: float,
