@@ -771,6 +771,22 @@ def test_a_validation_that_cannot_fit_in_memory_is_one_line_before_writing(
     assert listing(tmp_path / "out") == set()
 
 
+def test_a_tuning_that_cannot_fit_both_models_in_memory_is_one_line_before_writing(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: --tune speed runs the source and the result side by side (the whole-model check, a
+    loop's whole run): where twice the model does not fit in the memory left, it is refused before
+    anything is timed or written, saying how to go on."""
+    from amp_rewrite.calibration import validate
+
+    monkeypatch.setattr(validate, "available_memory", lambda: 10_000)
+    (tmp_path / "out").mkdir()
+    line = error_line(run_cli("convert", streamed, tmp_path / "out" / "dst", "--target", "bfloat16", "--tune", "speed",
+                              "--tune-cache", tmp_path / "timings.json"))
+    assert line.startswith(f"amp-rewrite: error: {streamed}: --tune speed runs the source and the result side by side (")
+    assert line.endswith("GB of memory is available; it cannot fit: convert without --tune here, or tune where both fit")
+    assert listing(tmp_path / "out") == set() and not (tmp_path / "timings.json").exists()
+
+
 # --------------------------------------------------------------------------------------
 # Fine-tuning: weights stored low are not float32 master weights, and say so
 

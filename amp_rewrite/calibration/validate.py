@@ -638,15 +638,15 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def check_fits(model: Model, largest: int) -> None:
+def check_fits(model: Model, largest: int, what: str = "--validate loads the model",
+               advice: str = "convert without --validate and --inputs, then validate the result where it fits") -> None:
     """Refuse, before anything is written, a validation whose model (``largest`` bytes of
     variables or graph: the larger of the source and the result, loaded one at a time)
-    cannot fit in the memory left."""
+    cannot fit in the memory left; ``what`` and ``advice``: another step's, in the line."""
     available = available_memory()
     if available is not None and largest > available:
-        raise ModelError(f"{model.path}: --validate loads the model ({largest / 1e9:.1f} GB) and"
-                         f" {available / 1e9:.1f} GB of memory is available; it cannot fit: convert without"
-                         " --validate and --inputs, then validate the result where it fits")
+        raise ModelError(f"{model.path}: {what} ({largest / 1e9:.1f} GB) and {available / 1e9:.1f} GB of memory is"
+                         f" available; it cannot fit: {advice}")
 
 
 def validate_graph_defs(model: Model, rewritten: graph_pb2.GraphDef, feeds: Feeds, random: bool,

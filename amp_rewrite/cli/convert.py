@@ -20,7 +20,8 @@ from amp_rewrite.cli.calibrate import calibrate_model
 from amp_rewrite.cli.dump import write_model_dump
 from amp_rewrite.cli.options import EXIT_OK, EXIT_VALIDATION, Progress, say
 from amp_rewrite.cli.steps import (
-    FLOAT32, outputs_lines, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_lines,
+    FLOAT32, outputs_lines, read_and_rewrite, read_as_float32, store_weights, summary_lines, tune, weights_bytes,
+    weights_lines,
 )
 from amp_rewrite.cli.weights import LowCheckpoint, retargeted_weights_lines
 from amp_rewrite.core.rewrite import RewriteResult
@@ -168,7 +169,7 @@ def _validation_feeds(args: argparse.Namespace, model: Model) -> _Feeds | None:
     _metrics(args).check(model)
     draws = validate.plan_draws(model) if args.inputs is None else None
     feeds, notes = validate.plan_feeds(model, args.inputs, args.validate or 1, draws=draws)
-    validate.check_fits(model, _weights_bytes(model))
+    validate.check_fits(model, weights_bytes(model))
     say(args, *[f"Note: {note}" for note in notes])
     if draws is None:
         return _Feeds(feeds, None)
@@ -251,13 +252,6 @@ def _check_speed(args: argparse.Namespace, tuning: speed.Tuning, staged: Path, p
     say(args, lines[0])
     for line in lines[1:]:  # slower than the source: said even with --quiet
         print(f"amp-rewrite: warning: {line}", file=sys.stderr)
-
-
-def _weights_bytes(model: Model) -> int:
-    """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
-    if model.kind == "graphdef":
-        return model.graph_def.ByteSize() + (model.left_in_file.size if model.left_in_file is not None else 0)
-    return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
 
 
 @contextlib.contextmanager

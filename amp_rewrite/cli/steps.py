@@ -95,6 +95,8 @@ def tune(args: argparse.Namespace, model: Model, lists: OpLists, result: Rewrite
     if not args.tune:
         return None, result, lists
     target = lookup_target(args.target, quantized=True)
+    validate.check_fits(model, 2 * weights_bytes(model), "--tune speed runs the source and the result side by side",
+                        "convert without --tune here, or tune where both fit")
     feeds, notes = speed.batch_feeds(model, args.inputs, args.batch_sizes)
     say(args, *[f"Note: {note}" for note in notes])
     cache = speed.open_cache(speed.DEFAULT if args.tune_cache is None else args.tune_cache, target)
@@ -314,3 +316,10 @@ def outputs_lines(args: argparse.Namespace, model: Model) -> list[str]:
         return ["Outputs: every floating signature output is float32 already (--outputs float32: nothing to change)"]
     shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
     return [f"Outputs: {len(changed)} signature output(s) made float32 (--outputs float32): {shown}"]
+
+
+def weights_bytes(model: Model) -> int:
+    """The source's weights, in bytes: a frozen graph's, or a SavedModel's checkpoint shards."""
+    if model.kind == "graphdef":
+        return model.graph_def.ByteSize() + (model.left_in_file.size if model.left_in_file is not None else 0)
+    return sum(path.stat().st_size for path in (model.path / "variables").glob("variables.data-*"))
